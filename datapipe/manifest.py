@@ -1,0 +1,128 @@
+"""The dataset contract: Arrow IPC shard files plus a ``manifest.json`` that lists them.
+
+A dataset is a directory holding shard files and one manifest. The manifest records the format
+version, the schema (per column: dtype and fixed shape) and, per shard, its rows, bytes and a
+SHA-256 checksum. Writers publish every shard first and the manifest last, each through a
+temporary name and an atomic rename, so a half-written dataset is never readable as complete.
+Readers trust only the manifest: a shard file that it does not list does not exist for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+class DatasetError(ValueError):
+    """A dataset on disk does not match its contract; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """One column: a fixed-shape numeric tensor per row."""
+
+    name: str
+    dtype: str  # numpy dtype name, e.g. "uint8", "int32", "float32"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: str  # relative to the dataset directory
+    num_rows: int
+    num_bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    columns: list[ColumnSpec]
+    shards: list[ShardInfo]
+    format_version: int = FORMAT_VERSION
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(shard.num_rows for shard in self.shards)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(shard.num_bytes for shard in self.shards)
+
+    def column(self, name: str) -> ColumnSpec:
+        for column in self.columns:
+            if column.name == name:
+                return column
+        valid = ", ".join(c.name for c in self.columns)
+        raise DatasetError(f"column {name!r} is not in the dataset (columns: {valid})")
+
+    def to_json(self) -> str:
+        payload = asdict(self)
+        return json.dumps(payload, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = MANIFEST_NAME) -> Manifest:
+        try:
+            raw = json.loads(text)
+            version = raw["format_version"]
+            if version != FORMAT_VERSION:
+                raise DatasetError(
+                    f"{source}: format_version {version} is not supported (expected {FORMAT_VERSION})"
+                )
+            columns = [
+                ColumnSpec(c["name"], c["dtype"], tuple(int(d) for d in c["shape"]))
+                for c in raw["columns"]
+            ]
+            shards = [
+                ShardInfo(s["path"], int(s["num_rows"]), int(s["num_bytes"]), s["sha256"])
+                for s in raw["shards"]
+            ]
+        except (KeyError, TypeError, json.JSONDecodeError) as err:
+            raise DatasetError(f"{source}: malformed manifest ({err})") from err
+        return cls(columns=columns, shards=shards, format_version=version,
+                   metadata=dict(raw.get("metadata", {})))
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> Path:
+    """Publish the manifest; call this only after every shard it lists is in place."""
+    path = directory / MANIFEST_NAME
+    atomic_write_bytes(path, manifest.to_json().encode())
+    return path
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    """Read a dataset's manifest; raises DatasetError naming the path when it is absent or bad."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise DatasetError(f"dataset path {directory} does not exist")
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise DatasetError(f"{path} is missing: {directory} is not a complete memtrain dataset")
+    manifest = Manifest.from_json(path.read_text(), source=str(path))
+    if not manifest.shards or manifest.num_rows == 0:
+        raise DatasetError(f"{path}: the dataset is empty (no rows)")
+    return manifest

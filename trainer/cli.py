@@ -1,0 +1,186 @@
+"""The ``memtrain`` command line.
+
+Errors a user can fix (config, dataset, checkpoint, arguments) print one line naming the field,
+file or value and exit 2; runtime failures print one line and exit 1. ``--debug`` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trainer.config import ConfigError, load_config
+
+app = typer.Typer(help="memtrain: distributed PyTorch training that minds GPU memory.",
+                  no_args_is_help=True, pretty_exceptions_enable=False,
+                  add_completion=False)
+data_app = typer.Typer(help="Build and inspect sharded Arrow datasets.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+console = Console(stderr=False)
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False
+          ) -> None:
+    _state["debug"] = debug
+
+
+@app.command("train")
+def train_command(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
+    launcher: Annotated[str | None, typer.Option(help="ray | local (overrides the config).")
+                        ] = None,
+    workers: Annotated[int | None, typer.Option(help="Number of workers.")] = None,
+    run_name: Annotated[str | None, typer.Option(help="Run name; reuse it to resume.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a config value: --set train.lr=3e-4 (repeatable).")] = None,
+) -> None:
+    """Train a model; rerunning with the same --run-name resumes from its latest checkpoint."""
+    from trainer.launch import prepare_run, setup_logging
+
+    extra = list(overrides or [])
+    if launcher is not None:
+        extra.append(f"parallel.launcher={launcher}")
+    if workers is not None:
+        extra.append(f"parallel.workers={workers}")
+    if run_name is not None:
+        extra.append(f"run.name={run_name}")
+    cfg = load_config(config, extra)
+    cfg, run_dir = prepare_run(cfg)
+    setup_logging()
+    console.print(f"[bold]memtrain[/] run [cyan]{cfg.run.name}[/]: launcher "
+                  f"{cfg.parallel.launcher}, {cfg.parallel.workers} workers, run dir {run_dir}")
+    start = time.perf_counter()
+    if cfg.parallel.launcher == "ray":
+        from trainer.launch.ray import launch_ray
+
+        summary = launch_ray(cfg, run_dir)
+    else:
+        from trainer.launch.local import launch_local
+
+        summary = launch_local(cfg, run_dir)
+    _print_summary(summary, time.perf_counter() - start)
+
+
+def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
+    from trainer.loop import format_bytes
+
+    table = Table(title=f"run {summary['run']}", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+
+    def fmt(value: Any, spec: str = "") -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = [
+        ("workers x device", f"{summary['workers']} x {summary['device']}"),
+        ("precision / activation ckpt", f"{summary['precision']} / "
+                                        f"{summary['activation_checkpointing']}"),
+        ("micro-batch x accum x workers",
+         f"{summary['micro_batch_size']} x {summary['accumulation_steps']} x "
+         f"{summary['workers']} = {summary['global_batch_size']}"),
+        ("steps (this run)", f"{summary['final_step']} ({summary['steps_this_run']}, resumed "
+                             f"from {fmt(summary['resumed_from_step'])})"),
+        ("loss first -> final", f"{fmt(summary['first_loss'], '.4f')} -> "
+                                f"{fmt(summary['final_loss'], '.4f')}"),
+        ("eval loss", fmt(summary["eval_loss"], ".4f")),
+        ("tokens/s (all workers)", fmt(summary["tokens_per_second"], ",.0f")),
+        ("data wait share", fmt(summary["data_wait_share"] and
+                                100 * summary["data_wait_share"], ".1f") + " %"),
+        (f"peak memory rank 0 ({summary['peak_memory_kind']})",
+         format_bytes(summary["peak_memory_bytes"])),
+        ("checkpoints written at steps", ", ".join(map(str, summary["checkpoints_written"]))),
+        ("wall time", f"{wall_seconds:.1f} s"),
+        ("run directory", summary["run_dir"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+
+
+@data_app.command("corpus")
+def data_corpus(
+    out: Annotated[Path, typer.Argument(help="Output directory (gets train/ and val/).")],
+    seq_len: Annotated[int, typer.Option(help="Tokens per training sequence.")] = 256,
+    max_mb: Annotated[float, typer.Option(help="Source megabytes for the train split.")] = 8.0,
+    rows_per_shard: Annotated[int, typer.Option(help="Rows per Arrow shard file.")] = 4096,
+) -> None:
+    """Build a byte-level token dataset from the Python standard library's source files."""
+    from datapipe.corpus import build_stdlib_corpus
+
+    if max_mb <= 0:
+        raise ConfigError(f"--max-mb must be > 0, got {max_mb}")
+    estimate = int(max_mb * (1 + 1 / 20) * 2**20 / (seq_len + 1))
+    with Progress(TextColumn("building corpus"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("rows"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("rows", total=estimate)
+        manifests = build_stdlib_corpus(out, seq_len=seq_len, max_bytes=int(max_mb * 2**20),
+                                        rows_per_shard=rows_per_shard,
+                                        progress=lambda n: progress.advance(task, n))
+        progress.update(task, total=sum(m.num_rows for m in manifests.values()),
+                        completed=sum(m.num_rows for m in manifests.values()))
+    for split, manifest in manifests.items():
+        console.print(f"{out / split}: {manifest.num_rows} rows of {seq_len + 1} tokens in "
+                      f"{len(manifest.shards)} shards, {manifest.num_bytes / 2**20:.1f} MiB")
+
+
+@data_app.command("inspect")
+def data_inspect(path: Annotated[Path, typer.Argument(help="Dataset directory.")]) -> None:
+    """Show a dataset's schema, shards, rows and bytes."""
+    from datapipe.manifest import read_manifest
+
+    manifest = read_manifest(path)
+    console.print(f"[bold]{path}[/]  format v{manifest.format_version}  "
+                  f"{manifest.num_rows} rows  {manifest.num_bytes / 2**20:.2f} MiB  "
+                  f"{len(manifest.shards)} shards")
+    schema = Table("column", "dtype", "shape")
+    for column in manifest.columns:
+        schema.add_row(column.name, column.dtype, str(list(column.shape)))
+    console.print(schema)
+    shards = Table("shard", "rows", "bytes", "sha256")
+    for shard in manifest.shards:
+        shards.add_row(shard.path, str(shard.num_rows), str(shard.num_bytes), shard.sha256[:16])
+    console.print(shards)
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"memtrain: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the app and turn exceptions into one-line errors."""
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        result = app(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        _fail("aborted", 130)
+    except click.ClickException as err:  # usage errors: bad option, missing argument
+        if debug:
+            raise
+        _fail(err.format_message().replace("\n", " "), err.exit_code)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        if debug:
+            raise
+        _fail(str(err).splitlines()[0] if str(err) else type(err).__name__, 2)
+    except Exception as err:  # a runtime failure: one line, the details with --debug
+        if debug:
+            raise
+        logging.getLogger("memtrain").debug("failure", exc_info=True)
+        _fail(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}", 1)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The typed configuration tree: YAML files in ``configs/`` plus ``--set a.b=c`` overrides.
+
+One pydantic model per component; each component receives only its slice (``cfg.data``,
+``cfg.memory``...). Unknown keys are errors, and so are values outside their valid range. Derived
+values live in exactly one method (``TrainConfig.accumulation_steps``). Every failure is a
+``ConfigError`` whose one-line message names the file and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line naming the file, field and value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(_Strict):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    dir: str = "runs"  # run directories live at <dir>/<name>/
+    seed: int = 0
+
+
+class ModelConfig(_Strict):
+    # A registered name ("gpt") or a "module:function" entry point returning an nn.Module.
+    name: str = "gpt"
+    vocab_size: int = Field(256, ge=2)
+    seq_len: int = Field(256, ge=1)
+    n_layer: int = Field(4, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_embd: int = Field(128, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class DataConfig(_Strict):
+    path: str = "data/stdlib/train"
+    val_path: str | None = "data/stdlib/val"
+    column: str = "tokens"
+    shuffle: bool = True
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = Field(8, ge=1)  # sequences per forward/backward on one rank
+    lr: float = Field(1e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(50, ge=0)  # 0: no evaluation
+    eval_batches: int = Field(4, ge=1)
+    checkpoint_every: int = Field(50, ge=0)  # 0: only the final checkpoint
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each rank; the global batch is kept exactly."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size x workers ({self.micro_batch_size} x {world_size})")
+        return self.global_batch_size // per_step
+
+
+class MemoryConfig(_Strict):
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
+
+
+class ParallelConfig(_Strict):
+    launcher: Literal["ray", "local"] = "ray"
+    workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+
+
+class Config(_Strict):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    memory: MemoryConfig = MemoryConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key {field!r}"
+    value = first.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return f"{source}: {field}: {first['msg']}{shown}"
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one ``a.b.c=value`` to a nested dict; the value is parsed as YAML (so 3 is an int)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.lr=3e-4")
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {assignment!r}: {part!r} is not a section")
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {assignment!r}: value is not valid YAML ({err})") from err
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a config file (or the defaults when ``path`` is None) and apply overrides."""
+    source = str(path) if path is not None else "defaults"
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {path}: not valid YAML{where}") from err
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping")
+        tree = loaded or {}
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from err

@@ -1,0 +1,91 @@
+"""The small worker context the training loop talks to, instead of talking to Ray.
+
+A context knows the worker's place (rank, local rank, world size, device, run directory) and does
+two things: ``report`` metrics with an optional checkpoint directory, and hand back the latest
+checkpoint to resume from. ``LocalContext`` (here) keeps checkpoints in the run directory;
+``trainer.launch.ray.RayContext`` hands them to Ray Train. Collectives are plain
+``torch.distributed`` calls, no-ops when no process group exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CHECKPOINT_PREFIX = "checkpoint-"
+_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+@dataclass
+class WorkerContext(ABC):
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    run_dir: Path
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @abstractmethod
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
+        """Publish metrics and, from rank 0, a complete checkpoint directory. Every rank calls."""
+
+    @abstractmethod
+    def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
+        """A context manager yielding the latest complete checkpoint's directory, or None."""
+
+    def barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Published checkpoints in ``run_dir``, oldest first. Staging dirs never match the pattern."""
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for child in run_dir.iterdir():
+        match = _CHECKPOINT_RE.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+@dataclass
+class LocalContext(WorkerContext):
+    """Checkpoints live in ``run_dir/checkpoint-<step>``; published by an atomic rename."""
+
+    keep_checkpoints: int = 3
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
+        if checkpoint_dir is not None and self.is_main:
+            final = self.run_dir / checkpoint_dir_name(step)
+            staging = self.run_dir / f".staging-{checkpoint_dir_name(step)}-{os.getpid()}"
+            shutil.copytree(checkpoint_dir, staging)
+            if final.exists():  # a rerun reached the same step: replace it whole
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            for _, old in complete_checkpoints(self.run_dir)[: -self.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.barrier()  # nobody reads "latest" before rank 0 has published it
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[Path | None]:
+        checkpoints = complete_checkpoints(self.run_dir)
+        yield checkpoints[-1][1] if checkpoints else None

@@ -1,0 +1,65 @@
+"""The local launcher: no Ray. One worker in-process, or N spawned processes with a process group.
+
+This is how memtrain runs on a GPU box without Ray, and how tests run real process groups (gloo
+on CPU) cheaply. All rendezvous traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer.config import Config
+from trainer.context import LocalContext
+from trainer.launch import available_cpus, setup_logging
+from trainer.loop import train
+from trainer.memory import configure_allocator_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device(use_gpu: bool, local_rank: int) -> torch.device:
+    if not use_gpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("parallel.use_gpu is true but CUDA is not available")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _worker(rank: int, cfg_json: str, run_dir: str, port: int) -> None:
+    setup_logging()
+    cfg = Config.model_validate_json(cfg_json)
+    world_size = cfg.parallel.workers
+    device = _device(cfg.parallel.use_gpu, rank)
+    if device.type == "cpu":  # share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, available_cpus() // world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                            world_size=world_size)
+    try:
+        train(cfg, LocalContext(rank, rank, world_size, device, Path(run_dir)))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_local(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """Train with ``cfg.parallel.workers`` local workers; returns rank 0's summary."""
+    configure_allocator_env()
+    if cfg.parallel.workers == 1:
+        ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir)
+        return train(cfg, ctx)
+    mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port()),
+                       nprocs=cfg.parallel.workers, start_method="spawn")
+    return json.loads((run_dir / "summary.json").read_text())

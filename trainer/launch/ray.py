@@ -1,0 +1,103 @@
+"""The Ray launcher: Ray Train's ``TorchTrainer`` (Train V2) runs the same loop on N workers.
+
+This is the only module that imports ``ray``. The driver starts (or joins) a Ray cluster whose
+node IP is 127.0.0.1, so every worker, the rendezvous (MASTER_ADDR) and the metrics agent stay on
+loopback; Ray's token authentication is left as Ray configures it (on). Checkpoints go through
+``ray.train.report`` into ``<run.dir>/<run.name>/``; running again with the same run name makes
+Ray Train restore the latest one, and the loop resumes from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Must be set before ray is imported: with it, Ray on Linux reports 127.0.0.1 as the node IP,
+# which is what Ray Train hands to workers and to torch's rendezvous (MASTER_ADDR).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+
+import ray  # noqa: E402
+import ray.train  # noqa: E402
+import torch  # noqa: E402
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+from trainer.config import Config  # noqa: E402
+from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
+from trainer.launch import setup_logging  # noqa: E402
+from trainer.loop import train  # noqa: E402
+from trainer.memory import configure_allocator_env  # noqa: E402
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class RayContext(WorkerContext):
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
+        checkpoint = (ray.train.Checkpoint.from_directory(str(checkpoint_dir))
+                      if checkpoint_dir is not None else None)
+        ray.train.report(metrics, checkpoint=checkpoint,
+                         checkpoint_dir_name=checkpoint_dir_name(step))
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[Path | None]:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as directory:
+            yield Path(directory)
+
+
+def _worker_loop(loop_config: dict[str, Any]) -> None:
+    setup_logging()
+    configure_allocator_env()
+    cfg = Config.model_validate(loop_config["config"])
+    context = ray.train.get_context()
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = RayContext(rank=context.get_world_rank(), local_rank=context.get_local_rank(),
+                     world_size=context.get_world_size(), device=device,
+                     run_dir=Path(loop_config["run_dir"]))
+    train(cfg, ctx)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None,
+             **kwargs: Any) -> None:
+    """Join ``address`` or start a local cluster on loopback (no-op if already initialised)."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, **kwargs)
+        return
+    ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=False,
+             runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}, **kwargs)
+
+
+def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
+               max_failures: int = 0) -> dict[str, Any]:
+    """Train with Ray Train on ``cfg.parallel.workers`` workers; returns rank 0's summary."""
+    from trainer.launch import available_cpus
+
+    init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers))
+    trainer = TorchTrainer(
+        _worker_loop,
+        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)},
+        scaling_config=ScalingConfig(num_workers=cfg.parallel.workers,
+                                     use_gpu=cfg.parallel.use_gpu,
+                                     resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=str(Path(cfg.run.dir).resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=3),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
+    trainer.fit()
+    return json.loads((run_dir / "summary.json").read_text())

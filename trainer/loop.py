@@ -1,0 +1,339 @@
+"""The training loop in plain torch, written once against a ``WorkerContext``.
+
+Three functions, from small to large:
+- ``forward_backward``: one micro-batch under autocast, loss scaled for accumulation, backward.
+- ``train_step``: one optimizer step over its micro-batches; DDP's ``no_sync()`` on all but the
+  last so gradients are all-reduced once per step, then unscale, clip, non-finite check, step,
+  ``zero_grad(set_to_none=True)``.
+- ``train``: builds everything from the config slices, resumes, and keeps the cadence of logging,
+  evaluation and checkpoints.
+
+Loss normalisation: each rank divides its summed token loss by the tokens it sees in the whole
+optimizer step (micro-batch x accumulation x sequence length); DDP then averages over ranks, so the
+gradient is that of the mean loss over the global batch, whatever the split into micro-batches and
+ranks. Every rank sees the same number of tokens per step (fixed-length rows), which this needs.
+
+Host syncs: one per optimizer step (the finite check of the grad norm, which GradScaler needs
+anyway) and loss values only on logging steps. Nothing holds a graph across steps: the loss is
+accumulated detached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from datapipe.loader import BatchLoader
+from trainer.checkpoint import (
+    load_checkpoint,
+    load_model_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.config import Config, TrainConfig
+from trainer.context import WorkerContext
+from trainer.memory import (
+    PrecisionPolicy,
+    apply_activation_checkpointing,
+    peak_memory_bytes,
+    precision_policy,
+)
+from trainer.model import build_model
+
+log = logging.getLogger("memtrain")
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # detached mean token loss over this rank's micro-batches
+    grad_norm: torch.Tensor
+    skipped: bool  # non-finite gradients: the optimizer did not step
+    data_wait_seconds: float
+
+
+class TimedBatches:
+    """Wraps a batch iterator and accumulates the seconds spent waiting on it."""
+
+    def __init__(self, batches: Iterator[torch.Tensor]):
+        self.batches = batches
+        self.wait_seconds = 0.0
+
+    def __next__(self) -> torch.Tensor:
+        start = time.perf_counter()
+        batch = next(self.batches)
+        self.wait_seconds += time.perf_counter() - start
+        return batch
+
+
+def forward_backward(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy,
+                     scaler: torch.amp.GradScaler, tokens_per_step: int) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its summed token loss, detached."""
+    inputs_BT = tokens_BT[:, :-1].long()
+    targets_BT = tokens_BT[:, 1:].long()
+    with policy.autocast(inputs_BT.device):
+        logits_BTV = model(inputs_BT)
+    loss_sum = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
+                               reduction="sum")
+    scaler.scale(loss_sum / tokens_per_step).backward()
+    return loss_sum.detach()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               batches: TimedBatches, accumulation_steps: int, policy: PrecisionPolicy,
+               grad_clip: float) -> StepResult:
+    """One optimizer step over ``accumulation_steps`` micro-batches."""
+    wait_before = batches.wait_seconds
+    micro_batches = [next(batches) for _ in range(accumulation_steps)]
+    tokens_per_step = sum(mb[:, 1:].numel() for mb in micro_batches)
+    loss_sum = torch.zeros((), device=micro_batches[0].device)
+    for i, tokens_BT in enumerate(micro_batches):
+        is_last = i == accumulation_steps - 1
+        # Gradients are all-reduced only on the last micro-batch of the step.
+        sync = model.no_sync() if isinstance(model, DDP) and not is_last \
+            else contextlib.nullcontext()
+        with sync:
+            loss_sum += forward_backward(model, tokens_BT, policy, scaler, tokens_per_step)
+    del micro_batches
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    finite = bool(torch.isfinite(grad_norm))  # host sync: once per optimizer step
+    if finite or scaler.is_enabled():
+        scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum / tokens_per_step, grad_norm.detach(), not finite,
+                      batches.wait_seconds - wait_before)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterator[torch.Tensor], num_batches: int,
+             policy: PrecisionPolicy) -> float:
+    """Mean token loss over ``num_batches`` batches on every rank, under ``no_grad``."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for _ in range(num_batches):
+        tokens_BT = next(batches)
+        inputs_BT, targets_BT = tokens_BT[:, :-1].long(), tokens_BT[:, 1:].long()
+        with policy.autocast(inputs_BT.device):
+            logits_BTV = model(inputs_BT)
+        loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
+                               reduction="sum")
+        total += torch.stack([loss.double().cpu(), torch.tensor(targets_BT.numel(), dtype=torch.float64)])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+    return factor
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms, biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+
+
+def _step_seed(seed: int, rank: int, step: int) -> int:
+    return (seed * 1_000_003 + rank * 7919 + step) % (2**63)
+
+
+class MetricsLog:
+    """Per-rank JSON lines in ``run_dir/metrics/rank-<rank>.jsonl`` (appended across resumes)."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        path = run_dir / "metrics" / f"rank-{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def train(cfg: Config, ctx: WorkerContext) -> dict[str, Any]:
+    """Train ``cfg.train.steps`` optimizer steps (resuming if a checkpoint exists).
+
+    Returns the summary; rank 0 also writes it to ``run_dir/summary.json``.
+    """
+    wall_start = time.perf_counter()
+    device = ctx.device
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+    model = build_model(cfg.model.name, **cfg.model.model_dump(exclude={"name"})).to(device)
+    checkpointed = apply_activation_checkpointing(model, cfg.memory.activation_checkpointing,
+                                                  cfg.memory.checkpoint_every_k)
+    policy = precision_policy(cfg.memory.precision, device)
+    scaler = policy.grad_scaler(device)
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    accumulation = cfg.train.accumulation_steps(ctx.world_size)
+    loader = BatchLoader(cfg.data.path, cfg.data.column, rank=ctx.rank,
+                         world_size=ctx.world_size, batch_size=cfg.train.micro_batch_size,
+                         seed=cfg.run.seed, shuffle=cfg.data.shuffle, device=device)
+
+    step, resumed_from = 0, None
+    with ctx.latest_checkpoint() as checkpoint_dir:
+        if checkpoint_dir is not None:
+            state = load_checkpoint(checkpoint_dir)
+            load_model_state(model, state["model"], str(checkpoint_dir))
+            optimizer.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
+            scheduler.load_state_dict(state["scheduler"])
+            loader.load_state_dict(state["loader"])
+            set_rng_state(state["rng"])
+            step = resumed_from = int(state["step"])
+    if ctx.world_size > 1:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+    if ctx.is_main:
+        where = f"resuming from step {resumed_from}" if resumed_from is not None else "from scratch"
+        log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
+                 "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch %d; %s",
+                 cfg.run.name, ctx.world_size, device.type, policy.name,
+                 cfg.memory.activation_checkpointing, checkpointed, cfg.train.micro_batch_size,
+                 accumulation, ctx.world_size, cfg.train.global_batch_size, where)
+
+    metrics_log = MetricsLog(ctx.run_dir, ctx.rank)
+    batches = TimedBatches(loader)
+    val_batches = None
+    if cfg.data.val_path and cfg.train.eval_every:
+        val_batches = BatchLoader(cfg.data.val_path, cfg.data.column, rank=ctx.rank,
+                                  world_size=ctx.world_size,
+                                  batch_size=cfg.train.micro_batch_size, seed=cfg.run.seed,
+                                  shuffle=False, device=device)
+    first_loss = last_loss = eval_loss = None
+    checkpoints_written: list[int] = []
+    window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
+    total_wait = total_step_seconds = 0.0
+    steps_this_run = skipped_steps = 0
+    model.train()
+    while step < cfg.train.steps:
+        torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
+        step_start = time.perf_counter()
+        result = train_step(model, optimizer, scaler, batches, accumulation, policy,
+                            cfg.train.grad_clip)
+        scheduler.step()
+        step += 1
+        steps_this_run += 1
+        skipped_steps += int(result.skipped)
+        step_seconds = time.perf_counter() - step_start
+        total_step_seconds += step_seconds
+        total_wait += result.data_wait_seconds
+        window_steps += 1
+        window_wait += result.data_wait_seconds
+
+        is_last = step == cfg.train.steps
+        if step % cfg.train.log_every == 0 or is_last or steps_this_run == 1:
+            loss_value = result.loss.item()  # host sync: logging steps only
+            first_loss = loss_value if first_loss is None else first_loss
+            last_loss = loss_value
+            elapsed = time.perf_counter() - window_start
+            record = {
+                "step": step, "loss": loss_value, "grad_norm": result.grad_norm.item(),
+                "lr": scheduler.get_last_lr()[0], "scale": scaler.get_scale(),
+                "skipped_steps": skipped_steps,
+                "tokens_per_second": window_steps * tokens_per_step / elapsed,
+                "step_seconds": elapsed / window_steps,
+                "data_wait_share": window_wait / elapsed,
+                "peak_memory_bytes": peak_memory_bytes(device),
+                "micro_batch_size": cfg.train.micro_batch_size,
+                "accumulation_steps": accumulation, "time": time.time(),
+            }
+            metrics_log.write(record)
+            if ctx.is_main:
+                log.info("step %5d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%%",
+                         step, loss_value, record["tokens_per_second"],
+                         format_bytes(record["peak_memory_bytes"]),
+                         100 * record["data_wait_share"])
+            window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
+
+        if val_batches is not None and (step % cfg.train.eval_every == 0 or is_last):
+            val_batches.rewind()
+            eval_loss = evaluate(model, val_batches, cfg.train.eval_batches, policy)
+            metrics_log.write({"step": step, "eval_loss": eval_loss, "time": time.time()})
+            if ctx.is_main:
+                log.info("step %5d | eval loss %.4f", step, eval_loss)
+
+        if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or is_last:
+            _checkpoint(ctx, step, model, optimizer, scaler, scheduler, loader,
+                        {"step": step, "loss": last_loss})
+            checkpoints_written.append(step)
+            gc.collect()  # between phases: drop anything the checkpoint copy left behind
+
+    metrics_log.close()
+    summary = {
+        "run": cfg.run.name, "workers": ctx.world_size, "device": device.type,
+        "precision": policy.name, "activation_checkpointing": cfg.memory.activation_checkpointing,
+        "micro_batch_size": cfg.train.micro_batch_size, "accumulation_steps": accumulation,
+        "global_batch_size": cfg.train.global_batch_size, "resumed_from_step": resumed_from,
+        "final_step": step, "steps_this_run": steps_this_run, "first_loss": first_loss,
+        "final_loss": last_loss, "eval_loss": eval_loss, "skipped_steps": skipped_steps,
+        "tokens_per_second": (steps_this_run * tokens_per_step / total_step_seconds
+                              if total_step_seconds else None),
+        "data_wait_share": total_wait / total_step_seconds if total_step_seconds else None,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "host_max_rss",
+        "checkpoints_written": checkpoints_written,
+        "wall_seconds": time.perf_counter() - wall_start,
+        "run_dir": str(ctx.run_dir),
+    }
+    if ctx.is_main:
+        (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def _checkpoint(ctx: WorkerContext, step: int, model: nn.Module,
+                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                scheduler: torch.optim.lr_scheduler.LRScheduler, loader: BatchLoader,
+                metrics: dict[str, Any]) -> None:
+    """Rank 0 writes the state to a staging directory and hands it to the context."""
+    unwrapped = model.module if isinstance(model, DDP) else model
+    with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
+        checkpoint_dir = None
+        if ctx.is_main:
+            checkpoint_dir = Path(tmp)
+            save_checkpoint(checkpoint_dir, {
+                "model": unwrapped.state_dict(), "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
+                "loader": loader.state_dict(), "rng": rng_state(), "step": step,
+            })
+        ctx.report(metrics, checkpoint_dir, step)
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024 or unit == "GiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} GiB"

@@ -1,0 +1,116 @@
+"""Memory strategies as small transforms in native torch, chosen by ``MemoryConfig``.
+
+- Precision: ``autocast`` to bf16 or fp16 (or nothing for fp32); fp16 adds a ``GradScaler``.
+- Activation checkpointing: wrap every (``full``) or every k-th (``selective``) block of
+  ``model.blocks`` in torch's non-reentrant checkpoint wrapper, which preserves RNG state so
+  dropout is replayed identically; parameter names and state_dict keys are unchanged.
+- Allocator: ``expandable_segments:True`` through the environment, before CUDA initialises.
+
+Nothing here patches a model's ``forward``: the wrappers are torch's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import warnings
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing as _apply_checkpoint_wrapper,
+    checkpoint_wrapper,
+)
+
+ALLOCATOR_SETTING = "expandable_segments:True"
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """How the forward pass runs: autocast dtype (None for fp32) and whether grads are scaled."""
+
+    name: str
+    autocast_dtype: torch.dtype | None
+    use_grad_scaler: bool
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """A GradScaler that is a no-op unless this policy is fp16."""
+        return torch.amp.GradScaler(device.type, enabled=self.use_grad_scaler)
+
+
+def precision_policy(precision: str, device: torch.device) -> PrecisionPolicy:
+    """The policy for ``precision`` on ``device``; raises ValueError where the device can't."""
+    if precision not in _DTYPES:
+        raise ValueError(f"memory.precision {precision!r} is not one of {sorted(_DTYPES)}")
+    if (precision == "bf16" and device.type == "cuda"
+            and not torch.cuda.is_bf16_supported(including_emulation=False)):
+        raise ValueError(f"memory.precision 'bf16' is not supported natively on "
+                         f"{torch.cuda.get_device_name(device)}; use 'fp16'")
+    if precision == "fp16" and device.type == "cpu":
+        warnings.warn("memory.precision 'fp16' on CPU: autocast and GradScaler work but are "
+                      "slow and rarely useful there; 'bf16' is the CPU choice", stacklevel=2)
+    return PrecisionPolicy(precision, _DTYPES[precision], use_grad_scaler=precision == "fp16")
+
+
+def checkpointed_block_indices(num_blocks: int, mode: str, every_k: int) -> list[int]:
+    """Which blocks get activation checkpointing: none, all, or every k-th (0, k, 2k, ...)."""
+    if mode == "none":
+        return []
+    if mode == "full":
+        return list(range(num_blocks))
+    if mode == "selective":
+        if every_k < 1:
+            raise ValueError(f"memory.checkpoint_every_k must be >= 1, got {every_k}")
+        return list(range(0, num_blocks, every_k))
+    raise ValueError(f"memory.activation_checkpointing {mode!r} is not none|full|selective")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2) -> list[int]:
+    """Wrap the chosen blocks of ``model.blocks`` in place; returns their indices."""
+    if mode == "none":
+        return []
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"memory.activation_checkpointing {mode!r} needs the model to expose "
+                         f"its repeated blocks as `model.blocks` (an nn.ModuleList); "
+                         f"{type(model).__name__} does not")
+    chosen = checkpointed_block_indices(len(blocks), mode, every_k)
+    targets = {id(blocks[i]) for i in chosen}
+    _apply_checkpoint_wrapper(
+        model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper,
+                                      checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                      preserve_rng_state=True),
+        check_fn=lambda module: id(module) in targets,
+    )
+    return chosen
+
+
+def configure_allocator_env() -> str:
+    """Ask for expandable segments unless the user set the allocator; call before CUDA starts.
+
+    Both variable names are set because torch versions differ in which one they read.
+    Returns the effective setting.
+    """
+    setting = (os.environ.get("PYTORCH_ALLOC_CONF")
+               or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ALLOCATOR_SETTING)
+    os.environ.setdefault("PYTORCH_ALLOC_CONF", setting)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", setting)
+    return setting
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA allocator peak on GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

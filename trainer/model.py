@@ -1,0 +1,139 @@
+"""Models: a GPT (decoder-only transformer) written here, a registry, and user entry points.
+
+The GPT follows GPT-2's shape (pre-norm blocks, learned positions, tied embeddings) and uses
+``scaled_dot_product_attention`` so the fused kernels apply on GPU. Any model the trainer trains
+maps token ids ``(B, T)`` to logits ``(B, T, V)``; one that wants activation checkpointing exposes
+its repeated units as ``model.blocks`` (an ``nn.ModuleList``).
+
+``build_model("gpt", **kwargs)`` looks up the registry; ``build_model("pkg.mod:fn", **kwargs)``
+imports ``fn`` and calls it with the same keyword arguments (the model config's fields).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        B, T, C = x_BTC.shape
+        q, k, v = self.qkv(x_BTC).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        T = idx_BT.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx_BT.device)
+        x = self.drop(self.wte(idx_BT) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12·L·T·C."""
+        n = self.num_params() - self.wpe.weight.numel()
+        return 6 * n + 12 * self.cfg.n_layer * self.cfg.seq_len * self.cfg.n_embd
+
+
+def gpt(**kwargs: object) -> GPT:
+    return GPT(GPTConfig(**kwargs))  # type: ignore[arg-type]
+
+
+MODEL_REGISTRY: dict[str, Callable[..., nn.Module]] = {"gpt": gpt}
+
+
+def build_model(name: str, **kwargs: object) -> nn.Module:
+    """Build a registered model or call a ``module:function`` entry point with ``kwargs``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"model.name {name!r}: cannot import entry point ({err})") from err
+    elif name in MODEL_REGISTRY:
+        factory = MODEL_REGISTRY[name]
+    else:
+        valid = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(f"model.name {name!r} is not registered (registered: {valid}; "
+                         "or give module:function)")
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model.name {name!r} returned {type(model).__name__}, not an nn.Module")
+    return model
