@@ -72,9 +72,8 @@ class Manifest:
             raw = json.loads(text)
             version = raw["format_version"]
             if version != FORMAT_VERSION:
-                raise DatasetError(
-                    f"{source}: format_version {version} is not supported (expected {FORMAT_VERSION})"
-                )
+                raise DatasetError(f"{source}: format_version {version} is not supported "
+                                   f"(expected {FORMAT_VERSION})")
             columns = [
                 ColumnSpec(c["name"], c["dtype"], tuple(int(d) for d in c["shape"]))
                 for c in raw["columns"]

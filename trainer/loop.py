@@ -127,7 +127,7 @@ def evaluate(model: nn.Module, batches: Iterator[torch.Tensor], num_batches: int
     """Mean token loss over ``num_batches`` batches on every rank, under ``no_grad``."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = None  # [summed loss, token count], on the device so NCCL can reduce it
     for _ in range(num_batches):
         tokens_BT = next(batches)
         inputs_BT, targets_BT = tokens_BT[:, :-1].long(), tokens_BT[:, 1:].long()
@@ -135,7 +135,10 @@ def evaluate(model: nn.Module, batches: Iterator[torch.Tensor], num_batches: int
             logits_BTV = model(inputs_BT)
         loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                                reduction="sum")
-        total += torch.stack([loss.double().cpu(), torch.tensor(targets_BT.numel(), dtype=torch.float64)])
+        count = torch.tensor(targets_BT.numel(), dtype=torch.float64, device=loss.device)
+        batch_total = torch.stack([loss.double(), count])
+        total = batch_total if total is None else total + batch_total
+    assert total is not None, "evaluate needs num_batches >= 1"
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
     model.train(was_training)
@@ -181,8 +184,11 @@ class MetricsLog:
         self._file.close()
 
 
-def train(cfg: Config, ctx: WorkerContext) -> dict[str, Any]:
+def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dict[str, Any]:
     """Train ``cfg.train.steps`` optimizer steps (resuming if a checkpoint exists).
+
+    ``until_step`` stops early, with a checkpoint, at that step of the same schedule: a planned
+    interruption (time-boxed jobs, resume tests).
 
     Returns the summary; rank 0 also writes it to ``run_dir/summary.json``.
     """
@@ -238,7 +244,8 @@ def train(cfg: Config, ctx: WorkerContext) -> dict[str, Any]:
     total_wait = total_step_seconds = 0.0
     steps_this_run = skipped_steps = 0
     model.train()
-    while step < cfg.train.steps:
+    stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
+    while step < stop_at:
         torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
         step_start = time.perf_counter()
         result = train_step(model, optimizer, scaler, batches, accumulation, policy,
@@ -253,13 +260,13 @@ def train(cfg: Config, ctx: WorkerContext) -> dict[str, Any]:
         window_steps += 1
         window_wait += result.data_wait_seconds
 
-        is_last = step == cfg.train.steps
+        is_last = step == stop_at
         if step % cfg.train.log_every == 0 or is_last or steps_this_run == 1:
             loss_value = result.loss.item()  # host sync: logging steps only
             first_loss = loss_value if first_loss is None else first_loss
             last_loss = loss_value
             elapsed = time.perf_counter() - window_start
-            record = {
+            record: dict[str, Any] = {
                 "step": step, "loss": loss_value, "grad_norm": result.grad_norm.item(),
                 "lr": scheduler.get_last_lr()[0], "scale": scaler.get_scale(),
                 "skipped_steps": skipped_steps,

@@ -22,8 +22,10 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
-    apply_activation_checkpointing as _apply_checkpoint_wrapper,
     checkpoint_wrapper,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing as _apply_checkpoint_wrapper,
 )
 
 ALLOCATOR_SETTING = "expandable_segments:True"

@@ -38,7 +38,7 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _worker(rank: int, cfg_json: str, run_dir: str, port: int) -> None:
+def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int | None) -> None:
     setup_logging()
     cfg = Config.model_validate_json(cfg_json)
     world_size = cfg.parallel.workers
@@ -49,17 +49,20 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size)
     try:
-        train(cfg, LocalContext(rank, rank, world_size, device, Path(run_dir)))
+        train(cfg, LocalContext(rank, rank, world_size, device, Path(run_dir)), until_step)
     finally:
         dist.destroy_process_group()
 
 
-def launch_local(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    """Train with ``cfg.parallel.workers`` local workers; returns rank 0's summary."""
+def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> dict[str, Any]:
+    """Train with ``cfg.parallel.workers`` local workers; returns rank 0's summary.
+
+    ``until_step`` stops early at that step of the same schedule (see ``trainer.loop.train``).
+    """
     configure_allocator_env()
     if cfg.parallel.workers == 1:
         ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir)
-        return train(cfg, ctx)
-    mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port()),
+        return train(cfg, ctx, until_step)
+    mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port(), until_step),
                        nprocs=cfg.parallel.workers, start_method="spawn")
     return json.loads((run_dir / "summary.json").read_text())

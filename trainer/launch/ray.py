@@ -77,7 +77,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, **kwargs)
         return
-    ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=False,
+    ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=True,
+             dashboard_host=LOOPBACK,
              runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}, **kwargs)
 
 

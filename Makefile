@@ -1,0 +1,47 @@
+# memtrain: `make demo` trains the demo job on this machine, `make test` runs the test suite.
+# Every target but `gpu-check` uses the project's virtual environment in .venv (made by `setup`).
+
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA := data/stdlib
+RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup data demo test lint gpu-check clean
+
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (memtrain needs Python 3.11; set PYTHON=...)"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv and install memtrain with its pinned dependencies
+
+$(DATA)/train/manifest.json: | $(STAMP)
+	$(BIN)/memtrain data corpus $(DATA)
+
+data: $(DATA)/train/manifest.json ## Build the demo dataset from the Python standard library
+
+demo: setup data ## Train the demo GPT: 2 Ray Train workers, AMP + activation ckpt + accumulation
+	$(BIN)/memtrain train --config configs/demo-cpu.yaml --run-name $(RUN)
+
+test: setup ## Run the whole test suite (unit, distributed with real gloo and Ray)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: setup ## ruff and mypy
+	$(BIN)/ruff check trainer datapipe monitoring tests scripts
+	$(BIN)/mypy
+
+gpu-check: ## On a CUDA machine: peak memory, throughput, MFU and OOM recovery (dry mode on CPU)
+	PYTHONPATH=. python3 scripts/gpu_check.py --out bench/results
+
+clean: ## Remove runs, data and the virtual environment
+	rm -rf runs data $(VENV)

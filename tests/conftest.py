@@ -1,0 +1,33 @@
+"""Shared fixtures: a small real corpus and a tiny config that trains in seconds on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from datapipe.corpus import build_stdlib_corpus
+from trainer.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Train/val splits from the standard library: ~400 KB, rows of 65 byte tokens."""
+    out = tmp_path_factory.mktemp("corpus")
+    build_stdlib_corpus(out, seq_len=SEQ_LEN, max_bytes=400_000, rows_per_shard=1000)
+    return out
+
+
+def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
+    """A 2-layer GPT with AMP, full activation checkpointing and accumulation all on."""
+    return load_config(REPO / "configs" / "demo-cpu.yaml", [
+        f"data.path={corpus_dir / 'train'}", f"data.val_path={corpus_dir / 'val'}",
+        f"run.dir={run_dir}", f"model.seq_len={SEQ_LEN}", "model.n_layer=2",
+        "model.n_embd=64", "model.n_head=2", "train.steps=12", "train.global_batch_size=16",
+        "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every=2",
+        "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=6",
+        "train.lr=0.005", *overrides,
+    ])

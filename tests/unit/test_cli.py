@@ -1,0 +1,63 @@
+"""Bad input: one line naming the field or file, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "configs" / "demo-cpu.yaml")
+
+
+def memtrain(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def bad_yaml(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("cfg") / "bad.yaml"
+    path.write_text("train: {steps: 3\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("case, args, expected", [
+    ("missing config", ["train", "-c", "nope.yaml"], "config file nope.yaml does not exist"),
+    ("malformed config", ["train", "-c", "{bad_yaml}"], "not valid YAML"),
+    ("unknown key", ["train", "-c", DEMO, "--set", "train.stepz=3"], "unknown key 'train.stepz'"),
+    ("negative lr", ["train", "-c", DEMO, "--set", "train.lr=-0.1"], "train.lr"),
+    ("accumulation 0", ["train", "-c", DEMO, "--set", "train.global_batch_size=8",
+                        "--set", "train.micro_batch_size=8"], "train.global_batch_size (8)"),
+    ("too many workers", ["train", "-c", DEMO, "--workers", "512"], "parallel.workers (512)"),
+    ("missing dataset", ["train", "-c", DEMO, "--set", "data.path=/nonexistent/ds"],
+     "data.path: dataset path /nonexistent/ds does not exist"),
+    ("bad launcher", ["train", "-c", DEMO, "--launcher", "slurm"], "parallel.launcher"),
+    ("inspect missing", ["data", "inspect", "/nonexistent/ds"], "does not exist"),
+])
+def test_bad_input_gives_one_line_and_exit_2(case: str, args: list[str], expected: str,
+                                             bad_yaml: str, tmp_path: Path) -> None:
+    args = [a.replace("{bad_yaml}", bad_yaml) for a in args]
+    result = memtrain(*args, "--set", f"run.dir={tmp_path}") if args[0] == "train" \
+        else memtrain(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("memtrain: error: ")
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = memtrain("--debug", "train", "-c", "nope.yaml")
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr
+
+
+def test_help_lists_the_commands() -> None:
+    result = memtrain("--help")
+    assert result.returncode == 0
+    for command in ("train", "data"):
+        assert command in result.stdout

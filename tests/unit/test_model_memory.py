@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import copy
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
+from trainer.memory import (
+    apply_activation_checkpointing,
+    checkpointed_block_indices,
+    precision_policy,
+)
+from trainer.model import GPT, GPTConfig, build_model
+
+
+def _loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)  # dropout draws: the checkpoint wrapper must replay them exactly
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    # Wrapped blocks add "_checkpoint_wrapped_module." to parameter names; state_dict hides it.
+    return loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                           for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode: str) -> None:
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(seq_len=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1))
+    checkpointed = copy.deepcopy(plain)
+    chosen = apply_activation_checkpointing(checkpointed, mode, every_k=2)
+    assert chosen == ([0, 1, 2, 3] if mode == "full" else [0, 2])
+    assert checkpointed.state_dict().keys() == plain.state_dict().keys()
+    tokens = torch.randint(0, 256, (4, 33))
+    loss_a, grads_a = _loss_and_grads(plain, tokens)
+    loss_b, grads_b = _loss_and_grads(checkpointed, tokens)
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=1e-7)
+
+
+def test_checkpointed_block_indices() -> None:
+    assert checkpointed_block_indices(6, "none", 2) == []
+    assert checkpointed_block_indices(6, "full", 2) == list(range(6))
+    assert checkpointed_block_indices(6, "selective", 3) == [0, 3]
+    with pytest.raises(ValueError, match="none|full|selective"):
+        checkpointed_block_indices(6, "some", 2)
+
+
+def test_checkpointing_needs_blocks() -> None:
+    with pytest.raises(ValueError, match="model.blocks"):
+        apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
+
+
+def test_precision_policies_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    bf16 = precision_policy("bf16", cpu)
+    with bf16.autocast(cpu):
+        assert torch.ones(2, 2).mm(torch.ones(2, 2)).dtype == torch.bfloat16
+    assert not bf16.grad_scaler(cpu).is_enabled()
+    with pytest.warns(UserWarning, match="fp16' on CPU"):
+        fp16 = precision_policy("fp16", cpu)
+    assert fp16.grad_scaler(cpu).is_enabled()
+    fp32 = precision_policy("fp32", cpu)
+    with fp32.autocast(cpu):
+        assert torch.ones(2, 2).mm(torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_model_registry_and_entry_points() -> None:
+    assert isinstance(build_model("gpt", n_layer=1, n_embd=16, n_head=2), GPT)
+    model = build_model("torch.nn:Linear", in_features=2, out_features=3)
+    assert isinstance(model, torch.nn.Linear)
+    with pytest.raises(ValueError, match="not registered"):
+        build_model("llama")
+    with pytest.raises(ValueError, match="cannot import entry point"):
+        build_model("no_such_module:f")
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_checkpoints_load_weights_only_and_refuse_pickled_objects(tmp_path: Path) -> None:
+    model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
+    save_checkpoint(tmp_path / "ok", {"model": model.state_dict(), "step": 3})
+    assert load_checkpoint(tmp_path / "ok")["step"] == 3
+    (tmp_path / "evil").mkdir()
+    with open(tmp_path / "evil" / "state.pt", "wb") as f:
+        pickle.dump({"step": _Payload()}, f)
+    with pytest.raises(CheckpointError, match="refused"):
+        load_checkpoint(tmp_path / "evil")
+    (tmp_path / "ok" / "state.pt").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="corrupted|refused"):
+        load_checkpoint(tmp_path / "ok")
+
+
+def test_checkpoint_from_another_model_is_a_clear_error() -> None:
+    small = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
+    wide = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2))
+    with pytest.raises(CheckpointError, match=r"wte.weight has shape \[256, 16\]"):
+        load_model_state(wide, small.state_dict(), "ckpt")
