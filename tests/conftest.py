@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,8 @@ def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
         "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=6",
         "train.lr=0.005", *overrides,
     ])
+
+
+# Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.
+# trainer.launch.ray sets it too; setting it here covers any test that imports ray first.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -82,6 +82,13 @@ class MemoryConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     activation_checkpointing: Literal["none", "full", "selective"] = "full"
     checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
+    # On OOM: snapshot, halve the micro-batch, double accumulation (global batch kept), retry.
+    oom_recovery: bool = True
+    max_oom_retries: int = Field(3, ge=0)
+    # CUDA: record allocator history from the start so an OOM snapshot shows where memory went.
+    record_memory_history: bool = True
+    # 0: Python's automatic gc; N: automatic gc off, a young-generation collection every N steps.
+    gc_every: int = Field(0, ge=0)
 
 
 class ParallelConfig(_Strict):

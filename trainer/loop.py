@@ -25,12 +25,13 @@ import gc
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,6 @@ from trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from trainer.config import Config, TrainConfig
 from trainer.context import WorkerContext
 from trainer.memory import (
     PrecisionPolicy,
@@ -55,6 +55,17 @@ from trainer.memory import (
     precision_policy,
 )
 from trainer.model import build_model
+from trainer.oom import (
+    OOMAgreement,
+    StepOutOfMemory,
+    all_reduce_gradients,
+    injected_oom,
+    start_memory_history,
+    write_oom_report,
+)
+
+if TYPE_CHECKING:  # the loop runs without pydantic too (scripts/gpu_check.py)
+    from trainer.config import Config, MemoryConfig, TrainConfig
 
 log = logging.getLogger("memtrain")
 
@@ -64,7 +75,7 @@ class StepResult:
     loss: torch.Tensor  # detached mean token loss over this rank's micro-batches
     grad_norm: torch.Tensor
     skipped: bool  # non-finite gradients: the optimizer did not step
-    data_wait_seconds: float
+    data_wait_seconds: float = 0.0  # filled in by the caller, which fetches the batches
 
 
 class TimedBatches:
@@ -90,26 +101,51 @@ def forward_backward(model: nn.Module, tokens_BT: torch.Tensor, policy: Precisio
         logits_BTV = model(inputs_BT)
     loss_sum = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                                reduction="sum")
+    del logits_BTV  # the graph keeps what backward needs; drop the Python reference early
     scaler.scale(loss_sum / tokens_per_step).backward()
     return loss_sum.detach()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               batches: TimedBatches, accumulation_steps: int, policy: PrecisionPolicy,
-               grad_clip: float) -> StepResult:
-    """One optimizer step over ``accumulation_steps`` micro-batches."""
-    wait_before = batches.wait_seconds
-    micro_batches = [next(batches) for _ in range(accumulation_steps)]
-    tokens_per_step = sum(mb[:, 1:].numel() for mb in micro_batches)
-    loss_sum = torch.zeros((), device=micro_batches[0].device)
-    for i, tokens_BT in enumerate(micro_batches):
-        is_last = i == accumulation_steps - 1
-        # Gradients are all-reduced only on the last micro-batch of the step.
-        sync = model.no_sync() if isinstance(model, DDP) and not is_last \
-            else contextlib.nullcontext()
-        with sync:
-            loss_sum += forward_backward(model, tokens_BT, policy, scaler, tokens_per_step)
-    del micro_batches
+               micro_batches: list[torch.Tensor], splits: int, policy: PrecisionPolicy,
+               grad_clip: float, agreement: OOMAgreement | None = None,
+               inject_oom: bool = False) -> StepResult:
+    """One optimizer step over ``micro_batches``, each cut into ``splits`` chunks.
+
+    ``splits`` > 1 after an OOM: the same samples in smaller pieces, so the update is the same.
+    With an ``agreement``, an OOM on any rank raises ``StepOutOfMemory`` on every rank.
+    """
+    chunks = [chunk for mb in micro_batches for chunk in mb.chunk(splits)]  # views, no copies
+    tokens_per_step = sum(chunk[:, 1:].numel() for chunk in chunks)
+    loss_sum = torch.zeros((), device=chunks[0].device)
+    # With OOM agreement across ranks, DDP must not all-reduce inside backward (a peer may have
+    # failed): every micro-batch runs under no_sync and gradients are reduced after the check.
+    reduce_after_check = isinstance(model, DDP) and agreement is not None \
+        and agreement.distributed
+    try:
+        for i, tokens_BT in enumerate(chunks):
+            is_last = i == len(chunks) - 1
+            if inject_oom and i == len(chunks) // 2:
+                raise torch.OutOfMemoryError("out of memory (injected by MEMTRAIN_INJECT_OOM)")
+            # Gradients are all-reduced by DDP only on the last micro-batch of the step.
+            sync = model.no_sync() if isinstance(model, DDP) and \
+                (reduce_after_check or not is_last) else contextlib.nullcontext()
+            with sync:
+                loss_sum += forward_backward(model, tokens_BT, policy, scaler, tokens_per_step)
+        if agreement is not None:
+            agreement.check()
+    except torch.OutOfMemoryError as err:
+        del chunks
+        optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
+        if agreement is None:
+            raise
+        agreement.on_local_oom(err)  # raises StepOutOfMemory on this rank
+    except StepOutOfMemory:
+        optimizer.zero_grad(set_to_none=True)
+        raise
+    if reduce_after_check:
+        all_reduce_gradients(list(model.parameters()), dist.get_world_size())
+    del chunks
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     finite = bool(torch.isfinite(grad_norm))  # host sync: once per optimizer step
@@ -117,8 +153,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum / tokens_per_step, grad_norm.detach(), not finite,
-                      batches.wait_seconds - wait_before)
+    return StepResult(loss_sum / tokens_per_step, grad_norm.detach(), not finite)
 
 
 @torch.no_grad()
@@ -200,6 +235,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                                                   cfg.memory.checkpoint_every_k)
     policy = precision_policy(cfg.memory.precision, device)
     scaler = policy.grad_scaler(device)
+    recording_history = start_memory_history(device, cfg.memory.record_memory_history)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
     accumulation = cfg.train.accumulation_steps(ctx.world_size)
@@ -229,6 +265,9 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                  cfg.run.name, ctx.world_size, device.type, policy.name,
                  cfg.memory.activation_checkpointing, checkpointed, cfg.train.micro_batch_size,
                  accumulation, ctx.world_size, cfg.train.global_batch_size, where)
+        if device.type == "cuda":
+            log.info("CUDA allocator settings: %s; memory history %s",
+                     allocator_settings(), "recording" if recording_history else "off")
 
     metrics_log = MetricsLog(ctx.run_dir, ctx.rank)
     batches = TimedBatches(loader)
@@ -245,11 +284,29 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     steps_this_run = skipped_steps = 0
     model.train()
     stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
+    splits = 1  # pieces each loaded micro-batch is cut into; doubles after each OOM
+    if cfg.memory.gc_every:
+        gc.disable()  # collected on our cadence below, not in the middle of a step
     while step < stop_at:
-        torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
         step_start = time.perf_counter()
-        result = train_step(model, optimizer, scaler, batches, accumulation, policy,
-                            cfg.train.grad_clip)
+        wait_before = batches.wait_seconds
+        micro_batches = [next(batches) for _ in range(accumulation)]
+        data_wait = batches.wait_seconds - wait_before
+        attempt = 0
+        while True:
+            torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
+            agreement = OOMAgreement(device) if cfg.memory.oom_recovery else None
+            try:
+                result = train_step(model, optimizer, scaler, micro_batches, splits, policy,
+                                    cfg.train.grad_clip, agreement,
+                                    inject_oom=injected_oom(step + 1, ctx.rank, attempt))
+                break
+            except StepOutOfMemory as err:
+                attempt += 1
+                splits = recover_from_oom(ctx, step + 1, splits, attempt, cfg.memory,
+                                          cfg.train.micro_batch_size, accumulation, str(err))
+        del micro_batches
+        result.data_wait_seconds = data_wait
         scheduler.step()
         step += 1
         steps_this_run += 1
@@ -274,8 +331,8 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                 "step_seconds": elapsed / window_steps,
                 "data_wait_share": window_wait / elapsed,
                 "peak_memory_bytes": peak_memory_bytes(device),
-                "micro_batch_size": cfg.train.micro_batch_size,
-                "accumulation_steps": accumulation, "time": time.time(),
+                "micro_batch_size": -(-cfg.train.micro_batch_size // splits),
+                "accumulation_steps": accumulation * splits, "time": time.time(),
             }
             metrics_log.write(record)
             if ctx.is_main:
@@ -296,13 +353,18 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             _checkpoint(ctx, step, model, optimizer, scaler, scheduler, loader,
                         {"step": step, "loss": last_loss})
             checkpoints_written.append(step)
-            gc.collect()  # between phases: drop anything the checkpoint copy left behind
+        if cfg.memory.gc_every and step % cfg.memory.gc_every == 0:
+            gc.collect(1)
+
+    if cfg.memory.gc_every:
+        gc.enable()
 
     metrics_log.close()
     summary = {
         "run": cfg.run.name, "workers": ctx.world_size, "device": device.type,
         "precision": policy.name, "activation_checkpointing": cfg.memory.activation_checkpointing,
-        "micro_batch_size": cfg.train.micro_batch_size, "accumulation_steps": accumulation,
+        "micro_batch_size": -(-cfg.train.micro_batch_size // splits),
+        "accumulation_steps": accumulation * splits, "oom_recoveries": splits.bit_length() - 1,
         "global_batch_size": cfg.train.global_batch_size, "resumed_from_step": resumed_from,
         "final_step": step, "steps_this_run": steps_this_run, "first_loss": first_loss,
         "final_loss": last_loss, "eval_loss": eval_loss, "skipped_steps": skipped_steps,
@@ -318,6 +380,38 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     if ctx.is_main:
         (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def recover_from_oom(ctx: WorkerContext, step: int, splits: int, attempt: int,
+                     memory: MemoryConfig, micro_batch_size: int, accumulation: int,
+                     detail: str) -> int:
+    """Snapshot, then halve the micro-batch (double the splits); returns the new splits.
+
+    Raises RuntimeError when retries are used up or the micro-batch cannot be halved further.
+    """
+    report = write_oom_report(ctx.run_dir, step, ctx.rank, ctx.device, detail,
+                              -(-micro_batch_size // splits))
+    new_splits = splits * 2
+    if attempt > memory.max_oom_retries or new_splits > micro_batch_size:
+        raise RuntimeError(
+            f"out of memory at step {step} on rank {ctx.rank} with micro-batch "
+            f"{-(-micro_batch_size // splits)} after {attempt - 1} recoveries "
+            f"(memory.max_oom_retries={memory.max_oom_retries}); report at {report}")
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # documented point: return the failed step's blocks
+    log.warning("OOM at step %d (rank %d): micro-batch %d -> %d, accumulation %d -> %d, "
+                "global batch unchanged; memory report %s", step, ctx.rank,
+                -(-micro_batch_size // splits), -(-micro_batch_size // new_splits),
+                accumulation * splits, accumulation * new_splits, report)
+    return new_splits
+
+
+def allocator_settings() -> str:
+    """The CUDA caching allocator's effective settings (torch >= 2.9), or the env request."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return getter() or "(defaults)"
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "(defaults)") + " (requested)"
 
 
 def _checkpoint(ctx: WorkerContext, step: int, model: nn.Module,

@@ -15,15 +15,18 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster for the whole test session, on loopback."""
-    import ray
+    """One local Ray cluster for the whole test session, on loopback.
 
-    from trainer.launch.ray import init_ray
+    ``trainer.launch.ray`` must be the first to import ray: it sets the environment that makes
+    Ray use 127.0.0.1, so ray is reached through it here rather than imported directly.
+    """
+    from trainer.launch import ray as ray_launch
 
-    init_ray(num_cpus=2)
-    assert ray.util.get_node_ip_address() == "127.0.0.1"
-    yield ray
-    ray.shutdown()
+    ray_launch.init_ray(num_cpus=2)
+    assert ray_launch.ray.util.get_node_ip_address() == "127.0.0.1"
+    assert {n["NodeManagerAddress"] for n in ray_launch.ray.nodes()} == {"127.0.0.1"}
+    yield ray_launch.ray
+    ray_launch.ray.shutdown()
 
 
 def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_cluster, corpus_dir: Path,

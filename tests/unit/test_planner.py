@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.memory import apply_activation_checkpointing
+from trainer.model import GPT, GPTConfig
+from trainer.planner import (
+    feasible_plans,
+    measure_saved_bytes,
+    profile_activations,
+    static_bytes,
+)
+
+CFG = GPTConfig(seq_len=64, n_layer=4, n_head=2, n_embd=64)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_probe_predicts_saved_bytes_at_a_larger_batch_within_5_percent(precision: str,
+                                                                       mode: str) -> None:
+    profile = profile_activations(lambda: GPT(CFG), CFG.seq_len, CFG.vocab_size, precision, mode)
+    model = GPT(CFG)
+    apply_activation_checkpointing(model, mode, 2)
+    measured, _ = measure_saved_bytes(model, torch.randint(0, 256, (8, CFG.seq_len + 1)),
+                                      precision)
+    assert profile.saved_bytes(8) == pytest.approx(measured, rel=0.05)
+
+
+def test_checkpointing_and_bf16_save_less() -> None:
+    def per_sample(precision: str, mode: str) -> int:
+        return profile_activations(lambda: GPT(CFG), CFG.seq_len, CFG.vocab_size, precision,
+                                   mode).per_sample_bytes
+
+    base = per_sample("fp32", "none")
+    assert per_sample("fp32", "selective") < base
+    assert per_sample("fp32", "full") < 0.5 * base
+    assert per_sample("bf16", "none") < 0.8 * base
+
+
+def test_static_bytes_count_tied_weights_once_and_shard_under_fsdp() -> None:
+    model = GPT(CFG)
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    ddp = static_bytes(model)
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * n, 4 * n, 8 * n)
+    fsdp = static_bytes(model, "fsdp", world_size=2)
+    assert fsdp.total == pytest.approx(ddp.total / 2, abs=3)
+
+
+def test_feasible_plans_keep_the_global_batch_and_fit() -> None:
+    model = GPT(CFG)
+    static = static_bytes(model)
+    profiles = [profile_activations(lambda: GPT(CFG), CFG.seq_len, CFG.vocab_size, "bf16", m)
+                for m in ("none", "full")]
+    budget = static.total + profiles[1].saved_bytes(16) * 2  # too small for "none" at 16
+    rows = feasible_plans(static, profiles, global_batch_size=64, world_size=2,
+                          device_memory_bytes=budget, headroom=1.0)
+    assert rows, "at least one configuration must fit"
+    for row in rows:
+        assert row.micro_batch_size * row.accumulation_steps * 2 == 64
+        assert row.predicted_peak_bytes <= budget
+    by_mode = {r.activation_checkpointing: r for r in rows}
+    assert by_mode["full"].micro_batch_size >= by_mode.get("none", by_mode["full"]).micro_batch_size

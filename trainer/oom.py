@@ -1,0 +1,126 @@
+"""Out-of-memory recovery that keeps the global batch, agreed on by every rank.
+
+When a micro-batch runs out of memory on any rank, every rank must learn it at the same point, or
+the healthy ones wait forever in a gradient all-reduce. So, with recovery on and more than one
+rank, every micro-batch of a step runs under DDP's ``no_sync()``; then one small all-reduce (the
+agreement) tells every rank whether any rank hit an OOM; only then are the gradients all-reduced,
+once, in buckets (``all_reduce_gradients``). A rank that ran out of memory joins the agreement from
+its handler with a 1, the others with a 0, and all of them raise ``StepOutOfMemory`` together. The
+loop then writes a memory snapshot, cuts each micro-batch in two (accumulation doubles, the samples
+and the global batch are unchanged), empties the CUDA cache and retries the same step.
+
+The price: the gradient all-reduce no longer overlaps the last micro-batch's backward (with
+``memory.oom_recovery: false`` DDP's own overlapped all-reduce is used). An OOM inside the
+gradient all-reduce itself, after the agreement, is re-raised and fails the run.
+
+Tests inject an OOM on CPU with ``MEMTRAIN_INJECT_OOM=step:rank`` (the step is 1-based and the
+fault fires on the first attempt of that step only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+INJECT_ENV = "MEMTRAIN_INJECT_OOM"
+
+
+class StepOutOfMemory(RuntimeError):
+    """Some rank ran out of memory during this step; every rank raises it at the same point."""
+
+
+class OOMAgreement:
+    """One small all-reduce per step that tells every rank whether any rank hit an OOM."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.distributed = dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1
+
+    def _any(self, local_oom: bool) -> bool:
+        if not self.distributed:
+            return local_oom
+        flag = torch.tensor([1.0 if local_oom else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())  # host sync: once per step, only with world size > 1
+
+    def check(self) -> None:
+        """Healthy path, after the step's micro-batches: raise if a peer ran out of memory."""
+        if self._any(False):
+            raise StepOutOfMemory("a peer rank ran out of memory in this step")
+
+    def on_local_oom(self, err: torch.OutOfMemoryError) -> None:
+        """From this rank's OOM handler: tell the peers, then raise ``StepOutOfMemory``."""
+        self._any(True)
+        raise StepOutOfMemory(str(err).splitlines()[0] if str(err) else "out of memory") \
+            from err
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
+                         bucket_bytes: int = 25 << 20) -> int:
+    """Average gradients over ranks in flat buckets (DDP's default 25 MiB); returns buckets."""
+    grads = [p.grad for p in params if p.grad is not None]
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for grad in grads:
+        if size and size + grad.numel() * grad.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel() * grad.element_size()
+    for bucket in buckets:
+        if not bucket:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)  # SUM: gloo has no AVG
+        flat.div_(world_size)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return sum(1 for b in buckets if b)
+
+
+def injected_oom(step: int, rank: int, attempt: int) -> bool:
+    """Whether ``MEMTRAIN_INJECT_OOM=step:rank`` asks for a fault here (first attempt only)."""
+    spec = os.environ.get(INJECT_ENV)
+    if not spec or attempt:
+        return False
+    want_step, _, want_rank = spec.partition(":")
+    return step == int(want_step) and rank == int(want_rank or 0)
+
+
+def start_memory_history(device: torch.device, enabled: bool) -> bool:
+    """Record CUDA allocations with Python stacks from the start, for snapshots on OOM."""
+    if not enabled or device.type != "cuda":
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    return True
+
+
+def write_oom_report(run_dir: Path, step: int, rank: int, device: torch.device,
+                     detail: str, micro_batch_size: int) -> Path:
+    """Write what is known about the OOM; on CUDA a pickled snapshot for PyTorch's visualizer.
+
+    Returns the snapshot (CUDA) or report (CPU) path.
+    """
+    out = run_dir / "memory"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"oom-step{step:08d}-rank{rank}"
+    report = {"step": step, "rank": rank, "device": str(device), "detail": detail,
+              "micro_batch_size": micro_batch_size, "time": time.time()}
+    if device.type == "cuda":
+        snapshot = out / f"{stem}.pickle"
+        torch.cuda.memory._dump_snapshot(str(snapshot))  # opens in pytorch.org/memory_viz
+        (out / f"{stem}.summary.txt").write_text(torch.cuda.memory_summary(device))
+        report["snapshot"] = snapshot.name
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+        return snapshot
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(report, indent=2, sort_keys=True))
+    return path
