@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 DATA := data/stdlib
 RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
 PYTEST_ARGS ?=
+GPU_PYTHON ?= python3  # gpu-check runs on the machine's own torch, from the source tree
+GPU_CHECK_OUT ?= bench/results
 
 .DEFAULT_GOAL := help
 .PHONY: help setup data demo test lint gpu-check clean
@@ -40,8 +42,8 @@ lint: setup ## ruff and mypy
 	$(BIN)/ruff check trainer datapipe monitoring tests scripts
 	$(BIN)/mypy
 
-gpu-check: ## On a CUDA machine: peak memory, throughput, MFU and OOM recovery (dry mode on CPU)
-	PYTHONPATH=. python3 scripts/gpu_check.py --out bench/results
+gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no CUDA: dry mode)
+	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean: ## Remove runs, data and the virtual environment
 	rm -rf runs data $(VENV)

@@ -122,6 +122,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     # failed): every micro-batch runs under no_sync and gradients are reduced after the check.
     reduce_after_check = isinstance(model, DDP) and agreement is not None \
         and agreement.distributed
+    oom_message = None
     try:
         for i, tokens_BT in enumerate(chunks):
             is_last = i == len(chunks) - 1
@@ -132,20 +133,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
                 (reduce_after_check or not is_last) else contextlib.nullcontext()
             with sync:
                 loss_sum += forward_backward(model, tokens_BT, policy, scaler, tokens_per_step)
-        if agreement is not None:
-            agreement.check()
     except torch.OutOfMemoryError as err:
-        del chunks
-        optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
         if agreement is None:
             raise
-        agreement.on_local_oom(err)  # raises StepOutOfMemory on this rank
-    except StepOutOfMemory:
-        optimizer.zero_grad(set_to_none=True)
-        raise
+        oom_message = str(err).strip().splitlines()[0] if str(err) else "out of memory"
+    # Outside the handler: the OOM's traceback, and the activations its frames hold, are gone.
+    del chunks
+    if agreement is not None:  # (an OOM without an agreement was re-raised above)
+        try:
+            agreement.check(local_oom=oom_message)
+        except StepOutOfMemory:
+            optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
+            raise
     if reduce_after_check:
         all_reduce_gradients(list(model.parameters()), dist.get_world_size())
-    del chunks
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     finite = bool(torch.isfinite(grad_norm))  # host sync: once per optimizer step

@@ -4,9 +4,9 @@ When a micro-batch runs out of memory on any rank, every rank must learn it at t
 the healthy ones wait forever in a gradient all-reduce. So, with recovery on and more than one
 rank, every micro-batch of a step runs under DDP's ``no_sync()``; then one small all-reduce (the
 agreement) tells every rank whether any rank hit an OOM; only then are the gradients all-reduced,
-once, in buckets (``all_reduce_gradients``). A rank that ran out of memory joins the agreement from
-its handler with a 1, the others with a 0, and all of them raise ``StepOutOfMemory`` together. The
-loop then writes a memory snapshot, cuts each micro-batch in two (accumulation doubles, the samples
+once, in buckets (``all_reduce_gradients``). A rank that ran out of memory joins the agreement
+with a 1, the others with a 0, and all of them raise ``StepOutOfMemory`` together. The loop
+then writes a memory snapshot, cuts each micro-batch in two (accumulation doubles, the samples
 and the global batch are unchanged), empties the CUDA cache and retries the same step.
 
 The price: the gradient all-reduce no longer overlaps the last micro-batch's backward (with
@@ -49,16 +49,13 @@ class OOMAgreement:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())  # host sync: once per step, only with world size > 1
 
-    def check(self) -> None:
-        """Healthy path, after the step's micro-batches: raise if a peer ran out of memory."""
-        if self._any(False):
-            raise StepOutOfMemory("a peer rank ran out of memory in this step")
+    def check(self, local_oom: str | None = None) -> None:
+        """After the step's micro-batches: raise ``StepOutOfMemory`` if any rank ran out.
 
-    def on_local_oom(self, err: torch.OutOfMemoryError) -> None:
-        """From this rank's OOM handler: tell the peers, then raise ``StepOutOfMemory``."""
-        self._any(True)
-        raise StepOutOfMemory(str(err).splitlines()[0] if str(err) else "out of memory") \
-            from err
+        ``local_oom`` is this rank's OOM message, or None when its micro-batches all fit.
+        """
+        if self._any(local_oom is not None):
+            raise StepOutOfMemory(local_oom or "a peer rank ran out of memory in this step")
 
 
 def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,

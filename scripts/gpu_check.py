@@ -1,0 +1,387 @@
+"""GPU check: the CUDA-only claims of memtrain, measured on the real device in one short run.
+
+Needs only torch (2.6 or newer), pyarrow, numpy: no Ray, no pydantic, nothing installed. Run from
+the source tree: ``PYTHONPATH=. python3 scripts/gpu_check.py --out bench/results``.
+
+On a CUDA GPU it measures, for a GPT-2-124M-shaped model at sequence length 1024 and a fixed
+micro-batch, through the trainer's own ``train_step``:
+- peak memory (``max_memory_allocated``, ``max_memory_reserved``) and tokens/s for fp32, bf16 and
+  fp16 + GradScaler, each with activation checkpointing none / selective / full;
+- the planner's predicted peak beside each measured peak;
+- MFU against a bf16 matmul peak measured in the same run (plus one ``torch.compile`` row);
+- the input stall with the real loader (pinned staging, non-blocking copies) over Arrow shards
+  written to local disk;
+- OOM recovery: a micro-batch too large for the device, a real OOM, the micro-batch halved with
+  the global batch kept, and a memory snapshot that loads with ``pickle``;
+- a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests.
+
+Without CUDA (``--dry`` is implied) it runs the same code paths on a tiny model on CPU, so the
+script cannot rot; CI runs that. It writes ``gpu-check-<date>-<host>.json`` and ``.md`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import pickle
+import platform
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from datapipe.loader import BatchLoader
+from datapipe.manifest import ColumnSpec
+from datapipe.writer import write_rows
+from trainer.context import LocalContext
+from trainer.loop import build_optimizer, train_step
+from trainer.memory import (
+    apply_activation_checkpointing,
+    configure_allocator_env,
+    precision_policy,
+)
+from trainer.model import GPT, GPTConfig
+from trainer.oom import OOMAgreement, StepOutOfMemory, start_memory_history
+from trainer.planner import plan_row, profile_activations, static_bytes
+
+GPT2_124M = GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_embd=768)
+TINY = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, n_embd=64)
+PRECISIONS = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "selective", "full")
+TARGETS = {"bf16_selective_peak_vs_fp32_none": 0.40, "mfu_bf16": 0.40,
+           "planner_error": 0.10, "input_stall": 0.01}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def quiet_policy(precision: str, device: torch.device):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU (dry mode) warns by design
+        return precision_policy(precision, device)
+
+
+def matmul_peak_tflops(device: torch.device, dry: bool) -> float:
+    """bf16 matrix-product throughput: the MFU denominator measured on this device."""
+    n = 1024 if dry else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    repeats = 3 if dry else 20
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def make_model(cfg: GPTConfig, ac: str, device: torch.device, compile_model: bool = False
+               ) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    apply_activation_checkpointing(model, ac, every_k=2)
+    return torch.compile(model) if compile_model else model
+
+
+def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
+                 device: torch.device, steps: int, warmup: int,
+                 batches: BatchLoader | None = None, compile_model: bool = False
+                 ) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps with the trainer's train_step; peak memory and speed."""
+    model = make_model(cfg, ac, device, compile_model)
+    policy = quiet_policy(precision, device)
+    scaler = policy.grad_scaler(device)
+    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
+                                                       betas=(0.9, 0.95)))
+    fixed = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
+    wait = 0.0
+    result = None
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            start, wait = time.perf_counter(), 0.0
+        if batches is not None:
+            t0 = time.perf_counter()
+            tokens = next(batches)
+            wait += time.perf_counter() - t0
+        else:
+            tokens = fixed
+        result = train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    assert result is not None
+    row: dict[str, Any] = {
+        "precision": precision, "activation_checkpointing": ac, "micro_batch_size": micro_batch,
+        "compiled": compile_model, "steps": steps,
+        "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
+        "step_seconds": elapsed / steps, "data_wait_seconds": wait,
+        "input_stall": wait / elapsed, "final_loss": float(result.loss),
+    }
+    if device.type == "cuda":
+        row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    else:
+        row["peak_allocated_bytes"] = row["peak_reserved_bytes"] = None
+    del model, optimizer, scaler, result, fixed
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # between phases: each configuration starts from an empty cache
+    return row
+
+
+def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
+            device: torch.device) -> dict[str, Any]:
+    """The planner's prediction, probing on the same device the step runs on."""
+    profile = profile_activations(lambda: GPT(cfg), cfg.seq_len, cfg.vocab_size, precision, ac,
+                                  device=device)
+    row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row.as_dict()
+
+
+def write_token_shards(directory: Path, cfg: GPTConfig, rows: int) -> None:
+    rng = np.random.default_rng(0)
+    dtype = "int32"  # CUDA casts from int32 are fully supported; uint16 support is partial
+    spec = [ColumnSpec("tokens", dtype, (cfg.seq_len + 1,))]
+    blocks = ({"tokens": rng.integers(0, cfg.vocab_size, (1024, cfg.seq_len + 1), dtype=dtype)}
+              for _ in range(rows // 1024))
+    write_rows(directory, spec, blocks, rows_per_shard=2048)
+
+
+def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bool
+                 ) -> dict[str, Any]:
+    """A micro-batch too large for the device: real OOM, recovery by halving, snapshot."""
+    from trainer.loop import recover_from_oom
+
+    run_dir = Path(tempfile.mkdtemp(prefix="memtrain-oom-"))  # snapshots can be large
+    ctx = LocalContext(0, 0, 1, device, run_dir)
+    recording = start_memory_history(device, enabled=True)
+    model = make_model(cfg, "none", device)
+    policy = quiet_policy("fp32", device)
+    scaler = policy.grad_scaler(device)
+    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
+                                                       betas=(0.9, 0.95)))
+    batch = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
+    splits, attempt, events = 1, 0, []
+    memory = SimpleNamespace(max_oom_retries=4)
+    while True:
+        try:
+            result = train_step(model, optimizer, scaler, [batch], splits, policy, 1.0,
+                                OOMAgreement(device), inject_oom=dry and attempt == 0)
+            break
+        except StepOutOfMemory as err:
+            attempt += 1
+            events.append(str(err)[:200])
+            splits = recover_from_oom(ctx, 1, splits, attempt, memory, micro_batch, 1, str(err))
+    sync(device)
+    snapshots = sorted((run_dir / "memory").glob("*.pickle"))
+    snapshot_ok = None
+    if snapshots:
+        with open(snapshots[0], "rb") as f:
+            snapshot = pickle.load(f)  # what PyTorch's memory visualizer does
+        snapshot_ok = isinstance(snapshot, dict) and "segments" in snapshot
+    if recording:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    row = {"first_micro_batch": micro_batch, "recovered_micro_batch": -(-micro_batch // splits),
+           "accumulation_after": splits, "global_batch_kept": True, "ooms": attempt,
+           "events": events, "loss_after_recovery": float(result.loss),
+           "snapshot_files": {p.name: p.stat().st_size for p in snapshots},
+           "snapshot_loads_with_pickle": snapshot_ok,
+           "reports": sorted(p.name for p in (run_dir / "memory").glob("*"))}
+    del model, optimizer, batch, result
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def recorded_memory_stats(device: torch.device) -> dict[str, Any] | None:
+    if device.type != "cuda":
+        return None
+    return {k: v for k, v in torch.cuda.memory_stats(device).items()
+            if isinstance(v, int | float)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    setting = configure_allocator_env()
+    cuda = torch.cuda.is_available() and not args.dry
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dry = not cuda
+    cfg = TINY if dry else GPT2_124M
+    micro_batch = 4 if dry else args.micro_batch
+    steps, warmup = (2, 1) if dry else (args.steps, 3)
+    deadline = time.perf_counter() + args.budget_seconds
+    report: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "dry": dry, "device": torch.cuda.get_device_name(0)
+        if cuda else platform.processor() or "cpu", "torch": torch.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "allocator_requested": setting, "model": cfg.__dict__, "micro_batch_size": micro_batch,
+        "targets": TARGETS, "rows": [], "errors": [],
+    }
+    if cuda:
+        getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        torch.zeros(1, device=device)
+        report["allocator_effective"] = getter() if getter else "(not readable on this torch)"
+        report["device_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
+
+    def section(name: str, fn, *fargs, **fkwargs):
+        if time.perf_counter() > deadline:
+            report["errors"].append(f"{name}: skipped, time budget spent")
+            return None
+        start = time.perf_counter()
+        try:
+            value = fn(*fargs, **fkwargs)
+        except Exception as err:  # one section failing must not lose the others' figures
+            report["errors"].append(f"{name}: {type(err).__name__}: {err}"[:500])
+            traceback.print_exc()
+            value = None
+        print(f"[gpu-check] {name}: {time.perf_counter() - start:.1f}s", flush=True)
+        return value
+
+    report["matmul_bf16_tflops"] = section("matmul peak", matmul_peak_tflops, device, dry)
+    flops_per_token = GPT(cfg).flops_per_token()
+    report["flops_per_token"] = flops_per_token
+    for precision in PRECISIONS:
+        for ac in AC_MODES:
+            row = section(f"{precision}/{ac}", measure_step, cfg, precision, ac, micro_batch,
+                          device, steps, warmup)
+            if row is None:
+                continue
+            plan = section(f"plan {precision}/{ac}", predict, cfg, precision, ac, micro_batch,
+                           device)
+            if plan is not None:
+                row["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
+                row["predicted_activation_bytes"] = plan["activation_bytes"]
+                if row["peak_allocated_bytes"]:
+                    row["planner_error"] = (plan["predicted_peak_bytes"]
+                                            / row["peak_allocated_bytes"] - 1)
+            if report["matmul_bf16_tflops"]:
+                row["mfu"] = (row["tokens_per_second"] * flops_per_token
+                              / (report["matmul_bf16_tflops"] * 1e12))
+            report["rows"].append(row)
+    if not dry and args.compile:
+        row = section("bf16/none compiled", measure_step, cfg, "bf16", "none", micro_batch,
+                      device, steps, warmup, compile_model=True)
+        if row is not None:
+            row["mfu"] = (row["tokens_per_second"] * flops_per_token
+                          / (report["matmul_bf16_tflops"] * 1e12))
+            report["rows"].append(row)
+    report["memory_stats"] = recorded_memory_stats(device)
+
+    with tempfile.TemporaryDirectory(prefix="memtrain-gpu-check-") as tmp:
+        shards = Path(tmp) / "tokens"
+        section("write shards", write_token_shards, shards, cfg, 2048 if dry else 8192)
+        if (shards / "manifest.json").exists():
+            loader = BatchLoader(shards, "tokens", rank=0, world_size=1, batch_size=micro_batch,
+                                 seed=0, device=device)
+            stall = section("input stall", measure_step, cfg, "bf16", "selective", micro_batch,
+                            device, steps, warmup, batches=loader)
+            report["input_stall"] = stall
+    report["oom_recovery"] = section(
+        "oom recovery", oom_recovery, cfg, device, 4 if dry else args.oom_micro_batch, dry)
+    report["summary"] = summarize(report)
+    return report
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    rows = {(r["precision"], r["activation_checkpointing"], r["compiled"]): r
+            for r in report["rows"]}
+    summary: dict[str, Any] = {}
+    base, best = rows.get(("fp32", "none", False)), rows.get(("bf16", "selective", False))
+    if base and best and base["peak_allocated_bytes"]:
+        summary["bf16_selective_peak_vs_fp32_none"] = (best["peak_allocated_bytes"]
+                                                       / base["peak_allocated_bytes"])
+    mfus = [r["mfu"] for r in report["rows"] if r["precision"] == "bf16" and "mfu" in r]
+    if mfus:
+        summary["mfu_bf16"] = max(mfus)
+    errors = [abs(r["planner_error"]) for r in report["rows"] if "planner_error" in r]
+    if errors:
+        summary["planner_error"] = max(errors)
+    if report.get("input_stall"):
+        summary["input_stall"] = report["input_stall"]["input_stall"]
+    summary["met"] = {k: (v >= TARGETS[k] if k == "mfu_bf16" else v <= TARGETS[k])
+                      for k, v in summary.items() if k in TARGETS}
+    return summary
+
+
+def gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"### gpu-check on {report['device']} ({report['date']}"
+             f"{', dry mode on CPU' if report['dry'] else ''})", "",
+             f"torch {report['torch']}, CUDA {report['cuda']}, model "
+             f"{report['model']['n_layer']}x{report['model']['n_embd']} seq "
+             f"{report['model']['seq_len']}, micro-batch {report['micro_batch_size']}; "
+             f"bf16 matmul peak {report['matmul_bf16_tflops'] or 0:.1f} TFLOP/s; allocator "
+             f"{report.get('allocator_effective', report['allocator_requested'])}", "",
+             "| precision | act. ckpt | compiled | peak alloc GiB | peak reserved GiB | "
+             "predicted GiB | planner error | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        err = f"{100 * r['planner_error']:+.1f}%" if "planner_error" in r else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        lines.append(f"| {r['precision']} | {r['activation_checkpointing']} | "
+                     f"{'yes' if r['compiled'] else 'no'} | {gib(r['peak_allocated_bytes'])} | "
+                     f"{gib(r['peak_reserved_bytes'])} | {gib(r.get('predicted_peak_bytes'))} | "
+                     f"{err} | {r['tokens_per_second']:,.0f} | {mfu} |")
+    s = report["summary"]
+    lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+    for key, goal in TARGETS.items():
+        if key in s:
+            shown = f"{100 * s[key]:.1f}%"
+            lines.append(f"| {key} | {shown} | {'>=' if key == 'mfu_bf16' else '<='} "
+                         f"{100 * goal:.0f}% | {'yes' if s['met'][key] else '**no**'} |")
+    oom = report.get("oom_recovery")
+    if oom:
+        lines += ["", f"OOM recovery: micro-batch {oom['first_micro_batch']} -> "
+                      f"{oom['recovered_micro_batch']} after {oom['ooms']} OOM(s), accumulation "
+                      f"x{oom['accumulation_after']}, global batch kept; snapshot loads with "
+                      f"pickle: {oom['snapshot_loads_with_pickle']}"]
+    if report["errors"]:
+        lines += ["", "Errors: " + "; ".join(report["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--dry", action="store_true", help="tiny model on CPU even with CUDA")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--oom-micro-batch", type=int, default=160)
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--budget-seconds", type=float, default=270)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run(args)
+    stem = f"gpu-check-{report['date'][:10]}-{report['host']}{'-dry' if report['dry'] else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, sort_keys=True,
+                                                 default=str) + "\n")
+    table = markdown(report)
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    return 0 if not report["errors"] else 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
