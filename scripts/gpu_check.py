@@ -49,6 +49,7 @@ from trainer.memory import (
     apply_activation_checkpointing,
     configure_allocator_env,
     precision_policy,
+    set_loss_chunking,
 )
 from trainer.model import GPT, GPTConfig
 from trainer.oom import OOMAgreement, StepOutOfMemory, start_memory_history
@@ -89,20 +90,21 @@ def matmul_peak_tflops(device: torch.device, dry: bool) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
-def make_model(cfg: GPTConfig, ac: str, device: torch.device, compile_model: bool = False
-               ) -> torch.nn.Module:
+def make_model(cfg: GPTConfig, ac: str, device: torch.device, loss_chunk_tokens: int,
+               compile_model: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     apply_activation_checkpointing(model, ac, every_k=2)
+    set_loss_chunking(model, loss_chunk_tokens)
     return torch.compile(model) if compile_model else model
 
 
 def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
-                 device: torch.device, steps: int, warmup: int,
+                 device: torch.device, steps: int, warmup: int, loss_chunk_tokens: int,
                  batches: BatchLoader | None = None, compile_model: bool = False
                  ) -> dict[str, Any]:
     """Train ``warmup + steps`` steps with the trainer's train_step; peak memory and speed."""
-    model = make_model(cfg, ac, device, compile_model)
+    model = make_model(cfg, ac, device, loss_chunk_tokens, compile_model)
     policy = quiet_policy(precision, device)
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
@@ -128,7 +130,7 @@ def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
     assert result is not None
     row: dict[str, Any] = {
         "precision": precision, "activation_checkpointing": ac, "micro_batch_size": micro_batch,
-        "compiled": compile_model, "steps": steps,
+        "compiled": compile_model, "loss_chunk_tokens": loss_chunk_tokens, "steps": steps,
         "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
         "step_seconds": elapsed / steps, "data_wait_seconds": wait,
         "input_stall": wait / elapsed, "final_loss": float(result.loss),
@@ -145,10 +147,10 @@ def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
 
 
 def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
-            device: torch.device) -> dict[str, Any]:
+            device: torch.device, loss_chunk_tokens: int) -> dict[str, Any]:
     """The planner's prediction, probing on the same device the step runs on."""
     profile = profile_activations(lambda: GPT(cfg), cfg.seq_len, cfg.vocab_size, precision, ac,
-                                  device=device)
+                                  device=device, loss_chunk_tokens=loss_chunk_tokens)
     row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -172,7 +174,7 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
     run_dir = Path(tempfile.mkdtemp(prefix="memtrain-oom-"))  # snapshots can be large
     ctx = LocalContext(0, 0, 1, device, run_dir)
     recording = start_memory_history(device, enabled=True)
-    model = make_model(cfg, "none", device)
+    model = make_model(cfg, "none", device, loss_chunk_tokens=4096)
     policy = quiet_policy("fp32", device)
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
@@ -257,31 +259,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["matmul_bf16_tflops"] = section("matmul peak", matmul_peak_tflops, device, dry)
     flops_per_token = GPT(cfg).flops_per_token()
     report["flops_per_token"] = flops_per_token
-    for precision in PRECISIONS:
-        for ac in AC_MODES:
-            row = section(f"{precision}/{ac}", measure_step, cfg, precision, ac, micro_batch,
-                          device, steps, warmup)
-            if row is None:
-                continue
-            plan = section(f"plan {precision}/{ac}", predict, cfg, precision, ac, micro_batch,
-                           device)
-            if plan is not None:
-                row["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
-                row["predicted_activation_bytes"] = plan["activation_bytes"]
-                if row["peak_allocated_bytes"]:
-                    row["planner_error"] = (plan["predicted_peak_bytes"]
-                                            / row["peak_allocated_bytes"] - 1)
-            if report["matmul_bf16_tflops"]:
-                row["mfu"] = (row["tokens_per_second"] * flops_per_token
-                              / (report["matmul_bf16_tflops"] * 1e12))
-            report["rows"].append(row)
+    chunk = args.loss_chunk_tokens
+    configs = [(p, a, chunk, False) for p in PRECISIONS for a in AC_MODES]
+    configs += [("fp32", "none", 0, False), ("bf16", "selective", 0, False)]  # full logits
     if not dry and args.compile:
-        row = section("bf16/none compiled", measure_step, cfg, "bf16", "none", micro_batch,
-                      device, steps, warmup, compile_model=True)
-        if row is not None:
+        configs.append(("bf16", "none", chunk, True))
+    for precision, ac, loss_chunk, compiled in configs:
+        name = f"{precision}/{ac}/chunk {loss_chunk}{' compiled' if compiled else ''}"
+        row = section(name, measure_step, cfg, precision, ac, micro_batch, device, steps,
+                      warmup, loss_chunk, compile_model=compiled)
+        if row is None:
+            continue
+        plan = None if compiled else section(f"plan {name}", predict, cfg, precision, ac,
+                                             micro_batch, device, loss_chunk)
+        if plan is not None:
+            row["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
+            row["predicted_activation_bytes"] = plan["activation_bytes"]
+            if row["peak_allocated_bytes"]:
+                row["planner_error"] = (plan["predicted_peak_bytes"]
+                                        / row["peak_allocated_bytes"] - 1)
+        if report["matmul_bf16_tflops"]:
             row["mfu"] = (row["tokens_per_second"] * flops_per_token
                           / (report["matmul_bf16_tflops"] * 1e12))
-            report["rows"].append(row)
+        report["rows"].append(row)
     report["memory_stats"] = recorded_memory_stats(device)
 
     with tempfile.TemporaryDirectory(prefix="memtrain-gpu-check-") as tmp:
@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loader = BatchLoader(shards, "tokens", rank=0, world_size=1, batch_size=micro_batch,
                                  seed=0, device=device)
             stall = section("input stall", measure_step, cfg, "bf16", "selective", micro_batch,
-                            device, steps, warmup, batches=loader)
+                            device, steps, warmup, args.loss_chunk_tokens, batches=loader)
             report["input_stall"] = stall
     report["oom_recovery"] = section(
         "oom recovery", oom_recovery, cfg, device, 4 if dry else args.oom_micro_batch, dry)
@@ -300,10 +300,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
-    rows = {(r["precision"], r["activation_checkpointing"], r["compiled"]): r
-            for r in report["rows"]}
+    rows = {(r["precision"], r["activation_checkpointing"], r["compiled"],
+             r["loss_chunk_tokens"]): r for r in report["rows"]}
     summary: dict[str, Any] = {}
-    base, best = rows.get(("fp32", "none", False)), rows.get(("bf16", "selective", False))
+    # The baseline is the guide's: fp32, no checkpointing, plain loss; against memtrain's setup.
+    chunk = max((r["loss_chunk_tokens"] for r in report["rows"]), default=0)
+    base = rows.get(("fp32", "none", False, 0))
+    best = rows.get(("bf16", "selective", False, chunk))
     if base and best and base["peak_allocated_bytes"]:
         summary["bf16_selective_peak_vs_fp32_none"] = (best["peak_allocated_bytes"]
                                                        / base["peak_allocated_bytes"])
@@ -332,14 +335,15 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['model']['seq_len']}, micro-batch {report['micro_batch_size']}; "
              f"bf16 matmul peak {report['matmul_bf16_tflops'] or 0:.1f} TFLOP/s; allocator "
              f"{report.get('allocator_effective', report['allocator_requested'])}", "",
-             "| precision | act. ckpt | compiled | peak alloc GiB | peak reserved GiB | "
-             "predicted GiB | planner error | tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| precision | act. ckpt | loss chunk | compiled | peak alloc GiB | "
+             "peak reserved GiB | predicted GiB | planner error | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         err = f"{100 * r['planner_error']:+.1f}%" if "planner_error" in r else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
         lines.append(f"| {r['precision']} | {r['activation_checkpointing']} | "
-                     f"{'yes' if r['compiled'] else 'no'} | {gib(r['peak_allocated_bytes'])} | "
+                     f"{r['loss_chunk_tokens'] or 'off'} | {'yes' if r['compiled'] else 'no'} | "
+                     f"{gib(r['peak_allocated_bytes'])} | "
                      f"{gib(r['peak_reserved_bytes'])} | {gib(r.get('predicted_peak_bytes'))} | "
                      f"{err} | {r['tokens_per_second']:,.0f} | {mfu} |")
     s = report["summary"]
@@ -368,6 +372,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--oom-micro-batch", type=int, default=160)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=4096)
     parser.add_argument("--budget-seconds", type=float, default=270)
     args = parser.parse_args()
     out = Path(args.out)

@@ -82,6 +82,8 @@ class MemoryConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     activation_checkpointing: Literal["none", "full", "selective"] = "full"
     checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
+    # Output projection + cross-entropy in chunks of this many tokens (0: full logits).
+    loss_chunk_tokens: int = Field(4096, ge=0)
     # On OOM: snapshot, halve the micro-batch, double accumulation (global batch kept), retry.
     oom_recovery: bool = True
     max_oom_retries: int = Field(3, ge=0)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -48,11 +47,13 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.context import WorkerContext
+from trainer.loss import summed_loss
 from trainer.memory import (
     PrecisionPolicy,
     apply_activation_checkpointing,
     peak_memory_bytes,
     precision_policy,
+    set_loss_chunking,
 )
 from trainer.model import build_model
 from trainer.oom import (
@@ -95,13 +96,7 @@ class TimedBatches:
 def forward_backward(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy,
                      scaler: torch.amp.GradScaler, tokens_per_step: int) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns its summed token loss, detached."""
-    inputs_BT = tokens_BT[:, :-1].long()
-    targets_BT = tokens_BT[:, 1:].long()
-    with policy.autocast(inputs_BT.device):
-        logits_BTV = model(inputs_BT)
-    loss_sum = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
-                               reduction="sum")
-    del logits_BTV  # the graph keeps what backward needs; drop the Python reference early
+    loss_sum = summed_loss(model, tokens_BT, policy)
     scaler.scale(loss_sum / tokens_per_step).backward()
     return loss_sum.detach()
 
@@ -166,11 +161,8 @@ def evaluate(model: nn.Module, batches: Iterator[torch.Tensor], num_batches: int
     total = None  # [summed loss, token count], on the device so NCCL can reduce it
     for _ in range(num_batches):
         tokens_BT = next(batches)
-        inputs_BT, targets_BT = tokens_BT[:, :-1].long(), tokens_BT[:, 1:].long()
-        with policy.autocast(inputs_BT.device):
-            logits_BTV = model(inputs_BT)
-        loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
-                               reduction="sum")
+        loss = summed_loss(model, tokens_BT, policy)
+        targets_BT = tokens_BT[:, 1:]
         count = torch.tensor(targets_BT.numel(), dtype=torch.float64, device=loss.device)
         batch_total = torch.stack([loss.double(), count])
         total = batch_total if total is None else total + batch_total
@@ -234,6 +226,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     model = build_model(cfg.model.name, **cfg.model.model_dump(exclude={"name"})).to(device)
     checkpointed = apply_activation_checkpointing(model, cfg.memory.activation_checkpointing,
                                                   cfg.memory.checkpoint_every_k)
+    set_loss_chunking(model, cfg.memory.loss_chunk_tokens)
     policy = precision_policy(cfg.memory.precision, device)
     scaler = policy.grad_scaler(device)
     recording_history = start_memory_history(device, cfg.memory.record_memory_history)

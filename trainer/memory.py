@@ -4,6 +4,8 @@
 - Activation checkpointing: wrap every (``full``) or every k-th (``selective``) block of
   ``model.blocks`` in torch's non-reentrant checkpoint wrapper, which preserves RNG state so
   dropout is replayed identically; parameter names and state_dict keys are unchanged.
+- Loss chunking: the output projection and cross-entropy in chunks of tokens, gradients computed
+  on the fly (``trainer.loss``), so the ``(B, T, V)`` logits and their fp32 copies never exist.
 - Allocator: ``expandable_segments:True`` through the environment, before CUDA initialises.
 
 Nothing here patches a model's ``forward``: the wrappers are torch's own.
@@ -96,6 +98,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
         check_fn=lambda module: id(module) in targets,
     )
     return chosen
+
+
+def set_loss_chunking(model: nn.Module, chunk_tokens: int) -> None:
+    """Compute the loss in chunks of ``chunk_tokens`` tokens (0: the plain loss)."""
+    if chunk_tokens and not hasattr(model, "loss_chunk_tokens"):
+        raise ValueError(f"memory.loss_chunk_tokens {chunk_tokens} needs a model that computes "
+                         f"its own loss (`loss_chunk_tokens` attribute); {type(model).__name__} "
+                         "does not; set it to 0")
+    if hasattr(model, "loss_chunk_tokens"):
+        setattr(model, "loss_chunk_tokens", chunk_tokens)  # noqa: B010 - any model class
 
 
 def configure_allocator_env() -> str:

@@ -3,7 +3,10 @@
 The GPT follows GPT-2's shape (pre-norm blocks, learned positions, tied embeddings) and uses
 ``scaled_dot_product_attention`` so the fused kernels apply on GPU. Any model the trainer trains
 maps token ids ``(B, T)`` to logits ``(B, T, V)``; one that wants activation checkpointing exposes
-its repeated units as ``model.blocks`` (an ``nn.ModuleList``).
+its repeated units as ``model.blocks`` (an ``nn.ModuleList``). A model may also compute its own
+summed loss when called as ``model(idx, targets)`` and say so with ``computes_loss = True``: the
+GPT does, so that its output projection and loss run chunked (``trainer.loss``) and the full
+logits never exist.
 
 ``build_model("gpt", **kwargs)`` looks up the registry; ``build_model("pkg.mod:fn", **kwargs)``
 imports ``fn`` and calls it with the same keyword arguments (the model config's fields).
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from trainer.loss import linear_cross_entropy_sum
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    computes_loss = True  # model(idx, targets) returns the summed token loss
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        self.loss_chunk_tokens = 0  # set by trainer.memory.set_loss_chunking; 0: plain loss
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -93,7 +101,9 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar)."""
         T = idx_BT.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
@@ -101,7 +111,11 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx_BT) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets_BT is None:
+            return self.lm_head(x)
+        return linear_cross_entropy_sum(x.flatten(0, 1), self.lm_head.weight,
+                                        targets_BT.flatten(), self.loss_chunk_tokens)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

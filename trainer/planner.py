@@ -8,10 +8,12 @@ deduplicated by storage, excluding parameters, and adds the inputs that activati
 keeps alive for recomputation. Two probe sizes separate the per-sample bytes from the fixed ones
 (autocast's low-precision weight copies).
 
-The predicted step peak is ``static + saved(micro_batch) + transient``, where the transient is the
-backward pass's largest temporary: the gradient of the largest saved tensor, taken as twice its
-size. The planner does not model the CUDA allocator's rounding and caching; ``make gpu-check``
-measures how far the prediction is from the real peak.
+The predicted step peak is ``static + saved(micro_batch) + transient``, where the transient is
+what backward holds on top of the saved tensors: the gradient of the largest saved tensor (taken
+as twice its size) plus, with activation checkpointing, one block's recomputed activations
+(measured as the difference to a probe without checkpointing). The planner does not model the
+CUDA allocator's rounding and caching; ``make gpu-check`` measures how far the prediction is from
+the real peak.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from trainer.memory import apply_activation_checkpointing, precision_policy
+from trainer.loss import summed_loss
+from trainer.memory import apply_activation_checkpointing, precision_policy, set_loss_chunking
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
 
@@ -50,6 +52,8 @@ class ActivationProfile:
     fixed_bytes: int
     largest_tensor_per_sample_bytes: int  # the biggest single saved tensor, per sample
     recompute_fraction: float  # forward FLOPs recomputed in backward, as a share of the forward
+    # What one checkpointed block saves while backward recomputes it, per sample (0 without AC).
+    recompute_block_per_sample_bytes: int = 0
 
     def saved_bytes(self, batch: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * batch
@@ -130,12 +134,8 @@ def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: st
     policy = precision_policy(precision, device) if precision != "fp16" or device.type != "cpu" \
         else _quiet_fp16_policy(device)
     with count_saved_tensors(model) as counts:
-        inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
-        with policy.autocast(device):
-            logits_BTV = model(inputs_BT)
-        loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
-                               reduction="sum")
-    del loss, logits_BTV
+        loss = summed_loss(model, tokens_BT, policy)  # the loop's own forward
+    del loss
     return counts["bytes"], counts["largest"]
 
 
@@ -149,12 +149,14 @@ def _quiet_fp16_policy(device: torch.device):
 
 def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
                         precision: str, activation_checkpointing: str, every_k: int = 2,
-                        device: torch.device | None = None) -> ActivationProfile:
+                        device: torch.device | None = None, loss_chunk_tokens: int = 0
+                        ) -> ActivationProfile:
     """Probe a freshly built model at batch 1 and 2 and fit ``fixed + per_sample * batch``."""
     device = device or torch.device("cpu")
     torch.manual_seed(0)
     model = build().to(device)
     chosen = apply_activation_checkpointing(model, activation_checkpointing, every_k)
+    set_loss_chunking(model, loss_chunk_tokens)
     num_blocks = len(getattr(model, "blocks", []))
     model.train()
     measured = {}
@@ -163,17 +165,24 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
         measured[batch] = measure_saved_bytes(model, tokens_BT, precision)
     per_sample = measured[2][0] - measured[1][0]
     fixed = max(0, measured[1][0] - per_sample)
+    recompute_block = 0
+    if chosen:
+        plain = profile_activations(build, seq_len, vocab_size, precision, "none", every_k,
+                                    device, loss_chunk_tokens)
+        recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
     # Recomputation repeats the forward of the wrapped blocks: their share of the forward FLOPs
     # is about their share of the blocks, and a forward is about a third of forward+backward.
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
     return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
-                             measured[2][1] - measured[1][1] or measured[1][1], recompute)
+                             measured[2][1] - measured[1][1] or measured[1][1], recompute,
+                             recompute_block)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
              accumulation_steps: int) -> PlanRow:
     activations = profile.saved_bytes(micro_batch_size)
-    transient = 2 * profile.largest_tensor_per_sample_bytes * micro_batch_size
+    transient = (2 * profile.largest_tensor_per_sample_bytes
+                 + profile.recompute_block_per_sample_bytes) * micro_batch_size
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations, transient,
                    static.total + activations + transient, profile.recompute_fraction)

@@ -1,0 +1,59 @@
+"""The chunked output projection + cross-entropy equals the plain one, loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.loss import linear_cross_entropy_sum
+from trainer.memory import set_loss_chunking
+from trainer.model import GPT, GPTConfig
+
+
+def _plain_and_chunked(dtype: torch.dtype | None, chunk: int):
+    torch.manual_seed(0)
+    hidden = torch.randn(50, 16, requires_grad=True)
+    weight = torch.randn(300, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (50,))
+    results = []
+    for chunk_tokens in (0, chunk):
+        hidden.grad = weight.grad = None
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+        with ctx:
+            loss = linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens)
+        (loss * 0.5).backward()  # a non-unit incoming gradient, as loss scaling gives
+        results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+    return results
+
+
+@pytest.mark.parametrize("chunk", [7, 50, 64])
+def test_chunked_equals_plain_in_fp32(chunk: int) -> None:
+    (loss_a, gh_a, gw_a), (loss_b, gh_b, gw_b) = _plain_and_chunked(None, chunk)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(gh_b, gh_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw_b, gw_a, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_follows_autocast_in_bf16() -> None:
+    (loss_a, gh_a, gw_a), (loss_b, gh_b, gw_b) = _plain_and_chunked(torch.bfloat16, 16)
+    torch.testing.assert_close(loss_b, loss_a, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(gh_b, gh_a, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(gw_b, gw_a, rtol=5e-2, atol=5e-2)
+
+
+def test_gpt_loss_path_matches_its_logits_path() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, n_embd=32))
+    tokens = torch.randint(0, 256, (3, 17))
+    logits = model(tokens[:, :-1])
+    plain = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    set_loss_chunking(model, 10)
+    chunked = model(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-4)
+
+
+def test_loss_chunking_needs_a_model_that_computes_its_loss() -> None:
+    with pytest.raises(ValueError, match="memory.loss_chunk_tokens 4096"):
+        set_loss_chunking(torch.nn.Linear(2, 2), 4096)
+    set_loss_chunking(torch.nn.Linear(2, 2), 0)  # 0 asks for nothing

@@ -1,0 +1,102 @@
+"""Cross-entropy over a large vocabulary without materialising the logits.
+
+For GPT-2's vocabulary (50,304) the logits of a 16 x 1024 micro-batch take 1.6 GB in bf16, and
+the fp32 copy that the loss needs, the softmax and their gradients take several times that: on an
+H200 this, not the transformer's activations, set the step's peak (see docs/benchmarks.md). So the
+output projection and the loss are fused and computed in chunks of tokens: for each chunk the
+forward pass computes the logits, the summed loss and, right away, the gradients with respect to
+the hidden states and the output weight; only those gradients (tokens x width, and vocabulary x
+width) are kept for backward, which just scales them by the incoming gradient. Nothing is
+recomputed, and the largest temporary is one chunk's logits.
+
+The matrix products run in the autocast dtype when autocast is on (as ``nn.Linear`` would), the
+softmax and the loss in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+if TYPE_CHECKING:
+    from trainer.memory import PrecisionPolicy
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NC: torch.Tensor, weight_VC: torch.Tensor, targets_N: torch.Tensor,
+                chunk_tokens: int) -> torch.Tensor:
+        dtype = _compute_dtype(weight_VC)
+        needs_grad = hidden_NC.requires_grad or weight_VC.requires_grad
+        with torch.autocast(weight_VC.device.type, enabled=False):
+            weight = weight_VC.to(dtype)
+            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NC.device)
+            grad_hidden = torch.empty_like(hidden_NC, dtype=torch.float32) if needs_grad else None
+            grad_weight = torch.zeros_like(weight_VC, dtype=torch.float32) if needs_grad else None
+            for start in range(0, hidden_NC.shape[0], chunk_tokens):
+                h = hidden_NC[start: start + chunk_tokens].to(dtype)
+                t = targets_N[start: start + chunk_tokens]
+                logits = (h @ weight.t()).float()
+                loss_sum += F.cross_entropy(logits, t, reduction="sum")
+                if grad_hidden is None or grad_weight is None:
+                    continue  # no gradient wanted (evaluation)
+                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place.
+                grad_logits = logits.softmax(dim=-1)
+                del logits
+                grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                grad_logits_lp = grad_logits.to(dtype)
+                del grad_logits
+                grad_hidden[start: start + chunk_tokens] = grad_logits_lp @ weight
+                grad_weight += (grad_logits_lp.t() @ h).float()
+        ctx.input_dtypes = (hidden_NC.dtype, weight_VC.dtype)
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        return ((grad_hidden * grad_loss).to(hidden_dtype),
+                (grad_weight * grad_loss).to(weight_dtype), None, None)
+
+
+def linear_cross_entropy_sum(hidden_NC: torch.Tensor, weight_VC: torch.Tensor,
+                             targets_N: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T, targets, reduction="sum")`` in chunks, fp32 result.
+
+    ``chunk_tokens`` <= 0 computes the plain, unchunked loss (the full logits are materialised).
+    """
+    if chunk_tokens <= 0:
+        logits = F.linear(hidden_NC, weight_VC)
+        return F.cross_entropy(logits.float(), targets_N, reduction="sum")
+    return _ChunkedLinearCrossEntropy.apply(hidden_NC, weight_VC, targets_N, chunk_tokens)
+
+
+def summed_loss(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy
+                ) -> torch.Tensor:
+    """Summed next-token loss of one micro-batch of rows ``(B, T + 1)``, fp32, under autocast.
+
+    A model with ``computes_loss`` computes it itself (chunked, no ``(B, T, V)`` logits); for
+    any other model the logits are materialised and the loss taken in fp32.
+    """
+    inputs_BT = tokens_BT[:, :-1].long()
+    targets_BT = tokens_BT[:, 1:].long()
+    unwrapped = model.module if isinstance(model, DDP) else model
+    with policy.autocast(inputs_BT.device):
+        if getattr(unwrapped, "computes_loss", False):
+            return model(inputs_BT, targets_BT).float()
+        logits_BTV = model(inputs_BT)
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
+                           reduction="sum")
