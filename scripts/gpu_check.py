@@ -99,11 +99,56 @@ def make_model(cfg: GPTConfig, ac: str, device: torch.device, loss_chunk_tokens:
     return torch.compile(model) if compile_model else model
 
 
+def attention_backend(name: str) -> contextlib.AbstractContextManager:
+    """``default``: torch's own choice; ``flash``: only FlashAttention (CUDA)."""
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
+def phase_peaks(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scaler: torch.amp.GradScaler, policy: Any, tokens: torch.Tensor,
+                device: torch.device) -> dict[str, int]:
+    """One more step, phase by phase: the allocator peak of forward, backward, optimizer."""
+    from trainer.loss import summed_loss
+
+    peaks = {}
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = summed_loss(model, tokens, policy)
+    sync(device)
+    peaks["forward"] = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    scaler.scale(loss / tokens[:, 1:].numel()).backward()
+    sync(device)
+    peaks["backward"] = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    peaks["optimizer"] = torch.cuda.max_memory_allocated(device)
+    return peaks
+
+
 def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
                  device: torch.device, steps: int, warmup: int, loss_chunk_tokens: int,
-                 batches: BatchLoader | None = None, compile_model: bool = False
-                 ) -> dict[str, Any]:
+                 batches: BatchLoader | None = None, compile_model: bool = False,
+                 sdpa: str = "default") -> dict[str, Any]:
     """Train ``warmup + steps`` steps with the trainer's train_step; peak memory and speed."""
+    with attention_backend(sdpa):
+        row = _measure_step(cfg, precision, ac, micro_batch, device, steps, warmup,
+                            loss_chunk_tokens, batches, compile_model)
+    row["sdpa"] = sdpa
+    return row
+
+
+def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
+                  device: torch.device, steps: int, warmup: int, loss_chunk_tokens: int,
+                  batches: BatchLoader | None, compile_model: bool) -> dict[str, Any]:
     model = make_model(cfg, ac, device, loss_chunk_tokens, compile_model)
     policy = quiet_policy(precision, device)
     scaler = policy.grad_scaler(device)
@@ -138,6 +183,11 @@ def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
     if device.type == "cuda":
         row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        try:  # diagnostics only: a failure here must not lose the row's figures
+            row["phase_peak_bytes"] = phase_peaks(model, optimizer, scaler, policy, fixed,
+                                                  device)
+        except Exception as err:
+            row["phase_peak_error"] = f"{type(err).__name__}: {err}"[:300]
     else:
         row["peak_allocated_bytes"] = row["peak_reserved_bytes"] = None
     del model, optimizer, scaler, result, fixed
@@ -260,14 +310,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flops_per_token = GPT(cfg).flops_per_token()
     report["flops_per_token"] = flops_per_token
     chunk = args.loss_chunk_tokens
-    configs = [(p, a, chunk, False) for p in PRECISIONS for a in AC_MODES]
-    configs += [("fp32", "none", 0, False), ("bf16", "selective", 0, False)]  # full logits
+    configs = [(p, a, chunk, False, "default") for p in PRECISIONS for a in AC_MODES]
+    configs += [("fp32", "none", 0, False, "default"),  # the guide's baseline: full logits
+                ("bf16", "selective", 0, False, "default")]
+    if not dry:  # attention kernels differ in workspace: FlashAttention only, for comparison
+        configs += [(p, a, chunk, False, "flash") for p, a in
+                    (("bf16", "none"), ("bf16", "selective"), ("bf16", "full"),
+                     ("fp16", "selective"))]
     if not dry and args.compile:
-        configs.append(("bf16", "none", chunk, True))
-    for precision, ac, loss_chunk, compiled in configs:
-        name = f"{precision}/{ac}/chunk {loss_chunk}{' compiled' if compiled else ''}"
+        configs.append(("bf16", "none", chunk, True, "default"))
+    for precision, ac, loss_chunk, compiled, sdpa in configs:
+        name = (f"{precision}/{ac}/chunk {loss_chunk}/{sdpa}"
+                f"{' compiled' if compiled else ''}")
         row = section(name, measure_step, cfg, precision, ac, micro_batch, device, steps,
-                      warmup, loss_chunk, compile_model=compiled)
+                      warmup, loss_chunk, compile_model=compiled, sdpa=sdpa)
         if row is None:
             continue
         plan = None if compiled else section(f"plan {name}", predict, cfg, precision, ac,
@@ -301,7 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
     rows = {(r["precision"], r["activation_checkpointing"], r["compiled"],
-             r["loss_chunk_tokens"]): r for r in report["rows"]}
+             r["loss_chunk_tokens"]): r for r in report["rows"] if r["sdpa"] == "default"}
     summary: dict[str, Any] = {}
     # The baseline is the guide's: fp32, no checkpointing, plain loss; against memtrain's setup.
     chunk = max((r["loss_chunk_tokens"] for r in report["rows"]), default=0)
@@ -335,16 +391,20 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['model']['seq_len']}, micro-batch {report['micro_batch_size']}; "
              f"bf16 matmul peak {report['matmul_bf16_tflops'] or 0:.1f} TFLOP/s; allocator "
              f"{report.get('allocator_effective', report['allocator_requested'])}", "",
-             "| precision | act. ckpt | loss chunk | compiled | peak alloc GiB | "
-             "peak reserved GiB | predicted GiB | planner error | tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| precision | act. ckpt | loss chunk | attention | compiled | peak alloc GiB | "
+             "peak reserved GiB | fwd / bwd / optim peak GiB | predicted GiB | planner error | "
+             "tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         err = f"{100 * r['planner_error']:+.1f}%" if "planner_error" in r else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        phases = " / ".join(gib(v) for v in r["phase_peak_bytes"].values()) \
+            if r.get("phase_peak_bytes") else "-"
         lines.append(f"| {r['precision']} | {r['activation_checkpointing']} | "
-                     f"{r['loss_chunk_tokens'] or 'off'} | {'yes' if r['compiled'] else 'no'} | "
-                     f"{gib(r['peak_allocated_bytes'])} | "
-                     f"{gib(r['peak_reserved_bytes'])} | {gib(r.get('predicted_peak_bytes'))} | "
+                     f"{r['loss_chunk_tokens'] or 'off'} | {r['sdpa']} | "
+                     f"{'yes' if r['compiled'] else 'no'} | {gib(r['peak_allocated_bytes'])} | "
+                     f"{gib(r['peak_reserved_bytes'])} | {phases} | "
+                     f"{gib(r.get('predicted_peak_bytes'))} | "
                      f"{err} | {r['tokens_per_second']:,.0f} | {mfu} |")
     s = report["summary"]
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
@@ -369,8 +429,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--dry", action="store_true", help="tiny model on CPU even with CUDA")
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--oom-micro-batch", type=int, default=160)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--oom-micro-batch", type=int, default=320)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--loss-chunk-tokens", type=int, default=4096)
     parser.add_argument("--budget-seconds", type=float, default=270)
