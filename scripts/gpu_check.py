@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import gc
 import json
 import pickle
 import platform
@@ -146,9 +147,23 @@ def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
     return row
 
 
+def release_memory(device: torch.device) -> int:
+    """Free what earlier rows left (cyclic garbage included); returns bytes still allocated.
+
+    Run 3 on an H200 showed each row's model and optimizer outliving it until a collection, which
+    inflated every later row's peak; rows now start from a collected heap and an empty cache.
+    """
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
 def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
                   device: torch.device, steps: int, warmup: int, loss_chunk_tokens: int,
                   batches: BatchLoader | None, compile_model: bool) -> dict[str, Any]:
+    allocated_at_start = release_memory(device)
     model = make_model(cfg, ac, device, loss_chunk_tokens, compile_model)
     policy = quiet_policy(precision, device)
     scaler = policy.grad_scaler(device)
@@ -176,6 +191,7 @@ def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
     row: dict[str, Any] = {
         "precision": precision, "activation_checkpointing": ac, "micro_batch_size": micro_batch,
         "compiled": compile_model, "loss_chunk_tokens": loss_chunk_tokens, "steps": steps,
+        "allocated_at_start_bytes": allocated_at_start,
         "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
         "step_seconds": elapsed / steps, "data_wait_seconds": wait,
         "input_stall": wait / elapsed, "final_loss": float(result.loss),
@@ -191,19 +207,18 @@ def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
     else:
         row["peak_allocated_bytes"] = row["peak_reserved_bytes"] = None
     del model, optimizer, scaler, result, fixed
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # between phases: each configuration starts from an empty cache
+    release_memory(device)  # between phases: the next configuration starts from nothing
     return row
 
 
 def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
             device: torch.device, loss_chunk_tokens: int) -> dict[str, Any]:
     """The planner's prediction, probing on the same device the step runs on."""
+    release_memory(device)
     profile = profile_activations(lambda: GPT(cfg), cfg.seq_len, cfg.vocab_size, precision, ac,
                                   device=device, loss_chunk_tokens=loss_chunk_tokens)
     row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return row.as_dict()
 
 
@@ -221,6 +236,7 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
     """A micro-batch too large for the device: real OOM, recovery by halving, snapshot."""
     from trainer.loop import recover_from_oom
 
+    release_memory(device)
     run_dir = Path(tempfile.mkdtemp(prefix="memtrain-oom-"))  # snapshots can be large
     ctx = LocalContext(0, 0, 1, device, run_dir)
     recording = start_memory_history(device, enabled=True)
@@ -257,8 +273,7 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
            "snapshot_loads_with_pickle": snapshot_ok,
            "reports": sorted(p.name for p in (run_dir / "memory").glob("*"))}
     del model, optimizer, batch, result
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return row
 
 

@@ -109,6 +109,68 @@ def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
     console.print(table)
 
 
+@app.command("plan")
+def plan_command(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
+    device_memory: Annotated[str, typer.Option(help="Memory of one device, e.g. 80GiB.")
+                             ] = "80GiB",
+    workers: Annotated[int | None, typer.Option(help="Number of workers.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a config value (repeatable).")] = None,
+) -> None:
+    """Predict memory per rank before training: what fits, at which micro-batch and cost."""
+    import torch
+
+    from trainer.memory import precision_policy
+    from trainer.model import build_model
+    from trainer.planner import feasible_plans, parse_bytes, plan_row, profile_all, static_bytes
+
+    extra = list(overrides or []) + ([f"parallel.workers={workers}"] if workers else [])
+    cfg = load_config(config, extra)
+    budget = parse_bytes(device_memory)
+    world = cfg.parallel.workers
+    accumulation = cfg.train.accumulation_steps(world)
+    kwargs = cfg.model.model_dump(exclude={"name"})
+
+    def build() -> torch.nn.Module:
+        return build_model(cfg.model.name, **kwargs)
+
+    precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
+    precision_policy(cfg.memory.precision, torch.device("cpu"))  # validates the name
+    console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} on "
+                  f"CPU ({len(precisions) * 3} probes)...")
+    profiles = profile_all(build, cfg.model.seq_len, cfg.model.vocab_size, precisions,
+                           ["none", "selective", "full"], cfg.memory.checkpoint_every_k,
+                           cfg.memory.loss_chunk_tokens)
+    static = static_bytes(build())
+    gib = 2**30
+    console.print(f"per rank: parameters {static.params / gib:.2f} GiB, gradients "
+                  f"{static.grads / gib:.2f} GiB, AdamW state {static.optimizer / gib:.2f} GiB "
+                  f"(DDP; FSDP divides these by the world size)")
+    current = Table("precision", "act. ckpt", "activations GiB", "transient GiB",
+                    "predicted peak GiB", "fits", "recompute",
+                    title=f"configured micro-batch {cfg.train.micro_batch_size} x "
+                          f"accumulation {accumulation} x {world} workers")
+    for profile in profiles:
+        row = plan_row(static, profile, cfg.train.micro_batch_size, accumulation)
+        current.add_row(row.precision, row.activation_checkpointing,
+                        f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
+                        f"{row.predicted_peak_bytes / gib:.2f}",
+                        "yes" if row.predicted_peak_bytes <= 0.9 * budget else "no",
+                        f"+{100 * row.recompute_cost:.0f}%")
+    console.print(current)
+    rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget)
+    best = Table("precision", "act. ckpt", "micro-batch", "accumulation", "predicted peak GiB",
+                 "recompute", title=f"largest micro-batch that fits 90% of {device_memory}, "
+                                    f"global batch {cfg.train.global_batch_size} kept")
+    for row in rows:
+        best.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
+                     str(row.accumulation_steps), f"{row.predicted_peak_bytes / gib:.2f}",
+                     f"+{100 * row.recompute_cost:.0f}%")
+    console.print(best if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
+                                    "sequence or a smaller model")
+
+
 @data_app.command("corpus")
 def data_corpus(
     out: Annotated[Path, typer.Argument(help="Output directory (gets train/ and val/).")],

@@ -8,12 +8,17 @@ deduplicated by storage, excluding parameters, and adds the inputs that activati
 keeps alive for recomputation. Two probe sizes separate the per-sample bytes from the fixed ones
 (autocast's low-precision weight copies).
 
-The predicted step peak is ``static + saved(micro_batch) + transient``, where the transient is
-what backward holds on top of the saved tensors: the gradient of the largest saved tensor (taken
-as twice its size) plus, with activation checkpointing, one block's recomputed activations
-(measured as the difference to a probe without checkpointing). The planner does not model the
-CUDA allocator's rounding and caching; ``make gpu-check`` measures how far the prediction is from
-the real peak.
+The predicted step peak is ``params + optimizer state + saved(micro_batch) + transient``. Two
+moments compete for the peak, and the transient is the larger of them:
+- the end of the forward pass, where the chunked loss (``trainer.loss``) holds one chunk's fp32
+  logits and softmax: ``8 x chunk_tokens x vocab`` bytes (0 for a model without it);
+- the start of backward, where gradients appear (``gradients``) while the saved tensors are still
+  alive, plus the gradient of the largest saved tensor (taken as twice its size) and, with
+  activation checkpointing, one block's recomputed activations (measured as the difference to a
+  probe without checkpointing).
+Gradients are not held during the forward pass: the loop zeroes them with ``set_to_none=True``.
+The planner does not model the CUDA allocator's rounding and caching, nor kernel workspaces;
+``make gpu-check`` measures how far the prediction is from the real peak.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,6 +60,11 @@ class ActivationProfile:
     recompute_fraction: float  # forward FLOPs recomputed in backward, as a share of the forward
     # What one checkpointed block saves while backward recomputes it, per sample (0 without AC).
     recompute_block_per_sample_bytes: int = 0
+    # The chunked loss's temporaries: 8 bytes (fp32 logits and softmax) x vocab per token, for
+    # at most ``loss_chunk_tokens`` tokens at a time (0: the model has no chunked loss).
+    loss_transient_bytes_per_token: int = 0
+    loss_chunk_tokens: int = 0
+    seq_len: int = 0
 
     def saved_bytes(self, batch: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * batch
@@ -67,7 +78,7 @@ class PlanRow:
     accumulation_steps: int
     static_bytes: int
     activation_bytes: int
-    transient_bytes: int
+    transient_bytes: int  # includes the gradients when the peak is at the start of backward
     predicted_peak_bytes: int
     recompute_cost: float  # extra step time from recomputation, as a share of forward+backward
 
@@ -91,11 +102,11 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1) -
 
 
 @contextlib.contextmanager
-def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, int]]:
+def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
     """Count bytes autograd saves inside the block (deduplicated by storage, no parameters)."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
-    counts = {"bytes": 0, "largest": 0}
+    counts: dict[str, Any] = {"bytes": 0, "sizes": []}  # sizes: each storage, in save order
 
     def record(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -104,7 +115,7 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, int]]:
             return
         seen.add(ptr)
         counts["bytes"] += storage.nbytes()
-        counts["largest"] = max(counts["largest"], storage.nbytes())
+        counts["sizes"].append(storage.nbytes())
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         record(tensor)
@@ -128,15 +139,15 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, int]]:
 
 
 def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: str
-                        ) -> tuple[int, int]:
-    """(saved bytes, largest saved tensor bytes) of one training forward on ``tokens_BT``."""
+                        ) -> tuple[int, list[int]]:
+    """(saved bytes, each saved storage's bytes in save order) of one training forward."""
     device = tokens_BT.device
     policy = precision_policy(precision, device) if precision != "fp16" or device.type != "cpu" \
         else _quiet_fp16_policy(device)
     with count_saved_tensors(model) as counts:
         loss = summed_loss(model, tokens_BT, policy)  # the loop's own forward
     del loss
-    return counts["bytes"], counts["largest"]
+    return counts["bytes"], counts["sizes"]
 
 
 def _quiet_fp16_policy(device: torch.device):
@@ -165,6 +176,12 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
         measured[batch] = measure_saved_bytes(model, tokens_BT, precision)
     per_sample = measured[2][0] - measured[1][0]
     fixed = max(0, measured[1][0] - per_sample)
+    # The largest tensor that grows with the batch (a fixed one, such as a weight-sized
+    # gradient buffer, is in ``fixed`` already): the same save order in both probes.
+    sizes_1, sizes_2 = measured[1][1], measured[2][1]
+    growth = [b - a for a, b in zip(sizes_1, sizes_2, strict=False)] \
+        if len(sizes_1) == len(sizes_2) else [max(sizes_2, default=0) - max(sizes_1, default=0)]
+    largest_per_sample = max(growth, default=0)
     recompute_block = 0
     if chosen:
         plain = profile_activations(build, seq_len, vocab_size, precision, "none", every_k,
@@ -173,19 +190,26 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     # Recomputation repeats the forward of the wrapped blocks: their share of the forward FLOPs
     # is about their share of the blocks, and a forward is about a third of forward+backward.
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
+    chunked = loss_chunk_tokens > 0 and hasattr(model, "loss_chunk_tokens")
     return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
-                             measured[2][1] - measured[1][1] or measured[1][1], recompute,
-                             recompute_block)
+                             largest_per_sample, recompute, recompute_block,
+                             8 * vocab_size if chunked else 0, loss_chunk_tokens, seq_len)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
              accumulation_steps: int) -> PlanRow:
     activations = profile.saved_bytes(micro_batch_size)
-    transient = (2 * profile.largest_tensor_per_sample_bytes
-                 + profile.recompute_block_per_sample_bytes) * micro_batch_size
+    tokens = micro_batch_size * profile.seq_len
+    end_of_forward = profile.loss_transient_bytes_per_token * min(profile.loss_chunk_tokens,
+                                                                  tokens)
+    start_of_backward = static.grads + (2 * profile.largest_tensor_per_sample_bytes
+                                        + profile.recompute_block_per_sample_bytes
+                                        ) * micro_batch_size
+    transient = max(end_of_forward, start_of_backward)
+    peak = static.params + static.optimizer + activations + transient
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
-                   accumulation_steps, static.total, activations, transient,
-                   static.total + activations + transient, profile.recompute_fraction)
+                   accumulation_steps, static.total, activations, transient, peak,
+                   profile.recompute_fraction)
 
 
 def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
@@ -211,3 +235,29 @@ def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
                 rows.append(row)
                 break
     return sorted(rows, key=lambda r: (r.recompute_cost, r.predicted_peak_bytes))
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``141GB``, ``512MiB`` or a plain number of bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    cleaned = text.strip().upper().replace(" ", "")
+    number = cleaned.rstrip("KMGTIB")
+    unit = cleaned[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ValueError(f"--device-memory {text!r} is not a size like 80GiB, 141GB or 512MiB")
+    return int(value * units[unit])
+
+
+def profile_all(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
+                precisions: list[str], ac_modes: list[str], every_k: int,
+                loss_chunk_tokens: int, device: torch.device | None = None
+                ) -> list[ActivationProfile]:
+    """One activation profile per (precision, checkpointing) pair."""
+    return [profile_activations(build, seq_len, vocab_size, precision, mode, every_k, device,
+                                loss_chunk_tokens)
+            for precision in precisions for mode in ac_modes]

@@ -61,3 +61,18 @@ def test_help_lists_the_commands() -> None:
     assert result.returncode == 0
     for command in ("train", "data"):
         assert command in result.stdout
+
+
+def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
+    result = memtrain("plan", "-c", DEMO, "--device-memory", "1GiB")
+    assert result.returncode == 0, result.stderr
+    table = result.stdout
+    for mode in ("none", "selective", "full"):
+        assert mode in table
+    assert "global batch 32 kept" in table
+
+
+def test_plan_rejects_a_bad_device_memory() -> None:
+    result = memtrain("plan", "-c", DEMO, "--device-memory", "lots")
+    assert result.returncode == 2
+    assert "--device-memory 'lots'" in result.stderr
