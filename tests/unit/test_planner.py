@@ -61,3 +61,21 @@ def test_feasible_plans_keep_the_global_batch_and_fit() -> None:
         assert row.predicted_peak_bytes <= budget
     by_mode = {r.activation_checkpointing: r for r in rows}
     assert by_mode["full"].micro_batch_size >= by_mode.get("none", by_mode["full"]).micro_batch_size
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_probes_leave_no_tensors_behind() -> None:
+    """A probe's saved tensors must die with it (a pack hook returning them leaked them all)."""
+    model = GPT(CFG)
+    tokens = torch.randint(0, 256, (2, CFG.seq_len + 1))
+    measure_saved_bytes(model, tokens, "fp32")  # warm up lazy state
+    before = _live_tensors()
+    for _ in range(3):
+        measure_saved_bytes(model, tokens, "fp32")
+    assert _live_tensors() == before
