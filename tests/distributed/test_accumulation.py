@@ -1,0 +1,118 @@
+"""Gradient accumulation with real gloo process groups: the update and the communication.
+
+- Numerics: (world 1, accumulation 4), (world 2, accumulation 2) and (world 1, one micro-batch of
+  the whole global batch) give the same SGD update. SGD, not Adam: Adam's first step is nearly
+  sign(grad) and would hide a wrong loss normalisation.
+- Communication: a DDP comm hook counts gradient all-reduce calls. With DDP's own path
+  (``oom_recovery`` off) one step of 4 micro-batches all-reduces each bucket once, not 4 times;
+  with the OOM agreement on, DDP's hook never fires and the gradients are reduced once, after it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.launch.local import free_port
+from trainer.loop import train_step
+from trainer.memory import apply_activation_checkpointing, precision_policy
+from trainer.model import GPT, GPTConfig
+from trainer.oom import OOMAgreement
+
+pytestmark = pytest.mark.distributed
+
+CFG = GPTConfig(seq_len=32, n_layer=2, n_head=2, n_embd=32)
+GLOBAL_BATCH = 16
+
+
+def _global_batch() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(42)
+    return torch.randint(0, 256, (GLOBAL_BATCH, CFG.seq_len + 1), generator=generator)
+
+
+def _one_step(rank: int, world_size: int, micro_batch: int, oom_agreement: bool,
+              steps: int = 1) -> tuple[dict[str, torch.Tensor], int]:
+    """SGD steps on this rank's share of the global batch; returns params and hook calls."""
+    torch.manual_seed(0)
+    model: torch.nn.Module = GPT(CFG)
+    apply_activation_checkpointing(model, "full")
+    calls = {"n": 0}
+    if world_size > 1:
+        model = DDP(model)
+
+        def counting_hook(state, bucket):
+            state["n"] += 1
+            return allreduce_hook(None, bucket)
+
+        model.register_comm_hook(calls, counting_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    policy = precision_policy("fp32", torch.device("cpu"))
+    scaler = policy.grad_scaler(torch.device("cpu"))
+    per_rank = GLOBAL_BATCH // world_size
+    share = _global_batch()[rank * per_rank: (rank + 1) * per_rank]
+    for _ in range(steps):
+        micro_batches = list(share.split(micro_batch))
+        agreement = OOMAgreement(torch.device("cpu")) if oom_agreement else None
+        train_step(model, optimizer, scaler, micro_batches, 1, policy, grad_clip=1e9,
+                   agreement=agreement)
+    unwrapped = model.module if isinstance(model, DDP) else model
+    return {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}, calls["n"]
+
+
+def _worker(rank: int, world_size: int, port: int, micro_batch: int, oom_agreement: bool,
+            steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        params, calls = _one_step(rank, world_size, micro_batch, oom_agreement, steps)
+        if rank == 0:
+            torch.save({"params": params, "calls": calls}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_two_ranks(tmp_path: Path, micro_batch: int, oom_agreement: bool, steps: int = 1):
+    out = tmp_path / f"result-{micro_batch}-{oom_agreement}-{steps}.pt"
+    mp.start_processes(_worker, args=(2, free_port(), micro_batch, oom_agreement, steps,
+                                      str(out)), nprocs=2, start_method="spawn")
+    result = torch.load(out, weights_only=True)
+    return result["params"], result["calls"]
+
+
+@pytest.mark.parametrize("oom_agreement", [False, True], ids=["ddp-path", "agreement-path"])
+def test_world_size_and_accumulation_trade_off_exactly(tmp_path: Path,
+                                                       oom_agreement: bool) -> None:
+    big_batch, _ = _one_step(0, 1, micro_batch=GLOBAL_BATCH, oom_agreement=False)
+    accumulated, _ = _one_step(0, 1, micro_batch=4, oom_agreement=False)
+    two_ranks, _ = _run_two_ranks(tmp_path, micro_batch=4, oom_agreement=oom_agreement)
+    initial = _initial_params()
+    moved = 0.0
+    for name, reference in big_batch.items():
+        torch.testing.assert_close(accumulated[name], reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(two_ranks[name], reference, rtol=1e-5, atol=1e-6)
+        moved = max(moved, float((reference - initial[name]).abs().max()))
+    assert moved > 1e-3  # the step did change the weights: the comparison is not vacuous
+
+
+def _initial_params() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return GPT(CFG).state_dict()
+
+
+def test_ddp_all_reduces_once_per_step_not_once_per_micro_batch(tmp_path: Path) -> None:
+    # 8 rows per rank in micro-batches of 2: accumulation 4. Two optimizer steps.
+    _, calls = _run_two_ranks(tmp_path, micro_batch=2, oom_agreement=False, steps=2)
+    num_buckets = 1  # the test model's 0.1 MB of gradients fit one 25 MiB bucket
+    assert calls == 2 * num_buckets  # without no_sync it would be 2 steps x 4 micro-batches
+
+
+def test_agreement_path_bypasses_ddp_hooks_and_still_matches(tmp_path: Path) -> None:
+    _, calls = _run_two_ranks(tmp_path, micro_batch=2, oom_agreement=True, steps=2)
+    assert calls == 0  # every micro-batch ran under no_sync; all_reduce_gradients did the work
