@@ -45,6 +45,10 @@ def train_command(
     run_name: Annotated[str | None, typer.Option(help="Run name; reuse it to resume.")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a config value: --set train.lr=3e-4 (repeatable).")] = None,
+    profile_steps: Annotated[str | None, typer.Option(
+        help="torch.profiler with memory for steps A:B; traces in RUN_DIR/profile/.")] = None,
+    memory_summary: Annotated[str | None, typer.Option(
+        help="CUDA: torch.cuda.memory_summary() after these steps, e.g. 1,100.")] = None,
 ) -> None:
     """Train a model; rerunning with the same --run-name resumes from its latest checkpoint."""
     from trainer.launch import prepare_run, setup_logging
@@ -56,6 +60,10 @@ def train_command(
         extra.append(f"parallel.workers={workers}")
     if run_name is not None:
         extra.append(f"run.name={run_name}")
+    if profile_steps is not None:
+        extra.append(f"memory.profile_steps='{profile_steps}'")
+    if memory_summary is not None:
+        extra.append(f"memory.memory_summary_steps=[{memory_summary}]")
     cfg = load_config(config, extra)
     cfg, run_dir = prepare_run(cfg)
     setup_logging()

@@ -91,6 +91,12 @@ class MemoryConfig(_Strict):
     record_memory_history: bool = True
     # 0: Python's automatic gc; N: automatic gc off, a young-generation collection every N steps.
     gc_every: int = Field(0, ge=0)
+    # Leak guard: sample live tensors, RSS and CUDA allocated bytes every N steps (0: off).
+    leak_check_every: int = Field(50, ge=0)
+    # torch.profiler with memory for optimizer steps "A:B" (1-based, inclusive); a trace per rank.
+    profile_steps: str | None = Field(None, pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
+    # CUDA: write torch.cuda.memory_summary() after these steps.
+    memory_summary_steps: list[int] = []
 
 
 class ParallelConfig(_Strict):

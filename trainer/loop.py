@@ -47,6 +47,7 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.context import WorkerContext
+from trainer.diagnostics import LeakGuard, ProfilerWindow, write_memory_summary
 from trainer.loss import summed_loss
 from trainer.memory import (
     PrecisionPolicy,
@@ -278,10 +279,13 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     steps_this_run = skipped_steps = 0
     model.train()
     stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
+    guard = LeakGuard() if cfg.memory.leak_check_every else None
+    profiler = ProfilerWindow(cfg.memory.profile_steps, ctx.run_dir, ctx.rank, device)
     splits = 1  # pieces each loaded micro-batch is cut into; doubles after each OOM
     if cfg.memory.gc_every:
         gc.disable()  # collected on our cadence below, not in the middle of a step
     while step < stop_at:
+        profiler.before_step(step + 1)
         step_start = time.perf_counter()
         wait_before = batches.wait_seconds
         micro_batches = [next(batches) for _ in range(accumulation)]
@@ -349,11 +353,24 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             checkpoints_written.append(step)
         if cfg.memory.gc_every and step % cfg.memory.gc_every == 0:
             gc.collect(1)
+        trace = profiler.after_step(step)
+        if trace is not None and ctx.is_main:
+            log.info("step %5d | profiler trace (memory on) written to %s", step, trace)
+        if step in cfg.memory.memory_summary_steps:
+            written = write_memory_summary(ctx.run_dir, step, ctx.rank, device)
+            if written is None and ctx.is_main and step == cfg.memory.memory_summary_steps[0]:
+                log.warning("memory.memory_summary_steps: torch.cuda.memory_summary needs CUDA; "
+                            "ignored on %s", device.type)
+        if guard is not None and step % cfg.memory.leak_check_every == 0:
+            guard.sample(step, device)
 
     if cfg.memory.gc_every:
         gc.enable()
 
     metrics_log.close()
+    leak_findings = guard.findings() if guard is not None else []
+    for finding in leak_findings:
+        log.warning("leak guard (rank %d): %s", ctx.rank, finding)
     summary = {
         "run": cfg.run.name, "workers": ctx.world_size, "device": device.type,
         "precision": policy.name, "activation_checkpointing": cfg.memory.activation_checkpointing,
@@ -367,7 +384,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         "data_wait_share": total_wait / total_step_seconds if total_step_seconds else None,
         "peak_memory_bytes": peak_memory_bytes(device),
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "host_max_rss",
-        "checkpoints_written": checkpoints_written,
+        "checkpoints_written": checkpoints_written, "leak_findings": leak_findings,
         "wall_seconds": time.perf_counter() - wall_start,
         "run_dir": str(ctx.run_dir),
     }
