@@ -103,6 +103,9 @@ class ParallelConfig(_Strict):
     launcher: Literal["ray", "local"] = "ray"
     workers: int = Field(2, ge=1)
     use_gpu: bool = False
+    # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state
+    # sharded across ranks (FSDP2), checkpoints sharded (torch.distributed.checkpoint).
+    strategy: Literal["ddp", "fsdp"] = "ddp"
 
 
 class Config(_Strict):
@@ -112,6 +115,13 @@ class Config(_Strict):
     train: TrainConfig = TrainConfig()
     memory: MemoryConfig = MemoryConfig()
     parallel: ParallelConfig = ParallelConfig()
+
+    @model_validator(mode="after")
+    def _supported_combinations(self) -> Config:
+        if self.parallel.strategy == "fsdp" and self.memory.precision == "fp16":
+            raise ValueError("parallel.strategy 'fsdp' with memory.precision 'fp16' is not "
+                             "supported (GradScaler over sharded gradients); use bf16")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -74,10 +74,22 @@ class LocalContext(WorkerContext):
     keep_checkpoints: int = 3
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
-        if checkpoint_dir is not None and self.is_main:
-            final = self.run_dir / checkpoint_dir_name(step)
-            staging = self.run_dir / f".staging-{checkpoint_dir_name(step)}-{os.getpid()}"
-            shutil.copytree(checkpoint_dir, staging)
+        """Every rank's checkpoint files go into one staging directory; rank 0 publishes it.
+
+        The barriers order the phases: clean staging, copy (each rank its own files: rank 0
+        only under DDP, every rank's shards under FSDP), rename, prune.
+        """
+        final = self.run_dir / checkpoint_dir_name(step)
+        staging = self.run_dir / f".staging-{checkpoint_dir_name(step)}"
+        self.barrier()
+        if self.is_main:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a crash mid-write
+            staging.mkdir(parents=True)
+        self.barrier()
+        if checkpoint_dir is not None:
+            shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+        self.barrier()
+        if self.is_main:
             if final.exists():  # a rerun reached the same step: replace it whole
                 shutil.rmtree(final)
             os.replace(staging, final)

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from datapipe.loader import BatchLoader
 from trainer.checkpoint import (
+    CheckpointError,
     load_checkpoint,
     load_model_state,
     rng_state,
@@ -65,6 +66,7 @@ from trainer.oom import (
     start_memory_history,
     write_oom_report,
 )
+from trainer.sharding import is_sharded, load_sharded, save_sharded, shard_model
 
 if TYPE_CHECKING:  # the loop runs without pydantic too (scripts/gpu_check.py)
     from trainer.config import Config, MemoryConfig, TrainConfig
@@ -124,9 +126,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             is_last = i == len(chunks) - 1
             if inject_oom and i == len(chunks) // 2:
                 raise torch.OutOfMemoryError("out of memory (injected by MEMTRAIN_INJECT_OOM)")
-            # Gradients are all-reduced by DDP only on the last micro-batch of the step.
+            # Gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on the last
+            # micro-batch of the step.
             sync = model.no_sync() if isinstance(model, DDP) and \
                 (reduce_after_check or not is_last) else contextlib.nullcontext()
+            if is_sharded(model):
+                model.set_requires_gradient_sync(is_last)  # type: ignore[operator]
             with sync:
                 loss_sum += forward_backward(model, tokens_BT, policy, scaler, tokens_per_step)
     except torch.OutOfMemoryError as err:
@@ -145,6 +150,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         all_reduce_gradients(list(model.parameters()), dist.get_world_size())
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm is a DTensor
+        grad_norm = grad_norm.full_tensor()
     finite = bool(torch.isfinite(grad_norm))  # host sync: once per optimizer step
     if finite or scaler.is_enabled():
         scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
@@ -231,6 +238,9 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     policy = precision_policy(cfg.memory.precision, device)
     scaler = policy.grad_scaler(device)
     recording_history = start_memory_history(device, cfg.memory.record_memory_history)
+    sharded = cfg.parallel.strategy == "fsdp" and ctx.world_size > 1
+    if sharded:
+        shard_model(model)  # before the optimizer: it must see the sharded parameters
     optimizer = build_optimizer(model, cfg.train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
     accumulation = cfg.train.accumulation_steps(ctx.world_size)
@@ -242,14 +252,22 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     with ctx.latest_checkpoint() as checkpoint_dir:
         if checkpoint_dir is not None:
             state = load_checkpoint(checkpoint_dir)
-            load_model_state(model, state["model"], str(checkpoint_dir))
-            optimizer.load_state_dict(state["optimizer"])
+            if bool(state.get("sharded")) != sharded:
+                how = "with" if state.get("sharded") else "without"
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run "
+                    f"has parallel.strategy {cfg.parallel.strategy!r} on {ctx.world_size} workers")
+            if sharded:
+                load_sharded(checkpoint_dir, model, optimizer)
+            else:
+                load_model_state(model, state["model"], str(checkpoint_dir))
+                optimizer.load_state_dict(state["optimizer"])
             scaler.load_state_dict(state["scaler"])
             scheduler.load_state_dict(state["scheduler"])
             loader.load_state_dict(state["loader"])
             set_rng_state(state["rng"])
             step = resumed_from = int(state["step"])
-    if ctx.world_size > 1:
+    if ctx.world_size > 1 and not sharded:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -293,7 +311,10 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         attempt = 0
         while True:
             torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
-            agreement = OOMAgreement(device) if cfg.memory.oom_recovery else None
+            # Under FSDP the reduce-scatter cannot wait for an agreement: OOM recovery there is
+            # per rank only (world size 1), see trainer/oom.py.
+            agreement = OOMAgreement(device) if cfg.memory.oom_recovery and not sharded \
+                else None
             try:
                 result = train_step(model, optimizer, scaler, micro_batches, splits, policy,
                                     cfg.train.grad_clip, agreement,
@@ -349,7 +370,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
 
         if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or is_last:
             _checkpoint(ctx, step, model, optimizer, scaler, scheduler, loader,
-                        {"step": step, "loss": last_loss})
+                        {"step": step, "loss": last_loss}, sharded)
             checkpoints_written.append(step)
         if cfg.memory.gc_every and step % cfg.memory.gc_every == 0:
             gc.collect(1)
@@ -357,8 +378,8 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         if trace is not None and ctx.is_main:
             log.info("step %5d | profiler trace (memory on) written to %s", step, trace)
         if step in cfg.memory.memory_summary_steps:
-            written = write_memory_summary(ctx.run_dir, step, ctx.rank, device)
-            if written is None and ctx.is_main and step == cfg.memory.memory_summary_steps[0]:
+            summary_path = write_memory_summary(ctx.run_dir, step, ctx.rank, device)
+            if summary_path is None and ctx.is_main and step == cfg.memory.memory_summary_steps[0]:
                 log.warning("memory.memory_summary_steps: torch.cuda.memory_summary needs CUDA; "
                             "ignored on %s", device.type)
         if guard is not None and step % cfg.memory.leak_check_every == 0:
@@ -428,18 +449,28 @@ def allocator_settings() -> str:
 def _checkpoint(ctx: WorkerContext, step: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                 scheduler: torch.optim.lr_scheduler.LRScheduler, loader: BatchLoader,
-                metrics: dict[str, Any]) -> None:
-    """Rank 0 writes the state to a staging directory and hands it to the context."""
+                metrics: dict[str, Any], sharded: bool) -> None:
+    """Write the state to a staging directory and hand it to the context.
+
+    DDP: rank 0 writes everything into ``state.pt``. FSDP: every rank writes its model and
+    optimizer shards (DCP), rank 0 adds ``state.pt`` with the rest.
+    """
     unwrapped = model.module if isinstance(model, DDP) else model
     with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
         checkpoint_dir = None
+        if sharded:
+            checkpoint_dir = Path(tmp)
+            save_sharded(checkpoint_dir, unwrapped, optimizer)
         if ctx.is_main:
             checkpoint_dir = Path(tmp)
-            save_checkpoint(checkpoint_dir, {
-                "model": unwrapped.state_dict(), "optimizer": optimizer.state_dict(),
+            state: dict[str, Any] = {
                 "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
                 "loader": loader.state_dict(), "rng": rng_state(), "step": step,
-            })
+                "sharded": sharded,
+            }
+            if not sharded:
+                state.update(model=unwrapped.state_dict(), optimizer=optimizer.state_dict())
+            save_checkpoint(checkpoint_dir, state)
         ctx.report(metrics, checkpoint_dir, step)
 
 
