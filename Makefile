@@ -13,7 +13,7 @@ GPU_PYTHON ?= python3  # gpu-check runs on the machine's own torch, from the sou
 GPU_CHECK_OUT ?= bench/results
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data demo test lint gpu-check clean
+.PHONY: help setup data demo test lint bench-memory gpu-check clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -39,8 +39,11 @@ test: setup ## Run the whole test suite (unit, distributed with real gloo and Ra
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: setup ## ruff and mypy
-	$(BIN)/ruff check trainer datapipe monitoring tests scripts
+	$(BIN)/ruff check trainer datapipe monitoring tests scripts bench
 	$(BIN)/mypy
+
+bench-memory: setup ## CPU: activation bytes and step time per precision x checkpointing, planner beside
+	$(BIN)/python -m bench.memory --out bench/results
 
 gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no CUDA: dry mode)
 	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
