@@ -157,10 +157,10 @@ def plan_command(
                   f"(DDP; FSDP divides these by the world size)")
     current = Table("precision", "act. ckpt", "activations GiB", "transient GiB",
                     "predicted peak GiB", "fits", "recompute",
-                    title=f"configured micro-batch {cfg.train.micro_batch_size} x "
+                    title=f"configured micro-batch {cfg.train.micro_batch()} x "
                           f"accumulation {accumulation} x {world} workers")
     for profile in profiles:
-        row = plan_row(static, profile, cfg.train.micro_batch_size, accumulation)
+        row = plan_row(static, profile, cfg.train.micro_batch(), accumulation)
         current.add_row(row.precision, row.activation_checkpointing,
                         f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
                         f"{row.predicted_peak_bytes / gib:.2f}",

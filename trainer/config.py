@@ -9,7 +9,7 @@ values live in exactly one method (``TrainConfig.accumulation_steps``). Every fa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -56,7 +56,9 @@ class DataConfig(_Strict):
 class TrainConfig(_Strict):
     steps: int = Field(100, ge=1)
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, all ranks together
-    micro_batch_size: int = Field(8, ge=1)  # sequences per forward/backward on one rank
+    # Sequences per forward/backward on one rank, or "auto": the largest that the planner
+    # predicts to fit (see memory.device_memory), keeping the global batch.
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = 8
     lr: float = Field(1e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(10, ge=0)
@@ -68,9 +70,15 @@ class TrainConfig(_Strict):
     eval_batches: int = Field(4, ge=1)
     checkpoint_every: int = Field(50, ge=0)  # 0: only the final checkpoint
 
+    def micro_batch(self) -> int:
+        """The micro-batch size; "auto" must have been resolved (trainer.launch.resolve_auto)."""
+        if self.micro_batch_size == "auto":
+            raise ConfigError("train.micro_batch_size is 'auto' and has not been resolved")
+        return self.micro_batch_size
+
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank; the global batch is kept exactly."""
-        per_step = self.micro_batch_size * world_size
+        per_step = self.micro_batch() * world_size
         if self.global_batch_size % per_step:
             raise ConfigError(
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
@@ -80,8 +88,12 @@ class TrainConfig(_Strict):
 
 class MemoryConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
-    activation_checkpointing: Literal["none", "full", "selective"] = "full"
+    # "auto": the cheapest mode (least recomputation) the planner predicts to fit.
+    activation_checkpointing: Literal["none", "full", "selective", "auto"] = "full"
     checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
+    # Memory of one device for the "auto" choices, e.g. "80GiB". Unset: the CUDA device's total
+    # when the driver has one, or this host's RAM divided by the workers on CPU.
+    device_memory: str | None = None
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits).
     loss_chunk_tokens: int = Field(4096, ge=0)
     # On OOM: snapshot, halve the micro-batch, double accumulation (global batch kept), retry.

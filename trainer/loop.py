@@ -245,7 +245,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
     accumulation = cfg.train.accumulation_steps(ctx.world_size)
     loader = BatchLoader(cfg.data.path, cfg.data.column, rank=ctx.rank,
-                         world_size=ctx.world_size, batch_size=cfg.train.micro_batch_size,
+                         world_size=ctx.world_size, batch_size=cfg.train.micro_batch(),
                          seed=cfg.run.seed, shuffle=cfg.data.shuffle, device=device)
 
     step, resumed_from = 0, None
@@ -276,7 +276,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
                  "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch %d; %s",
                  cfg.run.name, ctx.world_size, device.type, policy.name,
-                 cfg.memory.activation_checkpointing, checkpointed, cfg.train.micro_batch_size,
+                 cfg.memory.activation_checkpointing, checkpointed, cfg.train.micro_batch(),
                  accumulation, ctx.world_size, cfg.train.global_batch_size, where)
         if device.type == "cuda":
             log.info("CUDA allocator settings: %s; memory history %s",
@@ -288,7 +288,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     if cfg.data.val_path and cfg.train.eval_every:
         val_batches = BatchLoader(cfg.data.val_path, cfg.data.column, rank=ctx.rank,
                                   world_size=ctx.world_size,
-                                  batch_size=cfg.train.micro_batch_size, seed=cfg.run.seed,
+                                  batch_size=cfg.train.micro_batch(), seed=cfg.run.seed,
                                   shuffle=False, device=device)
     first_loss = last_loss = eval_loss = None
     checkpoints_written: list[int] = []
@@ -323,7 +323,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             except StepOutOfMemory as err:
                 attempt += 1
                 splits = recover_from_oom(ctx, step + 1, splits, attempt, cfg.memory,
-                                          cfg.train.micro_batch_size, accumulation, str(err))
+                                          cfg.train.micro_batch(), accumulation, str(err))
         del micro_batches
         result.data_wait_seconds = data_wait
         scheduler.step()
@@ -350,7 +350,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                 "step_seconds": elapsed / window_steps,
                 "data_wait_share": window_wait / elapsed,
                 "peak_memory_bytes": peak_memory_bytes(device),
-                "micro_batch_size": -(-cfg.train.micro_batch_size // splits),
+                "micro_batch_size": -(-cfg.train.micro_batch() // splits),
                 "accumulation_steps": accumulation * splits, "time": time.time(),
             }
             metrics_log.write(record)
@@ -395,7 +395,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     summary = {
         "run": cfg.run.name, "workers": ctx.world_size, "device": device.type,
         "precision": policy.name, "activation_checkpointing": cfg.memory.activation_checkpointing,
-        "micro_batch_size": -(-cfg.train.micro_batch_size // splits),
+        "micro_batch_size": -(-cfg.train.micro_batch() // splits),
         "accumulation_steps": accumulation * splits, "oom_recoveries": splits.bit_length() - 1,
         "global_batch_size": cfg.train.global_batch_size, "resumed_from_step": resumed_from,
         "final_step": step, "steps_this_run": steps_this_run, "first_loss": first_loss,

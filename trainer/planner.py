@@ -276,3 +276,28 @@ def profile_all(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
     return [profile_activations(build, seq_len, vocab_size, precision, mode, every_k, device,
                                 loss_chunk_tokens)
             for precision in precisions for mode in ac_modes]
+
+
+def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,
+                world_size: int, device_memory_bytes: int, micro_batch_size: int | None = None,
+                min_micro_batch: int = 4, headroom: float = 0.9) -> PlanRow | None:
+    """The plan for ``auto``: the cheapest checkpointing that fits, with a useful micro-batch.
+
+    ``micro_batch_size`` None means auto: each profile gets the largest micro-batch that fits.
+    Among the rows that fit, the least recomputation wins, provided its micro-batch is at least
+    ``min_micro_batch`` (or the whole per-rank batch, if smaller); otherwise the row with the
+    largest micro-batch. None when nothing fits.
+    """
+    per_rank = global_batch_size // world_size
+    if micro_batch_size is None:
+        rows = feasible_plans(static, profiles, global_batch_size, world_size,
+                              device_memory_bytes, headroom)
+    else:
+        rows = [row for row in (plan_row(static, p, micro_batch_size,
+                                         per_rank // micro_batch_size) for p in profiles)
+                if row.predicted_peak_bytes <= device_memory_bytes * headroom]
+        rows.sort(key=lambda r: (r.recompute_cost, r.predicted_peak_bytes))
+    if not rows:
+        return None
+    useful = [r for r in rows if r.micro_batch_size >= min(min_micro_batch, per_rank)]
+    return useful[0] if useful else max(rows, key=lambda r: r.micro_batch_size)

@@ -64,3 +64,16 @@ def test_the_real_loop_keeps_memory_flat(corpus_dir: Path, tmp_path: Path) -> No
 def test_bad_profile_ranges_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="profile_steps"):
         parse_step_range(text)
+
+
+def test_gc_policy_collects_on_cadence_and_restores_automatic_gc(corpus_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    import gc
+
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
+        "memory.gc_every=2", "train.steps=6", "train.eval_every=0", "run.name=gc"))
+    before = gc.get_stats()[1]["collections"]
+    launch_local(cfg, run_dir)
+    assert gc.isenabled()
+    assert gc.get_stats()[1]["collections"] - before >= 3  # steps 2, 4, 6

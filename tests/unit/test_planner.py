@@ -6,6 +6,9 @@ import torch
 from trainer.memory import apply_activation_checkpointing
 from trainer.model import GPT, GPTConfig
 from trainer.planner import (
+    ActivationProfile,
+    StaticBytes,
+    choose_plan,
     feasible_plans,
     measure_saved_bytes,
     profile_activations,
@@ -66,8 +69,10 @@ def test_feasible_plans_keep_the_global_batch_and_fit() -> None:
 def _live_tensors() -> int:
     import gc
 
+    from trainer.diagnostics import live_tensor_count
+
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return live_tensor_count()
 
 
 def test_probes_leave_no_tensors_behind() -> None:
@@ -79,3 +84,46 @@ def test_probes_leave_no_tensors_behind() -> None:
     for _ in range(3):
         measure_saved_bytes(model, tokens, "fp32")
     assert _live_tensors() == before
+
+
+def _profile(mode: str, per_sample: int, recompute: float) -> ActivationProfile:
+    return ActivationProfile("bf16", mode, per_sample, 0, 0, recompute, seq_len=64)
+
+
+def test_choose_plan_prefers_least_recompute_with_a_useful_micro_batch() -> None:
+    static = StaticBytes(params=100, grads=100, optimizer=200)  # 400 B
+    profiles = [_profile("none", 100, 0.0), _profile("selective", 50, 1 / 6),
+                _profile("full", 10, 1 / 3)]
+    # Predicted peak = params + optimizer + per_sample x micro + grads: 400 + per_sample x micro.
+    roomy = choose_plan(static, profiles, global_batch_size=16, world_size=1,
+                        device_memory_bytes=2000, headroom=1.0)
+    assert roomy is not None and roomy.activation_checkpointing == "none"
+    tight = choose_plan(static, profiles, global_batch_size=16, world_size=1,
+                        device_memory_bytes=750, headroom=1.0)  # "none" fits micro 2 only
+    assert tight is not None and tight.activation_checkpointing == "selective"
+    assert tight.micro_batch_size * tight.accumulation_steps == 16
+    assert tight.micro_batch_size >= 4
+    assert choose_plan(static, profiles, 16, 1, device_memory_bytes=100, headroom=1.0) is None
+
+
+def test_choose_plan_with_a_fixed_micro_batch_picks_the_mode() -> None:
+    static = StaticBytes(params=100, grads=100, optimizer=200)
+    profiles = [_profile("none", 100, 0.0), _profile("full", 10, 1 / 3)]
+    plan = choose_plan(static, profiles, 16, 2, device_memory_bytes=1000,
+                       micro_batch_size=8, headroom=1.0)
+    assert plan is not None
+    assert (plan.activation_checkpointing, plan.micro_batch_size, plan.accumulation_steps) \
+        == ("full", 8, 1)
+
+
+def test_auto_config_resolves_before_launch(corpus_dir, tmp_path) -> None:
+    from tests.conftest import tiny_config
+    from trainer.launch import prepare_run
+
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "train.micro_batch_size=auto",
+        "memory.activation_checkpointing=auto", "memory.device_memory=64MiB", "run.name=auto"))
+    assert isinstance(cfg.train.micro_batch_size, int)
+    assert cfg.memory.activation_checkpointing in ("none", "selective", "full")
+    assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * 2) == 0
+    assert "micro_batch_size: auto" not in (run_dir / "config.yaml").read_text()

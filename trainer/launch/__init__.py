@@ -2,7 +2,8 @@
 
 ``prepare_run`` turns a loaded config into one the workers can use anywhere (absolute paths),
 checks what would otherwise fail late inside a worker (dataset present, batch arithmetic, worker
-count against CPUs), and writes the resolved config into the run directory. The launchers
+count against CPUs), resolves ``auto`` choices with the memory planner, and writes the resolved
+config into the run directory. The launchers
 themselves live in ``local.py`` (in-process or spawned processes, no Ray) and ``ray.py``.
 """
 
@@ -15,6 +16,8 @@ from pathlib import Path
 from datapipe.manifest import read_manifest
 from trainer.config import Config, ConfigError
 
+log = logging.getLogger("memtrain")
+
 
 def setup_logging() -> None:
     logging.basicConfig(format="%(message)s", level=logging.INFO, force=True)
@@ -22,6 +25,65 @@ def setup_logging() -> None:
 
 def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def device_memory_bytes(cfg: Config) -> int:
+    """Memory of one device for the planner's ``auto`` choices."""
+    from trainer.planner import parse_bytes
+
+    if cfg.memory.device_memory:
+        try:
+            return parse_bytes(cfg.memory.device_memory)
+        except ValueError as err:
+            raise ConfigError(f"memory.device_memory {cfg.memory.device_memory!r} is not a size "
+                              "like 80GiB") from err
+    if cfg.parallel.use_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("memory.device_memory must be set for 'auto' when this machine "
+                              "has no GPU to read it from")
+        return torch.cuda.get_device_properties(0).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // cfg.parallel.workers
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """Replace ``micro_batch_size: auto`` / ``activation_checkpointing: auto`` by the planner's
+    choice (see ``trainer.planner.choose_plan``); configs without ``auto`` pass unchanged."""
+    micro_auto = cfg.train.micro_batch_size == "auto"
+    ac_auto = cfg.memory.activation_checkpointing == "auto"
+    if not (micro_auto or ac_auto):
+        return cfg
+    from trainer.model import build_model
+    from trainer.planner import choose_plan, profile_all, static_bytes
+
+    world = cfg.parallel.workers
+    if cfg.train.global_batch_size % world:
+        raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
+                          f"multiple of the workers ({world})")
+    kwargs = cfg.model.model_dump(exclude={"name"})
+    modes: list[str] = ["none", "selective", "full"] if ac_auto \
+        else [cfg.memory.activation_checkpointing]
+    profiles = profile_all(lambda: build_model(cfg.model.name, **kwargs), cfg.model.seq_len,
+                           cfg.model.vocab_size, [cfg.memory.precision], modes,
+                           cfg.memory.checkpoint_every_k, cfg.memory.loss_chunk_tokens)
+    static = static_bytes(build_model(cfg.model.name, **kwargs), cfg.parallel.strategy, world)
+    budget = device_memory_bytes(cfg)
+    fixed = None if micro_auto else cfg.train.micro_batch()
+    plan = choose_plan(static, profiles, cfg.train.global_batch_size, world, budget, fixed)
+    if plan is None:
+        raise ConfigError(f"nothing fits {budget / 2**30:.1f} GiB per device with precision "
+                          f"{cfg.memory.precision} (memory.device_memory); try FSDP, a shorter "
+                          "sequence or a smaller model")
+    log.info("auto: activation checkpointing %s, micro-batch %d x accumulation %d; predicted "
+             "peak %.2f GiB of %.2f GiB", plan.activation_checkpointing, plan.micro_batch_size,
+             plan.accumulation_steps, plan.predicted_peak_bytes / 2**30, budget / 2**30)
+    return cfg.model_copy(update={
+        "train": cfg.train.model_copy(update={"micro_batch_size": plan.micro_batch_size}),
+        "memory": cfg.memory.model_copy(
+            update={"activation_checkpointing": plan.activation_checkpointing}),
+    })
 
 
 def prepare_run(cfg: Config) -> tuple[Config, Path]:
@@ -36,6 +98,7 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
     if not cfg.parallel.use_gpu and workers > available_cpus():
         raise ConfigError(f"parallel.workers ({workers}) is more than the {available_cpus()} "
                           "CPUs of this machine and parallel.use_gpu is false")
+    cfg = resolve_auto(cfg)
     cfg.train.accumulation_steps(workers)  # raises ConfigError on impossible batch arithmetic
     for field, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
         if path is None:
