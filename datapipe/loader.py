@@ -130,6 +130,11 @@ class BatchLoader:
     def __len__(self) -> int:
         return self.num_batches
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held by the staging buffers (0 on CPU)."""
+        return sum(t.numel() * t.element_size() for t in self._staging)
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
                 "world_size": self.world_size, "batch_size": self.batch_size}

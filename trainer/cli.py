@@ -49,6 +49,9 @@ def train_command(
         help="torch.profiler with memory for steps A:B; traces in RUN_DIR/profile/.")] = None,
     memory_summary: Annotated[str | None, typer.Option(
         help="CUDA: torch.cuda.memory_summary() after these steps, e.g. 1,100.")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Local launcher: serve metrics on 127.0.0.1:PORT+rank (0: any free port).")
+                            ] = None,
 ) -> None:
     """Train a model; rerunning with the same --run-name resumes from its latest checkpoint."""
     from trainer.launch import prepare_run, setup_logging
@@ -64,6 +67,8 @@ def train_command(
         extra.append(f"memory.profile_steps='{profile_steps}'")
     if memory_summary is not None:
         extra.append(f"memory.memory_summary_steps=[{memory_summary}]")
+    if metrics_port is not None:
+        extra.append(f"monitoring.port={metrics_port}")
     cfg = load_config(config, extra)
     cfg, run_dir = prepare_run(cfg)
     setup_logging()
@@ -150,11 +155,11 @@ def plan_command(
     profiles = profile_all(build, cfg.model.seq_len, cfg.model.vocab_size, precisions,
                            ["none", "selective", "full"], cfg.memory.checkpoint_every_k,
                            cfg.memory.loss_chunk_tokens)
-    static = static_bytes(build())
+    static = static_bytes(build(), cfg.parallel.strategy, world)
     gib = 2**30
-    console.print(f"per rank: parameters {static.params / gib:.2f} GiB, gradients "
-                  f"{static.grads / gib:.2f} GiB, AdamW state {static.optimizer / gib:.2f} GiB "
-                  f"(DDP; FSDP divides these by the world size)")
+    console.print(f"per rank ({cfg.parallel.strategy}, {world} workers): parameters "
+                  f"{static.params / gib:.2f} GiB, gradients {static.grads / gib:.2f} GiB, "
+                  f"AdamW state {static.optimizer / gib:.2f} GiB")
     current = Table("precision", "act. ckpt", "activations GiB", "transient GiB",
                     "predicted peak GiB", "fits", "recompute",
                     title=f"configured micro-batch {cfg.train.micro_batch()} x "

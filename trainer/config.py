@@ -120,6 +120,12 @@ class ParallelConfig(_Strict):
     strategy: Literal["ddp", "fsdp"] = "ddp"
 
 
+class MonitoringConfig(_Strict):
+    # Local launcher: serve each rank's metrics on 127.0.0.1:(port + rank); None: no exporter.
+    # Under Ray the node's metrics endpoint is used instead (issue #5).
+    port: int | None = Field(None, ge=0, le=65535)
+
+
 class Config(_Strict):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -127,6 +133,7 @@ class Config(_Strict):
     train: TrainConfig = TrainConfig()
     memory: MemoryConfig = MemoryConfig()
     parallel: ParallelConfig = ParallelConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
 
     @model_validator(mode="after")
     def _supported_combinations(self) -> Config:

@@ -15,7 +15,7 @@ import re
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,10 @@ class WorkerContext(ABC):
     world_size: int
     device: torch.device
     run_dir: Path
+
+    # Where metrics go (monitoring.sinks.PrometheusSink or the Ray sink); None: nowhere.
+    # Set after construction by the launcher.
+    metrics_sink: Any = field(default=None, kw_only=True)
 
     @property
     def is_main(self) -> bool:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from monitoring.memory import resident_bytes
+
 log = logging.getLogger("memtrain")
 
 
@@ -31,11 +33,6 @@ def live_tensor_count() -> int:
     with warnings.catch_warnings():  # isinstance on some deprecated torch objects warns
         warnings.simplefilter("ignore", FutureWarning)
         return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096  # resident pages x page size (Linux)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from datapipe.loader import BatchLoader
+from monitoring.memory import read_cuda_allocator, read_host, read_nvml
 from trainer.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -271,6 +272,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+    samples_per_rank_step = cfg.train.global_batch_size // ctx.world_size
     if ctx.is_main:
         where = f"resuming from step {resumed_from}" if resumed_from is not None else "from scratch"
         log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
@@ -293,7 +295,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     first_loss = last_loss = eval_loss = None
     checkpoints_written: list[int] = []
     window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
-    total_wait = total_step_seconds = 0.0
+    total_wait = total_step_seconds = checkpoint_seconds = 0.0
     steps_this_run = skipped_steps = 0
     model.train()
     stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
@@ -332,6 +334,8 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         skipped_steps += int(result.skipped)
         step_seconds = time.perf_counter() - step_start
         total_step_seconds += step_seconds
+        if ctx.metrics_sink is not None:
+            ctx.metrics_sink.observe("memtrain_train_step_seconds", step_seconds)
         total_wait += result.data_wait_seconds
         window_steps += 1
         window_wait += result.data_wait_seconds
@@ -354,6 +358,15 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                 "accumulation_steps": accumulation * splits, "time": time.time(),
             }
             metrics_log.write(record)
+            if ctx.metrics_sink is not None:
+                publish_metrics(ctx.metrics_sink, record, device, loader.pinned_bytes, {
+                    "memtrain_train_samples_total": steps_this_run * samples_per_rank_step,
+                    "memtrain_train_tokens_total": steps_this_run * samples_per_rank_step
+                    * cfg.model.seq_len,
+                    "memtrain_train_skipped_steps_total": skipped_steps,
+                    "memtrain_data_wait_seconds_total": total_wait,
+                    "memtrain_checkpoint_seconds_total": checkpoint_seconds,
+                })
             if ctx.is_main:
                 log.info("step %5d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%%",
                          step, loss_value, record["tokens_per_second"],
@@ -369,8 +382,10 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                 log.info("step %5d | eval loss %.4f", step, eval_loss)
 
         if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or is_last:
+            checkpoint_start = time.perf_counter()
             _checkpoint(ctx, step, model, optimizer, scaler, scheduler, loader,
                         {"step": step, "loss": last_loss}, sharded)
+            checkpoint_seconds += time.perf_counter() - checkpoint_start
             checkpoints_written.append(step)
         if cfg.memory.gc_every and step % cfg.memory.gc_every == 0:
             gc.collect(1)
@@ -412,6 +427,27 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     if ctx.is_main:
         (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def publish_metrics(sink: Any, record: dict[str, Any], device: torch.device,
+                    pinned_bytes: int, totals: dict[str, float]) -> None:
+    """One log step's values for the metrics contract (monitoring/metrics.py) into ``sink``.
+
+    Counters are this run's running totals (since the last start or resume). On CUDA the
+    allocator's peak is reset afterwards, so the next report's peak covers only its interval.
+    """
+    values = {
+        "memtrain_train_loss": record["loss"], "memtrain_train_grad_norm": record["grad_norm"],
+        "memtrain_train_grad_scale": record["scale"],
+        "memtrain_train_micro_batch_size": record["micro_batch_size"],
+        "memtrain_train_accumulation_steps": record["accumulation_steps"],
+        **totals, **read_host(pinned_bytes),
+    }
+    if device.type == "cuda":
+        values.update(read_cuda_allocator(torch.cuda.memory_stats(device)))
+        values.update(read_nvml(device.index or 0))
+        torch.cuda.reset_peak_memory_stats(device)  # peaks cover one reporting interval
+    sink.set(values)
 
 
 def recover_from_oom(ctx: WorkerContext, step: int, splits: int, attempt: int,

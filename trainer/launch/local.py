@@ -7,6 +7,7 @@ on CPU) cheaply. All rendezvous traffic stays on 127.0.0.1.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -21,6 +22,8 @@ from trainer.context import LocalContext
 from trainer.launch import available_cpus, setup_logging
 from trainer.loop import train
 from trainer.memory import configure_allocator_env
+
+log = logging.getLogger("memtrain")
 
 
 def free_port() -> int:
@@ -38,6 +41,20 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def attach_metrics(ctx: LocalContext, cfg: Config) -> None:
+    """Serve this rank's metrics on 127.0.0.1:(monitoring.port + rank) when a port is set."""
+    if cfg.monitoring.port is None:
+        return
+    from monitoring.sinks import PrometheusSink
+
+    sink = PrometheusSink({"run": cfg.run.name, "rank": str(ctx.rank),
+                           "local_rank": str(ctx.local_rank), "node": socket.gethostname(),
+                           "device": str(ctx.device)})
+    port = sink.serve(cfg.monitoring.port + ctx.rank if cfg.monitoring.port else 0)
+    log.info("rank %d metrics on http://127.0.0.1:%d/metrics", ctx.rank, port)
+    ctx.metrics_sink = sink
+
+
 def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int | None) -> None:
     setup_logging()
     cfg = Config.model_validate_json(cfg_json)
@@ -49,7 +66,9 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size)
     try:
-        train(cfg, LocalContext(rank, rank, world_size, device, Path(run_dir)), until_step)
+        ctx = LocalContext(rank, rank, world_size, device, Path(run_dir))
+        attach_metrics(ctx, cfg)
+        train(cfg, ctx, until_step)
     finally:
         dist.destroy_process_group()
 
@@ -62,6 +81,7 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
     configure_allocator_env()
     if cfg.parallel.workers == 1:
         ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir)
+        attach_metrics(ctx, cfg)
         return train(cfg, ctx, until_step)
     mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port(), until_step),
                        nprocs=cfg.parallel.workers, start_method="spawn")

@@ -1,0 +1,73 @@
+"""Where metric values go: the standalone Prometheus exporter (``prometheus_client``).
+
+A sink takes values by contract name: ``set`` for gauges, ``set_total`` for counters (given the
+running total; the sink adds the difference, so readers like the allocator's ``num_ooms`` can be
+passed as they are), ``observe`` for histograms. ``PrometheusSink`` keeps its own registry and
+can serve it over HTTP on 127.0.0.1; its series carry the contract's labels and the names Ray's
+endpoint would give (``ray_memtrain_...``). The Ray sink lives at the launch edge
+(``trainer/launch/ray.py``), since only that imports ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS, spec
+
+LOOPBACK = "127.0.0.1"
+
+
+class PrometheusSink:
+    def __init__(self, labels: Mapping[str, str], registry: CollectorRegistry | None = None):
+        missing = set(LABELS) - set(labels)
+        if missing:
+            raise ValueError(f"metric labels missing: {sorted(missing)}")
+        self.labels = {k: str(labels[k]) for k in LABELS}
+        self.registry = registry or CollectorRegistry()
+        self._metrics: dict[str, Gauge | Counter | Histogram] = {}
+        self._totals: dict[str, float] = {}
+        for metric in METRICS:
+            # prometheus_client appends _total to counters itself: give it the bare name.
+            name = metric.exposed_name.removesuffix("_total")
+            if metric.kind == "gauge":
+                self._metrics[metric.name] = Gauge(name, metric.help, LABELS,
+                                                   registry=self.registry)
+            elif metric.kind == "counter":
+                self._metrics[metric.name] = Counter(name, metric.help, LABELS,
+                                                     registry=self.registry)
+            else:
+                self._metrics[metric.name] = Histogram(name, metric.help, LABELS,
+                                                       buckets=STEP_SECONDS_BUCKETS,
+                                                       registry=self.registry)
+
+    def _child(self, name: str, kind: str):
+        if spec(name).kind != kind:
+            raise TypeError(f"{name} is a {spec(name).kind}, not a {kind}")
+        return self._metrics[name].labels(**self.labels)
+
+    def set(self, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            if spec(name).kind == "counter":
+                self.set_total(name, value)
+            else:
+                self._child(name, "gauge").set(value)
+
+    def set_total(self, name: str, total: float) -> None:
+        delta = total - self._totals.get(name, 0.0)
+        if delta > 0:
+            self._child(name, "counter").inc(delta)
+            self._totals[name] = total
+
+    def observe(self, name: str, value: float) -> None:
+        self._child(name, "histogram").observe(value)
+
+    def serve(self, port: int) -> int:
+        """Serve this registry on 127.0.0.1:``port`` (0: any free port); returns the port."""
+        try:
+            server, _thread = start_http_server(port, addr=LOOPBACK, registry=self.registry)
+        except OSError as err:
+            raise ValueError(f"monitoring.port: cannot serve metrics on {LOOPBACK}:{port} "
+                             f"({err.strerror or err})") from err
+        return server.server_port

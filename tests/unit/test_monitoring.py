@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from monitoring.memory import CUDA_ALLOCATOR_KEYS, read_cuda_allocator
+from monitoring.metrics import LABELS, METRICS
+from monitoring.sinks import PrometheusSink
+from tests.conftest import tiny_config
+from trainer.context import LocalContext
+from trainer.launch import prepare_run
+from trainer.loop import train
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "memory_stats_h200.json"
+LABEL_VALUES = {"run": "r", "rank": "0", "local_rank": "0", "node": "n", "device": "cpu"}
+
+
+def test_contract_names_follow_the_conventions() -> None:
+    assert LABELS == ("run", "rank", "local_rank", "node", "device")
+    for metric in METRICS:
+        assert re.fullmatch(r"memtrain_[a-z]+_[a-z_]+", metric.name), metric.name
+        assert metric.name.endswith("_total") == (metric.kind == "counter"), metric.name
+        assert metric.exposed_name == "ray_" + metric.name
+    cuda = {m.name for m in METRICS if m.family == "cuda"}
+    assert cuda == set(CUDA_ALLOCATOR_KEYS)
+
+
+def test_reader_maps_a_recorded_h200_memory_stats_dict() -> None:
+    stats = json.loads(FIXTURE.read_text())["memory_stats"]
+    values = read_cuda_allocator(stats)
+    assert values["memtrain_gpu_memory_allocated_bytes"] == stats["allocated_bytes.all.current"]
+    assert values["memtrain_gpu_memory_reserved_bytes"] == stats["reserved_bytes.all.current"]
+    assert values["memtrain_gpu_memory_peak_allocated_bytes"] == stats["allocated_bytes.all.peak"]
+    assert values["memtrain_gpu_memory_reserved_bytes"] >= \
+        values["memtrain_gpu_memory_allocated_bytes"] > 0
+    assert values["memtrain_gpu_ooms_total"] == stats["num_ooms"]
+
+
+def test_cuda_family_is_absent_not_zero_on_cpu() -> None:
+    assert read_cuda_allocator({}) == {}
+    assert read_cuda_allocator(torch.cuda.memory_stats() if torch.cuda.is_available() else {}) \
+        or not torch.cuda.is_available()
+
+
+def test_sink_exposes_the_final_names_with_labels_and_counts_deltas() -> None:
+    sink = PrometheusSink(LABEL_VALUES)
+    sink.set({"memtrain_train_loss": 2.5, "memtrain_train_tokens_total": 100})
+    sink.set({"memtrain_train_tokens_total": 300})  # totals: the sink adds the difference
+    sink.observe("memtrain_train_step_seconds", 0.2)
+    text = generate_latest(sink.registry).decode()
+    labels = 'device="cpu",local_rank="0",node="n",rank="0",run="r"'
+    assert f"ray_memtrain_train_loss{{{labels}}} 2.5" in text
+    assert f"ray_memtrain_train_tokens_total{{{labels}}} 300.0" in text
+    assert ('ray_memtrain_train_step_seconds_bucket{device="cpu",le="0.25",local_rank="0",'
+            'node="n",rank="0",run="r"} 1.0') in text
+    with pytest.raises(KeyError, match="not in the metrics contract"):
+        sink.set({"memtrain_made_up": 1})
+
+
+def test_training_publishes_the_cpu_families(corpus_dir: Path, tmp_path: Path) -> None:
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
+        "train.steps=4", "train.eval_every=0", "run.name=metrics"))
+    ctx = LocalContext(0, 0, 1, torch.device("cpu"), run_dir)
+    ctx.metrics_sink = sink = PrometheusSink(LABEL_VALUES)
+    train(cfg, ctx)
+    port = sink.serve(0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    tokens = 4 * cfg.train.global_batch_size * cfg.model.seq_len
+    assert re.search(rf"ray_memtrain_train_tokens_total\{{[^}}]*\}} {tokens}\.0", text)
+    assert re.search(r"ray_memtrain_host_rss_bytes\{[^}]*\} [1-9]", text)
+    assert re.search(r'ray_memtrain_train_step_seconds_count\{[^}]*\} 4\.0', text)
+    assert not re.search(r"ray_memtrain_gpu_memory_allocated_bytes\{", text)  # absent on CPU
+
+
+def test_a_metrics_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"monitoring.port: cannot serve metrics on "
+                                             f"127.0.0.1:{port}"):
+            PrometheusSink(LABEL_VALUES).serve(port)
+
+
+def test_docs_list_every_metric_of_the_contract() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "monitoring.md").read_text()
+    missing = [m.exposed_name for m in METRICS if m.exposed_name not in docs]
+    assert not missing, f"docs/monitoring.md lacks {missing}"
