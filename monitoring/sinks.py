@@ -1,15 +1,16 @@
 """Where metric values go: the standalone Prometheus exporter (``prometheus_client``).
 
-A sink takes values by contract name: ``set`` for gauges, ``set_total`` for counters (given the
-running total; the sink adds the difference, so readers like the allocator's ``num_ooms`` can be
-passed as they are), ``observe`` for histograms. ``PrometheusSink`` keeps its own registry and
-can serve it over HTTP on 127.0.0.1; its series carry the contract's labels and the names Ray's
-endpoint would give (``ray_memtrain_...``). The Ray sink lives at the launch edge
-(``trainer/launch/ray.py``), since only that imports ray.
+A sink (``Sink``) takes values by contract name: ``set`` for gauges, ``set_total`` for counters
+(given the running total; the sink adds the difference, so readers like the allocator's
+``num_ooms`` can be passed as they are), ``observe`` for histograms. ``PrometheusSink`` keeps
+its own registry and can serve it over HTTP on 127.0.0.1; its series carry the contract's labels
+and the names Ray's endpoint would give (``ray_memtrain_...``). The Ray sink lives at the launch
+edge (``trainer/launch/ray.py``), since only that imports ray.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -19,15 +20,52 @@ from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS, spec
 LOOPBACK = "127.0.0.1"
 
 
-class PrometheusSink:
-    def __init__(self, labels: Mapping[str, str], registry: CollectorRegistry | None = None):
+class Sink(ABC):
+    """Values by contract name; subclasses write one gauge, counter increment or observation."""
+
+    def __init__(self, labels: Mapping[str, str]):
         missing = set(LABELS) - set(labels)
         if missing:
             raise ValueError(f"metric labels missing: {sorted(missing)}")
         self.labels = {k: str(labels[k]) for k in LABELS}
+        self._totals: dict[str, float] = {}
+
+    def set(self, values: Mapping[str, float]) -> None:
+        """Gauges take the value; counters take a running total (see ``set_total``)."""
+        for name, value in values.items():
+            if spec(name).kind == "counter":
+                self.set_total(name, value)
+            elif spec(name).kind == "gauge":
+                self._set_gauge(name, value)
+            else:
+                raise TypeError(f"{name} is a histogram: use observe()")
+
+    def set_total(self, name: str, total: float) -> None:
+        delta = total - self._totals.get(name, 0.0)
+        if delta > 0:
+            self._inc_counter(name, delta)
+            self._totals[name] = total
+
+    def observe(self, name: str, value: float) -> None:
+        if spec(name).kind != "histogram":
+            raise TypeError(f"{name} is a {spec(name).kind}, not a histogram")
+        self._observe(name, value)
+
+    @abstractmethod
+    def _set_gauge(self, name: str, value: float) -> None: ...
+
+    @abstractmethod
+    def _inc_counter(self, name: str, delta: float) -> None: ...
+
+    @abstractmethod
+    def _observe(self, name: str, value: float) -> None: ...
+
+
+class PrometheusSink(Sink):
+    def __init__(self, labels: Mapping[str, str], registry: CollectorRegistry | None = None):
+        super().__init__(labels)
         self.registry = registry or CollectorRegistry()
         self._metrics: dict[str, Gauge | Counter | Histogram] = {}
-        self._totals: dict[str, float] = {}
         for metric in METRICS:
             # prometheus_client appends _total to counters itself: give it the bare name.
             name = metric.exposed_name.removesuffix("_total")
@@ -42,26 +80,14 @@ class PrometheusSink:
                                                        buckets=STEP_SECONDS_BUCKETS,
                                                        registry=self.registry)
 
-    def _child(self, name: str, kind: str):
-        if spec(name).kind != kind:
-            raise TypeError(f"{name} is a {spec(name).kind}, not a {kind}")
-        return self._metrics[name].labels(**self.labels)
+    def _set_gauge(self, name: str, value: float) -> None:
+        self._metrics[name].labels(**self.labels).set(value)  # type: ignore[union-attr]
 
-    def set(self, values: Mapping[str, float]) -> None:
-        for name, value in values.items():
-            if spec(name).kind == "counter":
-                self.set_total(name, value)
-            else:
-                self._child(name, "gauge").set(value)
+    def _inc_counter(self, name: str, delta: float) -> None:
+        self._metrics[name].labels(**self.labels).inc(delta)  # type: ignore[union-attr]
 
-    def set_total(self, name: str, total: float) -> None:
-        delta = total - self._totals.get(name, 0.0)
-        if delta > 0:
-            self._child(name, "counter").inc(delta)
-            self._totals[name] = total
-
-    def observe(self, name: str, value: float) -> None:
-        self._child(name, "histogram").observe(value)
+    def _observe(self, name: str, value: float) -> None:
+        self._metrics[name].labels(**self.labels).observe(value)  # type: ignore[union-attr]
 
     def serve(self, port: int) -> int:
         """Serve this registry on 127.0.0.1:``port`` (0: any free port); returns the port."""

@@ -21,8 +21,12 @@ def ray_cluster():
     Ray use 127.0.0.1, so ray is reached through it here rather than imported directly.
     """
     from trainer.launch import ray as ray_launch
+    from trainer.launch.local import free_port
 
-    ray_launch.init_ray(num_cpus=2)
+    port = free_port()
+    ray_launch.init_ray(num_cpus=2, metrics_export_port=port,
+                        _system_config={"metrics_report_interval_ms": 1000})
+    ray_launch.ray.metrics_port = port  # for the tests below
     assert ray_launch.ray.util.get_node_ip_address() == "127.0.0.1"
     assert {n["NodeManagerAddress"] for n in ray_launch.ray.nodes()} == {"127.0.0.1"}
     yield ray_launch.ray
@@ -49,3 +53,31 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_cluster, corpus_d
     ranks = {json.loads(line)["step"] for line in
              (run_dir / "metrics" / "rank-1.jsonl").read_text().splitlines()}
     assert 15 in ranks
+
+
+def test_ray_workers_export_the_contract_on_the_nodes_metrics_endpoint(
+        ray_cluster, corpus_dir: Path, tmp_path: Path) -> None:
+    """Both ranks' series appear on Ray's endpoint under the contract's final names."""
+    import re
+    import time
+    import urllib.request
+
+    from trainer.launch.ray import launch_ray
+
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "run.name=raymetrics",
+                                           "train.steps=6", "train.eval_every=0"))
+    launch_ray(cfg, run_dir)
+    url = f"http://127.0.0.1:{ray_cluster.metrics_port}/metrics"
+    deadline, text = time.monotonic() + 30, ""
+    while time.monotonic() < deadline:  # the endpoint refreshes every second here
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        tokens = re.findall(r'ray_memtrain_train_tokens_total\{[^}]*run="raymetrics"[^}]*\}', text)
+        if len(tokens) >= 2:
+            break
+        time.sleep(1)
+    for rank in ("0", "1"):
+        assert re.search(rf'ray_memtrain_train_tokens_total\{{[^}}]*rank="{rank}"[^}}]*'
+                         rf'run="raymetrics"[^}}]*\}} [1-9]', text), f"rank {rank} missing"
+        assert re.search(rf'ray_memtrain_host_rss_bytes\{{[^}}]*rank="{rank}"', text)
+    assert "ray_memtrain_gpu_memory_allocated_bytes{" not in text  # absent on CPU

@@ -27,7 +27,10 @@ import ray.train  # noqa: E402
 import torch  # noqa: E402
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
+from ray.util.metrics import Counter, Gauge, Histogram  # noqa: E402
 
+from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E402
+from monitoring.sinks import Sink  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
 from trainer.launch import setup_logging  # noqa: E402
@@ -35,6 +38,36 @@ from trainer.loop import train  # noqa: E402
 from trainer.memory import configure_allocator_env  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
+
+
+class RaySink(Sink):
+    """The metrics contract through ``ray.util.metrics``: the node's endpoint serves them as
+    ``ray_memtrain_...`` (checked against Ray 2.60: gauges, counters and histograms keep their
+    names), the same final names as the standalone exporter."""
+
+    def __init__(self, labels: dict[str, str]):
+        super().__init__(labels)
+        self._metrics: dict[str, Any] = {}
+        for metric in METRICS:
+            made: Any
+            if metric.kind == "gauge":
+                made = Gauge(metric.name, metric.help, tag_keys=LABELS)
+            elif metric.kind == "counter":
+                made = Counter(metric.name, metric.help, tag_keys=LABELS)
+            else:
+                made = Histogram(metric.name, metric.help, boundaries=list(STEP_SECONDS_BUCKETS),
+                                 tag_keys=LABELS)
+            made.set_default_tags(self.labels)
+            self._metrics[metric.name] = made
+
+    def _set_gauge(self, name: str, value: float) -> None:
+        self._metrics[name].set(value)
+
+    def _inc_counter(self, name: str, delta: float) -> None:
+        self._metrics[name].inc(delta)
+
+    def _observe(self, name: str, value: float) -> None:
+        self._metrics[name].observe(value)
 
 
 @dataclass
@@ -66,17 +99,27 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
     ctx = RayContext(rank=context.get_world_rank(), local_rank=context.get_local_rank(),
                      world_size=context.get_world_size(), device=device,
                      run_dir=Path(loop_config["run_dir"]))
+    ctx.metrics_sink = RaySink({"run": cfg.run.name, "rank": str(ctx.rank),
+                                "local_rank": str(ctx.local_rank),
+                                "node": ray.get_runtime_context().get_node_id()[:12],
+                                "device": str(device)})
     train(cfg, ctx)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None,
-             **kwargs: Any) -> None:
-    """Join ``address`` or start a local cluster on loopback (no-op if already initialised)."""
+             metrics_export_port: int | None = None, **kwargs: Any) -> None:
+    """Join ``address`` or start a local cluster on loopback (no-op if already initialised).
+
+    ``metrics_export_port`` fixes the port of the node's metrics endpoint (Prometheus scrapes
+    it); unset, Ray picks one.
+    """
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, **kwargs)
         return
+    if metrics_export_port is not None:
+        kwargs["_metrics_export_port"] = metrics_export_port
     ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=True,
              dashboard_host=LOOPBACK,
              runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}, **kwargs)
