@@ -30,7 +30,8 @@ def test_overrides_are_parsed_as_yaml_and_typed() -> None:
 
 def test_each_component_gets_only_its_slice() -> None:
     cfg = Config()
-    assert set(type(cfg).model_fields) == {"run", "model", "data", "train", "memory", "parallel"}
+    assert set(type(cfg).model_fields) == {"run", "model", "data", "train", "memory", "parallel",
+                                           "monitoring"}
 
 
 @pytest.mark.parametrize("overrides, expected", [
