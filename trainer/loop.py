@@ -249,25 +249,9 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                          world_size=ctx.world_size, batch_size=cfg.train.micro_batch(),
                          seed=cfg.run.seed, shuffle=cfg.data.shuffle, device=device)
 
-    step, resumed_from = 0, None
-    with ctx.latest_checkpoint() as checkpoint_dir:
-        if checkpoint_dir is not None:
-            state = load_checkpoint(checkpoint_dir)
-            if bool(state.get("sharded")) != sharded:
-                how = "with" if state.get("sharded") else "without"
-                raise CheckpointError(
-                    f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run "
-                    f"has parallel.strategy {cfg.parallel.strategy!r} on {ctx.world_size} workers")
-            if sharded:
-                load_sharded(checkpoint_dir, model, optimizer)
-            else:
-                load_model_state(model, state["model"], str(checkpoint_dir))
-                optimizer.load_state_dict(state["optimizer"])
-            scaler.load_state_dict(state["scaler"])
-            scheduler.load_state_dict(state["scheduler"])
-            loader.load_state_dict(state["loader"])
-            set_rng_state(state["rng"])
-            step = resumed_from = int(state["step"])
+    resumed_from = restore_latest(ctx, model, optimizer, scaler, scheduler, loader, sharded,
+                                  cfg.parallel.strategy)
+    step = resumed_from or 0
     if ctx.world_size > 1 and not sharded:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -297,6 +281,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
     total_wait = total_step_seconds = checkpoint_seconds = 0.0
     steps_this_run = skipped_steps = 0
+    run_peak_bytes = 0  # on CUDA the allocator's peak is reset per metrics interval
     model.train()
     stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
     guard = LeakGuard() if cfg.memory.leak_check_every else None
@@ -310,22 +295,11 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         wait_before = batches.wait_seconds
         micro_batches = [next(batches) for _ in range(accumulation)]
         data_wait = batches.wait_seconds - wait_before
-        attempt = 0
-        while True:
-            torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
-            # Under FSDP the reduce-scatter cannot wait for an agreement: OOM recovery there is
-            # per rank only (world size 1), see trainer/oom.py.
-            agreement = OOMAgreement(device) if cfg.memory.oom_recovery and not sharded \
-                else None
-            try:
-                result = train_step(model, optimizer, scaler, micro_batches, splits, policy,
-                                    cfg.train.grad_clip, agreement,
-                                    inject_oom=injected_oom(step + 1, ctx.rank, attempt))
-                break
-            except StepOutOfMemory as err:
-                attempt += 1
-                splits = recover_from_oom(ctx, step + 1, splits, attempt, cfg.memory,
-                                          cfg.train.micro_batch(), accumulation, str(err))
+        # Under FSDP the reduce-scatter cannot wait for an agreement: OOM recovery there is per
+        # rank only (world size 1), see trainer/oom.py.
+        result, splits = step_with_oom_recovery(
+            ctx, step, model, optimizer, scaler, micro_batches, splits, policy, cfg,
+            agree=cfg.memory.oom_recovery and not sharded)
         del micro_batches
         result.data_wait_seconds = data_wait
         scheduler.step()
@@ -358,6 +332,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                 "accumulation_steps": accumulation * splits, "time": time.time(),
             }
             metrics_log.write(record)
+            run_peak_bytes = max(run_peak_bytes, record["peak_memory_bytes"])
             if ctx.metrics_sink is not None:
                 publish_metrics(ctx.metrics_sink, record, device, loader.pinned_bytes, {
                     "memtrain_train_samples_total": steps_this_run * samples_per_rank_step,
@@ -418,7 +393,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         "tokens_per_second": (steps_this_run * tokens_per_step / total_step_seconds
                               if total_step_seconds else None),
         "data_wait_share": total_wait / total_step_seconds if total_step_seconds else None,
-        "peak_memory_bytes": peak_memory_bytes(device),
+        "peak_memory_bytes": max(run_peak_bytes, peak_memory_bytes(device)),
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "host_max_rss",
         "checkpoints_written": checkpoints_written, "leak_findings": leak_findings,
         "wall_seconds": time.perf_counter() - wall_start,
@@ -427,6 +402,56 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     if ctx.is_main:
         (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def restore_latest(ctx: WorkerContext, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scaler: torch.amp.GradScaler, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                   loader: BatchLoader, sharded: bool, strategy: str) -> int | None:
+    """Load the context's latest checkpoint into everything; returns its step, or None."""
+    with ctx.latest_checkpoint() as checkpoint_dir:
+        if checkpoint_dir is None:
+            return None
+        state = load_checkpoint(checkpoint_dir)
+        if bool(state.get("sharded")) != sharded:
+            how = "with" if state.get("sharded") else "without"
+            raise CheckpointError(
+                f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run has "
+                f"parallel.strategy {strategy!r} on {ctx.world_size} workers")
+        if sharded:
+            load_sharded(checkpoint_dir, model, optimizer)
+        else:
+            load_model_state(model, state["model"], str(checkpoint_dir))
+            optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        return int(state["step"])
+
+
+def step_with_oom_recovery(ctx: WorkerContext, step: int, model: nn.Module,
+                           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                           micro_batches: list[torch.Tensor], splits: int,
+                           policy: PrecisionPolicy, cfg: Config, agree: bool
+                           ) -> tuple[StepResult, int]:
+    """``train_step``, retried with the micro-batches cut in two after each agreed OOM.
+
+    Returns the result and the splits it took (the caller keeps them for later steps).
+    """
+    attempt = 0
+    while True:
+        torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
+        agreement = OOMAgreement(ctx.device) if agree else None
+        try:
+            result = train_step(model, optimizer, scaler, micro_batches, splits, policy,
+                                cfg.train.grad_clip, agreement,
+                                inject_oom=injected_oom(step + 1, ctx.rank, attempt))
+            return result, splits
+        except StepOutOfMemory as err:
+            attempt += 1
+            splits = recover_from_oom(ctx, step + 1, splits, attempt, cfg.memory,
+                                      cfg.train.micro_batch(),
+                                      cfg.train.accumulation_steps(ctx.world_size), str(err))
 
 
 def publish_metrics(sink: Any, record: dict[str, Any], device: torch.device,
