@@ -13,6 +13,7 @@ micro-batch, through the trainer's own ``train_step``:
   written to local disk;
 - OOM recovery: a micro-batch too large for the device, a real OOM, the micro-batch halved with
   the global batch kept, and a memory snapshot that loads with ``pickle``;
+- every CUDA metric family of the contract, published through the standalone exporter;
 - a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests.
 
 Without CUDA (``--dry`` is implied) it runs the same code paths on a tiny model on CPU, so the
@@ -278,6 +279,59 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
     return row
 
 
+def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
+                    loss_chunk_tokens: int) -> dict[str, Any]:
+    """A few real steps published through the standalone exporter; which families show up.
+
+    On CUDA every ``cuda`` family metric must be present (allocated, reserved, active and peak
+    non-zero); on CPU the ``cuda`` and ``device`` families must be absent, not zero.
+    """
+    from prometheus_client import generate_latest
+
+    from monitoring.metrics import METRICS
+    from monitoring.sinks import PrometheusSink
+    from trainer.loop import publish_metrics
+
+    release_memory(device)
+    sink = PrometheusSink({"run": "gpu-check", "rank": "0", "local_rank": "0",
+                           "node": socket.gethostname(), "device": str(device)})
+    model = make_model(cfg, "selective", device, loss_chunk_tokens)
+    policy = quiet_policy("bf16", device)
+    scaler = policy.grad_scaler(device)
+    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
+                                                       betas=(0.9, 0.95)))
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
+    for _ in range(2):
+        result = train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
+    record = {"loss": float(result.loss), "grad_norm": float(result.grad_norm),
+              "scale": scaler.get_scale(), "micro_batch_size": micro_batch,
+              "accumulation_steps": 1}
+    publish_metrics(sink, record, device, 0, {"memtrain_train_tokens_total":
+                                              2 * micro_batch * cfg.seq_len})
+    text = generate_latest(sink.registry).decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ray_memtrain_") and "{" in line:
+            values[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    found = {m.family: [] for m in METRICS}
+    for m in METRICS:
+        if m.exposed_name in values or m.exposed_name + "_total" in values:
+            found[m.family].append(m.exposed_name)
+    cuda = [m for m in METRICS if m.family == "cuda"]
+    must_be_positive = ["memtrain_gpu_memory_allocated_bytes", "memtrain_gpu_memory_reserved_bytes",
+                        "memtrain_gpu_memory_active_bytes",
+                        "memtrain_gpu_memory_peak_allocated_bytes"]
+    if device.type == "cuda":
+        ok = len(found["cuda"]) == len(cuda) and all(
+            values.get("ray_" + name, 0) > 0 for name in must_be_positive)
+    else:
+        ok = not found["cuda"] and not found["device"]
+    del model, optimizer, tokens, result
+    release_memory(device)
+    return {"ok": ok, "families": found, "values": {k: v for k, v in values.items()
+                                                     if k.startswith("ray_memtrain_gpu")}}
+
+
 def recorded_memory_stats(device: torch.device) -> dict[str, Any] | None:
     if device.type != "cuda":
         return None
@@ -355,6 +409,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           / (report["matmul_bf16_tflops"] * 1e12))
         report["rows"].append(row)
     report["memory_stats"] = recorded_memory_stats(device)
+    report["metrics"] = section("metric families", metric_families, cfg, device, micro_batch,
+                                args.loss_chunk_tokens)
 
     with tempfile.TemporaryDirectory(prefix="memtrain-gpu-check-") as tmp:
         shards = Path(tmp) / "tokens"
@@ -429,6 +485,11 @@ def markdown(report: dict[str, Any]) -> str:
             shown = f"{100 * s[key]:.1f}%"
             lines.append(f"| {key} | {shown} | {'>=' if key == 'mfu_bf16' else '<='} "
                          f"{100 * goal:.0f}% | {'yes' if s['met'][key] else '**no**'} |")
+    metrics = report.get("metrics")
+    if metrics:
+        lines += ["", f"Metric families through the standalone exporter: "
+                      f"{'as expected' if metrics['ok'] else '**not as expected**'} "
+                      f"({', '.join(f'{k}: {len(v)}' for k, v in metrics['families'].items())})"]
     oom = report.get("oom_recovery")
     if oom:
         lines += ["", f"OOM recovery: micro-batch {oom['first_micro_batch']} -> "

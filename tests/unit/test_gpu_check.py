@@ -32,4 +32,6 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     assert report["oom_recovery"]["recovered_micro_batch"] == 2
     assert report["oom_recovery"]["ooms"] == 1
     assert 0 <= report["input_stall"]["input_stall"] < 1
+    assert report["metrics"]["ok"]  # on CPU: cuda and device families absent
+    assert report["metrics"]["families"]["train"]
     assert (tmp_path / report_file.name.replace(".json", ".md")).read_text().startswith("###")
