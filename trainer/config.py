@@ -65,6 +65,9 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)
+    # Stop after this many consecutive optimizer steps with a non-finite grad norm (fp16's
+    # GradScaler skips a few while it calibrates; a run that keeps skipping is broken).
+    max_nonfinite_steps: int = Field(10, ge=1)
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(50, ge=0)  # 0: no evaluation
     eval_batches: int = Field(4, ge=1)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 CHECKPOINT_PREFIX = "checkpoint-"
+# Tests: fail the checkpoint of this step after its files are written, before it is published.
+INJECT_CHECKPOINT_FAILURE_ENV = "MEMTRAIN_INJECT_CHECKPOINT_FAILURE"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -92,6 +94,9 @@ class LocalContext(WorkerContext):
         self.barrier()
         if checkpoint_dir is not None:
             shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+        if os.environ.get(INJECT_CHECKPOINT_FAILURE_ENV) == str(step):  # tests only
+            raise OSError(f"checkpoint write failed at step {step} (injected by "
+                          f"{INJECT_CHECKPOINT_FAILURE_ENV})")
         self.barrier()
         if self.is_main:
             if final.exists():  # a rerun reached the same step: replace it whole

@@ -67,7 +67,7 @@ from trainer.oom import (
     start_memory_history,
     write_oom_report,
 )
-from trainer.sharding import is_sharded, load_sharded, save_sharded, shard_model
+from trainer.sharding import is_sharded, load_sharded, local_tensor, save_sharded, shard_model
 
 if TYPE_CHECKING:  # the loop runs without pydantic too (scripts/gpu_check.py)
     from trainer.config import Config, MemoryConfig, TrainConfig
@@ -81,6 +81,10 @@ class StepResult:
     grad_norm: torch.Tensor
     skipped: bool  # non-finite gradients: the optimizer did not step
     data_wait_seconds: float = 0.0  # filled in by the caller, which fetches the batches
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite numbers that it cannot step over."""
 
 
 class TimedBatches:
@@ -280,7 +284,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     checkpoints_written: list[int] = []
     window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
     total_wait = total_step_seconds = checkpoint_seconds = 0.0
-    steps_this_run = skipped_steps = 0
+    steps_this_run = skipped_steps = consecutive_skips = 0
     run_peak_bytes = 0  # on CUDA the allocator's peak is reset per metrics interval
     model.train()
     stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
@@ -306,6 +310,12 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         step += 1
         steps_this_run += 1
         skipped_steps += int(result.skipped)
+        consecutive_skips = consecutive_skips + 1 if result.skipped else 0
+        if consecutive_skips >= cfg.train.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"non-finite gradient norm for {consecutive_skips} consecutive steps, the last "
+                f"at step {step} on rank {ctx.rank} (loss {result.loss.item():.4g}); "
+                f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}")
         step_seconds = time.perf_counter() - step_start
         total_step_seconds += step_seconds
         if ctx.metrics_sink is not None:
@@ -517,6 +527,16 @@ def _checkpoint(ctx: WorkerContext, step: int, model: nn.Module,
     optimizer shards (DCP), rank 0 adds ``state.pt`` with the rest.
     """
     unwrapped = model.module if isinstance(model, DDP) else model
+    bad = [name for name, p in unwrapped.named_parameters()  # FSDP: this rank's shard
+           if not bool(torch.isfinite(local_tensor(p.detach())).all())]  # host sync: here only
+    flag = torch.tensor([1.0 if bad else 0.0], device=ctx.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank refuses together
+    if flag.item():
+        where = f"in {bad[:3]}" if bad else "on another rank"
+        raise NonFiniteError(f"refusing to checkpoint step {step} on rank {ctx.rank}: "
+                             f"non-finite weights {where}; the last good checkpoint stays the "
+                             "latest")
     with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
         checkpoint_dir = None
         if sharded:

@@ -37,13 +37,16 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP DTensor, else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def local_parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds (its shards under FSDP, everything otherwise)."""
-    total = 0
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return total
+    return sum(local_tensor(p).numel() * local_tensor(p).element_size()
+               for p in model.parameters())
 
 
 def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,80 @@
+"""Nothing lost: a crash while a checkpoint is written, non-finite numbers, unsafe loads."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_config
+from trainer.context import complete_checkpoints
+from trainer.launch import prepare_run
+from trainer.launch.local import launch_local
+from trainer.loop import NonFiniteError
+
+pytestmark = pytest.mark.distributed
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_crash_during_checkpoint_write_keeps_the_previous_one_latest(
+        corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "train.steps=6",
+        "train.checkpoint_every=2", "train.eval_every=0", "run.name=crash"))
+    monkeypatch.setenv("MEMTRAIN_INJECT_CHECKPOINT_FAILURE", "4")
+    with pytest.raises(Exception, match="checkpoint write failed at step 4"):
+        launch_local(cfg, run_dir)
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [2]
+    assert (run_dir / ".staging-checkpoint-00000004" / "state.pt").is_file()  # never published
+    monkeypatch.delenv("MEMTRAIN_INJECT_CHECKPOINT_FAILURE")
+    resumed = launch_local(cfg, run_dir)
+    assert resumed["resumed_from_step"] == 2 and resumed["final_step"] == 6
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [2, 4, 6]
+
+
+def test_consecutive_non_finite_steps_stop_the_run_naming_step_and_rank(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    # A learning rate this large makes the weights overflow to inf within a few steps.
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
+        "memory.precision=fp32", "train.lr=1e30", "train.warmup_steps=0", "train.steps=40",
+        "train.grad_clip=1e30", "train.max_nonfinite_steps=3", "train.checkpoint_every=0",
+        "train.eval_every=0", "run.name=nan"))
+    with pytest.raises(NonFiniteError, match=r"3 consecutive steps, the last at step \d+ on "
+                                             r"rank 0"):
+        launch_local(cfg, run_dir)
+    assert complete_checkpoints(run_dir) == []  # no checkpoint of broken weights
+
+
+def test_every_torch_load_in_the_code_uses_weights_only() -> None:
+    offenders = []
+    for path in [*REPO.glob("trainer/**/*.py"), *REPO.glob("datapipe/**/*.py"),
+                 *REPO.glob("monitoring/**/*.py"), *REPO.glob("scripts/*.py"),
+                 *REPO.glob("bench/*.py"), *REPO.glob("tests/**/*.py")]:
+        text = path.read_text()
+        for match in re.finditer(r"torch\.load\(", text):
+            call = text[match.start(): text.find(")", match.start()) + 1]
+            if "weights_only=True" not in call:
+                offenders.append(f"{path.relative_to(REPO)}: {call}")
+    assert not offenders, offenders
+
+
+def test_a_model_with_nan_weights_is_never_checkpointed(tmp_path: Path) -> None:
+    import torch
+
+    from trainer.context import LocalContext
+    from trainer.loop import _checkpoint
+    from trainer.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(seq_len=8, n_layer=1, n_head=1, n_embd=8))
+    with torch.no_grad():
+        model.blocks[0].mlp.fc.weight[0, 0] = float("nan")
+    ctx = LocalContext(0, 0, 1, torch.device("cpu"), tmp_path)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with pytest.raises(NonFiniteError, match=r"refusing to checkpoint step 7 on rank 0: "
+                                             r"non-finite weights in \['blocks.0.mlp.fc.weight'\]"):
+        _checkpoint(ctx, 7, model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                    scheduler, None, {}, sharded=False)  # type: ignore[arg-type]
+    assert complete_checkpoints(tmp_path) == []
