@@ -91,6 +91,8 @@ class TrainConfig(_Strict):
 
 class MemoryConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    # fp16: the GradScaler's starting scale (it halves on overflow, grows after stable steps).
+    grad_scaler_init_scale: float = Field(2.0**16, gt=0)
     # "auto": the cheapest mode (least recomputation) the planner predicts to fit.
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = "full"
     checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block

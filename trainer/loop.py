@@ -241,7 +241,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                                                   cfg.memory.checkpoint_every_k)
     set_loss_chunking(model, cfg.memory.loss_chunk_tokens)
     policy = precision_policy(cfg.memory.precision, device)
-    scaler = policy.grad_scaler(device)
+    scaler = policy.grad_scaler(device, cfg.memory.grad_scaler_init_scale)
     recording_history = start_memory_history(device, cfg.memory.record_memory_history)
     sharded = cfg.parallel.strategy == "fsdp" and ctx.world_size > 1
     if sharded:

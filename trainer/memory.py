@@ -47,9 +47,11 @@ class PrecisionPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+    def grad_scaler(self, device: torch.device, init_scale: float = 2.0**16
+                    ) -> torch.amp.GradScaler:
         """A GradScaler that is a no-op unless this policy is fp16."""
-        return torch.amp.GradScaler(device.type, enabled=self.use_grad_scaler)
+        return torch.amp.GradScaler(device.type, init_scale=init_scale,
+                                    enabled=self.use_grad_scaler)
 
 
 def precision_policy(precision: str, device: torch.device) -> PrecisionPolicy:

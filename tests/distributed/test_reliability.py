@@ -78,3 +78,25 @@ def test_a_model_with_nan_weights_is_never_checkpointed(tmp_path: Path) -> None:
         _checkpoint(ctx, 7, model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
                     scheduler, None, {}, sharded=False)  # type: ignore[arg-type]
     assert complete_checkpoints(tmp_path) == []
+
+
+def test_fp16_overflow_is_skipped_by_the_grad_scaler_and_counted(corpus_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    import json
+    import warnings
+
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
+        "memory.precision=fp16", "memory.grad_scaler_init_scale=1e8", "train.steps=12",
+        "train.log_every=1", "train.eval_every=0", "run.name=fp16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU warns by design
+        summary = launch_local(cfg, run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "rank-0.jsonl").read_text()
+            .splitlines()]
+    # A scale of 1e8 overflows fp16 gradients: the scaler skips and halves until they fit.
+    assert 1 <= summary["skipped_steps"] < 12
+    assert rows[-1]["scale"] < 1e8
+    assert rows[-1]["skipped_steps"] == summary["skipped_steps"]
+    assert [r["skipped_steps"] for r in rows][-1] == [r["skipped_steps"] for r in rows][-3]
+    assert summary["final_loss"] < summary["first_loss"] - 0.3  # and then training went on
