@@ -35,7 +35,7 @@ data: $(DATA)/train/manifest.json ## Build the demo dataset from the Python stan
 demo: setup data ## Train the demo GPT: 2 Ray Train workers, AMP + activation ckpt + accumulation
 	$(BIN)/memtrain train --config configs/demo-cpu.yaml --run-name $(RUN)
 
-test: setup ## Run the whole test suite (unit, distributed with real gloo and Ray)
+test: setup ## Run every test: unit, distributed (gloo, Ray), e2e (Prometheus; apt-get install prometheus)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: setup ## ruff and mypy

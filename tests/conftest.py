@@ -22,6 +22,26 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session, on loopback.
+
+    ``trainer.launch.ray`` must be the first to import ray: it sets the environment that makes
+    Ray use 127.0.0.1, so ray is reached through it here rather than imported directly.
+    """
+    from trainer.launch import ray as ray_launch
+    from trainer.launch.local import free_port
+
+    port = free_port()
+    ray_launch.init_ray(num_cpus=2, metrics_export_port=port,
+                        _system_config={"metrics_report_interval_ms": 1000})
+    ray_launch.ray.metrics_port = port  # for the tests below
+    assert ray_launch.ray.util.get_node_ip_address() == "127.0.0.1"
+    assert {n["NodeManagerAddress"] for n in ray_launch.ray.nodes()} == {"127.0.0.1"}
+    yield ray_launch.ray
+    ray_launch.ray.shutdown()
+
+
 def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
     """A 2-layer GPT with AMP, full activation checkpointing and accumulation all on."""
     return load_config(REPO / "configs" / "demo-cpu.yaml", [
