@@ -13,7 +13,7 @@ GPU_PYTHON ?= python3  # gpu-check runs on the machine's own torch, from the sou
 GPU_CHECK_OUT ?= bench/results
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data demo test lint bench-memory gpu-check clean
+.PHONY: help setup data demo test lint dashboards bench-memory gpu-check clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -37,6 +37,9 @@ demo: setup data ## Train the demo GPT: 2 Ray Train workers, AMP + activation ck
 
 test: setup ## Run every test: unit, distributed (gloo, Ray), e2e (Prometheus; apt-get install prometheus)
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+dashboards: setup ## Regenerate monitoring/grafana/dashboards/*.json from monitoring/dashboards.py
+	$(BIN)/memtrain dashboards
 
 lint: setup ## ruff and mypy
 	$(BIN)/ruff check trainer datapipe monitoring tests scripts bench

@@ -184,6 +184,17 @@ def plan_command(
                                     "sequence or a smaller model")
 
 
+@app.command("dashboards")
+def dashboards_command(
+    out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
+) -> None:
+    """Generate the Grafana dashboards' JSON from monitoring/dashboards.py."""
+    from monitoring.dashboards import OUT_DIR, write_dashboards
+
+    for path in write_dashboards(out or OUT_DIR):
+        console.print(f"wrote {path}")
+
+
 @data_app.command("corpus")
 def data_corpus(
     out: Annotated[Path, typer.Argument(help="Output directory (gets train/ and val/).")],

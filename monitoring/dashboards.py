@@ -1,0 +1,211 @@
+"""Grafana dashboards as code (grafana-foundation-sdk, Grafana 11.6 schemas).
+
+Two dashboards, "Training memory" and "Training throughput", one function per panel, queries
+written against the contract's final names (``monitoring/metrics.py``) so they serve Ray's
+endpoint and the standalone exporter alike. ``write_dashboards`` generates deterministic JSON
+(sorted keys) into ``monitoring/grafana/dashboards/``; a test fails when the committed JSON
+differs from what this code generates, and the e2e test runs every panel's query against a real
+Prometheus (the panels in ``CUDA_PANELS`` need a GPU and are checked with recorded statistics
+and by ``make gpu-check``). Nobody edits the JSON by hand: ``make dashboards``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import dashboard, prometheus, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
+OUT_DIR = Path(__file__).resolve().parent / "grafana" / "dashboards"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SELECTOR = 'run=~"$run", rank=~"$rank", node=~"$node"'
+RATE = "$__rate_interval"
+# Panels whose series exist only on CUDA workers (absent, not zero, on CPU).
+CUDA_PANELS = frozenset({
+    "Allocated, reserved and peak per rank", "Fragmentation (inactive split / reserved)",
+    "Allocator retries and OOMs", "Device memory used against total",
+    "Peak memory skew across ranks",
+})
+
+
+def query(expr: str, legend: str, ref_id: str = "A") -> prometheus.Dataquery:
+    return (prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref_id)
+            .datasource(DATASOURCE))
+
+
+def panel(title: str, unit: str, *queries: prometheus.Dataquery,
+          description: str = "") -> timeseries.Panel:
+    built = (timeseries.Panel().title(title).unit(unit).datasource(DATASOURCE)
+             .description(description).height(8).span(12))
+    for q in queries:
+        built = built.with_target(q)
+    return built
+
+
+def variables(builder: dashboard.Dashboard) -> dashboard.Dashboard:
+    """``datasource``, then ``run``, ``rank`` and ``node``, each narrowing the next."""
+    builder = builder.with_variable(
+        dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+    chain = [("run", "ray_memtrain_train_tokens_total"),
+             ("rank", 'ray_memtrain_train_tokens_total{run=~"$run"}'),
+             ("node", 'ray_memtrain_train_tokens_total{run=~"$run"}')]
+    for name, series in chain:
+        builder = builder.with_variable(
+            dashboard.QueryVariable(name).label(name).datasource(DATASOURCE)
+            .query(f"label_values({series}, {name})").multi(True).include_all(True)
+            .refresh(2))  # on time range change
+    return builder
+
+
+# ---- Training memory -------------------------------------------------------------------------
+
+def memory_per_rank() -> timeseries.Panel:
+    return panel("Allocated, reserved and peak per rank", "bytes",
+                 query(f"ray_memtrain_gpu_memory_allocated_bytes{{{SELECTOR}}}",
+                       "rank {{rank}} allocated", "A"),
+                 query(f"ray_memtrain_gpu_memory_reserved_bytes{{{SELECTOR}}}",
+                       "rank {{rank}} reserved", "B"),
+                 query(f"ray_memtrain_gpu_memory_peak_allocated_bytes{{{SELECTOR}}}",
+                       "rank {{rank}} peak (interval)", "C"),
+                 description="PyTorch caching allocator per worker. The peak covers one "
+                             "reporting interval, so a one-step spike still shows.")
+
+
+def fragmentation() -> timeseries.Panel:
+    return panel("Fragmentation (inactive split / reserved)", "percentunit",
+                 query(f"ray_memtrain_gpu_memory_inactive_split_bytes{{{SELECTOR}}} / "
+                       f"ray_memtrain_gpu_memory_reserved_bytes{{{SELECTOR}}}", "rank {{rank}}"),
+                 description="Reserved memory the allocator cannot hand out whole.")
+
+
+def retries_and_ooms() -> timeseries.Panel:
+    return panel("Allocator retries and OOMs", "short",
+                 query(f"increase(ray_memtrain_gpu_alloc_retries_total{{{SELECTOR}}}[{RATE}])",
+                       "rank {{rank}} retries", "A"),
+                 query(f"increase(ray_memtrain_gpu_ooms_total{{{SELECTOR}}}[{RATE}])",
+                       "rank {{rank}} OOMs", "B"))
+
+
+def device_used_vs_total() -> timeseries.Panel:
+    return panel("Device memory used against total", "bytes",
+                 query(f"ray_memtrain_gpu_device_used_bytes{{{SELECTOR}}}", "rank {{rank}} used",
+                       "A"),
+                 query(f"ray_memtrain_gpu_device_total_bytes{{{SELECTOR}}}",
+                       "rank {{rank}} total", "B"),
+                 description="NVML's view: every process on the device, not only PyTorch's.")
+
+
+def host_memory() -> timeseries.Panel:
+    return panel("Host memory per rank", "bytes",
+                 query(f"ray_memtrain_host_rss_bytes{{{SELECTOR}}}", "rank {{rank}} RSS", "A"),
+                 query(f"ray_memtrain_host_pinned_bytes{{{SELECTOR}}}", "rank {{rank}} pinned",
+                       "B"))
+
+
+def memory_skew() -> timeseries.Panel:
+    peak = f"ray_memtrain_gpu_memory_peak_allocated_bytes{{{SELECTOR}}}"
+    return panel("Peak memory skew across ranks", "percentunit",
+                 query(f"(max by (run) ({peak}) - min by (run) ({peak})) / max by (run) ({peak})",
+                       "{{run}}"),
+                 description="The fullest rank decides when a job runs out of memory.")
+
+
+def memory_dashboard() -> dashboard.Dashboard:
+    builder = variables(dashboard.Dashboard("Training memory").uid("memtrain-memory")
+                        .tags(["memtrain", "generated"]).time("now-1h", "now").refresh("30s")
+                        .editable())
+    for panel_id, made in enumerate((memory_per_rank(), fragmentation(), retries_and_ooms(),
+                                     device_used_vs_total(), host_memory(), memory_skew()), 1):
+        builder = builder.with_panel(made.id(panel_id))
+    return builder
+
+
+# ---- Training throughput ---------------------------------------------------------------------
+
+def tokens_per_second() -> timeseries.Panel:
+    return panel("Tokens per second", "short",
+                 query("sum by (run) "
+                       f"(rate(ray_memtrain_train_tokens_total{{{SELECTOR}}}[{RATE}]))", "{{run}}"))
+
+
+def step_time() -> timeseries.Panel:
+    buckets = f"rate(ray_memtrain_train_step_seconds_bucket{{{SELECTOR}}}[{RATE}])"
+    return panel("Step time p50 and p95", "s",
+                 query(f"histogram_quantile(0.5, sum by (le, run) ({buckets}))", "{{run}} p50",
+                       "A"),
+                 query(f"histogram_quantile(0.95, sum by (le, run) ({buckets}))", "{{run}} p95",
+                       "B"))
+
+
+def data_wait_share() -> timeseries.Panel:
+    return panel("Data wait share of step time", "percentunit",
+                 query(f"rate(ray_memtrain_data_wait_seconds_total{{{SELECTOR}}}[{RATE}]) / "
+                       f"rate(ray_memtrain_train_step_seconds_sum{{{SELECTOR}}}[{RATE}])",
+                       "rank {{rank}}"))
+
+
+def checkpoint_time() -> timeseries.Panel:
+    return panel("Checkpoint time", "s",
+                 query(f"increase(ray_memtrain_checkpoint_seconds_total{{{SELECTOR}}}[{RATE}])",
+                       "rank {{rank}}"),
+                 description="Seconds spent writing checkpoints per interval.")
+
+
+def loss() -> timeseries.Panel:
+    return panel("Loss", "short",
+                 query(f"ray_memtrain_train_loss{{{SELECTOR}}}", "rank {{rank}}"))
+
+
+def grad_scale() -> timeseries.Panel:
+    return panel("Grad scale", "short",
+                 query(f"ray_memtrain_train_grad_scale{{{SELECTOR}}}", "rank {{rank}}"),
+                 description="fp16's GradScaler scale; 1 without one. A falling scale means "
+                             "overflowing gradients.")
+
+
+def batch_split() -> timeseries.Panel:
+    return panel("Micro-batch and accumulation", "short",
+                 query(f"ray_memtrain_train_micro_batch_size{{{SELECTOR}}}",
+                       "rank {{rank}} micro-batch", "A"),
+                 query(f"ray_memtrain_train_accumulation_steps{{{SELECTOR}}}",
+                       "rank {{rank}} accumulation", "B"),
+                 description="Changes under auto and after OOM recovery; their product stays.")
+
+
+def throughput_dashboard() -> dashboard.Dashboard:
+    builder = variables(dashboard.Dashboard("Training throughput").uid("memtrain-throughput")
+                        .tags(["memtrain", "generated"]).time("now-1h", "now").refresh("30s")
+                        .editable())
+    for panel_id, made in enumerate((tokens_per_second(), step_time(), data_wait_share(),
+                                     checkpoint_time(), loss(), grad_scale(), batch_split()), 1):
+        builder = builder.with_panel(made.id(panel_id))
+    return builder
+
+
+DASHBOARDS = {"memtrain-memory.json": memory_dashboard,
+              "memtrain-throughput.json": throughput_dashboard}
+
+
+def render(name: str) -> str:
+    """The JSON of one dashboard, deterministic: sorted keys, fixed indentation."""
+    built = DASHBOARDS[name]().build()
+    return json.dumps(json.loads(JSONEncoder(sort_keys=True).encode(built)), indent=2,
+                      sort_keys=True) + "\n"
+
+
+def write_dashboards(out_dir: Path = OUT_DIR) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in DASHBOARDS:
+        path = out_dir / name
+        path.write_text(render(name))
+        written.append(path)
+    return written
+
+
+def panel_queries(rendered: str) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of a rendered dashboard."""
+    return [(p["title"], t["expr"]) for p in json.loads(rendered)["panels"]
+            for t in p.get("targets", [])]
