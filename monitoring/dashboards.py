@@ -16,7 +16,7 @@ from pathlib import Path
 
 from grafana_foundation_sdk.builders import dashboard, prometheus, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.dashboard import DataSourceRef
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
 OUT_DIR = Path(__file__).resolve().parent / "grafana" / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -55,7 +55,7 @@ def variables(builder: dashboard.Dashboard) -> dashboard.Dashboard:
         builder = builder.with_variable(
             dashboard.QueryVariable(name).label(name).datasource(DATASOURCE)
             .query(f"label_values({series}, {name})").multi(True).include_all(True)
-            .refresh(2))  # on time range change
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
     return builder
 
 

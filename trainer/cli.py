@@ -195,6 +195,18 @@ def dashboards_command(
         console.print(f"wrote {path}")
 
 
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory, e.g. runs/demo.")],
+    out: Annotated[Path | None, typer.Option(help="PNG path (default RUN_DIR/report.png).")
+                   ] = None,
+) -> None:
+    """Render memory per rank, throughput and data wait of a run as a PNG."""
+    from monitoring.report import render_report
+
+    console.print(f"wrote {render_report(run_dir, out)}")
+
+
 @data_app.command("corpus")
 def data_corpus(
     out: Annotated[Path, typer.Argument(help="Output directory (gets train/ and val/).")],
