@@ -35,7 +35,8 @@ data: $(DATA)/train/manifest.json ## Build the demo dataset from the Python stan
 demo: setup data ## Train the demo GPT: 2 Ray Train workers, AMP + activation ckpt + accumulation
 	$(BIN)/memtrain train --config configs/demo-cpu.yaml --run-name $(RUN)
 
-test: setup ## Run every test: unit, distributed (gloo, Ray), e2e (Prometheus; apt-get install prometheus)
+test: setup ## Run every test: unit, distributed (gloo, Ray), e2e (a real Prometheus)
+	bash scripts/install-prometheus.sh
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 dashboards: setup ## Regenerate monitoring/grafana/dashboards/*.json from monitoring/dashboards.py
