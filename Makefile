@@ -13,7 +13,7 @@ GPU_PYTHON ?= python3  # gpu-check runs on the machine's own torch, from the sou
 GPU_CHECK_OUT ?= bench/results
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data demo test lint dashboards bench-memory gpu-check clean
+.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -48,6 +48,9 @@ lint: setup ## ruff and mypy
 
 bench-memory: setup ## CPU: activation bytes and step time per precision x checkpointing, planner beside
 	$(BIN)/python -m bench.memory --out bench/results
+
+bench-metrics: setup ## Cost of recording the metrics contract as a share of step time (<= 1%)
+	$(BIN)/python -m bench.metrics_overhead --out bench/results
 
 gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no CUDA: dry mode)
 	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)

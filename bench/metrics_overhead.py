@@ -1,0 +1,93 @@
+"""Metrics overhead: the cost of recording the metrics contract against the step it describes.
+
+Per optimizer step the loop observes one step time; every ``train.log_every`` steps it publishes
+the whole contract (host, train and, on CUDA, allocator and NVML readings) to the sink. This
+measures both with the standalone exporter's sink on the demo's model and reports
+``(observe + publish / log_every) / step time``. Target (issue #5): <= 1% of step time.
+Run: ``make bench-metrics`` (writes ``bench/results/metrics-overhead-<date>-<host>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import socket
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from monitoring.sinks import PrometheusSink
+from trainer.loop import build_optimizer, publish_metrics, train_step
+from trainer.memory import apply_activation_checkpointing, precision_policy
+from trainer.model import GPT, GPTConfig
+
+LABELS = {"run": "bench", "rank": "0", "local_rank": "0", "node": socket.gethostname(),
+          "device": "cpu"}
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128)  # the demo's model
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    apply_activation_checkpointing(model, "full")
+    policy = precision_policy("bf16", device)
+    scaler = policy.grad_scaler(device)
+    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=1e-3,
+                                                       betas=(0.9, 0.95)))
+    tokens = torch.randint(0, 256, (8, cfg.seq_len + 1), device=device)
+    step = median_seconds(lambda: train_step(model, optimizer, scaler, [tokens, tokens], 1,
+                                             policy, 1.0), args.steps)
+    sink = PrometheusSink(LABELS)
+    record = {"loss": 2.5, "grad_norm": 1.0, "scale": 1.0, "micro_batch_size": 8,
+              "accumulation_steps": 2}
+    totals = {"memtrain_train_tokens_total": 0.0}
+
+    def publish() -> None:
+        totals["memtrain_train_tokens_total"] += 4096
+        publish_metrics(sink, record, device, 0, totals)
+
+    publish_seconds = median_seconds(publish, 1000)
+    observe_seconds = median_seconds(
+        lambda: sink.observe("memtrain_train_step_seconds", 0.5), 10000)
+    rows = {}
+    for log_every in (1, 10):
+        overhead = observe_seconds + publish_seconds / log_every
+        rows[f"log_every_{log_every}"] = {"overhead_seconds": overhead,
+                                          "share_of_step": overhead / step}
+    report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+              "host": socket.gethostname(), "device": str(device), "torch": torch.__version__,
+              "step_seconds": step, "publish_seconds": publish_seconds,
+              "observe_seconds": observe_seconds, "rows": rows,
+              "target_share": 0.01,
+              "met": all(r["share_of_step"] <= 0.01 for r in rows.values())}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"metrics-overhead-{report['date'][:10]}-{report['host']}.json"
+    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"step {1000 * step:.1f} ms; publish {1e6 * publish_seconds:.0f} us; observe "
+          f"{1e6 * observe_seconds:.1f} us")
+    for name, row in rows.items():
+        print(f"{name}: {1e6 * row['overhead_seconds']:.0f} us per step = "
+              f"{100 * row['share_of_step']:.3f}% of step time (target <= 1%)")
+
+
+if __name__ == "__main__":
+    main()
