@@ -41,10 +41,16 @@ class Sink(ABC):
                 raise TypeError(f"{name} is a histogram: use observe()")
 
     def set_total(self, name: str, total: float) -> None:
-        delta = total - self._totals.get(name, 0.0)
+        if name not in self._totals:
+            self._start_counter(name)
+            self._totals[name] = 0.0
+        delta = total - self._totals[name]
         if delta > 0:
             self._inc_counter(name, delta)
             self._totals[name] = total
+
+    def _start_counter(self, name: str) -> None:  # noqa: B027 - optional hook, no-op default
+        """Make the counter's series exist at 0 where the transport can (Ray's cannot)."""
 
     def observe(self, name: str, value: float) -> None:
         if spec(name).kind != "histogram":
@@ -85,6 +91,9 @@ class PrometheusSink(Sink):
 
     def _inc_counter(self, name: str, delta: float) -> None:
         self._metrics[name].labels(**self.labels).inc(delta)  # type: ignore[union-attr]
+
+    def _start_counter(self, name: str) -> None:
+        self._metrics[name].labels(**self.labels)  # the series now exists, at 0
 
     def _observe(self, name: str, value: float) -> None:
         self._metrics[name].labels(**self.labels).observe(value)  # type: ignore[union-attr]

@@ -189,9 +189,9 @@ def dashboards_command(
     out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
 ) -> None:
     """Generate the Grafana dashboards' JSON from monitoring/dashboards.py."""
-    from monitoring.dashboards import OUT_DIR, write_dashboards
+    from monitoring.dashboards import CONFIGMAP_PATH, OUT_DIR, write_dashboards
 
-    for path in write_dashboards(out or OUT_DIR):
+    for path in write_dashboards(out or OUT_DIR, None if out else CONFIGMAP_PATH):
         console.print(f"wrote {path}")
 
 

@@ -53,18 +53,50 @@ def _query(port: int, promql: str) -> list[dict]:
         return json.loads(response.read())["data"]["result"]
 
 
+RECORDED_RUN = "recorded-h200"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "memory_stats_h200.json"
+
+
 @pytest.fixture
-def prometheus(ray_cluster, tmp_path: Path):
-    """Prometheus on 127.0.0.1 scraping the Ray node's metrics endpoint every second."""
+def recorded_cuda_exporters() -> list[int]:
+    """Two standalone exporters serving the allocator statistics recorded on an H200.
+
+    The dict goes through the real reader and the real exporter; rank 1 reads 70% of rank 0's
+    bytes so the skew panel has something to show. NVML was not recorded: the device family
+    uses the H200's total (143,771 MiB) and rank 0's reserved bytes as "used".
+    """
+    from monitoring.memory import read_cuda_allocator
+    from monitoring.sinks import PrometheusSink
+
+    stats = json.loads(FIXTURE.read_text())["memory_stats"]
+    ports = []
+    for rank, scale in (("0", 1.0), ("1", 0.7)):
+        values = {k: v * scale for k, v in read_cuda_allocator(stats).items()}
+        values["memtrain_gpu_alloc_retries_total"] += 3  # something to increase
+        values["memtrain_gpu_device_total_bytes"] = 143_771 * 2**20
+        values["memtrain_gpu_device_used_bytes"] = values["memtrain_gpu_memory_reserved_bytes"]
+        sink = PrometheusSink({"run": RECORDED_RUN, "rank": rank, "local_rank": rank,
+                               "node": "h200", "device": f"cuda:{rank}"})
+        sink.set(values)
+        ports.append(sink.serve(0))
+    return ports
+
+
+@pytest.fixture
+def prometheus(ray_cluster, recorded_cuda_exporters: list[int], tmp_path: Path):
+    """Prometheus on 127.0.0.1 scraping the Ray node's endpoint and the recorded exporters."""
     binary = _need("prometheus")
     port = free_port()
     config = tmp_path / "prometheus.yml"
+    recorded = ", ".join(f"'127.0.0.1:{p}'" for p in recorded_cuda_exporters)
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"rule_files: ['{PROMETHEUS_DIR / 'rules.yml'}']\n"
         "scrape_configs:\n"
         "  - job_name: ray\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{ray_cluster.metrics_port}']}}]\n")
+        f"    static_configs: [{{targets: ['127.0.0.1:{ray_cluster.metrics_port}']}}]\n"
+        "  - job_name: recorded\n"
+        f"    static_configs: [{{targets: [{recorded}]}}]\n")
     process = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}"],
@@ -117,12 +149,17 @@ def test_every_cpu_family_has_series_for_both_ranks(prometheus: int, corpus_dir:
     # otherwise) and, except for the panels that need CUDA, returns data.
     from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, panel_queries, render
 
+    # The CUDA panels read the allocator statistics recorded on an H200 instead.
     empty = []
     for name in DASHBOARDS:
         for title, expr in panel_queries(render(name)):
-            promql = (expr.replace("$run", "prom").replace("$rank", ".*")
+            run = RECORDED_RUN if title in CUDA_PANELS else "prom"
+            promql = (expr.replace("$run", run).replace("$rank", ".*")
                       .replace("$node", ".*").replace("$__rate_interval", "1m"))
-            result = _query(prometheus, promql)
-            if title not in CUDA_PANELS and not result:
+            if not _query(prometheus, promql):
                 empty.append(f"{name}: {title}: {promql}")
     assert not empty, empty
+    skew = _query(prometheus, dict(panel_queries(render("memtrain-memory.json")))[
+        "Peak memory skew across ranks"].replace("$run", RECORDED_RUN)
+        .replace("$rank", ".*").replace("$node", ".*"))
+    assert float(skew[0]["value"][1]) == pytest.approx(0.3)  # rank 1 at 70% of rank 0

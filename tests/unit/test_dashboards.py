@@ -32,3 +32,33 @@ def test_dashboards_have_the_template_variables_and_only_contract_metrics() -> N
             assert bare <= names, f"{title}: {bare - names} not in the contract"
             assert '$run' in expr, f"{title} ignores the run variable"
     assert CUDA_PANELS <= titles
+
+
+def test_committed_configmap_is_what_the_code_generates() -> None:
+    from monitoring.dashboards import CONFIGMAP_PATH, render_configmap
+
+    assert CONFIGMAP_PATH.read_text() == render_configmap(), "run `make dashboards`"
+
+
+def test_configmap_builds_with_kustomize_and_carries_the_sidecar_label() -> None:
+    import os
+    import shutil
+    import subprocess
+
+    import yaml
+
+    from monitoring.dashboards import CONFIGMAP_PATH
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("kubectl is missing")
+        pytest.skip("kubectl not installed")
+    built = subprocess.run([kubectl, "kustomize", str(CONFIGMAP_PATH.parent)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    [configmap] = list(yaml.safe_load_all(built))
+    assert configmap["kind"] == "ConfigMap"
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert sorted(configmap["data"]) == sorted(DASHBOARDS)
+    for name, text in configmap["data"].items():
+        assert json.loads(text)["uid"] == name.removesuffix(".json")
