@@ -134,7 +134,6 @@ def plan_command(
     """Predict memory per rank before training: what fits, at which micro-batch and cost."""
     import torch
 
-    from trainer.memory import precision_policy
     from trainer.model import build_model
     from trainer.planner import feasible_plans, parse_bytes, plan_row, profile_all, static_bytes
 
@@ -149,7 +148,6 @@ def plan_command(
         return build_model(cfg.model.name, **kwargs)
 
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
-    precision_policy(cfg.memory.precision, torch.device("cpu"))  # validates the name
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} on "
                   f"CPU ({len(precisions) * 3} probes)...")
     profiles = profile_all(build, cfg.model.seq_len, cfg.model.vocab_size, precisions,
