@@ -123,6 +123,9 @@ class ParallelConfig(_Strict):
     # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state
     # sharded across ranks (FSDP2), checkpoints sharded (torch.distributed.checkpoint).
     strategy: Literal["ddp", "fsdp"] = "ddp"
+    # Ray: how many times a failed worker group is restarted from the latest checkpoint
+    # (-1: without limit). A preempted or killed worker costs the steps since that checkpoint.
+    max_failures: int = Field(1, ge=-1)
 
 
 class MonitoringConfig(_Strict):

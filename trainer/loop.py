@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -384,7 +385,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                             "ignored on %s", device.type)
         if guard is not None and step % cfg.memory.leak_check_every == 0:
             guard.sample(step, device)
-
+        maybe_kill_for_test(ctx, step)
     if cfg.memory.gc_every:
         gc.enable()
 
@@ -462,6 +463,29 @@ def step_with_oom_recovery(ctx: WorkerContext, step: int, model: nn.Module,
             splits = recover_from_oom(ctx, step + 1, splits, attempt, cfg.memory,
                                       cfg.train.micro_batch(),
                                       cfg.train.accumulation_steps(ctx.world_size), str(err))
+
+
+KILL_FILE = ".inject-kill"
+
+
+def maybe_kill_for_test(ctx: WorkerContext, step: int) -> None:
+    """Tests: a file ``RUN_DIR/.inject-kill`` holding ``step:rank`` makes that rank SIGKILL itself
+    at the end of that step, once (the file is renamed first, so the restarted worker does not do
+    it again). A file, not an environment variable, because Ray's workers are started before a
+    test could set one. Costs one ``stat`` per step.
+    """
+    spec_file = ctx.run_dir / KILL_FILE
+    if not spec_file.exists():
+        return
+    want_step, _, want_rank = spec_file.read_text().strip().partition(":")
+    if step == int(want_step) and ctx.rank == int(want_rank or 0):
+        spec_file.rename(spec_file.with_name(KILL_FILE + ".done"))
+        # Ray's controller registers reported checkpoints when it next polls the workers; give
+        # it time, so the kill lands after the checkpoint is known, as a real preemption would.
+        time.sleep(3)
+        log.warning("rank %d: killing itself after the checkpoint at step %d (%s)", ctx.rank,
+                    step, spec_file)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def publish_metrics(sink: Any, record: dict[str, Any], device: torch.device,

@@ -125,8 +125,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
              runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}, **kwargs)
 
 
-def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
-               max_failures: int = 0) -> dict[str, Any]:
+def launch_ray(cfg: Config, run_dir: Path, address: str | None = None) -> dict[str, Any]:
     """Train with Ray Train on ``cfg.parallel.workers`` workers; returns rank 0's summary."""
     from trainer.launch import available_cpus
 
@@ -140,7 +139,7 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
         run_config=RunConfig(
             name=cfg.run.name, storage_path=str(Path(cfg.run.dir).resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=3),
-            failure_config=FailureConfig(max_failures=max_failures),
+            failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
         ),
     )
     trainer.fit()
