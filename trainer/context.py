@@ -28,6 +28,10 @@ INJECT_CHECKPOINT_FAILURE_ENV = "MEMTRAIN_INJECT_CHECKPOINT_FAILURE"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
+class CheckpointWriteError(OSError):
+    """Storage refused a checkpoint; nothing was published."""
+
+
 def checkpoint_dir_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step:08d}"
 
@@ -93,7 +97,14 @@ class LocalContext(WorkerContext):
             staging.mkdir(parents=True)
         self.barrier()
         if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+            try:
+                shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
+            except OSError as err:  # disk full, read-only storage: the run stops here
+                shutil.rmtree(staging, ignore_errors=True)
+                reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+                raise CheckpointWriteError(
+                    f"checkpoint of step {step} could not be written to {staging.parent} "
+                    f"({reason}); the previous checkpoint stays the latest") from err
         if os.environ.get(INJECT_CHECKPOINT_FAILURE_ENV) == str(step):  # tests only
             raise OSError(f"checkpoint write failed at step {step} (injected by "
                           f"{INJECT_CHECKPOINT_FAILURE_ENV})")

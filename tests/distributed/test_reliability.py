@@ -100,3 +100,44 @@ def test_fp16_overflow_is_skipped_by_the_grad_scaler_and_counted(corpus_dir: Pat
     assert rows[-1]["skipped_steps"] == summary["skipped_steps"]
     assert [r["skipped_steps"] for r in rows][-1] == [r["skipped_steps"] for r in rows][-3]
     assert summary["final_loss"] < summary["first_loss"] - 0.3  # and then training went on
+
+
+def test_a_full_disk_at_checkpoint_time_stops_the_run_and_keeps_the_previous_one(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    """The run directory on a tmpfs that holds one checkpoint but not two."""
+    import os
+    import shutil
+    import subprocess
+
+    from trainer.context import CheckpointWriteError
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("this test mounts a small tmpfs and needs root")
+        pytest.skip("needs root to mount a small tmpfs")
+    probe_cfg, probe_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path / "probe", "parallel.launcher=local", "parallel.workers=1",
+        "train.steps=2", "train.checkpoint_every=2", "train.eval_every=0", "run.name=probe"))
+    launch_local(probe_cfg, probe_dir)
+    one_checkpoint = sum(f.stat().st_size for f in (probe_dir / "checkpoint-00000002").iterdir())
+
+    small = tmp_path / "small"
+    small.mkdir()
+    size_kib = int(one_checkpoint * 1.5) // 1024 + 256  # one checkpoint and the logs, not two
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(small)],
+                   check=True)
+    try:
+        cfg, run_dir = prepare_run(tiny_config(
+            corpus_dir, small, "parallel.launcher=local", "parallel.workers=1",
+            "train.steps=6", "train.checkpoint_every=2", "train.eval_every=0", "run.name=full"))
+        with pytest.raises(CheckpointWriteError, match=r"checkpoint of step 4 could not be "
+                                                      r"written .*No space left on device.*"
+                                                      r"previous checkpoint stays the latest"):
+            launch_local(cfg, run_dir)
+        assert [step for step, _ in complete_checkpoints(run_dir)] == [2]
+        assert not (run_dir / ".staging-checkpoint-00000004").exists()  # cleaned up
+        from trainer.checkpoint import load_checkpoint
+
+        assert load_checkpoint(run_dir / "checkpoint-00000002")["step"] == 2  # still loads
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
