@@ -112,14 +112,19 @@ def memory_skew() -> timeseries.Panel:
                  description="The fullest rank decides when a job runs out of memory.")
 
 
-def memory_dashboard() -> dashboard.Dashboard:
-    builder = variables(dashboard.Dashboard("Training memory").uid("memtrain-memory")
-                        .tags(["memtrain", "generated"]).time("now-1h", "now").refresh("30s")
-                        .editable())
-    for panel_id, made in enumerate((memory_per_rank(), fragmentation(), retries_and_ooms(),
-                                     device_used_vs_total(), host_memory(), memory_skew()), 1):
+def assemble(title: str, uid: str, panels: list[timeseries.Panel]) -> dashboard.Dashboard:
+    """A dashboard with the shared variables, time range and refresh, panels numbered from 1."""
+    builder = variables(dashboard.Dashboard(title).uid(uid).tags(["memtrain", "generated"])
+                        .time("now-1h", "now").refresh("30s").editable())
+    for panel_id, made in enumerate(panels, 1):
         builder = builder.with_panel(made.id(panel_id))
     return builder
+
+
+def memory_dashboard() -> dashboard.Dashboard:
+    return assemble("Training memory", "memtrain-memory",
+                    [memory_per_rank(), fragmentation(), retries_and_ooms(),
+                     device_used_vs_total(), host_memory(), memory_skew()])
 
 
 # ---- Training throughput ---------------------------------------------------------------------
@@ -175,13 +180,9 @@ def batch_split() -> timeseries.Panel:
 
 
 def throughput_dashboard() -> dashboard.Dashboard:
-    builder = variables(dashboard.Dashboard("Training throughput").uid("memtrain-throughput")
-                        .tags(["memtrain", "generated"]).time("now-1h", "now").refresh("30s")
-                        .editable())
-    for panel_id, made in enumerate((tokens_per_second(), step_time(), data_wait_share(),
-                                     checkpoint_time(), loss(), grad_scale(), batch_split()), 1):
-        builder = builder.with_panel(made.id(panel_id))
-    return builder
+    return assemble("Training throughput", "memtrain-throughput",
+                    [tokens_per_second(), step_time(), data_wait_share(), checkpoint_time(),
+                     loss(), grad_scale(), batch_split()])
 
 
 DASHBOARDS = {"memtrain-memory.json": memory_dashboard,
