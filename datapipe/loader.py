@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from datapipe.manifest import DatasetError, Manifest, read_manifest
+from datapipe.manifest import DatasetError, Manifest, is_remote, read_manifest, remote_filesystem
 from datapipe.writer import arrow_type
 
 
@@ -56,7 +56,7 @@ class ArrowRows:
     """Random access to one fixed-shape column of a dataset through memory-mapped shards."""
 
     def __init__(self, path: str | Path, column: str):
-        self.path = Path(path)
+        self.path = path if is_remote(path) else Path(str(path).removeprefix("file://"))
         self.manifest: Manifest = read_manifest(self.path)
         self.spec = self.manifest.column(column)
         self._offsets = np.cumsum([0] + [s.num_rows for s in self.manifest.shards])
@@ -68,10 +68,14 @@ class ArrowRows:
 
     def _open_shard(self, index: int) -> np.ndarray:
         shard = self.manifest.shards[index]
-        file = self.path / shard.path
+        file = f"{str(self.path).rstrip('/')}/{shard.path}"
         try:
-            reader = pa.ipc.open_file(pa.memory_map(str(file), "r"))
-            table = reader.read_all()
+            if is_remote(file):  # buffered read of the whole shard from the object store
+                filesystem, inner = remote_filesystem(file)
+                with filesystem.open_input_file(inner) as source:
+                    table = pa.ipc.open_file(source).read_all()
+            else:  # memory-mapped: pages are read as rows are gathered
+                table = pa.ipc.open_file(pa.memory_map(file, "r")).read_all()
         except (OSError, pa.ArrowInvalid) as err:
             raise DatasetError(f"shard {file}: cannot be read ({err})") from err
         if self.spec.name not in table.column_names:

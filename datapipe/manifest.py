@@ -15,6 +15,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.fs as pafs
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
@@ -113,15 +116,53 @@ def write_manifest(directory: Path, manifest: Manifest) -> Path:
     return path
 
 
+def is_remote(path: str | Path) -> bool:
+    """``s3://``, ``gs://`` and other URIs go through pyarrow's filesystems; paths are local."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def remote_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem and path for ``uri``. S3 endpoints, credentials and region come
+    from the usual environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...)."""
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"dataset path {uri}: {err}") from err
+
+
+def read_text(path: str | Path) -> str:
+    """A small file's text, local or remote; raises FileNotFoundError when it is absent."""
+    if not is_remote(path):
+        return Path(str(path).removeprefix("file://")).read_text()
+    filesystem, inner = remote_filesystem(str(path))
+    if filesystem.get_file_info(inner).type != pafs.FileType.File:
+        raise FileNotFoundError(path)
+    with filesystem.open_input_stream(inner) as stream:
+        return stream.read().decode()
+
+
 def read_manifest(directory: str | Path) -> Manifest:
     """Read a dataset's manifest; raises DatasetError naming the path when it is absent or bad."""
-    directory = Path(directory)
+    if is_remote(directory):
+        path = f"{str(directory).rstrip('/')}/{MANIFEST_NAME}"
+        try:
+            text = read_text(path)
+        except FileNotFoundError:
+            raise DatasetError(f"{path} is missing: {directory} is not a complete memtrain "
+                               "dataset") from None
+        except OSError as err:
+            raise DatasetError(f"{path}: cannot be read ({err})") from err
+        return _checked(Manifest.from_json(text, source=path), path)
+    directory = Path(str(directory).removeprefix("file://"))
     if not directory.exists():
         raise DatasetError(f"dataset path {directory} does not exist")
-    path = directory / MANIFEST_NAME
-    if not path.is_file():
-        raise DatasetError(f"{path} is missing: {directory} is not a complete memtrain dataset")
-    manifest = Manifest.from_json(path.read_text(), source=str(path))
+    local = directory / MANIFEST_NAME
+    if not local.is_file():
+        raise DatasetError(f"{local} is missing: {directory} is not a complete memtrain dataset")
+    return _checked(Manifest.from_json(local.read_text(), source=str(local)), str(local))
+
+
+def _checked(manifest: Manifest, path: str) -> Manifest:
     if not manifest.shards or manifest.num_rows == 0:
         raise DatasetError(f"{path}: the dataset is empty (no rows)")
     return manifest

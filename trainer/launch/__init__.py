@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from datapipe.manifest import read_manifest
+from datapipe.manifest import is_remote, read_manifest
 from trainer.config import Config, ConfigError
 
 log = logging.getLogger("memtrain")
@@ -88,10 +88,11 @@ def resolve_auto(cfg: Config) -> Config:
 
 def prepare_run(cfg: Config) -> tuple[Config, Path]:
     """Validate ``cfg`` for launching and return it with absolute paths, plus the run directory."""
-    data = cfg.data.model_copy(update={
-        "path": str(Path(cfg.data.path).resolve()),
-        "val_path": str(Path(cfg.data.val_path).resolve()) if cfg.data.val_path else None,
-    })
+    def absolute(path: str | None) -> str | None:
+        return path if path is None or is_remote(path) else str(Path(path).resolve())
+
+    data = cfg.data.model_copy(update={"path": absolute(cfg.data.path),
+                                       "val_path": absolute(cfg.data.val_path)})
     run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
     cfg = cfg.model_copy(update={"data": data, "run": run})
     workers = cfg.parallel.workers
