@@ -166,3 +166,29 @@ def _checked(manifest: Manifest, path: str) -> Manifest:
     if not manifest.shards or manifest.num_rows == 0:
         raise DatasetError(f"{path}: the dataset is empty (no rows)")
     return manifest
+
+
+def verify_dataset(directory: str | Path) -> list[str]:
+    """Check every shard against the manifest: present, size and SHA-256. Local datasets only.
+
+    Returns one line per problem, naming the shard (empty: the dataset is intact).
+    """
+    manifest = read_manifest(directory)
+    if is_remote(directory):
+        raise DatasetError(f"{directory}: verify reads local datasets only (copy it first)")
+    root = Path(str(directory).removeprefix("file://"))
+    problems = []
+    for shard in manifest.shards:
+        path = root / shard.path
+        if not path.is_file():
+            problems.append(f"shard {path}: missing")
+            continue
+        size = path.stat().st_size
+        if size != shard.num_bytes:
+            problems.append(f"shard {path}: {size} bytes, the manifest says {shard.num_bytes}")
+            continue
+        digest = sha256_file(path)
+        if digest != shard.sha256:
+            problems.append(f"shard {path}: checksum {digest[:16]}... does not match the "
+                            f"manifest's {shard.sha256[:16]}...")
+    return problems

@@ -250,6 +250,18 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="Dataset directory.")
     console.print(shards)
 
 
+@data_app.command("verify")
+def data_verify(path: Annotated[Path, typer.Argument(help="Dataset directory.")]) -> None:
+    """Check every shard against the manifest, checksums included."""
+    from datapipe.manifest import DatasetError, read_manifest, verify_dataset
+
+    problems = verify_dataset(path)
+    if problems:  # one line: the first problem and how many shards are bad
+        raise DatasetError(f"{problems[0]} ({len(problems)} bad of "
+                           f"{len(read_manifest(path).shards)} shards)")
+    console.print(f"{path}: {len(read_manifest(path).shards)} shards verified")
+
+
 def _fail(message: str, code: int) -> None:
     print(f"memtrain: error: {message}", file=sys.stderr)
     sys.exit(code)

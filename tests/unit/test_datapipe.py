@@ -120,3 +120,32 @@ def test_shard_that_disagrees_with_manifest_is_named(tmp_path: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:50])  # truncated
     with pytest.raises(DatasetError, match="shard-00001.arrow: cannot be read"):
         ArrowRows(tmp_path / "ds", "x")
+
+
+def test_verify_finds_checksum_size_and_missing_shard_problems(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    from datapipe.manifest import verify_dataset
+
+    spec = [ColumnSpec("x", "int32", (4,))]
+    write_rows(tmp_path / "ds", spec, [{"x": np.arange(120, dtype=np.int32).reshape(30, 4)}], 10)
+    assert verify_dataset(tmp_path / "ds") == []
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "ds", bad)
+    flipped = bytearray((bad / "shard-00000.arrow").read_bytes())
+    flipped[-100] ^= 0xFF  # same size, different bytes
+    (bad / "shard-00000.arrow").write_bytes(bytes(flipped))
+    (bad / "shard-00001.arrow").write_bytes(b"short")
+    (bad / "shard-00002.arrow").unlink()
+    problems = verify_dataset(bad)
+    assert len(problems) == 3
+    assert "shard-00000.arrow: checksum" in problems[0]
+    assert "shard-00001.arrow: 5 bytes" in problems[1]
+    assert "shard-00002.arrow: missing" in problems[2]
+    result = subprocess.run([sys.executable, "-m", "trainer.cli", "data", "verify", str(bad)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"memtrain: error: {problems[0]} (3 bad of 3 shards)"]
