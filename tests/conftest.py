@@ -42,6 +42,23 @@ def ray_cluster():
     ray_launch.ray.shutdown()
 
 
+def wait_for_http(url: str, what: str, timeout_seconds: float = 30,
+                  log: Path | None = None) -> None:
+    """Poll ``url`` until it answers; fail the test, with the server's log tail, if not."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.3)
+    tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
+    pytest.fail(f"{what} did not answer at {url} within {timeout_seconds:.0f} s. {tail}")
+
+
 def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
     """A 2-layer GPT with AMP, full activation checkpointing and accumulation all on."""
     return load_config(REPO / "configs" / "demo-cpu.yaml", [

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from monitoring.metrics import METRICS
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, wait_for_http
 from trainer.launch import prepare_run
 from trainer.launch.local import free_port
 
@@ -102,16 +102,8 @@ def prometheus(ray_cluster, recorded_cuda_exporters: list[int], tmp_path: Path):
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))  # noqa: SIM115
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("prometheus did not become ready: "
-                        + (tmp_path / "prometheus.log").read_text()[-2000:])
+        wait_for_http(f"http://127.0.0.1:{port}/-/ready", "prometheus",
+                      log=tmp_path / "prometheus.log")
         yield port
     finally:
         process.terminate()

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from pyarrow import fs
 
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, wait_for_http
 from trainer.launch import prepare_run
 from trainer.launch.local import free_port, launch_local
 
@@ -33,13 +31,7 @@ def s3_server(monkeypatch: pytest.MonkeyPatch):
     process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.3)
+        wait_for_http(f"http://127.0.0.1:{port}/", "moto's S3 server")
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "memtrain-test")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "memtrain-test")
