@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -68,12 +67,6 @@ TARGETS = {"bf16_selective_peak_vs_fp32_none": 0.40, "mfu_bf16": 0.40,
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def quiet_policy(precision: str, device: torch.device):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fp16 on CPU (dry mode) warns by design
-        return precision_policy(precision, device)
 
 
 def matmul_peak_tflops(device: torch.device, dry: bool) -> float:
@@ -167,7 +160,7 @@ def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
                   batches: BatchLoader | None, compile_model: bool) -> dict[str, Any]:
     allocated_at_start = release_memory(device)
     model = make_model(cfg, ac, device, loss_chunk_tokens, compile_model)
-    policy = quiet_policy(precision, device)
+    policy = precision_policy(precision, device, warn=False)
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
                                                        betas=(0.9, 0.95)))
@@ -243,7 +236,7 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
     ctx = LocalContext(0, 0, 1, device, run_dir)
     recording = start_memory_history(device, enabled=True)
     model = make_model(cfg, "none", device, loss_chunk_tokens=4096)
-    policy = quiet_policy("fp32", device)
+    policy = precision_policy("fp32", device, warn=False)
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
                                                        betas=(0.9, 0.95)))
@@ -296,7 +289,7 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
     sink = PrometheusSink({"run": "gpu-check", "rank": "0", "local_rank": "0",
                            "node": socket.gethostname(), "device": str(device)})
     model = make_model(cfg, "selective", device, loss_chunk_tokens)
-    policy = quiet_policy("bf16", device)
+    policy = precision_policy("bf16", device, warn=False)
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
                                                        betas=(0.9, 0.95)))

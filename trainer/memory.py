@@ -54,15 +54,19 @@ class PrecisionPolicy:
                                     enabled=self.use_grad_scaler)
 
 
-def precision_policy(precision: str, device: torch.device) -> PrecisionPolicy:
-    """The policy for ``precision`` on ``device``; raises ValueError where the device can't."""
+def precision_policy(precision: str, device: torch.device, warn: bool = True
+                     ) -> PrecisionPolicy:
+    """The policy for ``precision`` on ``device``; raises ValueError where the device can't.
+
+    ``warn=False`` silences the fp16-on-CPU warning (probes and benchmarks ask for it on purpose).
+    """
     if precision not in _DTYPES:
         raise ValueError(f"memory.precision {precision!r} is not one of {sorted(_DTYPES)}")
     if (precision == "bf16" and device.type == "cuda"
             and not torch.cuda.is_bf16_supported(including_emulation=False)):
         raise ValueError(f"memory.precision 'bf16' is not supported natively on "
                          f"{torch.cuda.get_device_name(device)}; use 'fp16'")
-    if precision == "fp16" and device.type == "cpu":
+    if warn and precision == "fp16" and device.type == "cpu":
         warnings.warn("memory.precision 'fp16' on CPU: autocast and GradScaler work but are "
                       "slow and rarely useful there; 'bf16' is the CPU choice", stacklevel=2)
     return PrecisionPolicy(precision, _DTYPES[precision], use_grad_scaler=precision == "fp16")

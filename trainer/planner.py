@@ -154,20 +154,11 @@ def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: st
                         ) -> tuple[int, list[int]]:
     """(saved bytes, each saved storage's bytes in save order) of one training forward."""
     device = tokens_BT.device
-    policy = precision_policy(precision, device) if precision != "fp16" or device.type != "cpu" \
-        else _quiet_fp16_policy(device)
+    policy = precision_policy(precision, device, warn=False)
     with count_saved_tensors(model) as counts:
         loss = summed_loss(model, tokens_BT, policy)  # the loop's own forward
     del loss
     return counts["bytes"], counts["sizes"]
-
-
-def _quiet_fp16_policy(device: torch.device):
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return precision_policy("fp16", device)
 
 
 def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
