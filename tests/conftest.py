@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,16 +62,25 @@ def wait_for_http(url: str, what: str, timeout_seconds: float = 30,
 
 def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
     """A 2-layer GPT with AMP, full activation checkpointing and accumulation all on."""
-    return load_config(REPO / "configs" / "demo-cpu.yaml", [
+    return load_config(REPO / "configs" / "demo-cpu.yaml",
+                       tiny_overrides(corpus_dir, run_dir, *overrides))
+
+
+def tiny_overrides(corpus_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """``tiny_config``'s changes to configs/demo-cpu.yaml, as ``--set`` values."""
+    return [
         f"data.path={corpus_dir / 'train'}", f"data.val_path={corpus_dir / 'val'}",
         f"run.dir={run_dir}", f"model.seq_len={SEQ_LEN}", "model.n_layer=2",
         "model.n_embd=64", "model.n_head=2", "train.steps=12", "train.global_batch_size=16",
         "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every=2",
         "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=6",
         "train.lr=0.005", *overrides,
-    ])
+    ]
 
 
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.
 # trainer.launch.ray sets it too; setting it here covers any test that imports ray first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Jobs submitted to the test cluster run `python -m trainer.cli`: make that this interpreter, as
+# an activated virtual environment does for a user.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -122,6 +122,48 @@ def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
     console.print(table)
 
 
+@app.command("submit")
+def submit_command(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
+    address: Annotated[str, typer.Option(
+        envvar="RAY_API_SERVER_ADDRESS",
+        help="Ray Jobs API (the dashboard), e.g. http://127.0.0.1:8265.")
+                       ] = "http://127.0.0.1:8265",
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a config value: --set train.lr=3e-4 (repeatable).")] = None,
+    token: Annotated[str | None, typer.Option(
+        help="Ray auth token (default: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token).")
+                     ] = None,
+    headers: Annotated[list[str] | None, typer.Option(
+        "--header", help="Extra HTTP header KEY=VALUE for a proxy (repeatable).")] = None,
+    follow: Annotated[bool, typer.Option(
+        "--follow/--no-follow", help="Stream the logs; exit with the job's outcome.")] = True,
+    python: Annotated[str, typer.Option(help="Python interpreter on the cluster.")] = "python",
+    ship_code: Annotated[bool, typer.Option(
+        "--ship-code/--no-ship-code",
+        help="Send this checkout's packages with the job (else use the image's).")] = True,
+    job_id: Annotated[str | None, typer.Option(help="Submission id (default: Ray's).")] = None,
+) -> None:
+    """Send a training job to a Ray cluster; paths in the config are read on the cluster."""
+    from trainer.launch.submit import connect, read_token, request_headers, submit
+    from trainer.launch.submit import follow as follow_job
+
+    extra = list(overrides or [])
+    load_config(config, extra)  # fail here, not on the cluster
+    client = connect(address, request_headers(read_token(token), list(headers or [])))
+    submission = submit(client, config, extra, python=python, ship_code=ship_code,
+                        job_id=job_id)
+    console.print(f"submitted job [cyan]{submission.job_id}[/] to {address}")
+    console.print(f"  entrypoint: {submission.entrypoint}")
+    if not follow:
+        console.print(f"  logs: ray job logs --address {address} --follow {submission.job_id}")
+        return
+    status = follow_job(client, submission.job_id, lambda text: print(text, end="", flush=True))
+    console.print(f"job {submission.job_id}: {status.value}")
+    if status.value != "SUCCEEDED":
+        raise typer.Exit(1)
+
+
 @app.command("plan")
 def plan_command(
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
@@ -286,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         logging.getLogger("memtrain").debug("failure", exc_info=True)
+        if getattr(err, "one_line", False):  # a message written for the user, e.g. SubmitError
+            _fail(str(err), 1)
         _fail(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}", 1)
     sys.exit(result if isinstance(result, int) else 0)
 

@@ -96,7 +96,8 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
     run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
     cfg = cfg.model_copy(update={"data": data, "run": run})
     workers = cfg.parallel.workers
-    if not cfg.parallel.use_gpu and workers > available_cpus():
+    joins_cluster = cfg.parallel.launcher == "ray" and bool(os.environ.get("RAY_ADDRESS"))
+    if not cfg.parallel.use_gpu and not joins_cluster and workers > available_cpus():
         raise ConfigError(f"parallel.workers ({workers}) is more than the {available_cpus()} "
                           "CPUs of this machine and parallel.use_gpu is false")
     cfg = resolve_auto(cfg)

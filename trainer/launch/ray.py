@@ -110,11 +110,14 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
              metrics_export_port: int | None = None, **kwargs: Any) -> None:
     """Join ``address`` or start a local cluster on loopback (no-op if already initialised).
 
+    A job submitted to a cluster (``memtrain submit``) runs with ``RAY_ADDRESS`` set by Ray's
+    job supervisor: then the driver joins that cluster instead of starting its own.
     ``metrics_export_port`` fixes the port of the node's metrics endpoint (Prometheus scrapes
     it); unset, Ray picks one.
     """
     if ray.is_initialized():
         return
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, **kwargs)
         return

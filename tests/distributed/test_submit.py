@@ -1,0 +1,150 @@
+"""`memtrain submit` against a real local Ray cluster's Jobs API (dashboard on 127.0.0.1).
+
+The session's cluster runs with Ray's token auth on (Ray's default for a local cluster); the CLI
+runs as a subprocess without Ray's auth environment, so it must find and send the token itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, tiny_overrides
+
+pytestmark = pytest.mark.distributed
+MEMTRAIN = [sys.executable, "-m", "trainer.cli"]
+
+
+def client_env() -> dict[str, str]:
+    """The environment of a user's shell: no RAY_AUTH_* variables."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+
+
+@pytest.fixture(scope="module")
+def jobs_api(ray_cluster) -> str:
+    return "http://" + ray_cluster._private.worker.get_dashboard_url()
+
+
+def submit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MEMTRAIN, "submit", "--config", str(REPO / "configs/demo-cpu.yaml"),
+                           *args], capture_output=True, text=True, env=client_env(),
+                          timeout=timeout, cwd=REPO)
+
+
+def sets(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def test_submitted_job_trains_to_completion_and_streams_its_logs(
+        jobs_api: str, corpus_dir: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=4", "train.eval_every=4",
+                               "train.checkpoint_every=4", "run.name=submitted")
+    out = submit("--address", jobs_api, *sets(overrides), "--job-id", "memtrain-submit-ok")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "submitted job memtrain-submit-ok" in out.stdout
+    assert "job memtrain-submit-ok: SUCCEEDED" in out.stdout
+    assert "steps (this run)" in out.stdout  # the job's own summary table, streamed back
+    summary = json.loads((tmp_path / "submitted" / "summary.json").read_text())
+    assert summary["final_step"] == 4 and summary["workers"] == 2
+
+
+def test_a_failing_job_makes_submit_exit_non_zero(jobs_api: str, corpus_dir: Path,
+                                                  tmp_path: Path) -> None:
+    # Valid here, wrong on the cluster: the dataset path does not exist there.
+    overrides = tiny_overrides(corpus_dir, tmp_path, f"data.path={tmp_path / 'missing'}")
+    out = submit("--address", jobs_api, *sets(overrides))
+    assert out.returncode == 1
+    assert ": FAILED" in out.stdout
+    assert "data.path" in out.stdout  # the job's own one-line error, in the streamed logs
+
+
+def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Path,
+                                                   tmp_path: Path, ray_cluster) -> None:
+    from trainer.launch.submit import wait
+
+    overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=2", "train.eval_every=2",
+                               "train.checkpoint_every=2")
+    out = submit("--address", jobs_api, *sets(overrides), "--no-follow",
+                 "--job-id", "memtrain-no-follow")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memtrain-no-follow" in out.stdout
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(jobs_api)  # this process has Ray's auth env: token sent
+    assert wait(client, "memtrain-no-follow", timeout_seconds=240).value == "SUCCEEDED"
+
+
+def test_a_wrong_token_is_one_clear_line(jobs_api: str) -> None:
+    out = submit("--address", jobs_api, "--token", "not-the-token")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"memtrain: error: the Ray cluster at {jobs_api} refused the request (the token is "
+        "wrong): pass --token, or set RAY_AUTH_TOKEN"]
+
+
+def test_an_unreachable_cluster_is_one_clear_line() -> None:
+    from trainer.launch.local import free_port
+
+    address = f"http://127.0.0.1:{free_port()}"
+    out = submit("--address", address)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"memtrain: error: cannot reach the Ray Jobs API at {address}: "
+                                  "is the cluster up and the dashboard port (8265) forwarded?")
+
+
+def test_a_bad_config_fails_before_anything_is_sent() -> None:
+    out = submit("--address", "http://127.0.0.1:9", "--set", "train.no_such_key=1")
+    assert out.returncode == 2
+    assert "train.no_such_key" in out.stderr and "Traceback" not in out.stderr
+
+
+class _OtherRay(BaseHTTPRequestHandler):
+    """What a cluster on another Ray version answers (only the routes the client calls)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        body = (json.dumps({"ray_version": "2.59.0", "version": "4", "ray_commit": "x"})
+                if self.path == "/api/version" else "[]").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_ray_version_mismatch_is_refused_before_submitting() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OtherRay)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"http://127.0.0.1:{server.server_address[1]}"
+        out = submit("--address", address, timeout=60)
+    finally:
+        server.shutdown()
+    assert out.returncode == 1
+    assert "runs Ray 2.59.0, this machine Ray 2.60.0" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_headers_and_tokens_are_built_as_ray_reads_them(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.launch.submit import read_token, request_headers
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    (tmp_path / "token").write_text("from-file\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))
+    assert read_token(None) == "from-file"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert read_token(None) == "from-env"
+    assert read_token("explicit") == "explicit"
+    assert request_headers("t", ["X-Proxy=a=b"]) == {"Authorization": "Bearer t",
+                                                     "X-Proxy": "a=b"}
+    with pytest.raises(ValueError, match="--header 'nope' is not KEY=VALUE"):
+        request_headers(None, ["nope"])
