@@ -11,9 +11,13 @@ RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
 PYTEST_ARGS ?=
 GPU_PYTHON ?= python3  # gpu-check runs on the machine's own torch, from the source tree
 GPU_CHECK_OUT ?= bench/results
+OVERLAY ?= cluster  # k8s/overlays/: cluster (long-lived RayCluster) or job (one RayJob)
+CONFIG ?= configs/gpt2-124m-8xgpu.yaml
+SUBMIT_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean
+.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean \
+	up down status submit grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -54,6 +58,27 @@ bench-metrics: setup ## Cost of recording the metrics contract as a share of ste
 
 gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no CUDA: dry mode)
 	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
+
+up: ## Kubernetes: check prerequisites, then apply k8s/overlays/$(OVERLAY) (+ monitoring)
+	bash scripts/k8s.sh up $(OVERLAY)
+
+down: ## Kubernetes: delete the Ray cluster or job (the data volume and token are kept)
+	bash scripts/k8s.sh down $(OVERLAY)
+
+status: ## Kubernetes: Ray clusters, jobs, pods and volumes of the memtrain namespace
+	bash scripts/k8s.sh status
+
+submit: setup ## Kubernetes: submit CONFIG through the Ray Jobs API (port-forward) and follow it
+	MEMTRAIN=$(BIN)/memtrain bash scripts/k8s.sh submit $(CONFIG) $(SUBMIT_ARGS)
+
+grafana: ## Kubernetes: port-forward Grafana to http://127.0.0.1:3000
+	bash scripts/k8s.sh grafana
+
+local: setup data ## Docker + GPUs: Ray head, Prometheus, Grafana on 127.0.0.1; submit the demo
+	MEMTRAIN=$(BIN)/memtrain bash scripts/local.sh up
+
+local-down: ## Docker: stop the local run (volumes kept)
+	bash scripts/local.sh down
 
 clean: ## Remove runs, data and the virtual environment
 	rm -rf runs data $(VENV)

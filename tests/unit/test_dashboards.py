@@ -40,6 +40,16 @@ def test_committed_configmap_is_what_the_code_generates() -> None:
     assert CONFIGMAP_PATH.read_text() == render_configmap(), "run `make dashboards`"
 
 
+def test_committed_prometheus_rule_is_rules_yml() -> None:
+    import yaml
+
+    from monitoring.dashboards import PROMETHEUS_RULE_PATH, RULES_PATH, render_prometheus_rule
+
+    assert PROMETHEUS_RULE_PATH.read_text() == render_prometheus_rule(), "run `make dashboards`"
+    rule = yaml.safe_load(PROMETHEUS_RULE_PATH.read_text())
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES_PATH.read_text())["groups"]
+
+
 def test_configmap_builds_with_kustomize_and_carries_the_sidecar_label() -> None:
     import os
     import shutil
@@ -56,7 +66,7 @@ def test_configmap_builds_with_kustomize_and_carries_the_sidecar_label() -> None
         pytest.skip("kubectl not installed")
     built = subprocess.run([kubectl, "kustomize", str(CONFIGMAP_PATH.parent)],
                            capture_output=True, text=True, timeout=60, check=True).stdout
-    [configmap] = list(yaml.safe_load_all(built))
+    [configmap] = [o for o in yaml.safe_load_all(built) if o["kind"] == "ConfigMap"]
     assert configmap["kind"] == "ConfigMap"
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert sorted(configmap["data"]) == sorted(DASHBOARDS)

@@ -69,9 +69,8 @@ def request_headers(token: str | None, headers: list[str]) -> dict[str, str]:
 def connect(address: str, headers: dict[str, str]) -> JobSubmissionClient:
     """A client for ``address`` after checking reachability, the token and the Ray version."""
     try:
-        client = JobSubmissionClient(address, headers=headers)  # GETs /api/version
-        # /api/version answers without a token, so ask for something that needs one.
-        client.list_jobs()
+        # The constructor GETs /api/version, which needs the token when auth is on.
+        client = JobSubmissionClient(address, headers=headers)
     except ConnectionError as err:
         raise SubmitError(f"cannot reach the Ray Jobs API at {address}: is the cluster up and "
                           "the dashboard port (8265) forwarded?") from err

@@ -1,0 +1,163 @@
+"""docker/: the image and the local single-node run, validated offline (no Docker engine here):
+hadolint on the Dockerfile, the compose specification's schema on compose.yaml, promtool on the
+compose Prometheus config, and the project's own rules: loopback-only ports, no default
+secrets, non-root containers, one set of versions everywhere."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.unit
+DOCKER = REPO / "docker"
+BIN = Path(sys.executable).parent
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    out = subprocess.run([str(BIN / "hadolint"), str(DOCKER / "Dockerfile")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_passes_the_compose_spec_schema() -> None:
+    out = subprocess.run([str(BIN / "check-jsonschema"), "--builtin-schema",
+                          "vendor.compose-spec", str(DOCKER / "compose.yaml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_published_port_is_bound_to_loopback() -> None:
+    published = [(name, port) for name, service in compose()["services"].items()
+                 for port in service.get("ports", [])]
+    assert {name for name, _ in published} == {"ray-head", "prometheus", "grafana"}
+    for name, port in published:
+        assert isinstance(port, str) and port.startswith("127.0.0.1:"), (name, port)
+
+
+def test_secrets_come_from_ignored_env_files_never_defaults() -> None:
+    services = compose()["services"]
+    grafana, head = services["grafana"], services["ray-head"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana.get("environment", {})
+    assert [f["path"] for f in grafana["env_file"]] == ["grafana.env"]
+    assert all(f["required"] for f in grafana["env_file"] + head["env_file"])
+    assert head["environment"]["RAY_AUTH_MODE"] == "token"
+    ignored = subprocess.run(["git", "check-ignore", "docker/grafana.env", "docker/ray.env"],
+                             capture_output=True, text=True, cwd=REPO)
+    assert ignored.stdout.split() == ["docker/grafana.env", "docker/ray.env"]
+
+
+def test_containers_run_as_non_root_without_capabilities() -> None:
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    runtime = dockerfile.split("AS runtime")[1]
+    users = re.findall(r"^USER (\S+)", runtime, flags=re.M)
+    assert users and not users[-1].startswith(("0", "root")), users
+    for name, service in compose()["services"].items():
+        assert service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"], name
+        assert not service.get("privileged") and service.get("network_mode") != "host", name
+        if "user" in service:
+            assert not service["user"].startswith(("0:", "root")), name
+        else:
+            assert service.get("build"), f"{name}: set user (its image's default may be root)"
+
+
+def test_the_head_gets_the_gpus_and_shared_memory() -> None:
+    head = compose()["services"]["ray-head"]
+    [device] = head["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["count"] == "all"
+    assert head["shm_size"]
+
+
+def test_grafana_and_prometheus_mount_what_monitoring_ships() -> None:
+    services = compose()["services"]
+    mounts = {m.split(":")[1]: (DOCKER / m.split(":")[0]).resolve()
+              for s in ("grafana", "prometheus") for m in services[s]["volumes"]
+              if m.startswith(".")}
+    for target, source in mounts.items():
+        assert source.exists(), (target, source)
+    provider = yaml.safe_load((REPO / "monitoring/grafana/provisioning/dashboards/memtrain.yml")
+                              .read_text())["providers"][0]["options"]["path"]
+    assert mounts[provider] == (REPO / "monitoring/grafana/dashboards").resolve()
+    prometheus = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    assert prometheus["rule_files"] == ["rules.yml"]
+    assert mounts["/etc/prometheus/rules.yml"] == (REPO / "monitoring/prometheus/rules.yml")
+    assert services["grafana"]["image"] == "grafana/grafana:11.6.0"
+
+
+def test_the_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (make test installs Debian's prometheus)")
+    shutil.copy(DOCKER / "prometheus.yml", tmp_path / "prometheus.yml")
+    shutil.copy(REPO / "monitoring/prometheus/rules.yml", tmp_path / "rules.yml")
+    out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _dockerignored(path: str) -> bool:
+    """Docker's rule: the last matching pattern wins; `!` re-includes."""
+    ignored = False
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negate = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").rstrip("/")
+        if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path.split("/")[0], pattern):
+            ignored = not negate
+    return ignored
+
+
+def test_everything_the_dockerfile_copies_is_in_the_build_context() -> None:
+    sources = [source for line in (DOCKER / "Dockerfile").read_text().splitlines()
+               if line.startswith("COPY ") and "--from=" not in line
+               for source in line.split()[1:-1] if not source.startswith("--")]
+    assert {"pyproject.toml", "trainer", "configs"} <= set(sources)
+    for source in sources:
+        assert (REPO / source).exists() and not _dockerignored(source), source
+    assert _dockerignored(".venv") and _dockerignored("data") and _dockerignored(".git")
+
+
+def test_versions_agree_across_pyproject_dockerfile_compose_and_manifests() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = dict(re.match(r"([a-z]+)(?:\[[^]]*\])?==(\S+)", d).groups()  # type: ignore[union-attr]
+                for d in project["dependencies"] if re.match(r"(torch|ray)\b.*==", d))
+    assert pins == {"torch": "2.13.0", "ray": "2.60.0"}
+    python = re.search(r">=(3\.\d+)", project["requires-python"]).group(1)  # type: ignore[union-attr]
+    version = project["version"]
+
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert re.search(rf"ARG PYTHON_VERSION={re.escape(python)}\.\d+\n", dockerfile)
+    assert f'"torch=={pins["torch"]}"' in dockerfile
+    assert f"ray.__version__ == '{pins['ray']}'" in dockerfile
+    assert f'org.opencontainers.image.version="{version}"' in dockerfile
+    assert compose()["services"]["ray-head"]["image"] == f"memtrain:{version}"
+
+    manifests = [yaml.safe_load(p.read_text())
+                 for p in ((REPO / "k8s/raycluster/raycluster.yaml"),
+                           (REPO / "k8s/rayjob/rayjob.yaml"))]
+    for manifest in manifests:
+        cluster = manifest["spec"].get("rayClusterSpec", manifest["spec"])
+        assert cluster["rayVersion"] == pins["ray"]
+    images = set(re.findall(r"image: (\S+)", "".join(
+        p.read_text() for p in (REPO / "k8s").rglob("*.yaml"))))
+    assert images == {f"memtrain:{version}"}
+    for overlay in (REPO / "k8s/overlays").glob("*/kustomization.yaml"):
+        [image] = yaml.safe_load(overlay.read_text())["images"]
+        assert image["newTag"] == version, overlay
