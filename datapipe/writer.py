@@ -2,7 +2,9 @@
 
 Each column is stored as an Arrow ``fixed_size_list`` of its dtype, flattened row-major, so a
 reader can view a record batch as one contiguous ``(rows, *shape)`` numpy array without copying.
-Shards are cut at a target number of rows, written under a temporary name and renamed into place;
+Shards are cut at a target number of rows and hold record batches of about ``BATCH_BYTES`` each
+(a remote reader fetches only the batches a range needs); each is written under a temporary
+name and renamed into place;
 the manifest is published last (see ``datapipe.manifest``). Output is deterministic: the same rows
 give byte-identical shards and manifest.
 """
@@ -27,6 +29,7 @@ from datapipe.manifest import (
 )
 
 ProgressFn = Callable[[int], None]  # called with the number of rows just written
+BATCH_BYTES = 1 << 20  # target size of one record batch inside a shard
 
 
 def arrow_type(spec: ColumnSpec) -> pa.DataType:
@@ -95,13 +98,16 @@ class DatasetWriter:
         self._pending = [rest] if len(next(iter(rest.values()))) else []
         self._pending_rows -= num_rows
 
-        batch = pa.record_batch([_to_arrow(take[c.name], c) for c in self.columns],
-                                schema=self.schema)
+        row_bytes = sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize for c in self.columns)
+        batch_rows = max(1, BATCH_BYTES // max(1, row_bytes))
         name = f"shard-{len(self._shards):05d}.arrow"
         final = self.directory / name
         tmp = self.directory / f".{name}.tmp-{os.getpid()}"
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, self.schema) as writer:
-            writer.write_batch(batch)
+            for first in range(0, num_rows, batch_rows):
+                writer.write_batch(pa.record_batch(
+                    [_to_arrow(take[c.name][first:first + batch_rows], c) for c in self.columns],
+                    schema=self.schema))
         os.replace(tmp, final)
         self._shards.append(ShardInfo(name, num_rows, final.stat().st_size, sha256_file(final)))
         if self.progress is not None:

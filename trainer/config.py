@@ -47,10 +47,17 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    path: str = "data/stdlib/train"
+    path: str = "data/stdlib/train"  # a dataset directory, or s3://bucket/prefix (pyarrow fs)
     val_path: str | None = "data/stdlib/val"
     column: str = "tokens"
-    shuffle: bool = True
+    shuffle: bool = True  # shard order per epoch + a window shuffle (datapipe/split.py)
+    shuffle_window: int = Field(8192, ge=1)  # rows per shuffle window (rounded to batches)
+    prefetch: int = Field(4, ge=1)  # batches gathered ahead by the loader's thread
+    read_ahead: int = Field(2, ge=1)  # windows read ahead (threads); remote stores want more
+    # A shard that is missing, truncated, unreadable or disagrees with the manifest: "error"
+    # stops with a message naming it; "skip" leaves it out (logged, and counted in
+    # memtrain_data_skipped_shards_total). Every rank decides the same way before training.
+    on_bad_shard: Literal["error", "skip"] = "error"
 
 
 class TrainConfig(_Strict):

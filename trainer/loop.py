@@ -252,7 +252,9 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     accumulation = cfg.train.accumulation_steps(ctx.world_size)
     loader = BatchLoader(cfg.data.path, cfg.data.column, rank=ctx.rank,
                          world_size=ctx.world_size, batch_size=cfg.train.micro_batch(),
-                         seed=cfg.run.seed, shuffle=cfg.data.shuffle, device=device)
+                         seed=cfg.run.seed, shuffle=cfg.data.shuffle, device=device,
+                         shuffle_window=cfg.data.shuffle_window, prefetch=cfg.data.prefetch,
+                         read_ahead=cfg.data.read_ahead, on_bad_shard=cfg.data.on_bad_shard)
 
     resumed_from = restore_latest(ctx, model, optimizer, scaler, scheduler, loader, sharded,
                                   cfg.parallel.strategy)
@@ -280,7 +282,8 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         val_batches = BatchLoader(cfg.data.val_path, cfg.data.column, rank=ctx.rank,
                                   world_size=ctx.world_size,
                                   batch_size=cfg.train.micro_batch(), seed=cfg.run.seed,
-                                  shuffle=False, device=device)
+                                  shuffle=False, device=device, prefetch=cfg.train.eval_batches,
+                                  on_bad_shard=cfg.data.on_bad_shard)
     first_loss = last_loss = eval_loss = None
     checkpoints_written: list[int] = []
     window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
@@ -352,6 +355,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                     "memtrain_train_skipped_steps_total": skipped_steps,
                     "memtrain_data_wait_seconds_total": total_wait,
                     "memtrain_checkpoint_seconds_total": checkpoint_seconds,
+                    "memtrain_data_skipped_shards_total": loader.skipped_shards,
                 })
             if ctx.is_main:
                 log.info("step %5d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%%",
@@ -410,6 +414,9 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         "wall_seconds": time.perf_counter() - wall_start,
         "run_dir": str(ctx.run_dir),
     }
+    loader.close()
+    if val_batches is not None:
+        val_batches.close()
     if ctx.is_main:
         (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary

@@ -1,0 +1,146 @@
+"""Opening, checking and reading the shards of one column of a dataset.
+
+Local shards are memory-mapped: opening one maps it and checks its schema and row count against
+the manifest without reading its data; rows are paged in when a batch is gathered from them.
+Remote shards (``s3://`` and other pyarrow filesystems) are checked by size and schema when
+opened and read with buffered reads, only the record batches a range needs.
+
+Every shard is checked when the loader starts, identically on every rank, so all ranks agree on
+which shards are usable before any collective runs. A bad shard is an error naming it, or with
+``on_bad_shard="skip"``, logged, counted and left out of the epoch plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from datapipe.manifest import DatasetError, Manifest, is_remote, read_manifest, remote_filesystem
+from datapipe.split import Range
+from datapipe.writer import arrow_type
+
+log = logging.getLogger("memtrain.data")
+OnBadShard = Literal["error", "skip"]
+
+
+class ShardSource:
+    """One column of a dataset: which shards are usable, and their rows as numpy arrays."""
+
+    def __init__(self, path: str | Path, column: str, on_bad_shard: OnBadShard = "error"):
+        if on_bad_shard not in ("error", "skip"):
+            raise ValueError(f"on_bad_shard must be 'error' or 'skip', got {on_bad_shard!r}")
+        self.remote = is_remote(path)
+        self.root = str(path).rstrip("/") if self.remote else str(path).removeprefix("file://")
+        self.manifest: Manifest = read_manifest(self.root)
+        self.spec = self.manifest.column(column)
+        self.arrow_type = arrow_type(self.spec)
+        self.skipped: list[str] = []  # one message per skipped shard
+        # local: per shard, zero-copy views onto the memory map, one per record batch
+        self._views: dict[int, list[np.ndarray]] = {}
+        self.usable: list[int] = []
+        for index in range(len(self.manifest.shards)):
+            try:
+                self._open(index)
+            except DatasetError as err:
+                if on_bad_shard == "error":
+                    raise
+                log.warning("skipping bad shard (on_bad_shard: skip): %s", err)
+                self.skipped.append(str(err))
+                continue
+            self.usable.append(index)
+        if not self.usable:
+            raise DatasetError(f"{self.root}: every shard is bad ({len(self.skipped)} skipped); "
+                               f"first: {self.skipped[0]}")
+
+    @property
+    def shard_rows(self) -> list[int]:
+        """Rows of each usable shard, in manifest order."""
+        return [self.manifest.shards[i].num_rows for i in self.usable]
+
+    def file(self, index: int) -> str:
+        return f"{self.root}/{self.manifest.shards[index].path}"
+
+    def _check_schema(self, file: str, schema: pa.Schema) -> None:
+        name = self.spec.name
+        if name not in schema.names:
+            raise DatasetError(f"shard {file}: has no column {name!r} (schema differs from the "
+                               "manifest)")
+        found = schema.field(name).type
+        if found != self.arrow_type:
+            raise DatasetError(f"shard {file}: column {name!r} is {found}, the manifest says "
+                               f"{self.arrow_type}")
+
+    def _open(self, index: int) -> None:
+        shard, file = self.manifest.shards[index], self.file(index)
+        try:
+            if self.remote:
+                filesystem, inner = remote_filesystem(file)
+                info = filesystem.get_file_info(inner)
+                if info.type != pafs.FileType.File:
+                    raise DatasetError(f"shard {file}: missing")
+                if info.size != shard.num_bytes:
+                    raise DatasetError(f"shard {file}: {info.size} bytes, the manifest says "
+                                       f"{shard.num_bytes} (truncated or replaced)")
+                with filesystem.open_input_file(inner) as source:
+                    self._check_schema(file, pa.ipc.open_file(source).schema)
+                return
+            if not Path(file).exists():
+                raise DatasetError(f"shard {file}: missing")
+            table = pa.ipc.open_file(pa.memory_map(file, "r")).read_all()  # maps, reads nothing
+        except (OSError, pa.ArrowInvalid) as err:
+            raise DatasetError(f"shard {file}: cannot be read ({err})") from err
+        self._check_schema(file, table.schema)
+        if table.num_rows != shard.num_rows:
+            raise DatasetError(f"shard {file}: has {table.num_rows} rows, the manifest says "
+                               f"{shard.num_rows}")
+        self._views[index] = [self._as_rows(chunk, zero_copy=True)
+                              for chunk in table.column(self.spec.name).chunks]
+
+    def _as_rows(self, chunk: pa.Array, zero_copy: bool) -> np.ndarray:
+        """A fixed-size-list chunk as ``(rows, *shape)``; a view when ``zero_copy``."""
+        values = chunk.flatten().to_numpy(zero_copy_only=zero_copy)
+        return values.reshape((len(chunk), *self.spec.shape))
+
+    def read(self, piece: Range) -> list[np.ndarray]:
+        """Rows ``piece.start .. piece.stop - 1`` of a usable shard as ``(rows, *shape)`` arrays,
+        one per record batch they span: views onto the memory map for local shards, fresh
+        memory (buffered reads of those batches only) for remote ones."""
+        if not self.remote:
+            parts, first = [], 0
+            for view in self._views[piece.shard]:
+                last = first + len(view)
+                if last > piece.start and first < piece.stop:
+                    parts.append(view[max(piece.start, first) - first:
+                                      min(piece.stop, last) - first])
+                first = last
+            return parts
+        file = self.file(piece.shard)
+        parts = []
+        try:
+            filesystem, inner = remote_filesystem(file)
+            with filesystem.open_input_file(inner) as source:
+                reader = pa.ipc.open_file(source)
+                first = 0
+                for i in range(reader.num_record_batches):
+                    if first >= piece.stop:
+                        break
+                    batch = reader.get_batch(i)  # buffered read of this batch only
+                    last = first + batch.num_rows
+                    if last > piece.start:
+                        lo, hi = max(piece.start, first) - first, min(piece.stop, last) - first
+                        column = batch.column(self.spec.name).slice(lo, hi - lo)
+                        parts.append(self._as_rows(column, zero_copy=False))
+                    first = last
+        except (OSError, pa.ArrowInvalid) as err:
+            raise DatasetError(f"shard {file}: cannot be read ({err})") from err
+        found = sum(len(p) for p in parts)
+        if found != piece.rows:
+            raise DatasetError(f"shard {file}: rows {piece.start}..{piece.stop - 1} requested, "
+                               f"{found} found (the manifest says "
+                               f"{self.manifest.shards[piece.shard].num_rows} rows)")
+        return parts
