@@ -273,6 +273,43 @@ def data_corpus(
                       f"{len(manifest.shards)} shards, {manifest.num_bytes / 2**20:.1f} MiB")
 
 
+@data_app.command("write")
+def data_write(
+    sources: Annotated[list[Path], typer.Argument(help="Input files or directories.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output dataset directory.")],
+    fmt: Annotated[str, typer.Option(
+        "--format", help="auto | parquet | jsonl | text | numpy (auto: by file suffix).")
+                   ] = "auto",
+    columns: Annotated[str | None, typer.Option(
+        help="Parquet/JSON: the columns to keep, comma-separated (default: all).")] = None,
+    column: Annotated[str, typer.Option(help="Text/.npy: the column's name.")] = "tokens",
+    seq_len: Annotated[int, typer.Option(help="Text: tokens per row, plus one target.")] = 256,
+    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB.")] = "64MiB",
+    overwrite: Annotated[bool, typer.Option(help="Replace a dataset already at --out.")
+                         ] = False,
+) -> None:
+    """Convert Parquet, JSON lines, text files or numpy arrays into a memtrain dataset."""
+    from datapipe.convert import write_dataset
+    from trainer.planner import parse_bytes
+
+    if fmt not in ("auto", "parquet", "jsonl", "text", "numpy"):
+        raise ConfigError(f"--format {fmt!r} is not one of auto, parquet, jsonl, text, numpy")
+    try:
+        shard_bytes = parse_bytes(shard_size)
+    except ValueError as err:
+        raise ConfigError(f"--shard-size {shard_size!r} is not a size like 64MiB") from err
+    with Progress(TextColumn("writing"), BarColumn(), TextColumn("{task.completed:,} rows"),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("rows", total=None)
+        manifest = write_dataset(list(sources), out, fmt,  # type: ignore[arg-type]
+                                 columns=columns.split(",") if columns else None, column=column,
+                                 seq_len=seq_len, shard_bytes=shard_bytes, overwrite=overwrite,
+                                 progress=lambda n: progress.advance(task, n))
+    described = ", ".join(f"{c.name} {c.dtype}{list(c.shape)}" for c in manifest.columns)
+    console.print(f"{out}: {manifest.num_rows} rows ({described}) in {len(manifest.shards)} "
+                  f"shards, {manifest.num_bytes / 2**20:.1f} MiB")
+
+
 @data_app.command("inspect")
 def data_inspect(path: Annotated[Path, typer.Argument(help="Dataset directory.")]) -> None:
     """Show a dataset's schema, shards, rows and bytes."""
