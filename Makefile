@@ -16,7 +16,7 @@ CONFIG ?= configs/gpt2-124m-8xgpu.yaml
 SUBMIT_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean \
+.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench-data \
 	up down status submit grafana local local-down
 
 help: ## List the targets
@@ -49,6 +49,13 @@ dashboards: setup ## Regenerate monitoring/grafana/dashboards/*.json from monito
 lint: setup ## ruff and mypy
 	$(BIN)/ruff check trainer datapipe monitoring tests scripts bench
 	$(BIN)/mypy
+
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $@
+
+bench-data: $(VENV)/.bench-installed ## Loader samples/s and GB/s: raw Arrow limit, memtrain, HF datasets, Ray Data
+	$(BIN)/python -m bench.loader --out bench/results
 
 bench-memory: setup ## CPU: activation bytes and step time per precision x checkpointing, planner beside
 	$(BIN)/python -m bench.memory --out bench/results

@@ -3,14 +3,14 @@
 What it reads and in which order is decided by ``datapipe.split`` (pure, property-tested): the
 rank's share of the epoch as shard ranges, read in shuffle windows. This module does the work:
 
-- **Reading.** Local shards are memory-mapped (``datapipe.shards``); a window is a list of
-  zero-copy views and rows are paged in when gathered. Remote shards are read with buffered
-  reads, one window at a time, ``read_ahead`` windows ahead on a thread pool. The whole dataset
-  is never loaded.
+- **Reading.** Local shards are memory-mapped (``datapipe.shards``); remote shards are read
+  with buffered reads of only the record batches needed. Windows are read ``read_ahead`` ahead
+  on a thread pool, each into one array (a view when it lies in one record batch), which also
+  pages local rows in before they are needed. The whole dataset is never loaded: memory is
+  about ``(read_ahead + 1) x window`` rows plus ``prefetch`` batches.
 - **Batches.** A background thread gathers each batch's rows into a tensor with one vectorized
-  fancy-index copy per piece of the window it touches (no per-sample Python) and queues up to
-  ``prefetch`` batches. Arrow's fixed-size lists view as ``(rows, *shape)`` numpy arrays with no
-  copy, so the gather is the only copy between the page cache and the batch.
+  take (a slice copy when unshuffled; no per-sample Python) and queues up to ``prefetch``
+  batches. Arrow's fixed-size lists view as ``(rows, *shape)`` numpy arrays with no copy.
 - **Device (CUDA).** Batches are gathered straight into pinned staging buffers, allocated once
   and reused; each is copied to the GPU with one ``non_blocking`` copy on a side stream,
   ``device_prefetch`` batches ahead, and the compute stream waits on that copy's event only.
@@ -53,27 +53,24 @@ _DONE = object()
 
 
 class _Window:
-    """The rows of one shuffle window: pieces (views or arrays) and where each starts."""
+    """The rows of one shuffle window as one ``(rows, *shape)`` array.
+
+    Built on a read-ahead thread: a window within one record batch is a view onto the memory
+    map; one that spans several is copied into one array there (this pages the rows in ahead
+    of use), so gathering a batch is a single vectorized take on the producer thread.
+    """
 
     def __init__(self, pieces: list[np.ndarray], first: int):
-        self.pieces = pieces
+        self.rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         self.first = first  # span position of the window's first row
-        self.starts = np.cumsum([0] + [len(p) for p in pieces])
 
     def gather(self, positions: np.ndarray, out: np.ndarray) -> None:
-        """``out[i] = row at span position positions[i]`` for sorted ``positions``: one copy
-        per piece touched, straight into ``out`` (a slice copy when the rows are contiguous)."""
+        """``out[i] = row at span position positions[i]`` (``positions`` sorted)."""
         local = positions - self.first
-        bounds = np.searchsorted(local, self.starts)  # positions of each piece: a slice of them
-        for piece in range(len(self.pieces)):
-            a, b = int(bounds[piece]), int(bounds[piece + 1])
-            if a == b:
-                continue
-            rows = local[a:b] - self.starts[piece]
-            if rows[-1] - rows[0] == b - a - 1:  # contiguous: a plain slice copy
-                out[a:b] = self.pieces[piece][rows[0]:rows[-1] + 1]
-            else:
-                np.take(self.pieces[piece], rows, axis=0, out=out[a:b], mode="clip")
+        if local[-1] - local[0] == len(local) - 1:  # contiguous (no shuffle): a slice copy
+            out[:] = self.rows[local[0]:local[-1] + 1]
+        else:
+            np.take(self.rows, local, axis=0, out=out, mode="clip")
 
 
 class BatchLoader:

@@ -91,8 +91,15 @@ class Manifest:
                    metadata=dict(raw.get("metadata", {})))
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """SHA-256 of a local file or, for a URI, of an object read through pyarrow's filesystem."""
     digest = hashlib.sha256()
+    if is_remote(path):
+        filesystem, inner = remote_filesystem(str(path))
+        with filesystem.open_input_stream(inner) as stream:
+            while chunk := stream.read(chunk_bytes):
+                digest.update(chunk)
+        return digest.hexdigest()
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
@@ -169,21 +176,25 @@ def _checked(manifest: Manifest, path: str) -> Manifest:
 
 
 def verify_dataset(directory: str | Path) -> list[str]:
-    """Check every shard against the manifest: present, size and SHA-256. Local datasets only.
+    """Check every shard against the manifest: present, size and SHA-256, local or remote
+    (remote shards are streamed through once).
 
     Returns one line per problem, naming the shard (empty: the dataset is intact).
     """
     manifest = read_manifest(directory)
-    if is_remote(directory):
-        raise DatasetError(f"{directory}: verify reads local datasets only (copy it first)")
-    root = Path(str(directory).removeprefix("file://"))
     problems = []
     for shard in manifest.shards:
-        path = root / shard.path
-        if not path.is_file():
+        if is_remote(directory):
+            path = f"{str(directory).rstrip('/')}/{shard.path}"
+            filesystem, inner = remote_filesystem(path)
+            info = filesystem.get_file_info(inner)
+            size = info.size if info.type == pafs.FileType.File else None
+        else:
+            local = Path(str(directory).removeprefix("file://")) / shard.path
+            path, size = str(local), local.stat().st_size if local.is_file() else None
+        if size is None:
             problems.append(f"shard {path}: missing")
             continue
-        size = path.stat().st_size
         if size != shard.num_bytes:
             problems.append(f"shard {path}: {size} bytes, the manifest says {shard.num_bytes}")
             continue

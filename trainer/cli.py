@@ -311,7 +311,8 @@ def data_write(
 
 
 @data_app.command("inspect")
-def data_inspect(path: Annotated[Path, typer.Argument(help="Dataset directory.")]) -> None:
+def data_inspect(path: Annotated[str, typer.Argument(
+        help="Dataset directory or URI (s3://bucket/prefix).")]) -> None:
     """Show a dataset's schema, shards, rows and bytes."""
     from datapipe.manifest import read_manifest
 
@@ -330,7 +331,8 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="Dataset directory.")
 
 
 @data_app.command("verify")
-def data_verify(path: Annotated[Path, typer.Argument(help="Dataset directory.")]) -> None:
+def data_verify(path: Annotated[str, typer.Argument(
+        help="Dataset directory or URI (s3://bucket/prefix).")]) -> None:
     """Check every shard against the manifest, checksums included."""
     from datapipe.manifest import DatasetError, read_manifest, verify_dataset
 

@@ -78,3 +78,55 @@ def test_a_missing_s3_prefix_is_a_clear_error(s3_server, tmp_path: Path, corpus_
                                           "missing"):
         prepare_run(tiny_config(corpus_dir, tmp_path, f"data.path=s3://{BUCKET}/nothing"))
 
+
+
+def test_the_remote_loader_reads_the_local_batches_and_names_a_vanished_shard(
+        s3_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from datapipe import writer
+    from datapipe.loader import BatchLoader
+    from datapipe.manifest import DatasetError
+    from tests.unit.test_loader import id_dataset
+
+    monkeypatch.setattr(writer, "BATCH_BYTES", 16 * 25)  # 4 record batches per shard
+    local = id_dataset(tmp_path / "ids", [100, 100, 100])
+    fs.copy_files(str(local), f"{BUCKET}/ids", source_filesystem=fs.LocalFileSystem(),
+                  destination_filesystem=s3_server)
+
+    def batches(path: str, count: int) -> list[torch.Tensor]:
+        loader = BatchLoader(path, "x", rank=1, world_size=2, batch_size=6, seed=4,
+                             shuffle_window=30, read_ahead=3)
+        out = [next(loader) for _ in range(count)]
+        loader.close()
+        return out
+
+    remote, near = batches(f"s3://{BUCKET}/ids", 60), batches(str(local), 60)
+    assert all(torch.equal(a, b) for a, b in zip(remote, near, strict=True))
+
+    loader = BatchLoader(f"s3://{BUCKET}/ids", "x", rank=0, world_size=1, batch_size=6, seed=4,
+                         shuffle=False, prefetch=1, read_ahead=1)
+    next(loader)
+    s3_server.delete_file(f"{BUCKET}/ids/shard-00002.arrow")  # gone while training
+    with pytest.raises(DatasetError, match="shard-00002.arrow: cannot be read"):
+        for _ in range(len(loader)):
+            next(loader)
+    loader.close()
+
+
+def test_verify_reads_remote_shards_and_names_a_corrupted_one(s3_server, tmp_path: Path,
+                                                               corpus_dir: Path) -> None:
+    fs.copy_files(str(corpus_dir / "val"), f"{BUCKET}/check",
+                  source_filesystem=fs.LocalFileSystem(), destination_filesystem=s3_server)
+    cli = [sys.executable, "-m", "trainer.cli", "data", "verify", f"s3://{BUCKET}/check"]
+    ok = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "shards verified" in ok.stdout, ok.stderr
+    shard = f"{BUCKET}/check/shard-00000.arrow"
+    with s3_server.open_input_stream(shard) as stream:
+        data = bytearray(stream.read())
+    data[-200] ^= 0xFF  # same size, one byte flipped
+    with s3_server.open_output_stream(shard) as sink:
+        sink.write(bytes(data))
+    bad = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert f"shard s3://{shard}: checksum" in bad.stderr

@@ -1,0 +1,211 @@
+"""Loader throughput: memtrain's streaming loader against the raw Arrow limit and the loaders a
+user would otherwise reach for, on the same rows in one run.
+
+Rows: ``--rows`` sequences of ``--seq-len`` int32 tokens (default 64k x 512, 128 MiB), written
+once as memtrain shards (and, for Ray Data, as uncompressed Parquet with the same rows).
+Each loader yields ``--batch-size`` rows as a torch tensor; the consumer does nothing else, so
+this is the loader's own ceiling. Every loader gets one untimed warm-up pass (page cache warm,
+threads started), then the best of ``--repeats`` timed passes over all rows.
+
+- (a) raw limit: pyarrow memory-mapped record batches, ``batch_size`` contiguous rows copied
+  into a torch tensor; no shuffle, no state, no split.
+- (b) memtrain: ``BatchLoader`` with shuffle (shard order + 8192-row windows), rank split
+  (world size 1) and resumable state, background thread on.
+- (c) Hugging Face ``datasets`` with ``with_format("torch")`` through
+  ``torch.utils.data.DataLoader(shuffle=True)``.
+- (d) Hugging Face ``datasets`` ``.iter(batch_size)``, torch format (sequential).
+- (e) Ray Data ``read_parquet(...).iter_torch_batches()`` on a local Ray (127.0.0.1).
+
+Targets (issue #3): (b) >= 0.9 x (a) and (b) >= 10 x (c).
+Run: ``make bench-data`` (writes ``bench/results/loader-<date>-<host>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from datapipe.loader import BatchLoader
+from datapipe.manifest import ColumnSpec, read_manifest
+from datapipe.writer import write_rows
+
+Batches = Callable[[], Iterator[torch.Tensor]]
+
+
+def write_data(root: Path, rows: int, seq_len: int) -> Path:
+    """memtrain shards of random tokens (cached in ``root`` between runs)."""
+    path = root / f"tokens-{rows}x{seq_len}"
+    if (path / "manifest.json").exists():
+        return path
+    rng = np.random.default_rng(0)
+    blocks = ({"tokens": rng.integers(0, 50257, (min(8192, rows - i), seq_len), dtype=np.int32)}
+              for i in range(0, rows, 8192))
+    write_rows(path, [ColumnSpec("tokens", "int32", (seq_len,))], blocks, rows_per_shard=8192)
+    return path
+
+
+def raw_arrow(path: Path, batch_size: int) -> Batches:
+    manifest = read_manifest(path)
+
+    def run() -> Iterator[torch.Tensor]:
+        for shard in manifest.shards:
+            table = pa.ipc.open_file(pa.memory_map(str(path / shard.path))).read_all()
+            for chunk in table.column("tokens").chunks:
+                rows = chunk.flatten().to_numpy(zero_copy_only=True).reshape(len(chunk), -1)
+                for first in range(0, len(rows) - batch_size + 1, batch_size):
+                    yield torch.from_numpy(rows[first:first + batch_size].copy())
+    return run
+
+
+def memtrain(path: Path, batch_size: int) -> Batches:
+    loader = BatchLoader(path, "tokens", rank=0, world_size=1, batch_size=batch_size, seed=0,
+                         shuffle=True, shuffle_window=8192)
+
+    def run() -> Iterator[torch.Tensor]:
+        for _ in range(len(loader)):
+            yield next(loader)
+    return run
+
+
+def hf_dataset(path: Path, cache: Path) -> Any:
+    import datasets
+
+    target = cache / f"hf-{path.name}"
+    if not (target / "dataset_info.json").exists():
+        tables = [pa.ipc.open_file(pa.memory_map(str(path / s.path))).read_all()
+                  for s in read_manifest(path).shards]
+        datasets.Dataset(pa.concat_tables(tables)).save_to_disk(str(target))
+    return datasets.load_from_disk(str(target)).with_format("torch")
+
+
+def hf_dataloader(path: Path, batch_size: int, cache: Path) -> Batches:
+    dataset = hf_dataset(path, cache)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,
+                                         drop_last=True)
+
+    def run() -> Iterator[torch.Tensor]:
+        for batch in loader:
+            yield batch["tokens"]
+    return run
+
+
+def hf_iter(path: Path, batch_size: int, cache: Path) -> Batches:
+    dataset = hf_dataset(path, cache)
+
+    def run() -> Iterator[torch.Tensor]:
+        for batch in dataset.iter(batch_size=batch_size, drop_last_batch=True):
+            yield batch["tokens"]
+    return run
+
+
+def ray_data(path: Path, batch_size: int, cache: Path) -> Batches:
+    import pyarrow.parquet as pq
+
+    from trainer.launch.ray import init_ray  # starts Ray on 127.0.0.1
+
+    target = cache / f"parquet-{path.name}"
+    if not target.exists():
+        target.mkdir(parents=True)
+        for shard in read_manifest(path).shards:
+            table = pa.ipc.open_file(pa.memory_map(str(path / shard.path))).read_all()
+            pq.write_table(table, target / shard.path.replace(".arrow", ".parquet"),
+                           compression="none")
+    init_ray(num_cpus=os.cpu_count())
+    import ray.data
+
+    dataset = ray.data.read_parquet(str(target))
+
+    def run() -> Iterator[torch.Tensor]:
+        for batch in dataset.iter_torch_batches(batch_size=batch_size, drop_last=True):
+            yield batch["tokens"]
+    return run
+
+
+def measure(batches: Batches, repeats: int, max_seconds: float) -> dict[str, float]:
+    """Warm-up pass, then the best of ``repeats`` timed passes (fewer if one is slow)."""
+    for _ in batches():
+        pass
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        samples = nbytes = 0
+        start = time.perf_counter()
+        for batch in batches():
+            samples += batch.shape[0]
+            nbytes += batch.numel() * batch.element_size()
+        seconds = time.perf_counter() - start
+        if not best or samples / seconds > best["samples_per_second"]:
+            best = {"samples": samples, "seconds": seconds, "samples_per_second":
+                    samples / seconds, "gb_per_second": nbytes / seconds / 1e9}
+        if seconds > max_seconds:
+            break
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--rows", type=int, default=65536)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache", default=None, help="Where the shards are written (kept).")
+    parser.add_argument("--only", default="abcde", help="Which loaders, e.g. 'ab'.")
+    args = parser.parse_args()
+    cache = Path(args.cache or Path(tempfile.gettempdir()) / "memtrain-bench-loader")
+    path = write_data(cache, args.rows, args.seq_len)
+    loaders: dict[str, tuple[str, Callable[[], Batches]]] = {
+        "a": ("raw pyarrow mmap -> torch (limit)", lambda: raw_arrow(path, args.batch_size)),
+        "b": ("memtrain BatchLoader (shuffle, split, state)",
+              lambda: memtrain(path, args.batch_size)),
+        "c": ("HF datasets + torch DataLoader", lambda: hf_dataloader(path, args.batch_size,
+                                                                      cache)),
+        "d": ("HF datasets .iter()", lambda: hf_iter(path, args.batch_size, cache)),
+        "e": ("Ray Data iter_torch_batches", lambda: ray_data(path, args.batch_size, cache)),
+    }
+    results: dict[str, Any] = {}
+    for key in args.only:
+        name, build = loaders[key]
+        try:
+            results[key] = {"name": name, **measure(build(), args.repeats, max_seconds=20)}
+        except ImportError as err:  # a peer that is not installed: say so, keep the rest
+            results[key] = {"name": name, "skipped": f"not installed ({err.name})"}
+        row = results[key]
+        print(f"({key}) {name:46s} " + (f"{row['samples_per_second']:>12,.0f} samples/s "
+                                         f"{row['gb_per_second']:6.2f} GB/s"
+                                         if "skipped" not in row else row["skipped"]), flush=True)
+    ratios = {}
+    rate = {k: r.get("samples_per_second") for k, r in results.items()}
+    if rate.get("a") and rate.get("b"):
+        ratios["b_over_a"] = rate["b"] / rate["a"]
+    for peer in "cde":
+        if rate.get(peer) and rate.get("b"):
+            ratios[f"b_over_{peer}"] = rate["b"] / rate[peer]
+    print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    report = {
+        "bench": "loader", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "pyarrow": pa.__version__, "rows": args.rows, "seq_len": args.seq_len,
+        "dtype": "int32", "batch_size": args.batch_size, "results": results, "ratios": ratios,
+        "targets": {"b_over_a": 0.9, "b_over_c": 10.0},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"loader-{dt.date.today().isoformat()}-{socket.gethostname()}.json"
+    (out / name).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()
