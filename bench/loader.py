@@ -11,6 +11,8 @@ threads started), then the best of ``--repeats`` timed passes over all rows.
   into a torch tensor; no shuffle, no state, no split.
 - (b) memtrain: ``BatchLoader`` with shuffle (shard order + 8192-row windows), rank split
   (world size 1) and resumable state, background thread on.
+- (f) memtrain with shuffle off: rank split and state only, to separate the loader's own cost
+  from random access (a shuffled batch reads rows scattered over a 16 MiB window).
 - (c) Hugging Face ``datasets`` with ``with_format("torch")`` through
   ``torch.utils.data.DataLoader(shuffle=True)``.
 - (d) Hugging Face ``datasets`` ``.iter(batch_size)``, torch format (sequential).
@@ -69,9 +71,9 @@ def raw_arrow(path: Path, batch_size: int) -> Batches:
     return run
 
 
-def memtrain(path: Path, batch_size: int) -> Batches:
+def memtrain(path: Path, batch_size: int, shuffle: bool = True) -> Batches:
     loader = BatchLoader(path, "tokens", rank=0, world_size=1, batch_size=batch_size, seed=0,
-                         shuffle=True, shuffle_window=8192)
+                         shuffle=shuffle, shuffle_window=8192)
 
     def run() -> Iterator[torch.Tensor]:
         for _ in range(len(loader)):
@@ -161,7 +163,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cache", default=None, help="Where the shards are written (kept).")
-    parser.add_argument("--only", default="abcde", help="Which loaders, e.g. 'ab'.")
+    parser.add_argument("--only", default="abfcde", help="Which loaders, e.g. 'ab'.")
     args = parser.parse_args()
     cache = Path(args.cache or Path(tempfile.gettempdir()) / "memtrain-bench-loader")
     path = write_data(cache, args.rows, args.seq_len)
@@ -169,6 +171,8 @@ def main() -> None:
         "a": ("raw pyarrow mmap -> torch (limit)", lambda: raw_arrow(path, args.batch_size)),
         "b": ("memtrain BatchLoader (shuffle, split, state)",
               lambda: memtrain(path, args.batch_size)),
+        "f": ("memtrain BatchLoader, shuffle off (split, state)",
+              lambda: memtrain(path, args.batch_size, shuffle=False)),
         "c": ("HF datasets + torch DataLoader", lambda: hf_dataloader(path, args.batch_size,
                                                                       cache)),
         "d": ("HF datasets .iter()", lambda: hf_iter(path, args.batch_size, cache)),
@@ -187,8 +191,9 @@ def main() -> None:
                                          if "skipped" not in row else row["skipped"]), flush=True)
     ratios = {}
     rate = {k: r.get("samples_per_second") for k, r in results.items()}
-    if rate.get("a") and rate.get("b"):
-        ratios["b_over_a"] = rate["b"] / rate["a"]
+    for mine in "bf":
+        if rate.get("a") and rate.get(mine):
+            ratios[f"{mine}_over_a"] = rate[mine] / rate["a"]
     for peer in "cde":
         if rate.get(peer) and rate.get("b"):
             ratios[f"b_over_{peer}"] = rate["b"] / rate[peer]

@@ -3,22 +3,25 @@
 What it reads and in which order is decided by ``datapipe.split`` (pure, property-tested): the
 rank's share of the epoch as shard ranges, read in shuffle windows. This module does the work:
 
-- **Reading.** Local shards are memory-mapped (``datapipe.shards``); remote shards are read
-  with buffered reads of only the record batches needed. Windows are read ``read_ahead`` ahead
-  on a thread pool, each into one array (a view when it lies in one record batch), which also
-  pages local rows in before they are needed. The whole dataset is never loaded: memory is
-  about ``(read_ahead + 1) x window`` rows plus ``prefetch`` batches.
-- **Batches.** A background thread gathers each batch's rows into a tensor with one vectorized
-  take (a slice copy when unshuffled; no per-sample Python) and queues up to ``prefetch``
-  batches. Arrow's fixed-size lists view as ``(rows, *shape)`` numpy arrays with no copy.
+- **Background I/O.** Windows are read ``read_ahead`` windows ahead on a thread pool, so
+  reading overlaps compute. Remote shards (``s3://``...) are fetched there with buffered reads
+  of only the record batches a window needs; local shards are memory-mapped and the pool asks
+  the kernel to page the window's bytes in (``madvise(WILLNEED)``). The whole dataset is never
+  loaded: memory is at most ``read_ahead + 1`` remote windows.
+- **Batches.** The next batch is gathered when asked for, with one ``index_select`` per record
+  batch it touches, straight into the batch tensor (a slice copy when unshuffled; no
+  per-sample Python). Arrow's fixed-size lists view as ``(rows, *shape)`` arrays with no copy,
+  so that gather is the only copy of a row between the page cache and the batch. It runs on
+  the caller's thread on purpose: handing each batch over from a gather thread cost more, in
+  GIL handoffs, than the gather itself (measured in ``bench/loader.py``).
 - **Device (CUDA).** Batches are gathered straight into pinned staging buffers, allocated once
   and reused; each is copied to the GPU with one ``non_blocking`` copy on a side stream,
-  ``device_prefetch`` batches ahead, and the compute stream waits on that copy's event only.
+  ``prefetch`` batches ahead, and the compute stream waits on that copy's event only.
   On CPU there is no staging: each batch is a fresh tensor.
 - **Resumption.** The position is ``(epoch, batch_index)`` of the next batch the *consumer* gets
-  (prefetched batches do not count); ``state_dict``/``load_state_dict`` restore it, and because
-  batch ``k`` is computable without reading batches ``0..k-1``, a resumed run reads exactly the
-  batches an uninterrupted one would.
+  (batches copied ahead do not count); ``state_dict``/``load_state_dict`` restore it, and
+  because batch ``k`` is computable without reading batches ``0..k-1``, a resumed run reads
+  exactly the batches an uninterrupted one would.
 - **World size.** The state records world size, batch size and seed; loading a state saved with
   other values is refused (the rank spans would differ, so samples would repeat or be skipped).
 """
@@ -26,8 +29,7 @@ rank's share of the epoch as shard ranges, read in shuffle windows. This module 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,24 +55,31 @@ _DONE = object()
 
 
 class _Window:
-    """The rows of one shuffle window as one ``(rows, *shape)`` array.
-
-    Built on a read-ahead thread: a window within one record batch is a view onto the memory
-    map; one that spans several is copied into one array there (this pages the rows in ahead
-    of use), so gathering a batch is a single vectorized take on the producer thread.
-    """
+    """The rows of one shuffle window: one tensor per record batch it spans, views onto the
+    memory map for local shards (so the batch gather is the only copy of a row)."""
 
     def __init__(self, pieces: list[np.ndarray], first: int):
-        self.rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        with warnings.catch_warnings():  # memory-mapped views are read-only; we only read
+            warnings.simplefilter("ignore", UserWarning)
+            self.pieces = [torch.from_numpy(piece) for piece in pieces]
+        self.starts = np.cumsum([0] + [len(piece) for piece in pieces])
         self.first = first  # span position of the window's first row
 
-    def gather(self, positions: np.ndarray, out: np.ndarray) -> None:
-        """``out[i] = row at span position positions[i]`` (``positions`` sorted)."""
+    def gather(self, positions: np.ndarray, out: torch.Tensor) -> None:
+        """``out[i] = row at span position positions[i]`` for sorted ``positions``: one
+        ``index_select`` per piece, straight into its slice of ``out`` (a slice copy when the
+        rows are contiguous)."""
         local = positions - self.first
-        if local[-1] - local[0] == len(local) - 1:  # contiguous (no shuffle): a slice copy
-            out[:] = self.rows[local[0]:local[-1] + 1]
-        else:
-            np.take(self.rows, local, axis=0, out=out, mode="clip")
+        bounds = np.searchsorted(local, self.starts)  # positions in each piece: one slice
+        for index, piece in enumerate(self.pieces):
+            a, b = int(bounds[index]), int(bounds[index + 1])
+            if a == b:
+                continue
+            rows = local[a:b] - self.starts[index]
+            if rows[-1] - rows[0] == b - a - 1:
+                out[a:b].copy_(piece[int(rows[0]):int(rows[-1]) + 1])
+            else:
+                torch.index_select(piece, 0, torch.from_numpy(rows), out=out[a:b])
 
 
 class BatchLoader:
@@ -79,9 +88,9 @@ class BatchLoader:
     def __init__(self, path: str | Path, column: str, *, rank: int, world_size: int,
                  batch_size: int, seed: int, shuffle: bool = True,
                  device: torch.device | None = None, shuffle_window: int = 8192,
-                 prefetch: int = 4, read_ahead: int = 2, device_prefetch: int = 2,
+                 prefetch: int = 2, read_ahead: int = 2,
                  on_bad_shard: OnBadShard = "error", staging: str | None = None):
-        self._producer: _Producer | None = None
+        self._reader = None
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.source = ShardSource(path, column, on_bad_shard)
@@ -89,7 +98,7 @@ class BatchLoader:
         self.seed, self.shuffle = seed, shuffle
         self.device = device or torch.device("cpu")
         self.window = window_rows(shuffle_window, batch_size)
-        self.prefetch, self.read_ahead = max(1, prefetch), max(1, read_ahead)
+        self.read_ahead = max(1, read_ahead)
         self.num_rows = sum(self.source.shard_rows)
         self.num_batches = batches_per_rank(self.num_rows, world_size, batch_size)
         if self.num_batches == 0:
@@ -100,10 +109,12 @@ class BatchLoader:
         self.dtype = np.dtype(self.source.spec.dtype)
         self.epoch = 0
         self.batch_index = 0  # of the next batch handed to the consumer
+        self._cursor = (0, 0)  # (epoch, batch_index) of the next batch to gather
+        self._reader: _Reader | None = None
+        self._current: tuple[int, int, _Window] | None = None  # (epoch, window index, window)
         # "pinned" on CUDA; tests force "staged" on CPU to run the same ring logic unpinned.
         mode = staging or ("pinned" if self.device.type == "cuda" else "direct")
-        self._transfer = (_StagedTransfer(self, pin=mode == "pinned", slots=self.prefetch
-                                          + device_prefetch + 2, depth=device_prefetch)
+        self._transfer = (_StagedTransfer(self, pin=mode == "pinned", depth=prefetch)
                           if mode in ("pinned", "staged") else None)
 
     # ---- what the trainer uses --------------------------------------------------------------
@@ -136,10 +147,11 @@ class BatchLoader:
         self._restart(0, 0)
 
     def close(self) -> None:
-        producer = getattr(self, "_producer", None)  # absent when __init__ raised early
-        if producer is not None:
-            producer.stop()
-            self._producer = None
+        reader = getattr(self, "_reader", None)  # absent when __init__ raised early
+        if reader is not None:
+            reader.close()
+            self._reader = None
+        self._current = None
 
     def __del__(self) -> None:
         self.close()
@@ -148,10 +160,8 @@ class BatchLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
-        if self._producer is None:
-            self._producer = _Producer(self, self.epoch, self.batch_index)
-        batch = (self._transfer.next(self._producer) if self._transfer is not None
-                 else self._producer.get())
+        batch = (self._transfer.next() if self._transfer is not None
+                 else self._gather(torch.empty(self.shape, dtype=_torch_dtype(self.dtype))))
         self.batch_index += 1
         if self.batch_index == self.num_batches:
             self.epoch, self.batch_index = self.epoch + 1, 0
@@ -169,77 +179,62 @@ class BatchLoader:
         return batch_positions(self.num_batches * self.batch_size, self.batch_size, self.window,
                                batch_index, self.seed, epoch, self.rank, self.shuffle)
 
+    def _gather(self, out: torch.Tensor) -> torch.Tensor:
+        """Gather the batch at the cursor into ``out`` and advance the cursor."""
+        epoch, batch_index = self._cursor
+        index = batch_index * self.batch_size // self.window
+        if self._current is None or self._current[:2] != (epoch, index):
+            if self._reader is None:
+                self._reader = _Reader(self, epoch, index)
+            self._current = (epoch, index, self._reader.window(epoch, index))
+        self._current[2].gather(self.positions(epoch, batch_index), out)
+        batch_index += 1
+        self._cursor = (epoch + 1, 0) if batch_index == self.num_batches else (epoch,
+                                                                                  batch_index)
+        return out
+
     def _restart(self, epoch: int, batch_index: int) -> None:
         self.close()
         if self._transfer is not None:
             self._transfer.reset()
         self.epoch, self.batch_index = epoch, batch_index
+        self._cursor = (epoch, batch_index)
 
 
-class _Producer:
-    """The background thread: reads windows (``read_ahead`` ahead on a pool) and gathers
-    batches into a bounded queue, in order, from ``(epoch, batch_index)`` on."""
+class _Reader:
+    """Windows in order from ``(epoch, window)`` on, across epochs, read ``read_ahead`` ahead
+    on a thread pool."""
 
-    def __init__(self, loader: BatchLoader, epoch: int, batch_index: int):
+    def __init__(self, loader: BatchLoader, epoch: int, window: int):
         self.loader = loader
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=loader.prefetch)
-        self.free_buffers: queue.Queue[Any] | None = None  # set by _StagedTransfer
-        self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=loader.read_ahead,
-                                        thread_name_prefix="memtrain-read")
-        self._start = (epoch, batch_index)
-        self._thread = threading.Thread(target=self._run, name="memtrain-loader", daemon=True)
-        self._started = False
+        self.pool = ThreadPoolExecutor(max_workers=loader.read_ahead,
+                                       thread_name_prefix="memtrain-read")
+        self.pending: deque[tuple[int, int, Future[_Window]]] = deque()
+        self.next_epoch, self.next_window = epoch, window
+        self._locators: dict[int, Locator] = {}
+        self.count = -(-loader.num_batches * loader.batch_size // loader.window)
 
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._thread.start()
+    def _locator(self, epoch: int) -> Locator:
+        if epoch not in self._locators:
+            self._locators = {epoch: Locator(tuple(self.loader.ranges(epoch)))}
+        return self._locators[epoch]
 
-    def get(self) -> Any:
-        self.start()
-        item = self.queue.get()
-        if isinstance(item, BaseException):
-            self.stop()
-            raise item
-        return item
+    def window(self, epoch: int, index: int) -> _Window:
+        """Window ``index`` of ``epoch``: the next one in reading order."""
+        while len(self.pending) < self.loader.read_ahead:
+            locator = self._locator(self.next_epoch)
+            self.pending.append((self.next_epoch, self.next_window, self.pool.submit(
+                self._read, locator, self.next_window)))
+            self.next_window += 1
+            if self.next_window == self.count:
+                self.next_epoch, self.next_window = self.next_epoch + 1, 0
+        got_epoch, got_index, future = self.pending.popleft()
+        assert (got_epoch, got_index) == (epoch, index), "windows are read in order"
+        return future.result()
 
-    def stop(self) -> None:
-        self._stop.set()
-        while True:  # unblock a put() waiting for room
-            try:
-                self.queue.get_nowait()
-            except queue.Empty:
-                break
-        if self._started:
-            self._thread.join(timeout=10)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _windows(self, epoch: int, first_window: int) -> Iterator[_Window]:
-        """The epoch's windows from ``first_window`` on, read ``read_ahead`` ahead."""
+    def _read(self, locator: Locator, index: int) -> _Window:
         loader = self.loader
-        locator = Locator(tuple(loader.ranges(epoch)))
         span = loader.num_batches * loader.batch_size
-        count = -(-span // loader.window)
-        pending: deque[Future[_Window]] = deque()
-        next_window = first_window
-        while next_window < count or pending:
-            while next_window < count and len(pending) < loader.read_ahead:
-                pending.append(self._pool.submit(self._read_window, locator, next_window, span))
-                next_window += 1
-            yield pending.popleft().result()
-
-    def _read_window(self, locator: Locator, index: int, span: int) -> _Window:
-        loader = self.loader
         first, last = index * loader.window, min((index + 1) * loader.window, span)
         starts = locator.starts
         pieces = []
@@ -247,46 +242,12 @@ class _Producer:
             lo, hi = max(first, starts[i]), min(last, starts[i + 1])
             if lo < hi:
                 offset = piece.start - starts[i]
-                pieces += loader.source.read(Range(piece.shard, lo + offset, hi + offset))
+                pieces += loader.source.read(Range(piece.shard, lo + offset, hi + offset),
+                                             advise=True)
         return _Window(pieces, first)
 
-    def _run(self) -> None:
-        loader = self.loader
-        epoch, batch_index = self._start
-        per_window = loader.window // loader.batch_size
-        try:
-            while not self._stop.is_set():
-                for window in self._windows(epoch, batch_index // per_window):
-                    stop_at = min(loader.num_batches,
-                                  (window.first + loader.window) // loader.batch_size)
-                    while batch_index < stop_at:
-                        out = self._buffer()
-                        if out is None:
-                            return
-                        tensor, array = out
-                        window.gather(loader.positions(epoch, batch_index), array)
-                        if not self._put(tensor):
-                            return
-                        batch_index += 1
-                    if self._stop.is_set():
-                        return
-                epoch, batch_index = epoch + 1, 0
-        except BaseException as err:  # handed to the consumer, which raises it
-            self._put(err)
-
-    def _buffer(self) -> tuple[Any, np.ndarray] | None:
-        """Where the next batch goes: a fresh tensor, or a free staging slot."""
-        if self.free_buffers is None:
-            tensor = torch.empty(self.loader.shape, dtype=_torch_dtype(self.loader.dtype))
-            return tensor, tensor.numpy()
-        while not self._stop.is_set():
-            try:
-                slot = self.free_buffers.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            slot.wait_copied()  # the last copy out of this buffer is done
-            return slot, slot.host.numpy()
-        return None
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Slot:
@@ -310,14 +271,15 @@ class _StagedTransfer:
     stand-ins for the stream and events, which is how the tests exercise it without a GPU.
     """
 
-    def __init__(self, loader: BatchLoader, pin: bool, slots: int, depth: int):
+    def __init__(self, loader: BatchLoader, pin: bool, depth: int):
         self.loader, self.pin, self.depth = loader, pin, max(1, depth)
         dtype = _torch_dtype(loader.dtype)
         self.slots = [_Slot(torch.empty(loader.shape, dtype=dtype, pin_memory=pin))
-                      for _ in range(slots)]
+                      for _ in range(self.depth + 2)]
         self.cuda = loader.device.type == "cuda"
         self.stream = torch.cuda.Stream(loader.device) if self.cuda else None
         self.in_flight: deque[tuple[torch.Tensor, Any]] = deque()
+        self.next_slot = 0
         self.copies = 0
 
     @property
@@ -331,14 +293,11 @@ class _StagedTransfer:
         for slot in self.slots:
             slot.wait_copied()
 
-    def _attach(self, producer: _Producer) -> None:
-        if producer.free_buffers is None:
-            producer.free_buffers = queue.Queue()
-            for slot in self.slots:
-                producer.free_buffers.put(slot)
-
-    def _issue(self, producer: _Producer) -> None:
-        slot: _Slot = producer.get()
+    def _issue(self) -> None:
+        slot = self.slots[self.next_slot]
+        self.next_slot = (self.next_slot + 1) % len(self.slots)
+        slot.wait_copied()  # the copy that last read this buffer is done
+        self.loader._gather(slot.host)
         event: Any
         if self.cuda:
             with torch.cuda.stream(self.stream):
@@ -349,14 +308,11 @@ class _StagedTransfer:
             batch, event = slot.host.clone(), _DoneEvent()
         slot.copied = event
         self.copies += 1
-        producer.free_buffers.put(slot)  # type: ignore[union-attr]
         self.in_flight.append((batch, event))
 
-    def next(self, producer: _Producer) -> torch.Tensor:
-        self._attach(producer)
-        producer.start()
+    def next(self) -> torch.Tensor:
         while len(self.in_flight) < self.depth + 1:  # this batch and `depth` ahead
-            self._issue(producer)
+            self._issue()
         batch, event = self.in_flight.popleft()
         if self.cuda:
             current = torch.cuda.current_stream(self.loader.device)

@@ -13,6 +13,7 @@ which shards are usable before any collective runs. A bad shard is an error nami
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 from typing import Literal
 
@@ -42,6 +43,7 @@ class ShardSource:
         self.skipped: list[str] = []  # one message per skipped shard
         # local: per shard, zero-copy views onto the memory map, one per record batch
         self._views: dict[int, list[np.ndarray]] = {}
+        self._maps: dict[int, mmap.mmap] = {}
         self.usable: list[int] = []
         for index in range(len(self.manifest.shards)):
             try:
@@ -91,8 +93,13 @@ class ShardSource:
                 return
             if not Path(file).exists():
                 raise DatasetError(f"shard {file}: missing")
-            table = pa.ipc.open_file(pa.memory_map(file, "r")).read_all()  # maps, reads nothing
-        except (OSError, pa.ArrowInvalid) as err:
+            with open(file, "rb") as handle:  # Python's mmap: it can madvise (pyarrow's cannot)
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[index] = mapped
+            table = pa.ipc.open_file(pa.py_buffer(mapped)).read_all()  # maps, reads nothing
+        except DatasetError:
+            raise
+        except (OSError, ValueError, pa.ArrowInvalid) as err:  # ValueError: mmap of 0 bytes
             raise DatasetError(f"shard {file}: cannot be read ({err})") from err
         self._check_schema(file, table.schema)
         if table.num_rows != shard.num_rows:
@@ -101,15 +108,25 @@ class ShardSource:
         self._views[index] = [self._as_rows(chunk, zero_copy=True)
                               for chunk in table.column(self.spec.name).chunks]
 
+    def _will_need(self, index: int, parts: list[np.ndarray]) -> None:
+        """madvise(WILLNEED) over the bytes of ``parts``: the kernel reads them ahead."""
+        mapped = self._maps[index]
+        base = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+        for part in parts:
+            start = part.ctypes.data - base
+            aligned = start - start % mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_WILLNEED, aligned, start - aligned + part.nbytes)
+
     def _as_rows(self, chunk: pa.Array, zero_copy: bool) -> np.ndarray:
         """A fixed-size-list chunk as ``(rows, *shape)``; a view when ``zero_copy``."""
         values = chunk.flatten().to_numpy(zero_copy_only=zero_copy)
         return values.reshape((len(chunk), *self.spec.shape))
 
-    def read(self, piece: Range) -> list[np.ndarray]:
+    def read(self, piece: Range, advise: bool = False) -> list[np.ndarray]:
         """Rows ``piece.start .. piece.stop - 1`` of a usable shard as ``(rows, *shape)`` arrays,
-        one per record batch they span: views onto the memory map for local shards, fresh
-        memory (buffered reads of those batches only) for remote ones."""
+        one per record batch they span: views onto the memory map for local shards (with
+        ``advise``, the kernel is asked to page them in now), fresh memory (buffered reads of
+        those batches only) for remote ones."""
         if not self.remote:
             parts, first = [], 0
             for view in self._views[piece.shard]:
@@ -118,6 +135,8 @@ class ShardSource:
                     parts.append(view[max(piece.start, first) - first:
                                       min(piece.stop, last) - first])
                 first = last
+            if advise:
+                self._will_need(piece.shard, parts)
             return parts
         file = self.file(piece.shard)
         parts = []

@@ -29,7 +29,9 @@ from datapipe.manifest import (
 )
 
 ProgressFn = Callable[[int], None]  # called with the number of rows just written
-BATCH_BYTES = 1 << 20  # target size of one record batch inside a shard
+# Target size of one record batch inside a shard: large enough that a batch gather touches few
+# (one index_select each), small enough for ranged reads from object stores.
+BATCH_BYTES = 8 << 20
 
 
 def arrow_type(spec: ColumnSpec) -> pa.DataType:

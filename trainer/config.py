@@ -52,7 +52,7 @@ class DataConfig(_Strict):
     column: str = "tokens"
     shuffle: bool = True  # shard order per epoch + a window shuffle (datapipe/split.py)
     shuffle_window: int = Field(8192, ge=1)  # rows per shuffle window (rounded to batches)
-    prefetch: int = Field(4, ge=1)  # batches gathered ahead by the loader's thread
+    prefetch: int = Field(2, ge=1)  # CUDA: batches copied to the GPU ahead (pinned, side stream)
     read_ahead: int = Field(2, ge=1)  # windows read ahead (threads); remote stores want more
     # A shard that is missing, truncated, unreadable or disagrees with the manifest: "error"
     # stops with a message naming it; "skip" leaves it out (logged, and counted in

@@ -282,7 +282,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         val_batches = BatchLoader(cfg.data.val_path, cfg.data.column, rank=ctx.rank,
                                   world_size=ctx.world_size,
                                   batch_size=cfg.train.micro_batch(), seed=cfg.run.seed,
-                                  shuffle=False, device=device, prefetch=cfg.train.eval_batches,
+                                  shuffle=False, device=device,
                                   on_bad_shard=cfg.data.on_bad_shard)
     first_loss = last_loss = eval_loss = None
     checkpoints_written: list[int] = []

@@ -109,11 +109,11 @@ def test_the_staged_path_reuses_buffers_allocated_once(uneven: Path) -> None:
     """The CUDA branch's ring logic (slots, copy events, prefetch depth) with CPU stand-ins."""
     direct = BatchLoader(uneven, "x", rank=0, world_size=1, batch_size=8, seed=2)
     staged = BatchLoader(uneven, "x", rank=0, world_size=1, batch_size=8, seed=2,
-                         staging="staged", prefetch=3, device_prefetch=2)
+                         staging="staged", prefetch=2)
     transfer = staged._transfer
     assert transfer is not None and direct._transfer is None
     buffers = [slot.host.data_ptr() for slot in transfer.slots]
-    assert len(buffers) == 3 + 2 + 2
+    assert len(buffers) == 2 + 2  # copies ahead, the one handed out, one being filled
     for _ in range(3 * len(direct)):
         assert torch.equal(next(direct), next(staged))
     assert [slot.host.data_ptr() for slot in transfer.slots] == buffers  # never reallocated
@@ -159,11 +159,13 @@ def test_vision_shaped_columns_load_as_tensors(tmp_path: Path) -> None:
     labels_loader.close()
 
 
-def test_prefetch_is_bounded(uneven: Path) -> None:
-    loader = BatchLoader(uneven, "x", rank=0, world_size=1, batch_size=4, seed=0, prefetch=2)
-    next(loader)
-    import time
-
-    time.sleep(0.3)  # let the thread run ahead as far as it may
-    assert loader._producer is not None and loader._producer.queue.qsize() <= 2
+def test_reading_ahead_is_bounded_and_crosses_epochs(uneven: Path) -> None:
+    loader = BatchLoader(uneven, "x", rank=0, world_size=1, batch_size=4, seed=0,
+                         shuffle_window=200, read_ahead=3)
+    windows_per_epoch = -(-len(loader) * 4 // 200)
+    for _ in range(3 * len(loader)):
+        next(loader)
+        reader = loader._reader
+        assert reader is not None and len(reader.pending) <= 3  # memory: bounded windows
+    assert windows_per_epoch == 4 and reader.next_epoch == 3  # already reading epoch 3
     loader.close()
