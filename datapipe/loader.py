@@ -90,7 +90,7 @@ class BatchLoader:
                  device: torch.device | None = None, shuffle_window: int = 8192,
                  prefetch: int = 2, read_ahead: int = 2,
                  on_bad_shard: OnBadShard = "error", staging: str | None = None):
-        self._reader = None
+        self._reader: _Reader | None = None
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.source = ShardSource(path, column, on_bad_shard)
@@ -110,7 +110,6 @@ class BatchLoader:
         self.epoch = 0
         self.batch_index = 0  # of the next batch handed to the consumer
         self._cursor = (0, 0)  # (epoch, batch_index) of the next batch to gather
-        self._reader: _Reader | None = None
         self._current: tuple[int, int, _Window] | None = None  # (epoch, window index, window)
         # "pinned" on CUDA; tests force "staged" on CPU to run the same ring logic unpinned.
         mode = staging or ("pinned" if self.device.type == "cuda" else "direct")
