@@ -16,7 +16,7 @@ CONFIG ?= configs/gpt2-124m-8xgpu.yaml
 SUBMIT_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench-data \
+.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
 	up down status submit grafana local local-down
 
 help: ## List the targets
@@ -53,6 +53,9 @@ lint: setup ## ruff and mypy
 $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	touch $@
+
+bench: $(VENV)/.bench-installed ## Every CPU benchmark: bench/results/<date>-<host>.{json,md} (~10 min)
+	$(BIN)/python -m bench.run_all --out bench/results
 
 bench-data: $(VENV)/.bench-installed ## Loader samples/s and GB/s: raw Arrow limit, memtrain, HF datasets, Ray Data
 	$(BIN)/python -m bench.loader --out bench/results

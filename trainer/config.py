@@ -109,7 +109,10 @@ class MemoryConfig(_Strict):
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits).
     loss_chunk_tokens: int = Field(4096, ge=0)
     # On OOM: snapshot, halve the micro-batch, double accumulation (global batch kept), retry.
-    oom_recovery: bool = True
+    # It costs one flag all-reduce per step and DDP's overlap of the gradient all-reduce with
+    # backward. "auto": on for CUDA devices, off on CPU (a host out of memory is the kernel's
+    # OOM killer, which no process survives; measured cost on 2 gloo workers: bench/trainer.py).
+    oom_recovery: bool | Literal["auto"] = "auto"
     max_oom_retries: int = Field(3, ge=0)
     # CUDA: record allocator history from the start so an OOM snapshot shows where memory went.
     record_memory_history: bool = True

@@ -307,7 +307,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         # rank only (world size 1), see trainer/oom.py.
         result, splits = step_with_oom_recovery(
             ctx, step, model, optimizer, scaler, micro_batches, splits, policy, cfg,
-            agree=cfg.memory.oom_recovery and not sharded)
+            agree=oom_recovery_on(cfg, ctx.device) and not sharded)
         del micro_batches
         result.data_wait_seconds = data_wait
         scheduler.step()
@@ -445,6 +445,13 @@ def restore_latest(ctx: WorkerContext, model: nn.Module, optimizer: torch.optim.
         loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         return int(state["step"])
+
+
+def oom_recovery_on(cfg: Config, device: torch.device) -> bool:
+    """``memory.oom_recovery``, with ``auto`` resolved: on for CUDA, off on CPU."""
+    if cfg.memory.oom_recovery == "auto":
+        return device.type == "cuda"
+    return bool(cfg.memory.oom_recovery)
 
 
 def step_with_oom_recovery(ctx: WorkerContext, step: int, model: nn.Module,

@@ -22,7 +22,8 @@ def _metrics(run_dir: Path, rank: int) -> list[dict]:
 def test_injected_oom_on_rank_1_halves_micro_batch_and_keeps_the_update(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     common = ("parallel.launcher=local", "train.steps=6", "train.log_every=1",
-              "train.eval_every=0", "train.checkpoint_every=0")
+              "train.eval_every=0", "train.checkpoint_every=0",
+              "memory.oom_recovery=true")  # "auto" is off on CPU
     cfg, clean_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=clean"))
     clean = launch_local(cfg, clean_dir)
 
@@ -50,6 +51,7 @@ def test_oom_beyond_the_retry_budget_fails_with_a_clear_message(
     monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "2:0")
     cfg, run_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
-        "memory.max_oom_retries=0", "train.steps=3", "run.name=fail"))
+        "memory.max_oom_retries=0", "memory.oom_recovery=true", "train.steps=3",
+        "run.name=fail"))
     with pytest.raises(RuntimeError, match="out of memory at step 2 on rank 0 with micro-batch 4"):
         launch_local(cfg, run_dir)
