@@ -5,7 +5,8 @@
 #   scripts/k8s.sh status
 #   scripts/k8s.sh submit CONFIG [memtrain submit options...]
 #   scripts/k8s.sh grafana
-# Environment: IMAGE (registry/memtrain:tag for `up`), NAMESPACE (memtrain),
+# Environment: IMAGE (registry/memtrain:tag for `up`), NAMESPACE (memtrain), ADDRESS (submit
+# to this Jobs API URL instead of a port-forward; the token from RAY_AUTH_TOKEN),
 # GRAFANA_NAMESPACE (monitoring), GRAFANA_SERVICE (kube-prometheus-stack-grafana),
 # MEMTRAIN (.venv/bin/memtrain).
 set -euo pipefail
@@ -99,6 +100,9 @@ case "$cmd" in
     [[ $# -ge 1 ]] || die "usage: scripts/k8s.sh submit CONFIG [memtrain submit options]"
     config=$1; shift
     [[ -f $config ]] || die "config '$config' not found"
+    if [[ -n ${ADDRESS:-} ]]; then  # a Jobs API reachable directly (VPN, in-cluster client)
+      exec "$MEMTRAIN" submit --address "$ADDRESS" --config "$config" "$@"
+    fi
     check_cluster
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     "$KUBECTL" -n "$NAMESPACE" port-forward --address 127.0.0.1 "svc/$HEAD_SERVICE" "$port:8265" >/dev/null &

@@ -411,6 +411,8 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         "peak_memory_bytes": max(run_peak_bytes, peak_memory_bytes(device)),
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "host_max_rss",
         "checkpoints_written": checkpoints_written, "leak_findings": leak_findings,
+        "leak_samples": [[x.step, x.live_tensors, x.resident_bytes, x.cuda_allocated_bytes]
+                         for x in (guard.samples if guard is not None else [])],
         "wall_seconds": time.perf_counter() - wall_start,
         "run_dir": str(ctx.run_dir),
     }
