@@ -141,3 +141,42 @@ def test_a_full_disk_at_checkpoint_time_stops_the_run_and_keeps_the_previous_one
         assert load_checkpoint(run_dir / "checkpoint-00000002")["step"] == 2  # still loads
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_read_only_storage_is_one_clear_line_and_the_checkpoint_survives(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    """A run directory whose filesystem turned read-only (remounted) before a resume."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, tiny_overrides
+    from trainer.checkpoint import load_checkpoint
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("this test mounts a tmpfs and needs root")
+        pytest.skip("needs root to mount a tmpfs")
+    store = tmp_path / "store"
+    store.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(store)], check=True)
+    try:
+        sets = [a for o in tiny_overrides(corpus_dir, store, "train.steps=2",
+                                          "train.checkpoint_every=2", "train.eval_every=0",
+                                          "run.name=ro") for a in ("--set", o)]
+        command = [sys.executable, "-m", "trainer.cli", "train", "--config",
+                   str(REPO / "configs/demo-cpu.yaml"), "--launcher", "local", "--workers", "1",
+                   *sets]
+        first = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr[-2000:]
+        subprocess.run(["mount", "-o", "remount,ro", str(store)], check=True)
+        again = subprocess.run([*command, "--set", "train.steps=4"], capture_output=True,
+                               text=True, timeout=300)
+        assert again.returncode != 0
+        [line] = again.stderr.strip().splitlines()
+        assert line.startswith("memtrain: error: ") and "Read-only file system" in line
+        assert str(store / "ro") in line  # names where it could not write
+        assert load_checkpoint(store / "ro" / "checkpoint-00000002")["step"] == 2
+    finally:
+        subprocess.run(["umount", str(store)], check=False)
