@@ -69,3 +69,17 @@ def test_parameter_bytes_per_rank_halve_at_world_size_2(tmp_path: Path) -> None:
 def test_fsdp_with_fp16_is_refused() -> None:
     with pytest.raises(ConfigError, match="fsdp' with memory.precision 'fp16'"):
         load_config(None, ["parallel.strategy=fsdp", "memory.precision=fp16"])
+
+
+def test_resuming_a_ddp_checkpoint_under_fsdp_names_both(corpus_dir: Path,
+                                                          tmp_path: Path) -> None:
+    common = ("parallel.launcher=local", "memory.precision=fp32", "train.steps=2",
+              "train.eval_every=0", "train.checkpoint_every=2", "run.name=switch")
+    ddp_cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common))
+    launch_local(ddp_cfg, run_dir)
+    fsdp_cfg, _ = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=4",
+                                          "parallel.strategy=fsdp"))
+    with pytest.raises(mp.ProcessRaisedException,
+                       match=r"checkpoint-00000002 was written without FSDP sharding; this run "
+                             r"has parallel.strategy 'fsdp' on 2 workers"):
+        launch_local(fsdp_cfg, run_dir)
