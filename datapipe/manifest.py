@@ -41,6 +41,9 @@ class ShardInfo:
     num_rows: int
     num_bytes: int
     sha256: str
+    # Rows per record batch (all but the last), when the writer used a fixed size: lets a
+    # remote reader fetch only the batches a row range needs. Optional; older manifests lack it.
+    batch_rows: int | None = None
 
 
 @dataclass
@@ -82,7 +85,8 @@ class Manifest:
                 for c in raw["columns"]
             ]
             shards = [
-                ShardInfo(s["path"], int(s["num_rows"]), int(s["num_bytes"]), s["sha256"])
+                ShardInfo(s["path"], int(s["num_rows"]), int(s["num_bytes"]), s["sha256"],
+                          int(s["batch_rows"]) if s.get("batch_rows") else None)
                 for s in raw["shards"]
             ]
         except (KeyError, TypeError, json.JSONDecodeError) as err:

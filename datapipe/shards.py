@@ -144,8 +144,11 @@ class ShardSource:
             filesystem, inner = remote_filesystem(file)
             with filesystem.open_input_file(inner) as source:
                 reader = pa.ipc.open_file(source)
-                first = 0
-                for i in range(reader.num_record_batches):
+                # With the writer's fixed batch size, skip straight to the first batch needed.
+                step = self.manifest.shards[piece.shard].batch_rows
+                start = piece.start // step if step else 0
+                first = start * step if step else 0
+                for i in range(start, reader.num_record_batches):
                     if first >= piece.stop:
                         break
                     batch = reader.get_batch(i)  # buffered read of this batch only

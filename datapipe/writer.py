@@ -111,7 +111,8 @@ class DatasetWriter:
                     [_to_arrow(take[c.name][first:first + batch_rows], c) for c in self.columns],
                     schema=self.schema))
         os.replace(tmp, final)
-        self._shards.append(ShardInfo(name, num_rows, final.stat().st_size, sha256_file(final)))
+        self._shards.append(ShardInfo(name, num_rows, final.stat().st_size, sha256_file(final),
+                                      batch_rows))
         if self.progress is not None:
             self.progress(num_rows)
 
