@@ -28,7 +28,12 @@ from typing import Any
 import torch
 
 from trainer.loop import build_optimizer, train_step
-from trainer.memory import apply_activation_checkpointing, precision_policy, set_loss_chunking
+from trainer.memory import (
+    apply_activation_checkpointing,
+    bf16_norm_inputs,
+    precision_policy,
+    set_loss_chunking,
+)
 from trainer.model import GPT, GPTConfig
 from trainer.planner import measure_saved_bytes, profile_activations
 
@@ -45,6 +50,12 @@ def build(cfg: GPTConfig, ac: str, loss_chunk_tokens: int) -> torch.nn.Module:
     model = GPT(cfg)
     apply_activation_checkpointing(model, ac, every_k=2)
     set_loss_chunking(model, loss_chunk_tokens)
+    bf16_norm_inputs(model)  # memtrain's default (memory.bf16_norm_inputs)
+    return model
+
+
+def normed(model: torch.nn.Module) -> torch.nn.Module:
+    bf16_norm_inputs(model)
     return model
 
 
@@ -75,7 +86,7 @@ def run(micro_batch: int, steps: int, loss_chunk_tokens: int) -> dict[str, Any]:
                 tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1))
                 saved, _ = measure_saved_bytes(model, tokens, precision)
                 del model
-                profile = profile_activations(lambda cfg=cfg: GPT(cfg), cfg.seq_len,
+                profile = profile_activations(lambda cfg=cfg: normed(GPT(cfg)), cfg.seq_len,
                                               cfg.vocab_size, precision, ac,
                                               loss_chunk_tokens=loss_chunk_tokens)
                 seconds = step_seconds(cfg, precision, ac, micro_batch, steps,

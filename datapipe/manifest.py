@@ -2,8 +2,9 @@
 
 A dataset is a directory holding shard files and one manifest. The manifest records the format
 version, the schema (per column: dtype and fixed shape) and, per shard, its rows, bytes, a
-SHA-256 checksum and (optional) the rows per record batch. Writers publish every shard first and the manifest last, each through a
-temporary name and an atomic rename, so a half-written dataset is never readable as complete.
+SHA-256 checksum and (optional) the rows per record batch. Writers publish every shard first
+and the manifest last, each through a temporary name and an atomic rename, so a half-written
+dataset is never readable as complete.
 Readers trust only the manifest: a shard file that it does not list does not exist for them.
 """
 

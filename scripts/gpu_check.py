@@ -48,6 +48,7 @@ from trainer.context import LocalContext
 from trainer.loop import build_optimizer, train_step
 from trainer.memory import (
     apply_activation_checkpointing,
+    bf16_norm_inputs,
     configure_allocator_env,
     precision_policy,
     set_loss_chunking,
@@ -85,12 +86,18 @@ def matmul_peak_tflops(device: torch.device, dry: bool) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
+def normed(model: torch.nn.Module) -> torch.nn.Module:
+    bf16_norm_inputs(model)
+    return model
+
+
 def make_model(cfg: GPTConfig, ac: str, device: torch.device, loss_chunk_tokens: int,
                compile_model: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     apply_activation_checkpointing(model, ac, every_k=2)
     set_loss_chunking(model, loss_chunk_tokens)
+    bf16_norm_inputs(model)  # memtrain's default (memory.bf16_norm_inputs)
     return torch.compile(model) if compile_model else model
 
 
@@ -210,8 +217,8 @@ def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
             device: torch.device, loss_chunk_tokens: int) -> dict[str, Any]:
     """The planner's prediction, probing on the same device the step runs on."""
     release_memory(device)
-    profile = profile_activations(lambda: GPT(cfg), cfg.seq_len, cfg.vocab_size, precision, ac,
-                                  device=device, loss_chunk_tokens=loss_chunk_tokens)
+    profile = profile_activations(lambda: normed(GPT(cfg)), cfg.seq_len, cfg.vocab_size,
+                                  precision, ac, device=device, loss_chunk_tokens=loss_chunk_tokens)
     row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1)
     release_memory(device)
     return row.as_dict()

@@ -176,6 +176,7 @@ def plan_command(
     """Predict memory per rank before training: what fits, at which micro-batch and cost."""
     import torch
 
+    from trainer.memory import bf16_norm_inputs
     from trainer.model import build_model
     from trainer.planner import feasible_plans, parse_bytes, plan_row, profile_all, static_bytes
 
@@ -187,7 +188,9 @@ def plan_command(
     kwargs = cfg.model.model_dump(exclude={"name"})
 
     def build() -> torch.nn.Module:
-        return build_model(cfg.model.name, **kwargs)
+        model = build_model(cfg.model.name, **kwargs)
+        bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
+        return model
 
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} on "

@@ -106,6 +106,9 @@ class MemoryConfig(_Strict):
     # Memory of one device for the "auto" choices, e.g. "80GiB". Unset: the CUDA device's total
     # when the driver has one, or this host's RAM divided by the workers on CPU.
     device_memory: str | None = None
+    # Under bf16 autocast, LayerNorms read (and save for backward) a bf16 copy of their input
+    # instead of the fp32 residual stream: the largest fp32 share of bf16's saved activations.
+    bf16_norm_inputs: bool = True
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits).
     loss_chunk_tokens: int = Field(4096, ge=0)
     # On OOM: snapshot, halve the micro-batch, double accumulation (global batch kept), retry.

@@ -55,6 +55,7 @@ from trainer.loss import summed_loss
 from trainer.memory import (
     PrecisionPolicy,
     apply_activation_checkpointing,
+    bf16_norm_inputs,
     peak_memory_bytes,
     precision_policy,
     set_loss_chunking,
@@ -241,6 +242,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     checkpointed = apply_activation_checkpointing(model, cfg.memory.activation_checkpointing,
                                                   cfg.memory.checkpoint_every_k)
     set_loss_chunking(model, cfg.memory.loss_chunk_tokens)
+    bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
     policy = precision_policy(cfg.memory.precision, device)
     scaler = policy.grad_scaler(device, cfg.memory.grad_scaler_init_scale)
     recording_history = start_memory_history(device, cfg.memory.record_memory_history)

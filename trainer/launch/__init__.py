@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from datapipe.manifest import is_remote, read_manifest
 from trainer.config import Config, ConfigError
@@ -55,6 +56,7 @@ def resolve_auto(cfg: Config) -> Config:
     ac_auto = cfg.memory.activation_checkpointing == "auto"
     if not (micro_auto or ac_auto):
         return cfg
+    from trainer.memory import bf16_norm_inputs
     from trainer.model import build_model
     from trainer.planner import choose_plan, profile_all, static_bytes
 
@@ -65,7 +67,12 @@ def resolve_auto(cfg: Config) -> Config:
     kwargs = cfg.model.model_dump(exclude={"name"})
     modes: list[str] = ["none", "selective", "full"] if ac_auto \
         else [cfg.memory.activation_checkpointing]
-    profiles = profile_all(lambda: build_model(cfg.model.name, **kwargs), cfg.model.seq_len,
+    def build() -> Any:
+        model = build_model(cfg.model.name, **kwargs)
+        bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
+        return model
+
+    profiles = profile_all(build, cfg.model.seq_len,
                            cfg.model.vocab_size, [cfg.memory.precision], modes,
                            cfg.memory.checkpoint_every_k, cfg.memory.loss_chunk_tokens)
     static = static_bytes(build_model(cfg.model.name, **kwargs), cfg.parallel.strategy, world)
