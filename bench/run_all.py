@@ -29,13 +29,15 @@ COMMANDS = {"loader": "make bench-data", "memory": "make bench-memory",
             "metrics": "make bench-metrics", "trainer": "python -m bench.trainer"}
 
 
-def run(out: Path, only: list[str]) -> dict[str, Any]:
+def run(out: Path, only: list[str], execute: bool = True) -> dict[str, Any]:
+    """Run each benchmark (unless ``execute`` is false) and load today's report of each."""
     stamp = f"{dt.date.today().isoformat()}-{socket.gethostname()}"
     reports: dict[str, Any] = {}
     for name in only:
         module, stem = BENCHES[name]
-        print(f"== {name}: python -m {module}", flush=True)
-        subprocess.run([sys.executable, "-m", module, "--out", str(out)], check=True)
+        if execute:
+            print(f"== {name}: python -m {module}", flush=True)
+            subprocess.run([sys.executable, "-m", module, "--out", str(out)], check=True)
         reports[name] = json.loads((out / f"{stem}-{stamp}.json").read_text())
     return reports
 
@@ -117,10 +119,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--only", default=",".join(BENCHES))
+    parser.add_argument("--no-run", action="store_true",
+                        help="Rebuild the table from today's reports without running anything.")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reports = run(out, args.only.split(","))
+    reports = run(out, args.only.split(","), execute=not args.no_run)
     stamp = f"{dt.date.today().isoformat()}-{socket.gethostname()}"
     machine = (f"{socket.gethostname()}: {platform.processor() or platform.machine()}, "
                f"{len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}")
