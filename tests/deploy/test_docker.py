@@ -161,3 +161,20 @@ def test_versions_agree_across_pyproject_dockerfile_compose_and_manifests() -> N
     for overlay in (REPO / "k8s/overlays").glob("*/kustomization.yaml"):
         [image] = yaml.safe_load(overlay.read_text())["images"]
         assert image["newTag"] == version, overlay
+
+
+def test_make_local_names_a_missing_docker_engine_before_writing_anything() -> None:
+    probe = subprocess.run(["docker", "info"], capture_output=True, timeout=30) \
+        if shutil.which("docker") else None
+    if probe is not None and probe.returncode == 0:
+        pytest.skip("a Docker engine runs here: `make local` would really start the stack")
+    secrets = [DOCKER / "ray.env", DOCKER / "grafana.env"]
+    existed = [p.exists() for p in secrets]
+    out = subprocess.run(["bash", str(REPO / "scripts" / "local.sh"), "up"], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 1
+    assert out.stderr.strip() in {
+        "local: docker not found: install Docker Engine with the compose plugin",
+        "local: 'docker compose' not found: install the compose plugin",
+        "local: the Docker engine is not running (or this user may not use it)"}
+    assert [p.exists() for p in secrets] == existed  # nothing written before the check
