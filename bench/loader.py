@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import socket
 import tempfile
@@ -39,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from bench.results import write_json
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec, read_manifest
 from datapipe.writer import write_rows
@@ -205,11 +205,7 @@ def main() -> None:
         "dtype": "int32", "batch_size": args.batch_size, "results": results, "ratios": ratios,
         "targets": {"b_over_a": 0.9, "b_over_c": 10.0},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"loader-{dt.date.today().isoformat()}-{socket.gethostname()}.json"
-    (out / name).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out / name}")
+    print(f"wrote {write_json(args.out, 'loader', report)}")
 
 
 if __name__ == "__main__":

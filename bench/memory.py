@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import socket
 import statistics
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from bench.results import result_path, write_json
 from trainer.loop import build_optimizer, train_step
 from trainer.memory import (
     apply_activation_checkpointing,
@@ -158,12 +157,9 @@ def main() -> None:
     parser.add_argument("--loss-chunk-tokens", type=int, default=4096)
     args = parser.parse_args()
     report = run(args.micro_batch, args.steps, args.loss_chunk_tokens)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"memory-{report['date'][:10]}-{report['host']}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_json(args.out, "memory", report, sort_keys=True)
     table = markdown(report)
-    (out / f"{stem}.md").write_text(table)
+    result_path(args.out, "memory", ".md").write_text(table)
     print(table)
 
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import socket
 import statistics
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from bench.results import write_json
 from monitoring.sinks import PrometheusSink
 from trainer.loop import build_optimizer, publish_metrics, train_step
 from trainer.memory import apply_activation_checkpointing, precision_policy
@@ -78,10 +77,7 @@ def main() -> None:
               "observe_seconds": observe_seconds, "rows": rows,
               "target_share": 0.01,
               "met": all(r["share_of_step"] <= 0.01 for r in rows.values())}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"metrics-overhead-{report['date'][:10]}-{report['host']}.json"
-    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_json(args.out, "metrics-overhead", report, sort_keys=True)
     print(f"step {1000 * step:.1f} ms; publish {1e6 * publish_seconds:.0f} us; observe "
           f"{1e6 * observe_seconds:.1f} us")
     for name, row in rows.items():

@@ -9,7 +9,6 @@ command that reproduces each row). ``docs/benchmarks.md`` holds the latest table
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -18,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from bench.results import result_path, write_json
 
 BENCHES = {  # name -> (module, result file stem)
     "loader": ("bench.loader", "loader"),
@@ -31,14 +32,13 @@ COMMANDS = {"loader": "make bench-data", "memory": "make bench-memory",
 
 def run(out: Path, only: list[str], execute: bool = True) -> dict[str, Any]:
     """Run each benchmark (unless ``execute`` is false) and load today's report of each."""
-    stamp = f"{dt.date.today().isoformat()}-{socket.gethostname()}"
     reports: dict[str, Any] = {}
     for name in only:
         module, stem = BENCHES[name]
         if execute:
             print(f"== {name}: python -m {module}", flush=True)
             subprocess.run([sys.executable, "-m", module, "--out", str(out)], check=True)
-        reports[name] = json.loads((out / f"{stem}-{stamp}.json").read_text())
+        reports[name] = json.loads(result_path(out, stem).read_text())
     return reports
 
 
@@ -123,17 +123,15 @@ def main() -> None:
                         help="Rebuild the table from today's reports without running anything.")
     args = parser.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     reports = run(out, args.only.split(","), execute=not args.no_run)
-    stamp = f"{dt.date.today().isoformat()}-{socket.gethostname()}"
     machine = (f"{socket.gethostname()}: {platform.processor() or platform.machine()}, "
                f"{len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}")
-    (out / f"{stamp}.json").write_text(json.dumps({"machine": machine, **reports}, indent=2)
-                                       + "\n")
+    summary = write_json(out, "", {"machine": machine, **reports})
     text = f"Machine: {machine}. Command: `make bench`.\n\n{table(reports)}"
-    (out / f"{stamp}.md").write_text(text)
+    markdown = result_path(out, "", ".md")
+    markdown.write_text(text)
     print(text)
-    print(f"wrote {out / (stamp + '.json')} and {out / (stamp + '.md')}")
+    print(f"wrote {summary} and {markdown}")
 
 
 if __name__ == "__main__":

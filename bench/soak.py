@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import socket
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from bench.results import write_json
 from datapipe.corpus import build_stdlib_corpus
 from trainer.config import load_config
 from trainer.context import LocalContext
@@ -77,11 +77,7 @@ def main() -> None:
           f"{report['resident_bytes'][0] / 2**20:.1f} -> {report['resident_bytes'][1] / 2**20:.1f}"
           f" MiB ({report['resident_growth']:+.2%}) between steps {report['from_step']} and "
           f"{report['to_step']}; target < 1% each")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"soak-{dt.date.today().isoformat()}-{socket.gethostname()}.json"
-    (out / name).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out / name}")
+    print(f"wrote {write_json(args.out, 'soak', report)}")
 
 
 if __name__ == "__main__":
