@@ -38,6 +38,9 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.results import write_json
+from trainer.launch.local import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = 2
 MICRO, ACCUM = 8, 2  # global batch 32 = 8 x 2 x 2 workers, as the demo
@@ -47,28 +50,13 @@ SETTINGS = ["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.seq_
             "memory.activation_checkpointing=none", "memory.leak_check_every=0"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _naive_worker(rank: int, port: int, data: str, steps: int, out: str, no_sync: bool) -> None:
-    """The hand-written loop: what a careful user writes with plain torch."""
-    import contextlib
-
-    import pyarrow as pa
-
-    from datapipe.manifest import read_manifest
+def _counted_ddp(rank: int, port: int) -> tuple[DDP, dict[str, int]]:
+    """Join the gloo group; the benchmark's GPT under DDP with a comm hook that counts the
+    gradient all-reduce rounds and their bytes."""
     from trainer.model import GPT, GPTConfig
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORKERS))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORKERS)
-    tables = [pa.ipc.open_file(pa.memory_map(f"{data}/{s.path}")).read_all()
-              for s in read_manifest(data).shards]
-    tokens = torch.cat([torch.from_numpy(c.flatten().to_numpy().reshape(len(c), -1))
-                        for t in tables for c in t.column("tokens").chunks]).long()
     torch.manual_seed(0)
     model = DDP(GPT(GPTConfig(vocab_size=256, seq_len=256, n_layer=4, n_head=4, n_embd=128)))
     rounds = {"n": 0, "bytes": 0}
@@ -79,6 +67,23 @@ def _naive_worker(rank: int, port: int, data: str, steps: int, out: str, no_sync
         return allreduce_hook(None, bucket)
 
     model.register_comm_hook(rounds, counting_hook)
+    return model, rounds
+
+
+def _naive_worker(rank: int, port: int, data: str, steps: int, out: str, no_sync: bool) -> None:
+    """The hand-written loop: what a careful user writes with plain torch."""
+    import contextlib
+
+    import pyarrow as pa
+
+    from datapipe.manifest import read_manifest
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    model, rounds = _counted_ddp(rank, port)
+    tables = [pa.ipc.open_file(pa.memory_map(f"{data}/{s.path}")).read_all()
+              for s in read_manifest(data).shards]
+    tokens = torch.cat([torch.from_numpy(c.flatten().to_numpy().reshape(len(c), -1))
+                        for t in tables for c in t.column("tokens").chunks]).long()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=False)
     times, cursor = [], rank * MICRO
     for _ in range(steps):
@@ -137,21 +142,9 @@ def _memtrain_rounds_worker(rank: int, port: int, out: str, agreement: bool) -> 
     """memtrain's train_step on DDP with both counters: the comm hook and dist.all_reduce."""
     from trainer.loop import train_step
     from trainer.memory import precision_policy
-    from trainer.model import GPT, GPTConfig
     from trainer.oom import OOMAgreement
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORKERS)
-    torch.manual_seed(0)
-    model = DDP(GPT(GPTConfig(vocab_size=256, seq_len=256, n_layer=4, n_head=4, n_embd=128)))
-    rounds = {"n": 0, "bytes": 0}
-
-    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-        state["n"] += 1
-        state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-        return allreduce_hook(None, bucket)
-
-    model.register_comm_hook(rounds, counting_hook)
+    model, rounds = _counted_ddp(rank, port)
     original = dist.all_reduce
 
     def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -248,11 +241,7 @@ def main() -> None:
                                         for k, v in first.items()}
         print("time to first step: " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                                  report["time_to_first_step"].items()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"trainer-{dt.date.today().isoformat()}-{socket.gethostname()}.json"
-    (out / name).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out / name}")
+    print(f"wrote {write_json(args.out, 'trainer', report)}")
 
 
 if __name__ == "__main__":
