@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from datapipe.corpus import token_rows
 from datapipe.manifest import MANIFEST_NAME, ColumnSpec, DatasetError, Manifest
 from datapipe.writer import DatasetWriter, ProgressFn
 
@@ -116,15 +117,7 @@ def jsonl_blocks(files: list[Path], columns: list[str] | None) -> Iterator[Block
 
 
 def text_blocks(files: list[Path], seq_len: int, column: str) -> Iterator[Block]:
-    row_len = seq_len + 1
-    carry = b""
-    for file in files:
-        data = carry + file.read_bytes()
-        count = len(data) // row_len
-        if count:
-            block = np.frombuffer(data[:count * row_len], np.uint8).reshape(count, row_len)
-            yield {column: block}
-        carry = data[count * row_len:]
+    return ({column: block} for block in token_rows(files, seq_len + 1))
 
 
 def numpy_blocks(files: list[Path], column: str, block_rows: int = 65536) -> Iterator[Block]:

@@ -34,14 +34,18 @@ def stdlib_source_files(root: Path | None = None) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _token_rows(files: list[Path], row_len: int, max_bytes: int) -> Iterator[np.ndarray]:
-    """Yield ``(n, row_len)`` uint8 blocks from the concatenated bytes of ``files``."""
+def token_rows(files: list[Path], row_len: int, max_bytes: int | None = None
+               ) -> Iterator[np.ndarray]:
+    """Yield ``(n, row_len)`` uint8 blocks from the concatenated bytes of ``files`` (at most
+    ``max_bytes`` of them; None: all)."""
     carry = b""
     used = 0
     for path in files:
-        if used >= max_bytes:
+        if max_bytes is not None and used >= max_bytes:
             break
-        data = path.read_bytes()[: max_bytes - used]
+        data = path.read_bytes()
+        if max_bytes is not None:
+            data = data[: max_bytes - used]
         used += len(data)
         buf = carry + data
         n = len(buf) // row_len
@@ -74,7 +78,7 @@ def build_stdlib_corpus(out: str | Path, seq_len: int = 256, max_bytes: int = 8 
         manifests[split] = write_rows(
             Path(out) / split,
             columns,
-            ({TOKENS_COLUMN: block} for block in _token_rows(split_files, row_len, budgets[split])),
+            ({TOKENS_COLUMN: block} for block in token_rows(split_files, row_len, budgets[split])),
             rows_per_shard=rows_per_shard,
             metadata={"source": "python-stdlib", "split": split, "vocab_size": str(VOCAB_SIZE),
                       "seq_len": str(seq_len)},

@@ -42,11 +42,11 @@ import torch
 from datapipe.manifest import DatasetError
 from datapipe.shards import OnBadShard, ShardSource
 from datapipe.split import (
-    Locator,
     Range,
     batch_positions,
     batches_per_rank,
     epoch_ranges,
+    span_ranges,
     window_rows,
 )
 
@@ -216,20 +216,20 @@ class _Reader:
                                        thread_name_prefix="memtrain-read")
         self.pending: deque[tuple[int, int, Future[_Window]]] = deque()
         self.next_epoch, self.next_window = epoch, window
-        self._locators: dict[int, Locator] = {}
+        self._ranges: tuple[int, list[Range]] | None = None  # (epoch, this rank's ranges)
         self.count = -(-loader.num_batches * loader.batch_size // loader.window)
 
-    def _locator(self, epoch: int) -> Locator:
-        if epoch not in self._locators:
-            self._locators = {epoch: Locator(tuple(self.loader.ranges(epoch)))}
-        return self._locators[epoch]
+    def _epoch_ranges(self, epoch: int) -> list[Range]:
+        if self._ranges is None or self._ranges[0] != epoch:
+            self._ranges = (epoch, self.loader.ranges(epoch))
+        return self._ranges[1]
 
     def window(self, epoch: int, index: int) -> _Window:
         """Window ``index`` of ``epoch``: the next one in reading order."""
         while len(self.pending) < self.loader.read_ahead:
-            locator = self._locator(self.next_epoch)
+            ranges = self._epoch_ranges(self.next_epoch)
             self.pending.append((self.next_epoch, self.next_window, self.pool.submit(
-                self._read, locator, self.next_window)))
+                self._read, ranges, self.next_window)))
             self.next_window += 1
             if self.next_window == self.count:
                 self.next_epoch, self.next_window = self.next_epoch + 1, 0
@@ -237,18 +237,12 @@ class _Reader:
         assert (got_epoch, got_index) == (epoch, index), "windows are read in order"
         return future.result()
 
-    def _read(self, locator: Locator, index: int) -> _Window:
+    def _read(self, ranges: list[Range], index: int) -> _Window:
         loader = self.loader
         span = loader.num_batches * loader.batch_size
         first, last = index * loader.window, min((index + 1) * loader.window, span)
-        starts = locator.starts
-        pieces = []
-        for i, piece in enumerate(locator.ranges):
-            lo, hi = max(first, starts[i]), min(last, starts[i + 1])
-            if lo < hi:
-                offset = piece.start - starts[i]
-                pieces += loader.source.read(Range(piece.shard, lo + offset, hi + offset),
-                                             advise=True)
+        pieces = [part for piece in span_ranges(ranges, first, last)
+                  for part in loader.source.read(piece, advise=True)]
         return _Window(pieces, first)
 
     def close(self) -> None:

@@ -23,7 +23,6 @@ The policy, in three steps:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -127,18 +126,13 @@ def window_permutation(length: int, seed: int, epoch: int, rank: int, index: int
     return np.random.default_rng([seed, epoch, rank, index]).permutation(length).astype(np.int64)
 
 
-@dataclass(frozen=True)
-class Locator:
-    """Maps positions within a rank's span to ``(range index, row within its shard)``."""
-
-    ranges: tuple[Range, ...]
-
-    @property
-    def starts(self) -> np.ndarray:
-        return np.cumsum([0] + [r.rows for r in self.ranges])
-
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        starts = self.starts
-        which = np.searchsorted(starts, positions, side="right") - 1
-        shard_start = np.array([r.start for r in self.ranges], dtype=np.int64)
-        return which, shard_start[which] + positions - starts[which]
+def span_ranges(ranges: list[Range], first: int, last: int) -> list[Range]:
+    """The shard ranges that hold positions ``first .. last - 1`` of a rank's span (whose
+    reading order is ``ranges``), in order."""
+    out, start = [], 0
+    for piece in ranges:
+        lo, hi = max(first, start), min(last, start + piece.rows)
+        if lo < hi:
+            out.append(Range(piece.shard, piece.start + lo - start, piece.start + hi - start))
+        start += piece.rows
+    return out
