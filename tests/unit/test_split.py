@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datapipe.split import (
-    Locator,
     batch_positions,
     batches_per_rank,
     dropped_window,
     epoch_ranges,
+    span_ranges,
     window_rows,
 )
 
@@ -105,10 +104,12 @@ def test_batches_of_an_epoch_cover_the_span_once_within_their_windows(
         batch_positions(span, batch, window, num_batches, seed, epoch, rank, shuffle)
 
 
-def test_the_locator_maps_span_positions_to_shard_rows() -> None:
+def test_span_positions_map_to_shard_rows() -> None:
     from datapipe.split import Range
 
-    locator = Locator((Range(3, 10, 15), Range(0, 0, 2), Range(7, 5, 8)))
-    which, rows = locator.locate(np.arange(10))
-    assert which.tolist() == [0, 0, 0, 0, 0, 1, 1, 2, 2, 2]
-    assert rows.tolist() == [10, 11, 12, 13, 14, 0, 1, 5, 6, 7]
+    ranges = [Range(3, 10, 15), Range(0, 0, 2), Range(7, 5, 8)]
+    assert span_ranges(ranges, 0, 10) == ranges
+    rows = [(r.shard, row) for r in span_ranges(ranges, 3, 9) for row in range(r.start, r.stop)]
+    assert rows == [(3, 13), (3, 14), (0, 0), (0, 1), (7, 5), (7, 6)]
+    assert span_ranges(ranges, 5, 7) == [Range(0, 0, 2)]
+    assert span_ranges(ranges, 4, 4) == []
