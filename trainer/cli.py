@@ -174,10 +174,7 @@ def plan_command(
         "--set", help="Override a config value (repeatable).")] = None,
 ) -> None:
     """Predict memory per rank before training: what fits, at which micro-batch and cost."""
-    import torch
-
-    from trainer.memory import bf16_norm_inputs
-    from trainer.model import build_model
+    from trainer.launch import planning_builder
     from trainer.planner import feasible_plans, parse_bytes, plan_row, profile_all, static_bytes
 
     extra = list(overrides or []) + ([f"parallel.workers={workers}"] if workers else [])
@@ -185,13 +182,7 @@ def plan_command(
     budget = parse_bytes(device_memory)
     world = cfg.parallel.workers
     accumulation = cfg.train.accumulation_steps(world)
-    kwargs = cfg.model.model_dump(exclude={"name"})
-
-    def build() -> torch.nn.Module:
-        model = build_model(cfg.model.name, **kwargs)
-        bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
-        return model
-
+    build = planning_builder(cfg)
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} on "
                   f"CPU ({len(precisions) * 3} probes)...")

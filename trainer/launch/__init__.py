@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,20 @@ def device_memory_bytes(cfg: Config) -> int:
     return host // cfg.parallel.workers
 
 
+def planning_builder(cfg: Config) -> Callable[[], Any]:
+    """Builds the configured model as the planner must probe it: with the memory transforms
+    the loop applies besides checkpointing and loss chunking (which the planner varies)."""
+    from trainer.memory import bf16_norm_inputs
+    from trainer.model import build_model
+
+    def build() -> Any:
+        model = build_model(cfg.model.name, **cfg.model.model_dump(exclude={"name"}))
+        bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
+        return model
+
+    return build
+
+
 def resolve_auto(cfg: Config) -> Config:
     """Replace ``micro_batch_size: auto`` / ``activation_checkpointing: auto`` by the planner's
     choice (see ``trainer.planner.choose_plan``); configs without ``auto`` pass unchanged."""
@@ -56,26 +71,19 @@ def resolve_auto(cfg: Config) -> Config:
     ac_auto = cfg.memory.activation_checkpointing == "auto"
     if not (micro_auto or ac_auto):
         return cfg
-    from trainer.memory import bf16_norm_inputs
-    from trainer.model import build_model
     from trainer.planner import choose_plan, profile_all, static_bytes
 
     world = cfg.parallel.workers
     if cfg.train.global_batch_size % world:
         raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
                           f"multiple of the workers ({world})")
-    kwargs = cfg.model.model_dump(exclude={"name"})
     modes: list[str] = ["none", "selective", "full"] if ac_auto \
         else [cfg.memory.activation_checkpointing]
-    def build() -> Any:
-        model = build_model(cfg.model.name, **kwargs)
-        bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
-        return model
-
+    build = planning_builder(cfg)
     profiles = profile_all(build, cfg.model.seq_len,
                            cfg.model.vocab_size, [cfg.memory.precision], modes,
                            cfg.memory.checkpoint_every_k, cfg.memory.loss_chunk_tokens)
-    static = static_bytes(build_model(cfg.model.name, **kwargs), cfg.parallel.strategy, world)
+    static = static_bytes(build(), cfg.parallel.strategy, world)
     budget = device_memory_bytes(cfg)
     fixed = None if micro_auto else cfg.train.micro_batch()
     plan = choose_plan(static, profiles, cfg.train.global_batch_size, world, budget, fixed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -100,7 +101,6 @@ def project_packages() -> list[str]:
 class Submission:
     job_id: str
     entrypoint: str
-    working_dir: str
 
 
 def submit(client: JobSubmissionClient, config: Path, overrides: list[str],
@@ -110,7 +110,7 @@ def submit(client: JobSubmissionClient, config: Path, overrides: list[str],
     working_dir = Path(tempfile.mkdtemp(prefix="memtrain-submit-"))
     try:
         shutil.copyfile(config, working_dir / JOB_CONFIG_NAME)
-        sets = "".join(f" --set {_shell_quote(item)}" for item in overrides)
+        sets = "".join(f" --set {shlex.quote(item)}" for item in overrides)
         entrypoint = f"{python} -m trainer.cli train --config {JOB_CONFIG_NAME}{sets}"
         runtime_env: dict[str, object] = {
             "working_dir": str(working_dir),
@@ -124,13 +124,7 @@ def submit(client: JobSubmissionClient, config: Path, overrides: list[str],
                                       metadata={"memtrain_config": config.name})
     finally:  # the SDK has uploaded the directory's zip by now
         shutil.rmtree(working_dir, ignore_errors=True)
-    return Submission(submitted, entrypoint, str(working_dir))
-
-
-def _shell_quote(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
+    return Submission(submitted, entrypoint)
 
 
 def follow(client: JobSubmissionClient, job_id: str, write: Callable[[str], object]) -> JobStatus:
