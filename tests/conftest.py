@@ -43,6 +43,29 @@ def ray_cluster():
     ray_launch.ray.shutdown()
 
 
+def require_tool(name: str, why: str = "") -> str:
+    """The path of a command-line tool the test needs: skipped where it is missing, a failure
+    in CI (CI=true), which must install everything the tests use."""
+    import shutil
+
+    found = shutil.which(name)
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} is missing{why}")
+        pytest.skip(f"{name} not installed{why}")
+    return found
+
+
+def require_root_mount() -> None:
+    """Skip (fail in CI) unless this process may mount a tmpfs: root and `mount`."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("this test mounts a tmpfs and needs root")
+        pytest.skip("needs root to mount a tmpfs")
+
+
 def wait_for_http(url: str, what: str, timeout_seconds: float = 30,
                   log: Path | None = None) -> None:
     """Poll ``url`` until it answers; fail the test, with the server's log tail, if not."""
@@ -76,6 +99,18 @@ def tiny_overrides(corpus_dir: Path, run_dir: Path, *overrides: str) -> list[str
         "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=6",
         "train.lr=0.005", *overrides,
     ]
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    """``--set`` options for the CLI, one per override."""
+    return [arg for item in overrides for arg in ("--set", item)]
+
+
+def tiny_train_command(corpus_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """``memtrain train`` of ``tiny_config`` with the local launcher and one worker."""
+    return [sys.executable, "-m", "trainer.cli", "train", "--config",
+            str(REPO / "configs" / "demo-cpu.yaml"), "--launcher", "local", "--workers", "1",
+            *set_args(tiny_overrides(corpus_dir, run_dir, *overrides))]
 
 
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.

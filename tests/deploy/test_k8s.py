@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, require_tool
 
 pytestmark = pytest.mark.unit
 K8S = REPO / "k8s"
@@ -32,12 +31,7 @@ CORE_KINDS = {"Namespace", "PersistentVolumeClaim", "NetworkPolicy", "ConfigMap"
 
 
 def kubectl() -> str:
-    found = shutil.which("kubectl")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("kubectl is missing")
-        pytest.skip("kubectl not installed")
-    return found
+    return require_tool("kubectl")
 
 
 def build(directory: Path) -> list[dict[str, Any]]:

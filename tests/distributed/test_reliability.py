@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import require_root_mount, tiny_config
 from trainer.context import complete_checkpoints
 from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
@@ -105,16 +105,11 @@ def test_fp16_overflow_is_skipped_by_the_grad_scaler_and_counted(corpus_dir: Pat
 def test_a_full_disk_at_checkpoint_time_stops_the_run_and_keeps_the_previous_one(
         corpus_dir: Path, tmp_path: Path) -> None:
     """The run directory on a tmpfs that holds one checkpoint but not two."""
-    import os
-    import shutil
     import subprocess
 
     from trainer.context import CheckpointWriteError
 
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("this test mounts a small tmpfs and needs root")
-        pytest.skip("needs root to mount a small tmpfs")
+    require_root_mount()
     probe_cfg, probe_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path / "probe", "parallel.launcher=local", "parallel.workers=1",
         "train.steps=2", "train.checkpoint_every=2", "train.eval_every=0", "run.name=probe"))
@@ -146,28 +141,19 @@ def test_a_full_disk_at_checkpoint_time_stops_the_run_and_keeps_the_previous_one
 def test_read_only_storage_is_one_clear_line_and_the_checkpoint_survives(
         corpus_dir: Path, tmp_path: Path) -> None:
     """A run directory whose filesystem turned read-only (remounted) before a resume."""
-    import os
-    import shutil
     import subprocess
-    import sys
 
-    from tests.conftest import REPO, tiny_overrides
+    from tests.conftest import tiny_train_command
     from trainer.checkpoint import load_checkpoint
 
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("this test mounts a tmpfs and needs root")
-        pytest.skip("needs root to mount a tmpfs")
+    require_root_mount()
     store = tmp_path / "store"
     store.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(store)], check=True)
     try:
-        sets = [a for o in tiny_overrides(corpus_dir, store, "train.steps=2",
-                                          "train.checkpoint_every=2", "train.eval_every=0",
-                                          "run.name=ro") for a in ("--set", o)]
-        command = [sys.executable, "-m", "trainer.cli", "train", "--config",
-                   str(REPO / "configs/demo-cpu.yaml"), "--launcher", "local", "--workers", "1",
-                   *sets]
+        command = tiny_train_command(corpus_dir, store, "train.steps=2",
+                                     "train.checkpoint_every=2", "train.eval_every=0",
+                                     "run.name=ro")
         first = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert first.returncode == 0, first.stderr[-2000:]
         subprocess.run(["mount", "-o", "remount,ro", str(store)], check=True)

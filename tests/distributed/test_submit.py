@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tiny_overrides
+from tests.conftest import REPO, set_args, tiny_overrides
 
 pytestmark = pytest.mark.distributed
 MEMTRAIN = [sys.executable, "-m", "trainer.cli"]
@@ -38,15 +38,11 @@ def submit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]
                           timeout=timeout, cwd=REPO)
 
 
-def sets(items: list[str]) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
-
-
 def test_submitted_job_trains_to_completion_and_streams_its_logs(
         jobs_api: str, corpus_dir: Path, tmp_path: Path) -> None:
     overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=4", "train.eval_every=4",
                                "train.checkpoint_every=4", "run.name=submitted")
-    out = submit("--address", jobs_api, *sets(overrides), "--job-id", "memtrain-submit-ok")
+    out = submit("--address", jobs_api, *set_args(overrides), "--job-id", "memtrain-submit-ok")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "submitted job memtrain-submit-ok" in out.stdout
     assert "job memtrain-submit-ok: SUCCEEDED" in out.stdout
@@ -59,7 +55,7 @@ def test_a_failing_job_makes_submit_exit_non_zero(jobs_api: str, corpus_dir: Pat
                                                   tmp_path: Path) -> None:
     # Valid here, wrong on the cluster: the dataset path does not exist there.
     overrides = tiny_overrides(corpus_dir, tmp_path, f"data.path={tmp_path / 'missing'}")
-    out = submit("--address", jobs_api, *sets(overrides))
+    out = submit("--address", jobs_api, *set_args(overrides))
     assert out.returncode == 1
     assert ": FAILED" in out.stdout
     assert "data.path" in out.stdout  # the job's own one-line error, in the streamed logs
@@ -71,7 +67,7 @@ def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Pa
 
     overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=2", "train.eval_every=2",
                                "train.checkpoint_every=2")
-    out = submit("--address", jobs_api, *sets(overrides), "--no-follow",
+    out = submit("--address", jobs_api, *set_args(overrides), "--no-follow",
                  "--job-id", "memtrain-no-follow")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "memtrain-no-follow" in out.stdout

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -133,16 +132,14 @@ def test_a_file_without_read_permission_is_named(tmp_path: Path) -> None:
 def test_training_on_a_bad_shard_is_one_line_exit_2(tmp_path: Path, corpus_dir: Path) -> None:
     import shutil
 
-    from tests.conftest import REPO, tiny_overrides
+    from tests.conftest import tiny_train_command
 
     bad = tmp_path / "train"
     shutil.copytree(corpus_dir / "train", bad)
     truncate(bad)
-    sets = [a for o in tiny_overrides(corpus_dir, tmp_path, f"data.path={bad}",
-                                      "train.steps=2") for a in ("--set", o)]
-    out = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "--config",
-                          str(REPO / "configs/demo-cpu.yaml"), "--launcher", "local",
-                          "--workers", "1", *sets], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(tiny_train_command(corpus_dir, tmp_path, f"data.path={bad}",
+                                            "train.steps=2"),
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     [line] = out.stderr.strip().splitlines()[-1:]
     assert line.startswith("memtrain: error: shard ") and "shard-00001.arrow" in line

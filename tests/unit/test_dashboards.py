@@ -51,19 +51,14 @@ def test_committed_prometheus_rule_is_rules_yml() -> None:
 
 
 def test_configmap_builds_with_kustomize_and_carries_the_sidecar_label() -> None:
-    import os
-    import shutil
     import subprocess
 
     import yaml
 
     from monitoring.dashboards import CONFIGMAP_PATH
+    from tests.conftest import require_tool
 
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("kubectl is missing")
-        pytest.skip("kubectl not installed")
+    kubectl = require_tool("kubectl")
     built = subprocess.run([kubectl, "kustomize", str(CONFIGMAP_PATH.parent)],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     [configmap] = [o for o in yaml.safe_load_all(built) if o["kind"] == "ConfigMap"]
