@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, require_tool
 
 pytestmark = pytest.mark.unit
 DOCKER = REPO / "docker"
@@ -100,9 +100,7 @@ def test_grafana_and_prometheus_mount_what_monitoring_ships() -> None:
 
 
 def test_the_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (make test installs Debian's prometheus)")
+    promtool = require_tool("promtool", " (Debian's prometheus package; `make test` installs it)")
     shutil.copy(DOCKER / "prometheus.yml", tmp_path / "prometheus.yml")
     shutil.copy(REPO / "monitoring/prometheus/rules.yml", tmp_path / "rules.yml")
     out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],

@@ -7,8 +7,6 @@ tests run or fail, never skip.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -18,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from monitoring.metrics import METRICS
-from tests.conftest import tiny_config, wait_for_http
+from tests.conftest import require_tool, tiny_config, wait_for_http
 from trainer.launch import prepare_run
 from trainer.launch.local import free_port
 
@@ -30,12 +28,7 @@ ZERO_IN_A_HEALTHY_RUN = {"memtrain_train_skipped_steps_total", "memtrain_data_sk
 
 
 def _need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{tool} is not installed; .ci/run installs Debian's prometheus package")
-        pytest.skip(f"{tool} not installed (apt-get install prometheus)")
-    return path
+    return require_tool(tool, " (Debian's prometheus package; `make test` installs it)")
 
 
 def test_rules_and_config_pass_promtool() -> None:
