@@ -8,6 +8,9 @@
 - ``ProfilerWindow`` runs ``torch.profiler`` with ``profile_memory=True`` for steps A to B and
   writes a Chrome trace per rank into ``run_dir/profile/``.
 - ``write_memory_summary`` writes ``torch.cuda.memory_summary()`` at chosen steps (CUDA only).
+- ``cpu_peak_bytes`` replays the CPU allocator's record of one call and returns its peak of live
+  tensor bytes: the CPU's ``max_memory_allocated``, which torch does not keep. The planner is
+  checked against it on CPU (``tests/unit/test_planner.py``, ``bench/memory.py``).
 
 Counting live tensors walks every object gc tracks: it costs milliseconds, so the guard samples
 every ``memory.leak_check_every`` steps, not every step.
@@ -18,10 +21,12 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from monitoring.memory import resident_bytes
 
@@ -71,6 +76,31 @@ class LeakGuard:
                 found.append(f"{name} grew {a} -> {b} ({100 * (b - a) / a:.1f}%) between steps "
                              f"{first.step} and {last.step}")
         return found
+
+
+def cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of live CPU tensors while ``fn`` runs, counting those it uses from before.
+
+    ``torch.profiler`` with ``profile_memory`` records every allocation and free of the CPU
+    allocator; its memory profile pairs them with the tensors alive at the start. This reads that
+    profile through ``_memory_profile()``, the private accessor behind the deprecated public
+    ``export_memory_timeline``; torch is pinned (2.13.0), and the planner test fails loudly if the
+    accessor changes. It costs a few times the call's own time: a check, not a training tool.
+    """
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        fn()
+    live = peak = 0
+    for _time, action, _key, size in sorted(prof._memory_profile().timeline,
+                                            key=lambda event: event[0]):
+        if action in (Action.PREEXISTING, Action.CREATE):
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak
 
 
 def parse_step_range(text: str) -> tuple[int, int]:

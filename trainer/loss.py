@@ -11,10 +11,17 @@ recomputed, and the largest temporary is one chunk's logits.
 
 The matrix products run in the autocast dtype when autocast is on (as ``nn.Linear`` would), the
 softmax and the loss in fp32.
+
+``transient_bytes`` is the peak of the temporaries of one call, for the memory planner; the
+planner learns the loss's shapes by running its probe under ``observe_chunked_losses``.
+``tests/unit/test_loss.py`` checks the formula against the CPU allocator's record.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,11 +40,58 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+@dataclass(frozen=True)
+class ChunkedLossShape:
+    """What sets one chunked loss call's temporaries, apart from the number of tokens."""
+
+    vocab_size: int
+    width: int
+    chunk_tokens: int
+    compute_itemsize: int  # the matmuls' dtype (autocast's, or the weight's)
+    weight_itemsize: int
+    hidden_itemsize: int
+
+    def transient_bytes(self, tokens: int) -> int:
+        """Peak bytes of the forward's temporaries for ``tokens`` tokens (not the saved ones).
+
+        Alive throughout: the weight cast to the compute dtype (when it differs). Per chunk of
+        ``n`` tokens, the larger of two moments: the fp32 logits beside cross-entropy's fp32
+        log-softmax, or softmax's copy (8 bytes per logit either way); and the chunk's gradient
+        logits in the compute dtype beside the output weight's chunk gradient (in the compute
+        dtype, and its fp32 copy when that differs).
+        """
+        V, C, s = self.vocab_size, self.width, self.compute_itemsize
+        n = min(self.chunk_tokens, tokens)
+        weight_copy = V * C * s if s != self.weight_itemsize else 0
+        hidden_copy = n * C * s if s != self.hidden_itemsize else 0
+        weight_grad = V * C * (s + (4 if s != 4 else 0))
+        per_chunk = max(8 * n * V, s * n * V + weight_grad)
+        return weight_copy + hidden_copy + per_chunk
+
+
+_observed: list[ChunkedLossShape] | None = None
+
+
+@contextlib.contextmanager
+def observe_chunked_losses() -> Iterator[list[ChunkedLossShape]]:
+    """Record the shape of every chunked loss computed inside the block (the planner's probe)."""
+    global _observed
+    outer, _observed = _observed, []
+    try:
+        yield _observed
+    finally:
+        _observed = outer
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NC: torch.Tensor, weight_VC: torch.Tensor, targets_N: torch.Tensor,
                 chunk_tokens: int) -> torch.Tensor:
         dtype = _compute_dtype(weight_VC)
+        if _observed is not None:
+            _observed.append(ChunkedLossShape(
+                weight_VC.shape[0], weight_VC.shape[1], chunk_tokens, dtype.itemsize,
+                weight_VC.element_size(), hidden_NC.element_size()))
         needs_grad = hidden_NC.requires_grad or weight_VC.requires_grad
         with torch.autocast(weight_VC.device.type, enabled=False):
             weight = weight_VC.to(dtype)
@@ -59,6 +113,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
                 grad_hidden[start: start + chunk_tokens] = grad_logits_lp @ weight
                 grad_weight += (grad_logits_lp.t() @ h).float()
+                # Free this chunk's gradient before the next chunk's logits exist: kept to the
+                # next iteration, it held a second chunk (0.77 GiB for GPT-2 in fp32) at the peak.
+                del grad_logits_lp
         ctx.input_dtypes = (hidden_NC.dtype, weight_VC.dtype)
         if needs_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.loss import linear_cross_entropy_sum
+from trainer.diagnostics import cpu_peak_bytes
+from trainer.loss import linear_cross_entropy_sum, observe_chunked_losses
 from trainer.memory import set_loss_chunking
 from trainer.model import GPT, GPTConfig
 
@@ -57,3 +60,35 @@ def test_loss_chunking_needs_a_model_that_computes_its_loss() -> None:
     with pytest.raises(ValueError, match="memory.loss_chunk_tokens 4096"):
         set_loss_chunking(torch.nn.Linear(2, 2), 4096)
     set_loss_chunking(torch.nn.Linear(2, 2), 0)  # 0 asks for nothing
+
+
+@pytest.mark.parametrize(("dtype", "tokens", "chunk", "vocab", "width"), [
+    (None, 4096, 1024, 5000, 64),  # four chunks: the logits moment sets the peak
+    (torch.bfloat16, 4096, 1024, 5000, 64),
+    (None, 512, 128, 3000, 256),  # small chunks, wide: the weight-gradient moment does
+    (torch.bfloat16, 512, 128, 3000, 256),
+])
+def test_transient_bytes_match_the_cpu_allocator(dtype, tokens, chunk, vocab, width) -> None:
+    """The planner's formula for the loss's temporaries against the allocator's real peak.
+
+    Before the loss freed each chunk's gradient logits, a second chunk was alive at the peak
+    (12.9 instead of 8.6 bytes per logit in the first case): this fails on that code.
+    """
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def loss() -> None:
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with ctx, observe_chunked_losses() as shapes:
+            linear_cross_entropy_sum(hidden, weight, targets, chunk)
+        observed.extend(shapes)
+
+    observed: list = []
+    peak = cpu_peak_bytes(loss)
+    inputs = sum(t.numel() * t.element_size() for t in (hidden, weight, targets))
+    saved = 4 * (tokens * width + vocab * width)  # fp32 grad_hidden and grad_weight
+    (shape,) = observed
+    predicted = inputs + saved + shape.transient_bytes(tokens)
+    assert predicted == pytest.approx(peak, rel=0.02)
