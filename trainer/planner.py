@@ -8,17 +8,25 @@ deduplicated by storage, excluding parameters, and adds the inputs that activati
 keeps alive for recomputation. Two probe sizes separate the per-sample bytes from the fixed ones
 (autocast's low-precision weight copies).
 
-The predicted step peak is ``params + optimizer state + saved(micro_batch) + transient``. Two
-moments compete for the peak, and the transient is the larger of them:
-- the end of the forward pass, where the chunked loss (``trainer.loss``) holds one chunk's fp32
-  logits and softmax: ``8 x chunk_tokens x vocab`` bytes (0 for a model without it);
-- the start of backward, where gradients appear (``gradients``) while the saved tensors are still
-  alive, plus the gradient of the largest saved tensor (taken as twice its size) and, with
-  activation checkpointing, one block's recomputed activations (measured as the difference to a
-  probe without checkpointing).
+The predicted step peak is the largest of three moments (``PlanRow.peak_moment``), each on top
+of the parameters and AdamW's state:
+- the end of the forward pass: the saved activations, the chunked loss's temporaries
+  (``trainer.loss.ChunkedLossShape.transient_bytes``: one chunk's fp32 logits and softmax, the
+  weight's copy in the autocast dtype; the probe records the loss's shapes) and, with activation
+  checkpointing under autocast, autocast's cache of low-precision weight copies for the
+  checkpointed blocks, kept until autocast exits but not saved (measured as the fixed saved
+  bytes a probe without checkpointing has in excess);
+- the start of backward: the saved activations, the gradients of the parameters outside the
+  repeated blocks (the output head's come first), the gradient of the largest tensor a block
+  saves and, when the last block is checkpointed, that block's recomputed activations (measured
+  as the difference to a probe without checkpointing). Further down, each block frees at least
+  as much activation memory as its parameters' gradients take;
+- the optimizer step: every gradient, and AdamW's (foreach) temporary of one moment's size.
 Gradients are not held during the forward pass: the loop zeroes them with ``set_to_none=True``.
-The planner does not model the CUDA allocator's rounding and caching, nor kernel workspaces;
-``make gpu-check`` measures how far the prediction is from the real peak.
+On CPU the whole formula is checked against the allocator's record of real steps
+(``trainer.diagnostics.cpu_peak_bytes``, ``tests/unit/test_planner.py``). The planner does not
+model the CUDA allocator's rounding and caching, kernel workspaces, nor FSDP's all-gathered
+parameters; ``make gpu-check`` measures how far the prediction is from the real CUDA peak.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.loss import summed_loss
+from trainer.loss import ChunkedLossShape, observe_chunked_losses, summed_loss
 from trainer.memory import apply_activation_checkpointing, precision_policy, set_loss_chunking
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -57,15 +65,21 @@ class ActivationProfile:
     activation_checkpointing: str
     per_sample_bytes: int
     fixed_bytes: int
-    largest_tensor_per_sample_bytes: int  # the biggest single saved tensor, per sample
+    # The biggest single tensor a block saves, per sample (from a probe without checkpointing):
+    # its gradient is the largest temporary of backward.
+    largest_tensor_per_sample_bytes: int
     recompute_fraction: float  # forward FLOPs recomputed in backward, as a share of the forward
-    # What one checkpointed block saves while backward recomputes it, per sample (0 without AC).
+    # What one checkpointed block saves while backward recomputes it, per sample; counted at the
+    # start of backward only when the last block is checkpointed (0 otherwise).
     recompute_block_per_sample_bytes: int = 0
-    # The chunked loss's temporaries: 8 bytes (fp32 logits and softmax) x vocab per token, for
-    # at most ``loss_chunk_tokens`` tokens at a time (0: the model has no chunked loss).
-    loss_transient_bytes_per_token: int = 0
-    loss_chunk_tokens: int = 0
+    # Autocast's low-precision weight copies of the checkpointed blocks: cached until the end of
+    # the forward pass but not saved for backward (0 without AC or without autocast).
+    autocast_cache_bytes: int = 0
+    # The chunked loss's shapes (None: the model has no chunked loss) and the tokens per sample.
+    loss_shape: ChunkedLossShape | None = None
     seq_len: int = 0
+    # Gradients of the parameters outside ``model.blocks`` (all of them for a model without).
+    outside_blocks_grad_bytes: int = 0
 
     def saved_bytes(self, batch: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * batch
@@ -79,9 +93,10 @@ class PlanRow:
     accumulation_steps: int
     static_bytes: int
     activation_bytes: int
-    transient_bytes: int  # includes the gradients when the peak is at the start of backward
+    transient_bytes: int  # the peak less parameters, AdamW state and saved activations
     predicted_peak_bytes: int
     recompute_cost: float  # extra step time from recomputation, as a share of forward+backward
+    peak_moment: str = "forward end"  # forward end | backward start | optimizer step
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -153,12 +168,18 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
 def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: str
                         ) -> tuple[int, list[int]]:
     """(saved bytes, each saved storage's bytes in save order) of one training forward."""
+    bytes_, sizes, _shapes = _probe(model, tokens_BT, precision)
+    return bytes_, sizes
+
+
+def _probe(model: nn.Module, tokens_BT: torch.Tensor, precision: str
+           ) -> tuple[int, list[int], list[ChunkedLossShape]]:
     device = tokens_BT.device
     policy = precision_policy(precision, device, warn=False)
-    with count_saved_tensors(model) as counts:
+    with count_saved_tensors(model) as counts, observe_chunked_losses() as shapes:
         loss = summed_loss(model, tokens_BT, policy)  # the loop's own forward
     del loss
-    return counts["bytes"], counts["sizes"]
+    return counts["bytes"], counts["sizes"], shapes
 
 
 def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
@@ -176,7 +197,7 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     measured = {}
     for batch in (1, 2):
         tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
-        measured[batch] = measure_saved_bytes(model, tokens_BT, precision)
+        measured[batch] = _probe(model, tokens_BT, precision)
         # A forward through non-reentrant checkpointing that never runs backward leaves
         # reference cycles holding its activations: collect them now, not at some later gc.
         gc.collect()
@@ -188,34 +209,48 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     growth = [b - a for a, b in zip(sizes_1, sizes_2, strict=False)] \
         if len(sizes_1) == len(sizes_2) else [max(sizes_2, default=0) - max(sizes_1, default=0)]
     largest_per_sample = max(growth, default=0)
-    recompute_block = 0
+    recompute_block = autocast_cache = 0
     if chosen:
         plain = profile_activations(build, seq_len, vocab_size, precision, "none", every_k,
                                     device, loss_chunk_tokens)
         recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
+        autocast_cache = max(0, plain.fixed_bytes - fixed)
+        largest_per_sample = plain.largest_tensor_per_sample_bytes  # inside a recomputed block
+        if num_blocks - 1 not in chosen:
+            recompute_block = 0  # an unchecked last block frees more than a recomputed one takes
     # Recomputation repeats the forward of the wrapped blocks: their share of the forward FLOPs
     # is about their share of the blocks, and a forward is about a third of forward+backward.
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
-    chunked = loss_chunk_tokens > 0 and hasattr(model, "loss_chunk_tokens")
+    loss_shapes = measured[2][2]
+    in_blocks = {id(p) for p in getattr(model, "blocks", nn.ModuleList()).parameters()}
+    outside_grads = sum(p.numel() * p.element_size()
+                        for p in {id(p): p for p in model.parameters()}.values()
+                        if p.requires_grad and id(p) not in in_blocks)
     return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
-                             largest_per_sample, recompute, recompute_block,
-                             8 * vocab_size if chunked else 0, loss_chunk_tokens, seq_len)
+                             largest_per_sample, recompute, recompute_block, autocast_cache,
+                             loss_shapes[0] if loss_shapes else None, seq_len, outside_grads)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
              accumulation_steps: int) -> PlanRow:
     activations = profile.saved_bytes(micro_batch_size)
     tokens = micro_batch_size * profile.seq_len
-    end_of_forward = profile.loss_transient_bytes_per_token * min(profile.loss_chunk_tokens,
-                                                                  tokens)
-    start_of_backward = static.grads + (2 * profile.largest_tensor_per_sample_bytes
-                                        + profile.recompute_block_per_sample_bytes
-                                        ) * micro_batch_size
-    transient = max(end_of_forward, start_of_backward)
-    peak = static.params + static.optimizer + activations + transient
+    loss = profile.loss_shape.transient_bytes(tokens) if profile.loss_shape else 0
+    # Under FSDP the output head's gradients are sharded like the rest.
+    outside_grads = min(profile.outside_blocks_grad_bytes, static.grads)
+    moments = {
+        "forward end": activations + loss + profile.autocast_cache_bytes,
+        "backward start": activations + outside_grads
+        + (profile.largest_tensor_per_sample_bytes
+           + profile.recompute_block_per_sample_bytes) * micro_batch_size,
+        "optimizer step": static.grads + static.optimizer // 2,
+    }
+    moment = max(moments, key=lambda name: moments[name])
+    peak = static.params + static.optimizer + moments[moment]
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
-                   accumulation_steps, static.total, activations, transient, peak,
-                   profile.recompute_fraction)
+                   accumulation_steps, static.total, activations,
+                   peak - static.params - static.optimizer - activations, peak,
+                   profile.recompute_fraction, moment)
 
 
 def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
