@@ -85,6 +85,11 @@ def table(reports: dict[str, Any]) -> str:
         worst = max(abs(r["prediction_error"]) for r in memory["rows"])
         rows.append(("planner: predicted vs measured saved bytes (CPU)", f"{worst:.1%} worst",
                      "<= 5%", yes(worst <= 0.05), COMMANDS["memory"]))
+        if all("peak_error" in r for r in memory["rows"]):
+            worst_peak = max(abs(r["peak_error"]) for r in memory["rows"])
+            rows.append(("planner: predicted vs CPU allocator's step peak",
+                         f"{worst_peak:.1%} worst", "- (CUDA: <= 10%)", "-",
+                         COMMANDS["memory"]))
     if "metrics" in reports:
         metrics = reports["metrics"]
         share = metrics["rows"]["log_every_10"]["share_of_step"]

@@ -401,6 +401,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if plan is not None:
             row["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
             row["predicted_activation_bytes"] = plan["activation_bytes"]
+            row["predicted_peak_moment"] = plan["peak_moment"]
             if row["peak_allocated_bytes"]:
                 row["planner_error"] = (plan["predicted_peak_bytes"]
                                         / row["peak_allocated_bytes"] - 1)
@@ -469,6 +470,7 @@ def markdown(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         err = f"{100 * r['planner_error']:+.1f}%" if "planner_error" in r else "-"
+        moment = f" ({r['predicted_peak_moment']})" if "predicted_peak_moment" in r else ""
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
         phases = " / ".join(gib(v) for v in r["phase_peak_bytes"].values()) \
             if r.get("phase_peak_bytes") else "-"
@@ -476,7 +478,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['loss_chunk_tokens'] or 'off'} | {r['sdpa']} | "
                      f"{'yes' if r['compiled'] else 'no'} | {gib(r['peak_allocated_bytes'])} | "
                      f"{gib(r['peak_reserved_bytes'])} | {phases} | "
-                     f"{gib(r.get('predicted_peak_bytes'))} | "
+                     f"{gib(r.get('predicted_peak_bytes'))}{moment} | "
                      f"{err} | {r['tokens_per_second']:,.0f} | {mfu} |")
     s = report["summary"]
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
