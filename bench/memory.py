@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench.results import result_path, write_json
-from trainer.diagnostics import cpu_peak_bytes
+from trainer.diagnostics import cpu_peak_bytes, training_tensors
 from trainer.loop import build_optimizer, train_step
 from trainer.memory import (
     apply_activation_checkpointing,
@@ -78,7 +78,8 @@ def step_seconds_and_peak(cfg: GPTConfig, precision: str, ac: str, micro_batch: 
         if i >= 2:
             times.append(time.perf_counter() - start)
     peak = cpu_peak_bytes(lambda: train_step(model, optimizer, scaler, [tokens], 1, policy,
-                                             1.0))
+                                             1.0),
+                          held=[*training_tensors(model, optimizer), tokens])
     return statistics.median(times), peak
 
 

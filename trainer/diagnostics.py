@@ -8,7 +8,7 @@
 - ``ProfilerWindow`` runs ``torch.profiler`` with ``profile_memory=True`` for steps A to B and
   writes a Chrome trace per rank into ``run_dir/profile/``.
 - ``write_memory_summary`` writes ``torch.cuda.memory_summary()`` at chosen steps (CUDA only).
-- ``cpu_peak_bytes`` replays the CPU allocator's record of one call and returns its peak of live
+- ``cpu_peak_bytes`` reads the CPU allocator's record of one call and returns its peak of live
   tensor bytes: the CPU's ``max_memory_allocated``, which torch does not keep. The planner is
   checked against it on CPU (``tests/unit/test_planner.py``, ``bench/memory.py``).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,29 +78,50 @@ class LeakGuard:
         return found
 
 
-def cpu_peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes of live CPU tensors while ``fn`` runs, counting those it uses from before.
+def cpu_peak_bytes(fn: Callable[[], object], held: Iterable[torch.Tensor] = ()) -> int:
+    """Peak bytes of live CPU tensors while ``fn`` runs: ``held`` plus the most ``fn`` added.
 
-    ``torch.profiler`` with ``profile_memory`` records every allocation and free of the CPU
-    allocator; its memory profile pairs them with the tensors alive at the start. This reads that
-    profile through ``_memory_profile()``, the private accessor behind the deprecated public
-    ``export_memory_timeline``; torch is pinned (2.13.0), and the planner test fails loudly if the
-    accessor changes. It costs a few times the call's own time: a check, not a training tool.
+    ``held`` are the tensors alive before the call that should count (parameters, optimizer
+    state, inputs; each storage once, a DTensor by its local shard). What ``fn`` allocates and
+    frees comes from ``torch.profiler`` with ``profile_memory``, which records every allocation of
+    the CPU allocator with its running total. The events are read from the profiler's event tree
+    (``kineto_results.experimental_event_tree()``, an experimental API; torch is pinned at
+    2.13.0 and the planner test fails loudly if it changes). It costs a few times the call's own
+    time: a check, not a training tool.
     """
-    from torch.profiler._memory_profiler import Action
+    from torch._C._profiler import _EventType
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    storages: dict[int, int] = {}
+    for tensor in held:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor holds its shard
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    live = peak = 0
-    for _time, action, _key, size in sorted(prof._memory_profile().timeline,
-                                            key=lambda event: event[0]):
-        if action in (Action.PREEXISTING, Action.CREATE):
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    return peak
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    events = []  # (time, bytes allocated (+) or freed (-), the allocator's running total after)
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            fields = event.extra_fields
+            events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    if not events:
+        return sum(storages.values())
+    events.sort()
+    # The running total also counts what earlier profiled calls allocated and left alive: start
+    # from its value before this call's first event.
+    _time, size, total = events[0]
+    start = total - size
+    return sum(storages.values()) + max(0, max(total for _t, _s, total in events) - start)
+
+
+def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> list[torch.Tensor]:
+    """The tensors a training step finds alive: parameters and optimizer state."""
+    state = [value for per_param in optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor)]
+    return [*model.parameters(), *state]
 
 
 def parse_step_range(text: str) -> tuple[int, int]:

@@ -22,11 +22,14 @@ of the parameters and AdamW's state:
   as the difference to a probe without checkpointing). Further down, each block frees at least
   as much activation memory as its parameters' gradients take;
 - the optimizer step: every gradient, and AdamW's (foreach) temporary of one moment's size.
+Under FSDP the static bytes are one rank's shards, and the other moments add what FSDP holds whole
+while it runs (the root's parameters, about four blocks of all-gathered parameters and unsharded
+gradients; calibrated on CPU, see ``plan_row``), with a fourth moment at the end of backward.
 Gradients are not held during the forward pass: the loop zeroes them with ``set_to_none=True``.
 On CPU the whole formula is checked against the allocator's record of real steps
 (``trainer.diagnostics.cpu_peak_bytes``, ``tests/unit/test_planner.py``). The planner does not
-model the CUDA allocator's rounding and caching, kernel workspaces, nor FSDP's all-gathered
-parameters; ``make gpu-check`` measures how far the prediction is from the real CUDA peak.
+model the CUDA allocator's rounding and caching, nor kernel workspaces; ``make gpu-check``
+measures how far the prediction is from the real CUDA peak.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class StaticBytes:
     params: int
     grads: int
     optimizer: int
+    world_size: int = 1
+    sharded: bool = False  # FSDP: the bytes above are one rank's shards
 
     @property
     def total(self) -> int:
@@ -80,6 +85,9 @@ class ActivationProfile:
     seq_len: int = 0
     # Gradients of the parameters outside ``model.blocks`` (all of them for a model without).
     outside_blocks_grad_bytes: int = 0
+    # Parameter bytes outside the blocks and of the largest block: what FSDP all-gathers.
+    outside_blocks_param_bytes: int = 0
+    block_param_bytes: int = 0
 
     def saved_bytes(self, batch: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * batch
@@ -96,7 +104,7 @@ class PlanRow:
     transient_bytes: int  # the peak less parameters, AdamW state and saved activations
     predicted_peak_bytes: int
     recompute_cost: float  # extra step time from recomputation, as a share of forward+backward
-    peak_moment: str = "forward end"  # forward end | backward start | optimizer step
+    peak_moment: str = "forward end"  # forward end | backward start | backward end | optimizer step
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -110,8 +118,9 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1) -
     grad_bytes = sum(p.numel() * p.element_size() for p in unique if p.requires_grad)
     optimizer_bytes = numel * ADAMW_STATE_BYTES_PER_PARAM
     if parallel == "fsdp":
-        return StaticBytes(*(-(-b // world_size) for b in (param_bytes, grad_bytes,
-                                                            optimizer_bytes)))
+        params, grads, optimizer = (-(-b // world_size) for b in (param_bytes, grad_bytes,
+                                                                   optimizer_bytes))
+        return StaticBytes(params, grads, optimizer, world_size=world_size, sharded=True)
     if parallel != "ddp":
         raise ValueError(f"parallel {parallel!r} is not ddp|fsdp")
     return StaticBytes(param_bytes, grad_bytes, optimizer_bytes)
@@ -222,13 +231,17 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     # is about their share of the blocks, and a forward is about a third of forward+backward.
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
     loss_shapes = measured[2][2]
-    in_blocks = {id(p) for p in getattr(model, "blocks", nn.ModuleList()).parameters()}
-    outside_grads = sum(p.numel() * p.element_size()
-                        for p in {id(p): p for p in model.parameters()}.values()
-                        if p.requires_grad and id(p) not in in_blocks)
+    blocks = getattr(model, "blocks", nn.ModuleList())
+    in_blocks = {id(p) for p in blocks.parameters()}
+    outside = [p for p in {id(p): p for p in model.parameters()}.values()
+               if id(p) not in in_blocks]
+    outside_grads = sum(p.numel() * p.element_size() for p in outside if p.requires_grad)
+    block_params = max((sum(p.numel() * p.element_size() for p in block.parameters())
+                        for block in blocks), default=0)
     return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
                              largest_per_sample, recompute, recompute_block, autocast_cache,
-                             loss_shapes[0] if loss_shapes else None, seq_len, outside_grads)
+                             loss_shapes[0] if loss_shapes else None, seq_len, outside_grads,
+                             sum(p.numel() * p.element_size() for p in outside), block_params)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
@@ -238,13 +251,24 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     loss = profile.loss_shape.transient_bytes(tokens) if profile.loss_shape else 0
     # Under FSDP the output head's gradients are sharded like the rest.
     outside_grads = min(profile.outside_blocks_grad_bytes, static.grads)
+    in_flight = 0
+    if static.sharded:
+        # FSDP (``trainer.sharding``): the root is not resharded after forward, so its
+        # parameters stay whole through forward and backward; and about four blocks' worth is in
+        # flight: two blocks' parameters all-gathered (the one running and the one prefetched)
+        # and, in backward, two blocks' unsharded gradients before their reduce-scatter.
+        # Calibrated on CPU with gloo (2 ranks), not yet measured on CUDA.
+        root = profile.outside_blocks_param_bytes
+        in_flight = root - root // static.world_size + 4 * profile.block_param_bytes
     moments = {
-        "forward end": activations + loss + profile.autocast_cache_bytes,
-        "backward start": activations + outside_grads
+        "forward end": activations + loss + profile.autocast_cache_bytes + in_flight,
+        "backward start": activations + outside_grads + in_flight
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
         "optimizer step": static.grads + static.optimizer // 2,
     }
+    if static.sharded:
+        moments["backward end"] = static.grads + in_flight
     moment = max(moments, key=lambda name: moments[name])
     peak = static.params + static.optimizer + moments[moment]
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,

@@ -86,7 +86,7 @@ def test_transient_bytes_match_the_cpu_allocator(dtype, tokens, chunk, vocab, wi
         observed.extend(shapes)
 
     observed: list = []
-    peak = cpu_peak_bytes(loss)
+    peak = cpu_peak_bytes(loss, held=(hidden, weight, targets))
     inputs = sum(t.numel() * t.element_size() for t in (hidden, weight, targets))
     saved = 4 * (tokens * width + vocab * width)  # fp32 grad_hidden and grad_weight
     (shape,) = observed

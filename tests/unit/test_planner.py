@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.diagnostics import cpu_peak_bytes
+from trainer.diagnostics import cpu_peak_bytes, training_tensors
 from trainer.loop import train_step
 from trainer.memory import (
     apply_activation_checkpointing,
@@ -78,7 +78,8 @@ def test_predicted_step_peak_matches_the_cpu_allocator(shape: str, precision: st
     tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1))
     train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
     measured = cpu_peak_bytes(lambda: train_step(model, optimizer, scaler, [tokens], 1, policy,
-                                                 1.0))
+                                                 1.0),
+                              held=[*training_tensors(model, optimizer), tokens])
 
     profile = profile_activations(lambda: _normed_gpt(cfg), cfg.seq_len, cfg.vocab_size,
                                   precision, mode, loss_chunk_tokens=chunk)
