@@ -19,9 +19,11 @@ of the parameters and AdamW's state:
 - the start of backward: the saved activations, the gradients of the parameters outside the
   repeated blocks (the output head's come first), the gradient of the largest tensor a block
   saves and, when the last block is checkpointed, that block's recomputed activations (measured
-  as the difference to a probe without checkpointing). Further down, each block frees at least
+  as the difference to a probe without checkpointing) and its autocast weight copies. Further
+  down, each block frees at least
   as much activation memory as its parameters' gradients take;
-- the optimizer step: every gradient, and AdamW's (foreach) temporary of one moment's size.
+- the optimizer step: every gradient, and AdamW's temporary of one moment's size (CUDA's
+  foreach path; on CPU, torch's per-parameter loop needs a few of the largest parameter's size).
 Under FSDP the static bytes are one rank's shards, and the other moments add what FSDP holds whole
 while it runs (the root's parameters, about four blocks of all-gathered parameters and unsharded
 gradients; calibrated on CPU, see ``plan_row``), with a fourth moment at the end of backward.
@@ -88,6 +90,8 @@ class ActivationProfile:
     # Parameter bytes outside the blocks and of the largest block: what FSDP all-gathers.
     outside_blocks_param_bytes: int = 0
     block_param_bytes: int = 0
+    # The recomputed last block's fixed saved bytes (its autocast weight copies), 0 otherwise.
+    recompute_block_fixed_bytes: int = 0
 
     def saved_bytes(self, batch: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * batch
@@ -218,7 +222,7 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     growth = [b - a for a, b in zip(sizes_1, sizes_2, strict=False)] \
         if len(sizes_1) == len(sizes_2) else [max(sizes_2, default=0) - max(sizes_1, default=0)]
     largest_per_sample = max(growth, default=0)
-    recompute_block = autocast_cache = 0
+    recompute_block = recompute_block_fixed = autocast_cache = 0
     if chosen:
         plain = profile_activations(build, seq_len, vocab_size, precision, "none", every_k,
                                     device, loss_chunk_tokens)
@@ -227,6 +231,8 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
         largest_per_sample = plain.largest_tensor_per_sample_bytes  # inside a recomputed block
         if num_blocks - 1 not in chosen:
             recompute_block = 0  # an unchecked last block frees more than a recomputed one takes
+        else:  # the recomputed block saves its autocast weight copies again
+            recompute_block_fixed = autocast_cache // len(chosen)
     # Recomputation repeats the forward of the wrapped blocks: their share of the forward FLOPs
     # is about their share of the blocks, and a forward is about a third of forward+backward.
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
@@ -241,7 +247,8 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
                              largest_per_sample, recompute, recompute_block, autocast_cache,
                              loss_shapes[0] if loss_shapes else None, seq_len, outside_grads,
-                             sum(p.numel() * p.element_size() for p in outside), block_params)
+                             sum(p.numel() * p.element_size() for p in outside), block_params,
+                             recompute_block_fixed)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
@@ -263,6 +270,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight,
         "backward start": activations + outside_grads + in_flight
+        + profile.recompute_block_fixed_bytes
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
         "optimizer step": static.grads + static.optimizer // 2,

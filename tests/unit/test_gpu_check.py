@@ -29,6 +29,12 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
                       for a in ("none", "selective", "full")}
     assert all(r["predicted_peak_bytes"] > 0 and r["tokens_per_second"] > 0
                for r in report["rows"])
+    # Dry mode measures each row's peak with the CPU allocator's record, so the planner column
+    # is checked here too. The tiny model's peaks are 2-3 MiB, where CPU AdamW's per-parameter
+    # temporaries (the planner models CUDA's foreach one) move a row by up to 10%.
+    assert all(abs(r["planner_error"]) <= 0.15 for r in report["rows"]), \
+        [(r["precision"], r["activation_checkpointing"], r["planner_error"])
+         for r in report["rows"]]
     assert report["oom_recovery"]["recovered_micro_batch"] == 2
     assert report["oom_recovery"]["ooms"] == 1
     assert 0 <= report["input_stall"]["input_stall"] < 1
