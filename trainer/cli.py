@@ -195,14 +195,14 @@ def plan_command(
                   f"{static.params / gib:.2f} GiB, gradients {static.grads / gib:.2f} GiB, "
                   f"AdamW state {static.optimizer / gib:.2f} GiB")
     current = Table("precision", "act. ckpt", "activations GiB", "transient GiB",
-                    "predicted peak GiB", "fits", "recompute",
+                    "predicted peak GiB", "peak at", "fits", "recompute",
                     title=f"configured micro-batch {cfg.train.micro_batch()} x "
                           f"accumulation {accumulation} x {world} workers")
     for profile in profiles:
         row = plan_row(static, profile, cfg.train.micro_batch(), accumulation)
         current.add_row(row.precision, row.activation_checkpointing,
                         f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
-                        f"{row.predicted_peak_bytes / gib:.2f}",
+                        f"{row.predicted_peak_bytes / gib:.2f}", row.peak_moment,
                         "yes" if row.predicted_peak_bytes <= 0.9 * budget else "no",
                         f"+{100 * row.recompute_cost:.0f}%")
     console.print(current)

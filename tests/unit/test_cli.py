@@ -70,6 +70,7 @@ def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
     for mode in ("none", "selective", "full"):
         assert mode in table
     assert "global batch 32 kept" in table
+    assert "peak at" in table  # the moment that sets each predicted peak
 
 
 def test_plan_rejects_a_bad_device_memory() -> None:
