@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from bench.results import result_path, write_json
-from trainer.diagnostics import cpu_peak_bytes, training_tensors
-from trainer.loop import build_optimizer, train_step
+from trainer.loop import build_optimizer, step_peak_bytes, train_step
 from trainer.memory import (
     apply_activation_checkpointing,
     bf16_norm_inputs,
@@ -77,9 +76,7 @@ def step_seconds_and_peak(cfg: GPTConfig, precision: str, ac: str, micro_batch: 
         train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
         if i >= 2:
             times.append(time.perf_counter() - start)
-    peak = cpu_peak_bytes(lambda: train_step(model, optimizer, scaler, [tokens], 1, policy,
-                                             1.0),
-                          held=[*training_tensors(model, optimizer), tokens])
+    peak = step_peak_bytes(model, optimizer, scaler, tokens, policy)
     return statistics.median(times), peak
 
 

@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import traceback
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,8 +45,7 @@ from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
 from datapipe.writer import write_rows
 from trainer.context import LocalContext
-from trainer.diagnostics import cpu_peak_bytes, training_tensors
-from trainer.loop import build_optimizer, train_step
+from trainer.loop import build_optimizer, step_peak_bytes, train_step
 from trainer.memory import (
     apply_activation_checkpointing,
     bf16_norm_inputs,
@@ -209,9 +207,7 @@ def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
         except Exception as err:
             row["phase_peak_error"] = f"{type(err).__name__}: {err}"[:300]
     else:  # dry mode: the CPU allocator's record of one more step stands in for CUDA's peak
-        row["peak_allocated_bytes"] = cpu_peak_bytes(
-            partial(train_step, model, optimizer, scaler, [fixed], 1, policy, 1.0),
-            held=[*training_tensors(model, optimizer), fixed])
+        row["peak_allocated_bytes"] = step_peak_bytes(model, optimizer, scaler, fixed, policy)
         row["peak_reserved_bytes"] = None
     del model, optimizer, scaler, result, fixed
     release_memory(device)  # between phases: the next configuration starts from nothing

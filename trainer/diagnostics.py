@@ -29,6 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from monitoring.memory import resident_bytes
+from trainer.sharding import local_tensor
 
 log = logging.getLogger("memtrain")
 
@@ -93,8 +94,7 @@ def cpu_peak_bytes(fn: Callable[[], object], held: Iterable[torch.Tensor] = ()) 
 
     storages: dict[int, int] = {}
     for tensor in held:
-        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor holds its shard
-        storage = local.untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()  # a DTensor: its shard
         storages[storage.data_ptr()] = storage.nbytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -114,14 +114,6 @@ def cpu_peak_bytes(fn: Callable[[], object], held: Iterable[torch.Tensor] = ()) 
     _time, size, total = events[0]
     start = total - size
     return sum(storages.values()) + max(0, max(total for _t, _s, total in events) - start)
-
-
-def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                     ) -> list[torch.Tensor]:
-    """The tensors a training step finds alive: parameters and optimizer state."""
-    state = [value for per_param in optimizer.state.values() for value in per_param.values()
-             if isinstance(value, torch.Tensor)]
-    return [*model.parameters(), *state]
 
 
 def parse_step_range(text: str) -> tuple[int, int]:

@@ -50,7 +50,7 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.context import WorkerContext
-from trainer.diagnostics import LeakGuard, ProfilerWindow, write_memory_summary
+from trainer.diagnostics import LeakGuard, ProfilerWindow, cpu_peak_bytes, write_memory_summary
 from trainer.loss import summed_loss
 from trainer.memory import (
     PrecisionPolicy,
@@ -165,6 +165,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum / tokens_per_step, grad_norm.detach(), not finite)
+
+
+def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, tokens_BT: torch.Tensor,
+                    policy: PrecisionPolicy, grad_clip: float = 1.0) -> int:
+    """CPU: the allocator's peak over one ``train_step`` on ``tokens_BT``, counting the
+    parameters, optimizer state and tokens alive before it (``diagnostics.cpu_peak_bytes``)."""
+    state = [value for per_param in optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor)]
+    return cpu_peak_bytes(
+        lambda: train_step(model, optimizer, scaler, [tokens_BT], 1, policy, grad_clip),
+        held=[*model.parameters(), *state, tokens_BT])
 
 
 @torch.no_grad()

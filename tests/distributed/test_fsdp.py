@@ -14,10 +14,9 @@ import torch.multiprocessing as mp
 
 from tests.conftest import tiny_config
 from trainer.config import ConfigError, load_config
-from trainer.diagnostics import cpu_peak_bytes, training_tensors
 from trainer.launch import prepare_run
 from trainer.launch.local import free_port, launch_local
-from trainer.loop import train_step
+from trainer.loop import step_peak_bytes, train_step
 from trainer.memory import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.planner import plan_row, profile_activations, static_bytes
@@ -119,10 +118,7 @@ def _step_peak(rank: int, port: int, precision: str, out: str) -> None:
         scaler = policy.grad_scaler(torch.device("cpu"))
         tokens = torch.randint(0, _WIDE.vocab_size, (2, _WIDE.seq_len + 1))
         train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
-        peak = min(cpu_peak_bytes(lambda: train_step(model, optimizer, scaler, [tokens], 1,
-                                                     policy, 1.0),
-                                  held=[*training_tensors(model, optimizer), tokens])
-                   for _ in range(3))
+        peak = min(step_peak_bytes(model, optimizer, scaler, tokens, policy) for _ in range(3))
         if rank == 0:
             torch.save({"peak": peak}, out)
     finally:

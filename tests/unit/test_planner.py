@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.diagnostics import cpu_peak_bytes, training_tensors
-from trainer.loop import train_step
+from trainer.loop import step_peak_bytes, train_step
 from trainer.memory import (
     apply_activation_checkpointing,
     bf16_norm_inputs,
@@ -77,9 +76,7 @@ def test_predicted_step_peak_matches_the_cpu_allocator(shape: str, precision: st
     scaler = policy.grad_scaler(device)
     tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1))
     train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
-    measured = cpu_peak_bytes(lambda: train_step(model, optimizer, scaler, [tokens], 1, policy,
-                                                 1.0),
-                              held=[*training_tensors(model, optimizer), tokens])
+    measured = step_peak_bytes(model, optimizer, scaler, tokens, policy)
 
     profile = profile_activations(lambda: _normed_gpt(cfg), cfg.seq_len, cfg.vocab_size,
                                   precision, mode, loss_chunk_tokens=chunk)
