@@ -20,8 +20,7 @@ of the parameters and AdamW's state:
   repeated blocks (the output head's come first), the gradient of the largest tensor a block
   saves and, when the last block is checkpointed, that block's recomputed activations (measured
   as the difference to a probe without checkpointing) and its autocast weight copies. Further
-  down, each block frees at least
-  as much activation memory as its parameters' gradients take;
+  down, each block frees at least as much activation memory as its parameters' gradients take;
 - the optimizer step: every gradient, and AdamW's temporary of one moment's size (CUDA's
   foreach path; on CPU, torch's per-parameter loop needs a few of the largest parameter's size).
 Under FSDP the static bytes are one rank's shards, and the other moments add what FSDP holds whole
@@ -38,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -114,12 +113,16 @@ class PlanRow:
         return asdict(self)
 
 
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1) -> StaticBytes:
     """Bytes of parameters, gradients and AdamW state held by one rank."""
     unique = {id(p): p for p in model.parameters()}.values()  # tied weights count once
-    param_bytes = sum(p.numel() * p.element_size() for p in unique)
+    param_bytes = _nbytes(unique)
     numel = sum(p.numel() for p in unique if p.requires_grad)
-    grad_bytes = sum(p.numel() * p.element_size() for p in unique if p.requires_grad)
+    grad_bytes = _nbytes(p for p in unique if p.requires_grad)
     optimizer_bytes = numel * ADAMW_STATE_BYTES_PER_PARAM
     if parallel == "fsdp":
         params, grads, optimizer = (-(-b // world_size) for b in (param_bytes, grad_bytes,
@@ -241,13 +244,12 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     in_blocks = {id(p) for p in blocks.parameters()}
     outside = [p for p in {id(p): p for p in model.parameters()}.values()
                if id(p) not in in_blocks]
-    outside_grads = sum(p.numel() * p.element_size() for p in outside if p.requires_grad)
-    block_params = max((sum(p.numel() * p.element_size() for p in block.parameters())
-                        for block in blocks), default=0)
+    block_params = max((_nbytes(block.parameters()) for block in blocks), default=0)
     return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
                              largest_per_sample, recompute, recompute_block, autocast_cache,
-                             loss_shapes[0] if loss_shapes else None, seq_len, outside_grads,
-                             sum(p.numel() * p.element_size() for p in outside), block_params,
+                             loss_shapes[0] if loss_shapes else None, seq_len,
+                             _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
+                             block_params,
                              recompute_block_fixed)
 
 
