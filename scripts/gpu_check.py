@@ -44,6 +44,7 @@ import torch
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
 from datapipe.writer import write_rows
+from trainer.compat import allocator_settings, record_memory_history
 from trainer.context import LocalContext
 from trainer.loop import build_optimizer, step_peak_bytes, train_step
 from trainer.memory import (
@@ -268,7 +269,7 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
             snapshot = pickle.load(f)  # what PyTorch's memory visualizer does
         snapshot_ok = isinstance(snapshot, dict) and "segments" in snapshot
     if recording:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record_memory_history(enabled=False)
     row = {"first_micro_batch": micro_batch, "recovered_micro_batch": -(-micro_batch // splits),
            "accumulation_after": splits, "global_batch_kept": True, "ooms": attempt,
            "events": events, "loss_after_recovery": float(result.loss),
@@ -358,9 +359,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "targets": TARGETS, "rows": [], "errors": [],
     }
     if cuda:
-        getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
         torch.zeros(1, device=device)
-        report["allocator_effective"] = getter() if getter else "(not readable on this torch)"
+        report["allocator_effective"] = allocator_settings()
         report["device_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
 
     def section(name: str, fn, *fargs, **fkwargs):

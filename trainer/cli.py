@@ -188,7 +188,8 @@ def plan_command(
                   f"CPU ({len(precisions) * 3} probes)...")
     profiles = profile_all(build, cfg.model.seq_len, cfg.model.vocab_size, precisions,
                            ["none", "selective", "full"], cfg.memory.checkpoint_every_k,
-                           cfg.memory.loss_chunk_tokens)
+                           cfg.memory.loss_chunk_tokens,
+                           target="cuda" if cfg.parallel.use_gpu else "cpu")
     static = static_bytes(build(), cfg.parallel.strategy, world)
     gib = 2**30
     console.print(f"per rank ({cfg.parallel.strategy}, {world} workers): parameters "

@@ -29,6 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from monitoring.memory import resident_bytes
+from trainer.compat import cpu_allocation_events
 from trainer.sharding import local_tensor
 
 log = logging.getLogger("memtrain")
@@ -85,30 +86,18 @@ def cpu_peak_bytes(fn: Callable[[], object], held: Iterable[torch.Tensor] = ()) 
     ``held`` are the tensors alive before the call that should count (parameters, optimizer
     state, inputs; each storage once, a DTensor by its local shard). What ``fn`` allocates and
     frees comes from ``torch.profiler`` with ``profile_memory``, which records every allocation of
-    the CPU allocator with its running total. The events are read from the profiler's event tree
-    (``kineto_results.experimental_event_tree()``, an experimental API; torch is pinned at
-    2.13.0 and the planner test fails loudly if it changes). It costs a few times the call's own
-    time: a check, not a training tool.
+    the CPU allocator with its running total (``trainer.compat.cpu_allocation_events``). It
+    costs a few times the call's own time: a check, not a training tool.
     """
-    from torch._C._profiler import _EventType
-
     storages: dict[int, int] = {}
     for tensor in held:
         storage = local_tensor(tensor).untyped_storage()  # a DTensor: its shard
         storages[storage.data_ptr()] = storage.nbytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    pending = list(prof.profiler.kineto_results.experimental_event_tree())
-    events = []  # (time, bytes allocated (+) or freed (-), the allocator's running total after)
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            fields = event.extra_fields
-            events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    events = cpu_allocation_events(prof)
     if not events:
         return sum(storages.values())
-    events.sort()
     # The running total also counts what earlier profiled calls allocated and left alive: start
     # from its value before this call's first event.
     _time, size, total = events[0]

@@ -49,6 +49,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from trainer.compat import allocator_settings
 from trainer.context import WorkerContext
 from trainer.diagnostics import LeakGuard, ProfilerWindow, cpu_peak_bytes, write_memory_summary
 from trainer.loss import summed_loss
@@ -561,14 +562,6 @@ def recover_from_oom(ctx: WorkerContext, step: int, splits: int, attempt: int,
                 -(-micro_batch_size // splits), -(-micro_batch_size // new_splits),
                 accumulation * splits, accumulation * new_splits, report)
     return new_splits
-
-
-def allocator_settings() -> str:
-    """The CUDA caching allocator's effective settings (torch >= 2.9), or the env request."""
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if getter is not None:
-        return getter() or "(defaults)"
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "(defaults)") + " (requested)"
 
 
 def _checkpoint(ctx: WorkerContext, step: int, model: nn.Module,

@@ -24,13 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    apply_activation_checkpointing as _apply_checkpoint_wrapper,
-)
+from trainer.compat import CheckpointImpl, checkpoint_wrapper
+from trainer.compat import apply_activation_checkpointing as _apply_checkpoint_wrapper
 
 ALLOCATOR_SETTING = "expandable_segments:True"
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

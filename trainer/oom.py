@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.compat import dump_memory_snapshot, record_memory_history
+
 INJECT_ENV = "MEMTRAIN_INJECT_OOM"
 
 
@@ -96,7 +98,7 @@ def start_memory_history(device: torch.device, enabled: bool) -> bool:
     """Record CUDA allocations with Python stacks from the start, for snapshots on OOM."""
     if not enabled or device.type != "cuda":
         return False
-    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    record_memory_history()
     return True
 
 
@@ -113,7 +115,7 @@ def write_oom_report(run_dir: Path, step: int, rank: int, device: torch.device,
               "micro_batch_size": micro_batch_size, "time": time.time()}
     if device.type == "cuda":
         snapshot = out / f"{stem}.pickle"
-        torch.cuda.memory._dump_snapshot(str(snapshot))  # opens in pytorch.org/memory_viz
+        dump_memory_snapshot(snapshot)  # opens in pytorch.org/memory_viz
         (out / f"{stem}.summary.txt").write_text(torch.cuda.memory_summary(device))
         report["snapshot"] = snapshot.name
         (out / f"{stem}.json").write_text(json.dumps(report, indent=2, sort_keys=True))

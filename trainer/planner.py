@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.compat import cpu_bf16_support, is_checkpoint_wrapper
 from trainer.loss import ChunkedLossShape, observe_chunked_losses, summed_loss
 from trainer.memory import apply_activation_checkpointing, precision_policy, set_loss_chunking
 
@@ -91,6 +92,9 @@ class ActivationProfile:
     block_param_bytes: int = 0
     # The recomputed last block's fixed saved bytes (its autocast weight copies), 0 otherwise.
     recompute_block_fixed_bytes: int = 0
+    # CPU without native bf16: what its emulated matrix products allocate beyond the fp32
+    # kernels' own workspace, per sample (``emulated_bf16_workspace``; 0 elsewhere).
+    emulation_workspace_per_sample_bytes: int = 0
 
     def saved_bytes(self, batch: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * batch
@@ -171,7 +175,7 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
                 record(arg)
 
     handles = [module.register_forward_pre_hook(record_inputs) for module in model.modules()
-               if type(module).__name__ == "CheckpointWrapper"]
+               if is_checkpoint_wrapper(module)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield counts
@@ -198,12 +202,49 @@ def _probe(model: nn.Module, tokens_BT: torch.Tensor, precision: str
     return counts["bytes"], counts["sizes"], shapes
 
 
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
+
+
+def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...]) -> int:
+    """Per sample: how much more workspace a block's matrix products take in bf16 than in fp32
+    on this CPU, in a forward and backward of one and two samples (``sample_shape``: one
+    sample's input to the block, e.g. ``(T, C)``).
+
+    Where the CPU has no bf16 instructions, its kernels emulate bf16 with fp32 arithmetic and
+    may convert operands into buffers of their own while they run; those buffers are alive
+    at the step's peak when a matrix product runs there. The fp32 kernels' own workspace
+    (transposed copies) is left out: the planner's fp32 prediction already holds without it.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.compat import cpu_op_workspace_bytes
+
+    def workspace(precision: str, batch: int) -> int:
+        x_BTC = torch.randn(batch, *sample_shape, requires_grad=True)
+        policy = precision_policy(precision, x_BTC.device, warn=False)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with policy.autocast(x_BTC.device):
+                y_BTC = block(x_BTC)
+            y_BTC.float().sum().backward()
+        block.zero_grad(set_to_none=True)
+        return cpu_op_workspace_bytes(prof, MATMUL_OPS)
+
+    excess = [max(0, workspace("bf16", batch) - workspace("fp32", batch)) for batch in (1, 2)]
+    return max(0, excess[1] - excess[0], excess[0])  # at least what one sample needs
+
+
 def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
                         precision: str, activation_checkpointing: str, every_k: int = 2,
-                        device: torch.device | None = None, loss_chunk_tokens: int = 0
-                        ) -> ActivationProfile:
-    """Probe a freshly built model at batch 1 and 2 and fit ``fixed + per_sample * batch``."""
+                        device: torch.device | None = None, loss_chunk_tokens: int = 0,
+                        target: str | None = None) -> ActivationProfile:
+    """Probe a freshly built model at batch 1 and 2 and fit ``fixed + per_sample * batch``.
+
+    ``target`` is the device type the plan is for (default: the probe's device). For a CPU
+    whose bf16 is emulated (``trainer.compat.cpu_bf16_support``) the emulated kernels'
+    workspace is measured too (``emulated_bf16_workspace``).
+    """
     device = device or torch.device("cpu")
+    target = target or device.type
     torch.manual_seed(0)
     model = build().to(device)
     chosen = apply_activation_checkpointing(model, activation_checkpointing, every_k)
@@ -211,12 +252,19 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     num_blocks = len(getattr(model, "blocks", []))
     model.train()
     measured = {}
+    block_inputs: list[tuple[int, ...]] = []  # the first block's input shape, batch 1
+    blocks = getattr(model, "blocks", nn.ModuleList())
+    if len(blocks):
+        hook = blocks[0].register_forward_pre_hook(
+            lambda _module, args: block_inputs.append(tuple(args[0].shape)))
     for batch in (1, 2):
         tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
         measured[batch] = _probe(model, tokens_BT, precision)
         # A forward through non-reentrant checkpointing that never runs backward leaves
         # reference cycles holding its activations: collect them now, not at some later gc.
         gc.collect()
+        if len(blocks) and batch == 1:
+            hook.remove()
     per_sample = measured[2][0] - measured[1][0]
     fixed = max(0, measured[1][0] - per_sample)
     # The largest tensor that grows with the batch (a fixed one, such as a weight-sized
@@ -240,17 +288,19 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     # is about their share of the blocks, and a forward is about a third of forward+backward.
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
     loss_shapes = measured[2][2]
-    blocks = getattr(model, "blocks", nn.ModuleList())
     in_blocks = {id(p) for p in blocks.parameters()}
     outside = [p for p in {id(p): p for p in model.parameters()}.values()
                if id(p) not in in_blocks]
     block_params = max((_nbytes(block.parameters()) for block in blocks), default=0)
+    emulation = 0
+    if (target == "cpu" and device.type == "cpu" and precision == "bf16" and block_inputs
+            and cpu_bf16_support() != "native"):
+        emulation = emulated_bf16_workspace(build().blocks[0], block_inputs[0][1:])
     return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
                              largest_per_sample, recompute, recompute_block, autocast_cache,
                              loss_shapes[0] if loss_shapes else None, seq_len,
                              _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
-                             block_params,
-                             recompute_block_fixed)
+                             block_params, recompute_block_fixed, emulation)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
@@ -269,9 +319,12 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
         # Calibrated on CPU with gloo (2 ranks), not yet measured on CUDA.
         root = profile.outside_blocks_param_bytes
         in_flight = root - root // static.world_size + 4 * profile.block_param_bytes
+    # Emulated bf16 on CPU: a matrix product's conversion buffers at either moment.
+    emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
     moments = {
-        "forward end": activations + loss + profile.autocast_cache_bytes + in_flight,
-        "backward start": activations + outside_grads + in_flight
+        "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
+        + emulation,
+        "backward start": activations + outside_grads + in_flight + emulation
         + profile.recompute_block_fixed_bytes
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
@@ -330,11 +383,11 @@ def parse_bytes(text: str) -> int:
 
 def profile_all(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
                 precisions: list[str], ac_modes: list[str], every_k: int,
-                loss_chunk_tokens: int, device: torch.device | None = None
-                ) -> list[ActivationProfile]:
+                loss_chunk_tokens: int, device: torch.device | None = None,
+                target: str | None = None) -> list[ActivationProfile]:
     """One activation profile per (precision, checkpointing) pair."""
     return [profile_activations(build, seq_len, vocab_size, precision, mode, every_k, device,
-                                loss_chunk_tokens)
+                                loss_chunk_tokens, target)
             for precision in precisions for mode in ac_modes]
 
 

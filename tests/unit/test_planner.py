@@ -185,3 +185,55 @@ def test_auto_config_resolves_before_launch(corpus_dir, tmp_path) -> None:
     assert cfg.memory.activation_checkpointing in ("none", "selective", "full")
     assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * 2) == 0
     assert "micro_batch_size: auto" not in (run_dir / "config.yaml").read_text()
+
+
+class _ConvertingBlock(torch.nn.Module):
+    """A block whose bf16 matrix product converts its input to fp32 in a buffer of its own, as
+    a kernel that emulates bf16 may: the planner must find that buffer, per sample."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        from torch.profiler import record_function
+
+        y_BTC = self.linear(x_BTC)
+        if torch.is_autocast_enabled("cpu"):
+            with record_function("aten::mm"):
+                buffer = torch.empty((*x_BTC.shape, 4), dtype=torch.float32)  # 16 B an element
+                del buffer
+        return y_BTC
+
+
+def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None:
+    from trainer import planner
+
+    block = _ConvertingBlock(32)
+    measured = planner.emulated_bf16_workspace(block, (16, 32))
+    # The buffer, less the fp32 kernels' own workspace (at most a copy of the input).
+    assert 16 * 32 * 12 <= measured <= 16 * 32 * 16 + 16 * 32 * 2
+    assert measured == planner.emulated_bf16_workspace(block, (16, 32))  # deterministic
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(256, 32)
+            self.blocks = torch.nn.ModuleList([_ConvertingBlock(32)])
+            self.head = torch.nn.Linear(32, 256)
+
+        def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+            return self.head(self.blocks[0](self.emb(idx_BT)))
+
+    def profile(kind: str, precision: str = "bf16", target: str = "cpu") -> ActivationProfile:
+        monkeypatch.setattr(planner, "cpu_bf16_support", lambda: kind)
+        return profile_activations(Model, 16, 256, precision, "none", target=target)
+
+    assert profile("native").emulation_workspace_per_sample_bytes == 0
+    assert profile("emulated", "fp32").emulation_workspace_per_sample_bytes == 0
+    assert profile("emulated", target="cuda").emulation_workspace_per_sample_bytes == 0
+    emulated = profile("onednn-emulated")
+    assert emulated.emulation_workspace_per_sample_bytes == measured
+    static = StaticBytes(params=0, grads=0, optimizer=0)
+    row, native_row = plan_row(static, emulated, 4, 1), plan_row(static, profile("native"), 4, 1)
+    assert row.predicted_peak_bytes - native_row.predicted_peak_bytes == 4 * measured

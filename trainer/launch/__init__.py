@@ -82,7 +82,8 @@ def resolve_auto(cfg: Config) -> Config:
     build = planning_builder(cfg)
     profiles = profile_all(build, cfg.model.seq_len,
                            cfg.model.vocab_size, [cfg.memory.precision], modes,
-                           cfg.memory.checkpoint_every_k, cfg.memory.loss_chunk_tokens)
+                           cfg.memory.checkpoint_every_k, cfg.memory.loss_chunk_tokens,
+                           target="cuda" if cfg.parallel.use_gpu else "cpu")
     static = static_bytes(build(), cfg.parallel.strategy, world)
     budget = device_memory_bytes(cfg)
     fixed = None if micro_auto else cfg.train.micro_batch()

@@ -31,6 +31,7 @@ from ray.util.metrics import Counter, Gauge, Histogram  # noqa: E402
 
 from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E402
 from monitoring.sinks import Sink  # noqa: E402
+from trainer.compat import ray_loopback_init_kwargs  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
 from trainer.launch import setup_logging  # noqa: E402
@@ -121,9 +122,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, **kwargs)
         return
-    if metrics_export_port is not None:
-        kwargs["_metrics_export_port"] = metrics_export_port
-    ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=True,
+    kwargs.update(ray_loopback_init_kwargs(LOOPBACK, metrics_export_port))
+    ray.init(num_cpus=num_cpus, include_dashboard=True,
              dashboard_host=LOOPBACK,
              runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}, **kwargs)
 

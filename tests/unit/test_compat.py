@@ -1,0 +1,97 @@
+"""Every private or experimental API in trainer/compat.py, called for real on the pinned
+versions: when torch or Ray moves one, this fails with a line naming the installed version."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from trainer import compat
+
+pytestmark = pytest.mark.unit
+
+
+def _moved(what: str, err: BaseException) -> str:
+    return f"{what} moved in torch {torch.__version__}: {type(err).__name__}: {err}"
+
+
+def test_cpu_bf16_support_reads_the_cpu() -> None:
+    try:
+        kind = compat.cpu_bf16_support()
+        capability = compat.cpu_capability()
+    except (AttributeError, RuntimeError) as err:
+        pytest.fail(_moved("torch.cpu._is_avx512_bf16_supported / mkldnn bf16 check", err))
+    assert kind in ("native", "onednn-emulated", "emulated")
+    assert capability in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "NO AVX", "VSX", "SVE256")
+    if kind == "native":  # oneDNN takes bf16 on every CPU with the native instructions
+        assert torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_checkpoint_wrapper_is_recognised() -> None:
+    block = torch.nn.Linear(4, 4)
+    try:
+        wrapped = compat.checkpoint_wrapper(block,
+                                            checkpoint_impl=compat.CheckpointImpl.NO_REENTRANT)
+    except (AttributeError, TypeError) as err:
+        pytest.fail(_moved("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", err))
+    assert compat.is_checkpoint_wrapper(wrapped) and not compat.is_checkpoint_wrapper(block)
+    assert "check_fn" in inspect.signature(compat.apply_activation_checkpointing).parameters
+
+
+def test_cpu_allocation_events_record_a_known_allocation() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = torch.empty(1 << 20, dtype=torch.uint8)
+    try:
+        events = compat.cpu_allocation_events(prof)
+    except (AttributeError, RuntimeError) as err:
+        pytest.fail(_moved("the profiler's experimental_event_tree / _EventType", err))
+    assert any(size == kept.untyped_storage().nbytes() for _t, size, _total in events)
+    assert [t for t, _s, _total in events] == sorted(t for t, _s, _total in events)
+
+
+def test_allocator_settings_answers_without_cuda() -> None:
+    assert isinstance(compat.allocator_settings(), str)
+
+
+def test_cuda_memory_history_functions_exist() -> None:
+    # Recording needs CUDA; the private functions they call must still be there.
+    for name in ("_record_memory_history", "_dump_snapshot"):
+        assert callable(getattr(torch.cuda.memory, name, None)), \
+            f"torch.cuda.memory.{name} is gone in torch {torch.__version__}"
+
+
+def test_ray_init_accepts_the_private_keywords() -> None:
+    import importlib.metadata
+
+    version = importlib.metadata.version("ray")
+    import ray  # the signature only: nothing starts
+
+    # ray.init pops its private keywords out of **kwargs by name and refuses unknown ones.
+    source = inspect.getsource(ray.init)
+    kwargs = compat.ray_loopback_init_kwargs("127.0.0.1", 9999)
+    missing = [key for key in kwargs if f'"{key}"' not in source]
+    assert not missing, f"ray.init lost {missing} in Ray {version}"
+
+
+def test_op_workspace_counts_what_an_op_frees_not_its_output() -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def op() -> torch.Tensor:
+        with record_function("memtrain::op"):
+            output = torch.empty(1 << 16, dtype=torch.uint8)
+            scratch = torch.empty(1 << 18, dtype=torch.uint8)  # a kernel's own buffer
+            del scratch
+        return output
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = op()
+    try:
+        workspace = compat.cpu_op_workspace_bytes(prof, frozenset({"memtrain::op"}))
+    except (AttributeError, RuntimeError) as err:
+        pytest.fail(_moved("the profiler's experimental_event_tree / _EventType", err))
+    assert workspace == 1 << 18 and kept.numel() == 1 << 16
+    assert compat.cpu_op_workspace_bytes(prof, frozenset({"aten::nothing"})) == 0

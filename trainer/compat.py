@@ -1,0 +1,144 @@
+"""Every private or experimental torch and Ray API memtrain uses, in one place.
+
+torch is pinned at 2.13.0 and Ray at 2.60.0, and each function here wraps one API that those
+projects may move or rename without notice. ``tests/unit/test_compat.py`` calls each of them
+and fails naming the installed torch or Ray version when one has moved, so an upgrade breaks
+there, with a clear line, and not deep inside a run. Nothing here imports ``ray`` at import
+time: the Ray helpers take keyword arguments for ``ray.init`` and import nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+# Activation checkpointing's module wrapper lives in a private package of torch.distributed;
+# it is what torchtitan and FSDP's own docs use, and there is no public equivalent.
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+
+CpuBf16 = Literal["native", "onednn-emulated", "emulated"]
+
+
+def cpu_bf16_support() -> CpuBf16:
+    """How this CPU runs bf16 matrix products.
+
+    - ``native``: AVX512_BF16 or AMX instructions; oneDNN runs bf16 kernels directly.
+    - ``onednn-emulated``: AVX-512 without them; oneDNN takes bf16 and emulates it with fp32
+      instructions (its own conversions and buffers).
+    - ``emulated``: no oneDNN bf16 at all (for example AVX2 only); ATen's fallback kernels
+      convert around fp32 arithmetic.
+    The two emulated kinds are about 2-3x slower than fp32 and allocate temporaries the native
+    path does not (``trainer.planner`` measures them).
+    """
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return "native"
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "onednn-emulated"
+    return "emulated"
+
+
+def cpu_capability() -> str:
+    """The instruction set ATen's CPU kernels were dispatched to (``AVX512``, ``AVX2``, ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def is_checkpoint_wrapper(module: nn.Module) -> bool:
+    return isinstance(module, CheckpointWrapper)
+
+
+def allocator_settings() -> str:
+    """The CUDA caching allocator's effective settings, or the environment's request."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return getter() or "(defaults)"
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "(defaults)") + " (requested)"
+
+
+def record_memory_history(enabled: bool = True, max_entries: int = 100_000) -> None:
+    """CUDA: start (or stop) recording allocations with Python stacks, for snapshots."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(path: Path) -> None:
+    """CUDA: the recorded history as a pickle that pytorch.org/memory_viz opens."""
+    torch.cuda.memory._dump_snapshot(str(path))
+
+
+def cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
+    """``(time ns, bytes allocated (+) or freed (-), running total after)`` of every CPU
+    allocation a finished ``profile(profile_memory=True)`` recorded, in time order.
+
+    Read from the profiler's event tree (``experimental_event_tree``): the memory profile's
+    own data-flow pass asserts on FSDP's ops, and the tree is the only other place that keeps
+    the allocator's running total.
+    """
+    from torch._C._profiler import _EventType
+
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    events = []
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            fields = event.extra_fields
+            events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
+    return sorted(events)
+
+
+def ray_loopback_init_kwargs(node_ip: str, metrics_export_port: int | None) -> dict[str, Any]:
+    """``ray.init`` keywords that pin a new local cluster's node IP (and metrics port).
+
+    Ray documents no public way to choose the node IP of a cluster that ``ray.init`` starts;
+    ``ray start --node-ip-address`` is the CLI's equivalent.
+    """
+    kwargs: dict[str, Any] = {"_node_ip_address": node_ip}
+    if metrics_export_port is not None:
+        kwargs["_metrics_export_port"] = metrics_export_port
+    return kwargs
+
+
+
+def cpu_op_workspace_bytes(prof: torch.profiler.profile, op_names: frozenset[str]) -> int:
+    """The most CPU memory any call of the named ops allocated and freed again before it ended
+    (kernel workspace, conversion buffers), from a finished ``profile(profile_memory=True)``.
+
+    For each such call: the highest running total inside it less the larger of the totals just
+    before and just after it, so its outputs (alive after it) do not count.
+    """
+    from torch._C._profiler import _EventType
+
+    def allocations(event: Any) -> list[Any]:
+        found, pending = [], list(event.children)
+        while pending:
+            child = pending.pop()
+            pending.extend(child.children)
+            if child.tag == _EventType.Allocation and child.extra_fields.device.type == "cpu":
+                found.append(child)
+        return sorted(found, key=lambda e: e.start_time_ns)
+
+    workspace = 0
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        if event.tag == _EventType.TorchOp and event.name in op_names:
+            inside = allocations(event)
+            if inside:
+                before = inside[0].extra_fields.total_allocated - inside[0].extra_fields.alloc_size
+                after = inside[-1].extra_fields.total_allocated
+                highest = max(e.extra_fields.total_allocated for e in inside)
+                workspace = max(workspace, highest - max(before, after))
+            continue  # nested calls of the same ops are inside this one's figure
+        pending.extend(event.children)
+    return workspace
