@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from trainer.compat import CheckpointImpl, checkpoint_wrapper
 from trainer.compat import apply_activation_checkpointing as _apply_checkpoint_wrapper
 
