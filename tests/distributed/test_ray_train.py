@@ -17,7 +17,8 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_cluster, corpus_d
                                                            tmp_path: Path) -> None:
     from trainer.launch.ray import launch_ray
 
-    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "run.name=ray"))
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "run.name=ray",
+                                           "memory.precision=bf16"))
     assert (cfg.memory.precision, cfg.memory.activation_checkpointing) == ("bf16", "full")
     summary = launch_ray(cfg, run_dir)
     assert summary["workers"] == 2 and summary["accumulation_steps"] == 2
@@ -26,7 +27,8 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_cluster, corpus_d
     assert checkpoints == ["checkpoint-00000006", "checkpoint-00000012"]
     assert (run_dir / "checkpoint-00000012" / "state.pt").is_file()
 
-    more, _ = prepare_run(tiny_config(corpus_dir, tmp_path, "run.name=ray", "train.steps=15"))
+    more, _ = prepare_run(tiny_config(corpus_dir, tmp_path, "run.name=ray", "train.steps=15",
+                                      "memory.precision=bf16"))
     resumed = launch_ray(more, run_dir)
     assert resumed["resumed_from_step"] == 12
     assert resumed["final_step"] == 15 and resumed["steps_this_run"] == 3
