@@ -23,19 +23,15 @@ import platform
 import socket
 import statistics
 import time
-from types import SimpleNamespace
+from functools import partial
 from typing import Any
 
 import torch
 
 from bench.results import result_path, write_json
+from trainer.build import MemoryTransforms, build_model
 from trainer.loop import build_optimizer, step_peak_bytes, train_step
-from trainer.memory import (
-    apply_activation_checkpointing,
-    bf16_norm_inputs,
-    precision_policy,
-    set_loss_chunking,
-)
+from trainer.memory import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.planner import measure_saved_bytes, plan_row, profile_activations, static_bytes
 
@@ -47,28 +43,18 @@ PRECISIONS = ("fp32", "bf16")
 AC_MODES = ("none", "selective", "full")
 
 
-def build(cfg: GPTConfig, ac: str, loss_chunk_tokens: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    apply_activation_checkpointing(model, ac, every_k=2)
-    set_loss_chunking(model, loss_chunk_tokens)
-    bf16_norm_inputs(model)  # memtrain's default (memory.bf16_norm_inputs)
-    return model
-
-
-def normed(model: torch.nn.Module) -> torch.nn.Module:
-    bf16_norm_inputs(model)
-    return model
+def transforms(ac: str, loss_chunk_tokens: int) -> MemoryTransforms:
+    """memtrain's defaults (bf16 norm inputs on) with this row's checkpointing and loss."""
+    return MemoryTransforms(ac, checkpoint_every_k=2, loss_chunk_tokens=loss_chunk_tokens)
 
 
 def step_seconds_and_peak(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
                           steps: int, loss_chunk_tokens: int) -> tuple[float, int]:
     """Median step time, then the CPU allocator's peak of one more (untimed) step."""
-    model = build(cfg, ac, loss_chunk_tokens)
+    model = build_model(partial(GPT, cfg), transforms(ac, loss_chunk_tokens))
     policy = precision_policy(precision, torch.device("cpu"))
     scaler = policy.grad_scaler(torch.device("cpu"))
-    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=1e-3,
-                                                       betas=(0.9, 0.95)))
+    optimizer = build_optimizer(model, lr=1e-3)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1))
     times = []
     for i in range(steps + 2):  # two warm-up steps
@@ -86,13 +72,13 @@ def run(micro_batch: int, steps: int, loss_chunk_tokens: int) -> dict[str, Any]:
         base = None
         for precision in PRECISIONS:
             for ac in AC_MODES:
-                model = build(cfg, ac, loss_chunk_tokens)
+                model = build_model(partial(GPT, cfg), transforms(ac, loss_chunk_tokens))
                 tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1))
                 saved, _ = measure_saved_bytes(model, tokens, precision)
                 del model
-                profile = profile_activations(lambda cfg=cfg: normed(GPT(cfg)), cfg.seq_len,
-                                              cfg.vocab_size, precision, ac,
-                                              loss_chunk_tokens=loss_chunk_tokens)
+                profile = profile_activations(partial(GPT, cfg),
+                                              transforms(ac, loss_chunk_tokens), cfg.seq_len,
+                                              cfg.vocab_size, precision)
                 seconds, peak = step_seconds_and_peak(cfg, precision, ac, micro_batch, steps,
                                                       loss_chunk_tokens)
                 plan = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1)

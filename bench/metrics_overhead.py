@@ -14,14 +14,15 @@ import datetime as dt
 import socket
 import statistics
 import time
-from types import SimpleNamespace
+from functools import partial
 
 import torch
 
 from bench.results import write_json
 from monitoring.sinks import PrometheusSink
+from trainer.build import MemoryTransforms, build_model
 from trainer.loop import build_optimizer, publish_metrics, train_step
-from trainer.memory import apply_activation_checkpointing, precision_policy
+from trainer.memory import precision_policy
 from trainer.model import GPT, GPTConfig
 
 LABELS = {"run": "bench", "rank": "0", "local_rank": "0", "node": socket.gethostname(),
@@ -44,13 +45,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128)  # the demo's model
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    apply_activation_checkpointing(model, "full")
+    model = build_model(partial(GPT, cfg), MemoryTransforms("full"), device)
     policy = precision_policy("bf16", device)
     scaler = policy.grad_scaler(device)
-    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=1e-3,
-                                                       betas=(0.9, 0.95)))
+    optimizer = build_optimizer(model, lr=1e-3)
     tokens = torch.randint(0, 256, (8, cfg.seq_len + 1), device=device)
     step = median_seconds(lambda: train_step(model, optimizer, scaler, [tokens, tokens], 1,
                                              policy, 1.0), args.steps)

@@ -151,7 +151,14 @@ class BatchLoader:
         """Go back to the first batch of epoch 0 (evaluation reads the same batches each time)."""
         self._restart(0, 0)
 
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Stop the read-ahead threads (idempotent)."""
         reader = getattr(self, "_reader", None)  # absent when __init__ raised early
         if reader is not None:
             reader.close()

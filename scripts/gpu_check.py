@@ -34,8 +34,8 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -44,18 +44,13 @@ import torch
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
 from datapipe.writer import write_rows
+from trainer.build import MemoryTransforms, build_model
 from trainer.compat import allocator_settings, record_memory_history
 from trainer.context import LocalContext
 from trainer.loop import build_optimizer, step_peak_bytes, train_step
-from trainer.memory import (
-    apply_activation_checkpointing,
-    bf16_norm_inputs,
-    configure_allocator_env,
-    precision_policy,
-    set_loss_chunking,
-)
+from trainer.memory import configure_allocator_env, precision_policy
 from trainer.model import GPT, GPTConfig
-from trainer.oom import OOMAgreement, StepOutOfMemory, start_memory_history
+from trainer.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
 from trainer.planner import plan_row, profile_activations, static_bytes
 
 GPT2_124M = GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_embd=768)
@@ -87,19 +82,15 @@ def matmul_peak_tflops(device: torch.device, dry: bool) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
-def normed(model: torch.nn.Module) -> torch.nn.Module:
-    bf16_norm_inputs(model)
-    return model
-
-
 def make_model(cfg: GPTConfig, ac: str, device: torch.device, loss_chunk_tokens: int,
                compile_model: bool = False) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    apply_activation_checkpointing(model, ac, every_k=2)
-    set_loss_chunking(model, loss_chunk_tokens)
-    bf16_norm_inputs(model)  # memtrain's default (memory.bf16_norm_inputs)
+    """The GPT with memtrain's defaults (bf16 norm inputs) and this row's choices."""
+    model = build_model(partial(GPT, cfg), transforms(ac, loss_chunk_tokens), device)
     return torch.compile(model) if compile_model else model
+
+
+def transforms(ac: str, loss_chunk_tokens: int) -> MemoryTransforms:
+    return MemoryTransforms(ac, checkpoint_every_k=2, loss_chunk_tokens=loss_chunk_tokens)
 
 
 def attention_backend(name: str) -> contextlib.AbstractContextManager:
@@ -170,8 +161,7 @@ def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
     model = make_model(cfg, ac, device, loss_chunk_tokens, compile_model)
     policy = precision_policy(precision, device, warn=False)
     scaler = policy.grad_scaler(device)
-    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
-                                                       betas=(0.9, 0.95)))
+    optimizer = build_optimizer(model, lr=3e-4)
     fixed = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
     wait = 0.0
     result = None
@@ -219,8 +209,8 @@ def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
             device: torch.device, loss_chunk_tokens: int) -> dict[str, Any]:
     """The planner's prediction, probing on the same device the step runs on."""
     release_memory(device)
-    profile = profile_activations(lambda: normed(GPT(cfg)), cfg.seq_len, cfg.vocab_size,
-                                  precision, ac, device=device, loss_chunk_tokens=loss_chunk_tokens)
+    profile = profile_activations(partial(GPT, cfg), transforms(ac, loss_chunk_tokens),
+                                  cfg.seq_len, cfg.vocab_size, precision, device=device)
     row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1)
     release_memory(device)
     return row.as_dict()
@@ -247,20 +237,18 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
     model = make_model(cfg, "none", device, loss_chunk_tokens=4096)
     policy = precision_policy("fp32", device, warn=False)
     scaler = policy.grad_scaler(device)
-    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
-                                                       betas=(0.9, 0.95)))
+    optimizer = build_optimizer(model, lr=3e-4)
     batch = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
-    splits, attempt, events = 1, 0, []
-    memory = SimpleNamespace(max_oom_retries=4)
+    plan, attempt, events = BatchPlan(micro_batch, 1), 0, []
     while True:
         try:
-            result = train_step(model, optimizer, scaler, [batch], splits, policy, 1.0,
+            result = train_step(model, optimizer, scaler, [batch], plan.splits, policy, 1.0,
                                 OOMAgreement(device), inject_oom=dry and attempt == 0)
             break
         except StepOutOfMemory as err:
             attempt += 1
             events.append(str(err)[:200])
-            splits = recover_from_oom(ctx, 1, splits, attempt, memory, micro_batch, 1, str(err))
+            plan = recover_from_oom(ctx, 1, plan, attempt, 4, str(err))
     sync(device)
     snapshots = sorted((run_dir / "memory").glob("*.pickle"))
     snapshot_ok = None
@@ -270,8 +258,9 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
         snapshot_ok = isinstance(snapshot, dict) and "segments" in snapshot
     if recording:
         record_memory_history(enabled=False)
-    row = {"first_micro_batch": micro_batch, "recovered_micro_batch": -(-micro_batch // splits),
-           "accumulation_after": splits, "global_batch_kept": True, "ooms": attempt,
+    row = {"first_micro_batch": micro_batch, "recovered_micro_batch": plan.running_micro_batch,
+           "accumulation_after": plan.running_accumulation, "global_batch_kept": True,
+           "ooms": attempt,
            "events": events, "loss_after_recovery": float(result.loss),
            "snapshot_files": {p.name: p.stat().st_size for p in snapshots},
            "snapshot_loads_with_pickle": snapshot_ok,
@@ -288,11 +277,9 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
     On CUDA every ``cuda`` family metric must be present (allocated, reserved, active and peak
     non-zero); on CPU the ``cuda`` and ``device`` families must be absent, not zero.
     """
-    from prometheus_client import generate_latest
-
     from monitoring.metrics import METRICS
     from monitoring.sinks import PrometheusSink
-    from trainer.loop import publish_metrics
+    from trainer.run_metrics import publish_metrics
 
     release_memory(device)
     sink = PrometheusSink({"run": "gpu-check", "rank": "0", "local_rank": "0",
@@ -300,8 +287,7 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
     model = make_model(cfg, "selective", device, loss_chunk_tokens)
     policy = precision_policy("bf16", device, warn=False)
     scaler = policy.grad_scaler(device)
-    optimizer = build_optimizer(model, SimpleNamespace(weight_decay=0.1, lr=3e-4,
-                                                       betas=(0.9, 0.95)))
+    optimizer = build_optimizer(model, lr=3e-4)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
     for _ in range(2):
         result = train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
@@ -310,14 +296,16 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
               "accumulation_steps": 1}
     publish_metrics(sink, record, device, 0, {"memtrain_train_tokens_total":
                                               2 * micro_batch * cfg.seq_len})
-    text = generate_latest(sink.registry).decode()
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("ray_memtrain_") and "{" in line:
-            values[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
-    found = {m.family: [] for m in METRICS}
+    labels = dict(sink.labels)
     for m in METRICS:
-        if m.exposed_name in values or m.exposed_name + "_total" in values:
+        for name in (m.exposed_name, m.exposed_name + "_total", m.exposed_name + "_count"):
+            value = sink.registry.get_sample_value(name, labels)
+            if value is not None:
+                values[m.exposed_name] = value
+    found: dict[str, list[str]] = {m.family: [] for m in METRICS}
+    for m in METRICS:
+        if m.exposed_name in values:
             found[m.family].append(m.exposed_name)
     cuda = [m for m in METRICS if m.family == "cuda"]
     must_be_positive = ["memtrain_gpu_memory_allocated_bytes", "memtrain_gpu_memory_reserved_bytes",

@@ -87,7 +87,7 @@ def train_command(
 
 
 def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
-    from trainer.loop import format_bytes
+    from trainer.run_metrics import format_bytes
 
     table = Table(title=f"run {summary['run']}", show_header=False)
     table.add_column("", style="bold")
@@ -174,23 +174,18 @@ def plan_command(
         "--set", help="Override a config value (repeatable).")] = None,
 ) -> None:
     """Predict memory per rank before training: what fits, at which micro-batch and cost."""
-    from trainer.launch import planning_builder
-    from trainer.planner import feasible_plans, parse_bytes, plan_row, profile_all, static_bytes
+    from trainer.launch import probe_config
+    from trainer.planner import AC_MODES, HEADROOM, feasible_plans, parse_bytes, plan_row
 
     extra = list(overrides or []) + ([f"parallel.workers={workers}"] if workers else [])
     cfg = load_config(config, extra)
     budget = parse_bytes(device_memory)
     world = cfg.parallel.workers
     accumulation = cfg.train.accumulation_steps(world)
-    build = planning_builder(cfg)
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} on "
-                  f"CPU ({len(precisions) * 3} probes)...")
-    profiles = profile_all(build, cfg.model.seq_len, cfg.model.vocab_size, precisions,
-                           ["none", "selective", "full"], cfg.memory.checkpoint_every_k,
-                           cfg.memory.loss_chunk_tokens,
-                           target="cuda" if cfg.parallel.use_gpu else "cpu")
-    static = static_bytes(build(), cfg.parallel.strategy, world)
+                  f"CPU ({len(precisions) * len(AC_MODES)} probes)...")
+    static, profiles = probe_config(cfg, precisions, AC_MODES)
     gib = 2**30
     console.print(f"per rank ({cfg.parallel.strategy}, {world} workers): parameters "
                   f"{static.params / gib:.2f} GiB, gradients {static.grads / gib:.2f} GiB, "
@@ -204,13 +199,14 @@ def plan_command(
         current.add_row(row.precision, row.activation_checkpointing,
                         f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
                         f"{row.predicted_peak_bytes / gib:.2f}", row.peak_moment,
-                        "yes" if row.predicted_peak_bytes <= 0.9 * budget else "no",
+                        "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
                         f"+{100 * row.recompute_cost:.0f}%")
     console.print(current)
     rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget)
     best = Table("precision", "act. ckpt", "micro-batch", "accumulation", "predicted peak GiB",
-                 "recompute", title=f"largest micro-batch that fits 90% of {device_memory}, "
-                                    f"global batch {cfg.train.global_batch_size} kept")
+                 "recompute", title=f"largest micro-batch that fits {HEADROOM:.0%} of "
+                                    f"{device_memory}, global batch "
+                                    f"{cfg.train.global_batch_size} kept")
     for row in rows:
         best.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
                      str(row.accumulation_steps), f"{row.predicted_peak_bytes / gib:.2f}",

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.faults import maybe_fail_checkpoint
+
 CHECKPOINT_PREFIX = "checkpoint-"
-# Tests: fail the checkpoint of this step after its files are written, before it is published.
-INJECT_CHECKPOINT_FAILURE_ENV = "MEMTRAIN_INJECT_CHECKPOINT_FAILURE"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -105,9 +105,7 @@ class LocalContext(WorkerContext):
                 raise CheckpointWriteError(
                     f"checkpoint of step {step} could not be written to {staging.parent} "
                     f"({reason}); the previous checkpoint stays the latest") from err
-        if os.environ.get(INJECT_CHECKPOINT_FAILURE_ENV) == str(step):  # tests only
-            raise OSError(f"checkpoint write failed at step {step} (injected by "
-                          f"{INJECT_CHECKPOINT_FAILURE_ENV})")
+        maybe_fail_checkpoint(step)  # MEMTRAIN_FAULTS=checkpoint@STEP (tests)
         self.barrier()
         if self.is_main:
             if final.exists():  # a rerun reached the same step: replace it whole

@@ -5,8 +5,8 @@
   nothing fancy: it compares the latest sample to the first one after warm-up and reports growth
   beyond a tolerance. A graph kept alive by a reference (the classic ``total_loss += loss``
   without ``.detach()``) adds tensors every step and is caught; the real loop stays flat.
-- ``ProfilerWindow`` runs ``torch.profiler`` with ``profile_memory=True`` for steps A to B and
-  writes a Chrome trace per rank into ``run_dir/profile/``.
+- ``profiler_window`` runs ``torch.profiler`` with ``profile_memory=True`` for steps A to B (its
+  own schedule) and writes a Chrome trace per rank into ``run_dir/profile/``.
 - ``write_memory_summary`` writes ``torch.cuda.memory_summary()`` at chosen steps (CUDA only).
 - ``cpu_peak_bytes`` reads the CPU allocator's record of one call and returns its peak of live
   tensor bytes: the CPU's ``max_memory_allocated``, which torch does not keep. The planner is
@@ -18,12 +18,14 @@ every ``memory.leak_check_every`` steps, not every step.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -117,32 +119,41 @@ def parse_step_range(text: str) -> tuple[int, int]:
     return a, b
 
 
-class ProfilerWindow:
-    """``torch.profiler`` with memory from step A to step B; a Chrome trace per rank."""
+def profiler_window(steps: str | None, first_step: int, run_dir: Path, rank: int,
+                    device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.profiler`` with memory for optimizer steps A to B (``"A:B"``, 1-based), a Chrome
+    trace per rank in ``run_dir/profile/``; a no-op without steps or when this run starts after
+    A (``first_step``: the first step this run trains). Call ``.step()`` after every step."""
+    window = parse_step_range(steps) if steps else None
+    if window is None or window[0] < first_step:
+        return _NoProfiler()
+    first, last = window
+    warmup = min(1, first - first_step)  # one warm-up step where there is room for it
+    path = run_dir / "profile" / f"rank-{rank}.trace.json"
 
-    def __init__(self, steps: str | None, run_dir: Path, rank: int, device: torch.device):
-        self.window = parse_step_range(steps) if steps else None
-        self.path = run_dir / "profile" / f"rank-{rank}.trace.json"
-        self.device = device
-        self._profiler: torch.profiler.profile | None = None
+    def write_trace(prof: torch.profiler.profile) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        if rank == 0:
+            log.info("step %5d | profiler trace (memory on) written to %s", last, path)
 
-    def before_step(self, step: int) -> None:
-        if self.window and step == self.window[0]:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, profile_memory=True,
-                                                    record_shapes=True)
-            self._profiler.__enter__()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    return profile(activities=activities, profile_memory=True, record_shapes=True,
+                   schedule=torch.profiler.schedule(wait=first - first_step - warmup,
+                                                    warmup=warmup, active=last - first + 1,
+                                                    repeat=1),
+                   on_trace_ready=write_trace)
 
-    def after_step(self, step: int) -> Path | None:
-        if self._profiler is None or self.window is None or step != self.window[1]:
-            return None
-        self._profiler.__exit__(None, None, None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._profiler.export_chrome_trace(str(self.path))
-        self._profiler = None
-        return self.path
+
+class _NoProfiler(contextlib.AbstractContextManager):
+    """What ``profiler_window`` gives when there is nothing to profile."""
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def step(self) -> None:
+        pass
 
 
 def write_memory_summary(run_dir: Path, step: int, rank: int, device: torch.device) -> Path | None:

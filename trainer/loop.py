@@ -6,7 +6,10 @@ Three functions, from small to large:
   last so gradients are all-reduced once per step, then unscale, clip, non-finite check, step,
   ``zero_grad(set_to_none=True)``.
 - ``train``: builds everything from the config slices, resumes, and keeps the cadence of logging,
-  evaluation and checkpoints.
+  evaluation and checkpoints. What a checkpoint holds is a ``TrainState`` (``trainer.state``);
+  counters, logs and the summary are ``RunMetrics`` (``trainer.run_metrics``); the micro-batch
+  a step runs at is a ``BatchPlan`` (``trainer.oom``); gc policy, loader threads, profiler and
+  metrics log live in one ``ExitStack``, released on any exception.
 
 Loss normalisation: each rank divides its summed token loss by the tokens it sees in the whole
 optimizer step (micro-batch x accumulation x sequence length); DDP then averages over ranks, so the
@@ -22,16 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import math
-import os
-import signal
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,40 +38,30 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from datapipe.loader import BatchLoader
-from monitoring.memory import read_cuda_allocator, read_host, read_nvml
-from trainer.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    load_model_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from trainer.build import MemoryTransforms, build_model, checkpointed_blocks, model_factory
 from trainer.compat import allocator_settings
 from trainer.context import WorkerContext
-from trainer.diagnostics import LeakGuard, ProfilerWindow, cpu_peak_bytes, write_memory_summary
+from trainer.diagnostics import LeakGuard, cpu_peak_bytes, profiler_window, write_memory_summary
+from trainer.faults import maybe_kill, wanted
 from trainer.loss import summed_loss
-from trainer.memory import (
-    PrecisionPolicy,
-    apply_activation_checkpointing,
-    bf16_norm_inputs,
-    peak_memory_bytes,
-    precision_policy,
-    set_loss_chunking,
-)
-from trainer.model import build_model
+from trainer.memory import PrecisionPolicy, precision_policy
 from trainer.oom import (
+    BatchPlan,
     OOMAgreement,
     StepOutOfMemory,
     all_reduce_gradients,
-    injected_oom,
     start_memory_history,
     write_oom_report,
 )
-from trainer.sharding import is_sharded, load_sharded, local_tensor, save_sharded, shard_model
+from trainer.run_metrics import RunMetrics
+from trainer.sharding import is_sharded, shard_model
+from trainer.state import NonFiniteError, TrainState
 
 if TYPE_CHECKING:  # the loop runs without pydantic too (scripts/gpu_check.py)
-    from trainer.config import Config, MemoryConfig, TrainConfig
+    from trainer.config import Config, DataConfig, MemoryConfig, TrainConfig
+
+__all__ = ["NonFiniteError", "StepResult", "build_optimizer", "evaluate", "forward_backward",
+           "train", "train_step"]
 
 log = logging.getLogger("memtrain")
 
@@ -84,10 +72,6 @@ class StepResult:
     grad_norm: torch.Tensor
     skipped: bool  # non-finite gradients: the optimizer did not step
     data_wait_seconds: float = 0.0  # filled in by the caller, which fetches the batches
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced non-finite numbers that it cannot step over."""
 
 
 class TimedBatches:
@@ -102,6 +86,12 @@ class TimedBatches:
         batch = next(self.batches)
         self.wait_seconds += time.perf_counter() - start
         return batch
+
+    def take(self, count: int) -> tuple[list[torch.Tensor], float]:
+        """The next ``count`` batches and the seconds spent waiting for them."""
+        before = self.wait_seconds
+        taken = [next(self) for _ in range(count)]
+        return taken, self.wait_seconds - before
 
 
 def forward_backward(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy,
@@ -133,7 +123,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         for i, tokens_BT in enumerate(chunks):
             is_last = i == len(chunks) - 1
             if inject_oom and i == len(chunks) // 2:
-                raise torch.OutOfMemoryError("out of memory (injected by MEMTRAIN_INJECT_OOM)")
+                raise torch.OutOfMemoryError("out of memory (injected by MEMTRAIN_FAULTS)")
             # Gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on the last
             # micro-batch of the step.
             sync = model.no_sync() if isinstance(model, DDP) and \
@@ -212,32 +202,18 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on norms, biases)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+    groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
 def _step_seed(seed: int, rank: int, step: int) -> int:
     return (seed * 1_000_003 + rank * 7919 + step) % (2**63)
-
-
-class MetricsLog:
-    """Per-rank JSON lines in ``run_dir/metrics/rank-<rank>.jsonl`` (appended across resumes)."""
-
-    def __init__(self, run_dir: Path, rank: int):
-        path = run_dir / "metrics" / f"rank-{rank}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dict[str, Any]:
@@ -248,220 +224,145 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
 
     Returns the summary; rank 0 also writes it to ``run_dir/summary.json``.
     """
-    wall_start = time.perf_counter()
-    device = ctx.device
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model.name, **cfg.model.model_dump(exclude={"name"})).to(device)
-    checkpointed = apply_activation_checkpointing(model, cfg.memory.activation_checkpointing,
-                                                  cfg.memory.checkpoint_every_k)
-    set_loss_chunking(model, cfg.memory.loss_chunk_tokens)
-    bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
+    device, plan = ctx.device, BatchPlan(cfg.train.micro_batch(),
+                                         cfg.train.accumulation_steps(ctx.world_size))
+    model = build_model(model_factory(cfg.model), MemoryTransforms.of(cfg.memory), device,
+                        seed=cfg.run.seed)  # identical initial weights on every rank
     policy = precision_policy(cfg.memory.precision, device)
-    scaler = policy.grad_scaler(device, cfg.memory.grad_scaler_init_scale)
     recording_history = start_memory_history(device, cfg.memory.record_memory_history)
     sharded = cfg.parallel.strategy == "fsdp" and ctx.world_size > 1
     if sharded:
         shard_model(model)  # before the optimizer: it must see the sharded parameters
-    optimizer = build_optimizer(model, cfg.train)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
-    accumulation = cfg.train.accumulation_steps(ctx.world_size)
-    loader = BatchLoader(cfg.data.path, cfg.data.column, rank=ctx.rank,
-                         world_size=ctx.world_size, batch_size=cfg.train.micro_batch(),
-                         seed=cfg.run.seed, shuffle=cfg.data.shuffle, device=device,
-                         shuffle_window=cfg.data.shuffle_window, prefetch=cfg.data.prefetch,
-                         read_ahead=cfg.data.read_ahead, on_bad_shard=cfg.data.on_bad_shard)
-
-    resumed_from = restore_latest(ctx, model, optimizer, scaler, scheduler, loader, sharded,
-                                  cfg.parallel.strategy)
-    step = resumed_from or 0
-    if ctx.world_size > 1 and not sharded:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-    samples_per_rank_step = cfg.train.global_batch_size // ctx.world_size
-    if ctx.is_main:
-        where = f"resuming from step {resumed_from}" if resumed_from is not None else "from scratch"
-        log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
-                 "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch %d; %s",
-                 cfg.run.name, ctx.world_size, device.type, policy.name,
-                 cfg.memory.activation_checkpointing, checkpointed, cfg.train.micro_batch(),
-                 accumulation, ctx.world_size, cfg.train.global_batch_size, where)
-        if device.type == "cuda":
-            log.info("CUDA allocator settings: %s; memory history %s",
-                     allocator_settings(), "recording" if recording_history else "off")
-
-    metrics_log = MetricsLog(ctx.run_dir, ctx.rank)
-    batches = TimedBatches(loader)
-    val_batches = None
-    if cfg.data.val_path and cfg.train.eval_every:
-        val_batches = BatchLoader(cfg.data.val_path, cfg.data.column, rank=ctx.rank,
-                                  world_size=ctx.world_size,
-                                  batch_size=cfg.train.micro_batch(), seed=cfg.run.seed,
-                                  shuffle=False, device=device,
-                                  on_bad_shard=cfg.data.on_bad_shard)
-    first_loss = last_loss = eval_loss = None
-    checkpoints_written: list[int] = []
-    window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
-    total_wait = total_step_seconds = checkpoint_seconds = 0.0
-    steps_this_run = skipped_steps = consecutive_skips = 0
-    run_peak_bytes = 0  # on CUDA the allocator's peak is reset per metrics interval
-    model.train()
-    stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
-    guard = LeakGuard() if cfg.memory.leak_check_every else None
-    profiler = ProfilerWindow(cfg.memory.profile_steps, ctx.run_dir, ctx.rank, device)
-    splits = 1  # pieces each loaded micro-batch is cut into; doubles after each OOM
-    if cfg.memory.gc_every:
-        gc.disable()  # collected on our cadence below, not in the middle of a step
-    while step < stop_at:
-        profiler.before_step(step + 1)
-        step_start = time.perf_counter()
-        wait_before = batches.wait_seconds
-        micro_batches = [next(batches) for _ in range(accumulation)]
-        data_wait = batches.wait_seconds - wait_before
-        # Under FSDP the reduce-scatter cannot wait for an agreement: OOM recovery there is per
-        # rank only (world size 1), see trainer/oom.py.
-        result, splits = step_with_oom_recovery(
-            ctx, step, model, optimizer, scaler, micro_batches, splits, policy, cfg,
-            agree=oom_recovery_on(cfg, ctx.device) and not sharded)
-        del micro_batches
-        result.data_wait_seconds = data_wait
-        scheduler.step()
-        step += 1
-        steps_this_run += 1
-        skipped_steps += int(result.skipped)
-        consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-        if consecutive_skips >= cfg.train.max_nonfinite_steps:
-            raise NonFiniteError(
-                f"non-finite gradient norm for {consecutive_skips} consecutive steps, the last "
-                f"at step {step} on rank {ctx.rank} (loss {result.loss.item():.4g}); "
-                f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}")
-        step_seconds = time.perf_counter() - step_start
-        total_step_seconds += step_seconds
-        if ctx.metrics_sink is not None:
-            ctx.metrics_sink.observe("memtrain_train_step_seconds", step_seconds)
-        total_wait += result.data_wait_seconds
-        window_steps += 1
-        window_wait += result.data_wait_seconds
-
-        is_last = step == stop_at
-        if step % cfg.train.log_every == 0 or is_last or steps_this_run == 1:
-            loss_value = result.loss.item()  # host sync: logging steps only
-            first_loss = loss_value if first_loss is None else first_loss
-            last_loss = loss_value
-            elapsed = time.perf_counter() - window_start
-            record: dict[str, Any] = {
-                "step": step, "loss": loss_value, "grad_norm": result.grad_norm.item(),
-                "lr": scheduler.get_last_lr()[0], "scale": scaler.get_scale(),
-                "skipped_steps": skipped_steps,
-                "tokens_per_second": window_steps * tokens_per_step / elapsed,
-                "step_seconds": elapsed / window_steps,
-                "data_wait_share": window_wait / elapsed,
-                "peak_memory_bytes": peak_memory_bytes(device),
-                "micro_batch_size": -(-cfg.train.micro_batch() // splits),
-                "accumulation_steps": accumulation * splits, "time": time.time(),
-            }
-            metrics_log.write(record)
-            run_peak_bytes = max(run_peak_bytes, record["peak_memory_bytes"])
-            if ctx.metrics_sink is not None:
-                publish_metrics(ctx.metrics_sink, record, device, loader.pinned_bytes, {
-                    "memtrain_train_samples_total": steps_this_run * samples_per_rank_step,
-                    "memtrain_train_tokens_total": steps_this_run * samples_per_rank_step
-                    * cfg.model.seq_len,
-                    "memtrain_train_skipped_steps_total": skipped_steps,
-                    "memtrain_data_wait_seconds_total": total_wait,
-                    "memtrain_checkpoint_seconds_total": checkpoint_seconds,
-                    "memtrain_data_skipped_shards_total": loader.skipped_shards,
-                })
-            if ctx.is_main:
-                log.info("step %5d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%%",
-                         step, loss_value, record["tokens_per_second"],
-                         format_bytes(record["peak_memory_bytes"]),
-                         100 * record["data_wait_share"])
-            window_start, window_steps, window_wait = time.perf_counter(), 0, 0.0
-
-        if val_batches is not None and (step % cfg.train.eval_every == 0 or is_last):
-            val_batches.rewind()
-            eval_loss = evaluate(model, val_batches, cfg.train.eval_batches, policy)
-            metrics_log.write({"step": step, "eval_loss": eval_loss, "time": time.time()})
-            if ctx.is_main:
-                log.info("step %5d | eval loss %.4f", step, eval_loss)
-
-        if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or is_last:
-            checkpoint_start = time.perf_counter()
-            _checkpoint(ctx, step, model, optimizer, scaler, scheduler, loader,
-                        {"step": step, "loss": last_loss}, sharded)
-            checkpoint_seconds += time.perf_counter() - checkpoint_start
-            checkpoints_written.append(step)
-        if cfg.memory.gc_every and step % cfg.memory.gc_every == 0:
-            gc.collect(1)
-        trace = profiler.after_step(step)
-        if trace is not None and ctx.is_main:
-            log.info("step %5d | profiler trace (memory on) written to %s", step, trace)
-        if step in cfg.memory.memory_summary_steps:
-            summary_path = write_memory_summary(ctx.run_dir, step, ctx.rank, device)
-            if summary_path is None and ctx.is_main and step == cfg.memory.memory_summary_steps[0]:
-                log.warning("memory.memory_summary_steps: torch.cuda.memory_summary needs CUDA; "
-                            "ignored on %s", device.type)
-        if guard is not None and step % cfg.memory.leak_check_every == 0:
-            guard.sample(step, device)
-        maybe_kill_for_test(ctx, step)
-    if cfg.memory.gc_every:
-        gc.enable()
-
-    metrics_log.close()
-    leak_findings = guard.findings() if guard is not None else []
-    for finding in leak_findings:
-        log.warning("leak guard (rank %d): %s", ctx.rank, finding)
-    summary = {
-        "run": cfg.run.name, "workers": ctx.world_size, "device": device.type,
-        "precision": policy.name, "activation_checkpointing": cfg.memory.activation_checkpointing,
-        "micro_batch_size": -(-cfg.train.micro_batch() // splits),
-        "accumulation_steps": accumulation * splits, "oom_recoveries": splits.bit_length() - 1,
-        "global_batch_size": cfg.train.global_batch_size, "resumed_from_step": resumed_from,
-        "final_step": step, "steps_this_run": steps_this_run, "first_loss": first_loss,
-        "final_loss": last_loss, "eval_loss": eval_loss, "skipped_steps": skipped_steps,
-        "tokens_per_second": (steps_this_run * tokens_per_step / total_step_seconds
-                              if total_step_seconds else None),
-        "data_wait_share": total_wait / total_step_seconds if total_step_seconds else None,
-        "peak_memory_bytes": max(run_peak_bytes, peak_memory_bytes(device)),
-        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "host_max_rss",
-        "checkpoints_written": checkpoints_written, "leak_findings": leak_findings,
-        "leak_samples": [[x.step, x.live_tensors, x.resident_bytes, x.cuda_allocated_bytes]
-                         for x in (guard.samples if guard is not None else [])],
-        "wall_seconds": time.perf_counter() - wall_start,
-        "run_dir": str(ctx.run_dir),
-    }
-    loader.close()
-    if val_batches is not None:
-        val_batches.close()
-    if ctx.is_main:
-        (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.betas)
+    with contextlib.ExitStack() as resources:
+        state = TrainState(
+            model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train)),
+            policy.grad_scaler(device, cfg.memory.grad_scaler_init_scale),
+            resources.enter_context(build_loader(cfg.data, ctx, plan.micro_batch_size,
+                                                 cfg.run.seed)),
+            sharded, cfg.parallel.strategy)
+        resumed_from = state.restore(ctx)
+        state.wrap_ddp(ctx)
+        _log_start(cfg, ctx, state, plan, policy.name, resumed_from, recording_history)
+        val_batches = None
+        if cfg.data.val_path and cfg.train.eval_every:
+            val_batches = resources.enter_context(
+                build_loader(cfg.data, ctx, plan.micro_batch_size, cfg.run.seed, validation=True))
+        metrics = RunMetrics(ctx, cfg.run.name, cfg.train.global_batch_size * cfg.model.seq_len,
+                             cfg.train.global_batch_size // ctx.world_size, cfg.model.seq_len)
+        resources.callback(metrics.close)
+        batches = TimedBatches(state.loader)
+        guard = LeakGuard() if cfg.memory.leak_check_every else None
+        profiler = resources.enter_context(profiler_window(
+            cfg.memory.profile_steps, state.step + 1, ctx.run_dir, ctx.rank, device))
+        resources.enter_context(gc_policy(cfg.memory.gc_every))
+        state.model.train()
+        stop_at = min(cfg.train.steps, until_step or cfg.train.steps)
+        while state.step < stop_at:
+            step_start = time.perf_counter()
+            micro_batches, data_wait = batches.take(plan.accumulation_steps)
+            result, plan = step_with_oom_recovery(ctx, state, micro_batches, plan, policy, cfg)
+            del micro_batches
+            result.data_wait_seconds = data_wait
+            state.scheduler.step()
+            state.step += 1
+            metrics.step_done(result, time.perf_counter() - step_start)
+            check_skips(metrics.consecutive_skips, cfg.train.max_nonfinite_steps, state.step,
+                        ctx.rank, result)
+            is_last = state.step == stop_at
+            if due(state.step, cfg.train.log_every, is_last) or metrics.steps_this_run == 1:
+                metrics.log_step(state, result, plan)
+            if val_batches is not None and due(state.step, cfg.train.eval_every, is_last):
+                val_batches.rewind()
+                metrics.eval_done(state.step, evaluate(state.model, val_batches,
+                                                       cfg.train.eval_batches, policy))
+            if due(state.step, cfg.train.checkpoint_every, is_last):
+                checkpoint_start = time.perf_counter()
+                state.save(ctx, {"step": state.step, "loss": metrics.last_loss})
+                metrics.checkpoint_done(state.step, time.perf_counter() - checkpoint_start)
+            after_step(cfg.memory, ctx, state.step, guard, profiler)
+        summary = metrics.summary(state, plan, resumed_from, {
+            "run": cfg.run.name, "workers": ctx.world_size, "device": device.type,
+            "precision": policy.name,
+            "activation_checkpointing": cfg.memory.activation_checkpointing,
+            "global_batch_size": cfg.train.global_batch_size}, guard)
+    metrics.write_summary(summary)
     return summary
 
 
-def restore_latest(ctx: WorkerContext, model: nn.Module, optimizer: torch.optim.Optimizer,
-                   scaler: torch.amp.GradScaler, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                   loader: BatchLoader, sharded: bool, strategy: str) -> int | None:
-    """Load the context's latest checkpoint into everything; returns its step, or None."""
-    with ctx.latest_checkpoint() as checkpoint_dir:
-        if checkpoint_dir is None:
-            return None
-        state = load_checkpoint(checkpoint_dir)
-        if bool(state.get("sharded")) != sharded:
-            how = "with" if state.get("sharded") else "without"
-            raise CheckpointError(
-                f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run has "
-                f"parallel.strategy {strategy!r} on {ctx.world_size} workers")
-        if sharded:
-            load_sharded(checkpoint_dir, model, optimizer)
-        else:
-            load_model_state(model, state["model"], str(checkpoint_dir))
-            optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
-        return int(state["step"])
+def due(step: int, every: int, is_last: bool) -> bool:
+    """Whether a cadence of ``every`` steps (0: never, but always on the last step) is due."""
+    return is_last or bool(every and step % every == 0)
+
+
+def check_skips(consecutive: int, limit: int, step: int, rank: int, result: StepResult) -> None:
+    """Raise NonFiniteError when ``limit`` optimizer steps in a row had non-finite gradients."""
+    if consecutive >= limit:
+        raise NonFiniteError(
+            f"non-finite gradient norm for {consecutive} consecutive steps, the last at step "
+            f"{step} on rank {rank} (loss {result.loss.item():.4g}); "
+            f"train.max_nonfinite_steps={limit}")
+
+
+def after_step(memory: MemoryConfig, ctx: WorkerContext, step: int, guard: LeakGuard | None,
+               profiler: Any) -> None:
+    """The memory hygiene and diagnostics of a step's end, each on its own cadence."""
+    if memory.gc_every and step % memory.gc_every == 0:
+        gc.collect(1)
+    profiler.step()
+    if step in memory.memory_summary_steps:
+        summary_path = write_memory_summary(ctx.run_dir, step, ctx.rank, ctx.device)
+        if summary_path is None and ctx.is_main and step == memory.memory_summary_steps[0]:
+            log.warning("memory.memory_summary_steps: torch.cuda.memory_summary needs CUDA; "
+                        "ignored on %s", ctx.device.type)
+    if guard is not None and step % memory.leak_check_every == 0:
+        guard.sample(step, ctx.device)
+    maybe_kill(ctx.run_dir, step, ctx.rank)  # MEMTRAIN_FAULTS=kill@STEP:RANK (tests)
+
+
+@contextlib.contextmanager
+def gc_policy(every: int) -> Iterator[None]:
+    """``memory.gc_every`` > 0: automatic gc off (the loop collects on its cadence), and back on
+    when the block ends, however it ends."""
+    if every:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if every:
+            gc.enable()
+
+
+def build_loader(data: DataConfig, ctx: WorkerContext, micro_batch_size: int, seed: int,
+                 validation: bool = False) -> BatchLoader:
+    """This rank's loader of ``data.path`` (shuffled) or, for ``validation``, of
+    ``data.val_path`` (in order, rewound before each evaluation)."""
+    if validation:
+        assert data.val_path is not None, "validation needs data.val_path"
+        return BatchLoader(data.val_path, data.column, rank=ctx.rank, world_size=ctx.world_size,
+                           batch_size=micro_batch_size, seed=seed, shuffle=False,
+                           device=ctx.device, on_bad_shard=data.on_bad_shard)
+    return BatchLoader(data.path, data.column, rank=ctx.rank, world_size=ctx.world_size,
+                       batch_size=micro_batch_size, seed=seed, shuffle=data.shuffle,
+                       device=ctx.device, shuffle_window=data.shuffle_window,
+                       prefetch=data.prefetch, read_ahead=data.read_ahead,
+                       on_bad_shard=data.on_bad_shard)
+
+
+def _log_start(cfg: Config, ctx: WorkerContext, state: TrainState, plan: BatchPlan,
+               precision: str, resumed_from: int | None, recording_history: bool) -> None:
+    if not ctx.is_main:
+        return
+    where = f"resuming from step {resumed_from}" if resumed_from is not None else "from scratch"
+    log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
+             "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch %d; %s",
+             cfg.run.name, ctx.world_size, ctx.device.type, precision,
+             cfg.memory.activation_checkpointing, checkpointed_blocks(state.unwrapped),
+             plan.micro_batch_size, plan.accumulation_steps, ctx.world_size,
+             cfg.train.global_batch_size, where)
+    if ctx.device.type == "cuda":
+        log.info("CUDA allocator settings: %s; memory history %s",
+                 allocator_settings(), "recording" if recording_history else "off")
 
 
 def oom_recovery_on(cfg: Config, device: torch.device) -> bool:
@@ -471,140 +372,50 @@ def oom_recovery_on(cfg: Config, device: torch.device) -> bool:
     return bool(cfg.memory.oom_recovery)
 
 
-def step_with_oom_recovery(ctx: WorkerContext, step: int, model: nn.Module,
-                           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                           micro_batches: list[torch.Tensor], splits: int,
-                           policy: PrecisionPolicy, cfg: Config, agree: bool
-                           ) -> tuple[StepResult, int]:
+def step_with_oom_recovery(ctx: WorkerContext, state: TrainState,
+                           micro_batches: list[torch.Tensor], plan: BatchPlan,
+                           policy: PrecisionPolicy, cfg: Config) -> tuple[StepResult, BatchPlan]:
     """``train_step``, retried with the micro-batches cut in two after each agreed OOM.
 
-    Returns the result and the splits it took (the caller keeps them for later steps).
+    Returns the result and the plan it took (the caller keeps it for later steps). Under FSDP
+    the reduce-scatter cannot wait for an agreement, so OOM recovery there is per rank only
+    (world size 1).
     """
+    agree = oom_recovery_on(cfg, ctx.device) and not state.sharded
     attempt = 0
     while True:
-        torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, step))  # resume-exact dropout
+        torch.manual_seed(_step_seed(cfg.run.seed, ctx.rank, state.step))  # resume-exact dropout
         agreement = OOMAgreement(ctx.device) if agree else None
         try:
-            result = train_step(model, optimizer, scaler, micro_batches, splits, policy,
-                                cfg.train.grad_clip, agreement,
-                                inject_oom=injected_oom(step + 1, ctx.rank, attempt))
-            return result, splits
+            result = train_step(state.model, state.optimizer, state.scaler, micro_batches,
+                                plan.splits, policy, cfg.train.grad_clip, agreement,
+                                inject_oom=attempt == 0 and wanted("oom", state.step + 1,
+                                                                   ctx.rank))
+            return result, plan
         except StepOutOfMemory as err:
             attempt += 1
-            splits = recover_from_oom(ctx, step + 1, splits, attempt, cfg.memory,
-                                      cfg.train.micro_batch(),
-                                      cfg.train.accumulation_steps(ctx.world_size), str(err))
+            plan = recover_from_oom(ctx, state.step + 1, plan, attempt,
+                                    cfg.memory.max_oom_retries, str(err))
 
 
-KILL_FILE = ".inject-kill"
-
-
-def maybe_kill_for_test(ctx: WorkerContext, step: int) -> None:
-    """Tests: a file ``RUN_DIR/.inject-kill`` holding ``step:rank`` makes that rank SIGKILL itself
-    at the end of that step, once (the file is renamed first, so the restarted worker does not do
-    it again). A file, not an environment variable, because Ray's workers are started before a
-    test could set one. Costs one ``stat`` per step.
-    """
-    spec_file = ctx.run_dir / KILL_FILE
-    if not spec_file.exists():
-        return
-    want_step, _, want_rank = spec_file.read_text().strip().partition(":")
-    if step == int(want_step) and ctx.rank == int(want_rank or 0):
-        spec_file.rename(spec_file.with_name(KILL_FILE + ".done"))
-        # Ray's controller registers reported checkpoints when it next polls the workers; give
-        # it time, so the kill lands after the checkpoint is known, as a real preemption would.
-        time.sleep(3)
-        log.warning("rank %d: killing itself after the checkpoint at step %d (%s)", ctx.rank,
-                    step, spec_file)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def publish_metrics(sink: Any, record: dict[str, Any], device: torch.device,
-                    pinned_bytes: int, totals: dict[str, float]) -> None:
-    """One log step's values for the metrics contract (monitoring/metrics.py) into ``sink``.
-
-    Counters are this run's running totals (since the last start or resume). On CUDA the
-    allocator's peak is reset afterwards, so the next report's peak covers only its interval.
-    """
-    values = {
-        "memtrain_train_loss": record["loss"], "memtrain_train_grad_norm": record["grad_norm"],
-        "memtrain_train_grad_scale": record["scale"],
-        "memtrain_train_micro_batch_size": record["micro_batch_size"],
-        "memtrain_train_accumulation_steps": record["accumulation_steps"],
-        **totals, **read_host(pinned_bytes),
-    }
-    if device.type == "cuda":
-        values.update(read_cuda_allocator(torch.cuda.memory_stats(device)))
-        values.update(read_nvml(device.index or 0))
-        torch.cuda.reset_peak_memory_stats(device)  # peaks cover one reporting interval
-    sink.set(values)
-
-
-def recover_from_oom(ctx: WorkerContext, step: int, splits: int, attempt: int,
-                     memory: MemoryConfig, micro_batch_size: int, accumulation: int,
-                     detail: str) -> int:
-    """Snapshot, then halve the micro-batch (double the splits); returns the new splits.
+def recover_from_oom(ctx: WorkerContext, step: int, plan: BatchPlan, attempt: int,
+                     max_retries: int, detail: str) -> BatchPlan:
+    """Snapshot, then halve the micro-batch (double the splits); returns the new plan.
 
     Raises RuntimeError when retries are used up or the micro-batch cannot be halved further.
     """
     report = write_oom_report(ctx.run_dir, step, ctx.rank, ctx.device, detail,
-                              -(-micro_batch_size // splits))
-    new_splits = splits * 2
-    if attempt > memory.max_oom_retries or new_splits > micro_batch_size:
+                              plan.running_micro_batch)
+    if attempt > max_retries or not plan.can_halve():
         raise RuntimeError(
             f"out of memory at step {step} on rank {ctx.rank} with micro-batch "
-            f"{-(-micro_batch_size // splits)} after {attempt - 1} recoveries "
-            f"(memory.max_oom_retries={memory.max_oom_retries}); report at {report}")
+            f"{plan.running_micro_batch} after {attempt - 1} recoveries "
+            f"(memory.max_oom_retries={max_retries}); report at {report}")
+    halved = plan.halved()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # documented point: return the failed step's blocks
     log.warning("OOM at step %d (rank %d): micro-batch %d -> %d, accumulation %d -> %d, "
                 "global batch unchanged; memory report %s", step, ctx.rank,
-                -(-micro_batch_size // splits), -(-micro_batch_size // new_splits),
-                accumulation * splits, accumulation * new_splits, report)
-    return new_splits
-
-
-def _checkpoint(ctx: WorkerContext, step: int, model: nn.Module,
-                optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                scheduler: torch.optim.lr_scheduler.LRScheduler, loader: BatchLoader,
-                metrics: dict[str, Any], sharded: bool) -> None:
-    """Write the state to a staging directory and hand it to the context.
-
-    DDP: rank 0 writes everything into ``state.pt``. FSDP: every rank writes its model and
-    optimizer shards (DCP), rank 0 adds ``state.pt`` with the rest.
-    """
-    unwrapped = model.module if isinstance(model, DDP) else model
-    bad = [name for name, p in unwrapped.named_parameters()  # FSDP: this rank's shard
-           if not bool(torch.isfinite(local_tensor(p.detach())).all())]  # host sync: here only
-    flag = torch.tensor([1.0 if bad else 0.0], device=ctx.device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank refuses together
-    if flag.item():
-        where = f"in {bad[:3]}" if bad else "on another rank"
-        raise NonFiniteError(f"refusing to checkpoint step {step} on rank {ctx.rank}: "
-                             f"non-finite weights {where}; the last good checkpoint stays the "
-                             "latest")
-    with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
-        checkpoint_dir = None
-        if sharded:
-            checkpoint_dir = Path(tmp)
-            save_sharded(checkpoint_dir, unwrapped, optimizer)
-        if ctx.is_main:
-            checkpoint_dir = Path(tmp)
-            state: dict[str, Any] = {
-                "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict(),
-                "loader": loader.state_dict(), "rng": rng_state(), "step": step,
-                "sharded": sharded,
-            }
-            if not sharded:
-                state.update(model=unwrapped.state_dict(), optimizer=optimizer.state_dict())
-            save_checkpoint(checkpoint_dir, state)
-        ctx.report(metrics, checkpoint_dir, step)
-
-
-def format_bytes(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num_bytes) < 1024 or unit == "GiB":
-            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
-        num_bytes /= 1024
-    return f"{num_bytes:.1f} GiB"
+                plan.running_micro_batch, halved.running_micro_batch,
+                plan.running_accumulation, halved.running_accumulation, report)
+    return halved

@@ -8,7 +8,7 @@ summed loss when called as ``model(idx, targets)`` and say so with ``computes_lo
 GPT does, so that its output projection and loss run chunked (``trainer.loss``) and the full
 logits never exist.
 
-``build_model("gpt", **kwargs)`` looks up the registry; ``build_model("pkg.mod:fn", **kwargs)``
+``create_model("gpt", **kwargs)`` looks up the registry; ``create_model("pkg.mod:fn", **kwargs)``
 imports ``fn`` and calls it with the same keyword arguments (the model config's fields).
 """
 
@@ -133,7 +133,7 @@ def gpt(**kwargs: object) -> GPT:
 MODEL_REGISTRY: dict[str, Callable[..., nn.Module]] = {"gpt": gpt}
 
 
-def build_model(name: str, **kwargs: object) -> nn.Module:
+def create_model(name: str, **kwargs: object) -> nn.Module:
     """Build a registered model or call a ``module:function`` entry point with ``kwargs``."""
     if ":" in name:
         module_name, _, attr = name.partition(":")

@@ -13,15 +13,16 @@ The price: the gradient all-reduce no longer overlaps the last micro-batch's bac
 ``memory.oom_recovery: false`` DDP's own overlapped all-reduce is used). An OOM inside the
 gradient all-reduce itself, after the agreement, is re-raised and fails the run.
 
-Tests inject an OOM on CPU with ``MEMTRAIN_INJECT_OOM=step:rank`` (the step is 1-based and the
-fault fires on the first attempt of that step only).
+The micro-batch a step runs at is a ``BatchPlan``: the configured micro-batch and accumulation
+and how many pieces each loaded micro-batch is cut into. Tests inject an OOM on CPU with
+``MEMTRAIN_FAULTS=oom@STEP:RANK`` (``trainer.faults``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +30,38 @@ import torch.distributed as dist
 
 from trainer.compat import dump_memory_snapshot, record_memory_history
 
-INJECT_ENV = "MEMTRAIN_INJECT_OOM"
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one rank's share of the global batch is cut: ``micro_batch_size`` rows are loaded
+    at a time, ``accumulation_steps`` of them per optimizer step, and after OOMs each loaded
+    micro-batch runs in ``splits`` pieces (the samples, and so the update, stay the same)."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    splits: int = 1
+
+    @property
+    def running_micro_batch(self) -> int:
+        """Rows per forward/backward: the loaded micro-batch cut into ``splits`` pieces."""
+        return -(-self.micro_batch_size // self.splits)
+
+    @property
+    def running_accumulation(self) -> int:
+        """Forward/backward passes per optimizer step."""
+        return self.accumulation_steps * self.splits
+
+    @property
+    def recoveries(self) -> int:
+        """OOM recoveries so far (each doubled ``splits``)."""
+        return self.splits.bit_length() - 1
+
+    def can_halve(self) -> bool:
+        return self.splits * 2 <= self.micro_batch_size
+
+    def halved(self) -> BatchPlan:
+        """The same samples in pieces half as large."""
+        return replace(self, splits=self.splits * 2)
 
 
 class StepOutOfMemory(RuntimeError):
@@ -83,15 +115,6 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
             grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
             offset += grad.numel()
     return sum(1 for b in buckets if b)
-
-
-def injected_oom(step: int, rank: int, attempt: int) -> bool:
-    """Whether ``MEMTRAIN_INJECT_OOM=step:rank`` asks for a fault here (first attempt only)."""
-    spec = os.environ.get(INJECT_ENV)
-    if not spec or attempt:
-        return False
-    want_step, _, want_rank = spec.partition(":")
-    return step == int(want_step) and rank == int(want_rank or 0)
 
 
 def start_memory_history(device: torch.device, enabled: bool) -> bool:

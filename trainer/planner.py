@@ -37,18 +37,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import cpu_bf16_support, is_checkpoint_wrapper
 from trainer.loss import ChunkedLossShape, observe_chunked_losses, summed_loss
-from trainer.memory import apply_activation_checkpointing, precision_policy, set_loss_chunking
+from trainer.memory import precision_policy
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
+AC_MODES = ("none", "selective", "full")
+# Plans fill at most this share of the device: the allocator's rounding and caching, kernel
+# workspaces and the CUDA context are not modelled.
+HEADROOM = 0.9
 
 
 @dataclass(frozen=True)
@@ -233,28 +238,27 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...]) -> 
     return max(0, excess[1] - excess[0], excess[0])  # at least what one sample needs
 
 
-def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
-                        precision: str, activation_checkpointing: str, every_k: int = 2,
-                        device: torch.device | None = None, loss_chunk_tokens: int = 0,
+def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
+                        vocab_size: int, precision: str, device: torch.device | None = None,
                         target: str | None = None) -> ActivationProfile:
-    """Probe a freshly built model at batch 1 and 2 and fit ``fixed + per_sample * batch``.
+    """Probe a model built with ``transforms`` at batch 1 and 2 and fit
+    ``fixed + per_sample * batch``.
 
-    ``target`` is the device type the plan is for (default: the probe's device). For a CPU
-    whose bf16 is emulated (``trainer.compat.cpu_bf16_support``) the emulated kernels'
-    workspace is measured too (``emulated_bf16_workspace``).
+    ``target`` is the device type the plan is for (default: the probe's device; "none" inside
+    the planner's own nested probe). For a CPU whose bf16 is emulated
+    (``trainer.compat.cpu_bf16_support``) the emulated kernels' workspace is measured too
+    (``emulated_bf16_workspace``).
     """
     device = device or torch.device("cpu")
     target = target or device.type
-    torch.manual_seed(0)
-    model = build().to(device)
-    chosen = apply_activation_checkpointing(model, activation_checkpointing, every_k)
-    set_loss_chunking(model, loss_chunk_tokens)
-    num_blocks = len(getattr(model, "blocks", []))
+    model = build_model(factory, transforms, device)
+    chosen = checkpointed_blocks(model)
+    blocks = getattr(model, "blocks", nn.ModuleList())
+    num_blocks = len(blocks)
     model.train()
     measured = {}
     block_inputs: list[tuple[int, ...]] = []  # the first block's input shape, batch 1
-    blocks = getattr(model, "blocks", nn.ModuleList())
-    if len(blocks):
+    if num_blocks:
         hook = blocks[0].register_forward_pre_hook(
             lambda _module, args: block_inputs.append(tuple(args[0].shape)))
     for batch in (1, 2):
@@ -263,7 +267,7 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
         # A forward through non-reentrant checkpointing that never runs backward leaves
         # reference cycles holding its activations: collect them now, not at some later gc.
         gc.collect()
-        if len(blocks) and batch == 1:
+        if num_blocks and batch == 1:
             hook.remove()
     per_sample = measured[2][0] - measured[1][0]
     fixed = max(0, measured[1][0] - per_sample)
@@ -274,9 +278,10 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
         if len(sizes_1) == len(sizes_2) else [max(sizes_2, default=0) - max(sizes_1, default=0)]
     largest_per_sample = max(growth, default=0)
     recompute_block = recompute_block_fixed = autocast_cache = 0
+    plain_transforms = transforms.replace(activation_checkpointing="none")
     if chosen:
-        plain = profile_activations(build, seq_len, vocab_size, precision, "none", every_k,
-                                    device, loss_chunk_tokens)
+        plain = profile_activations(factory, plain_transforms, seq_len, vocab_size, precision,
+                                    device, target="none")
         recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
         autocast_cache = max(0, plain.fixed_bytes - fixed)
         largest_per_sample = plain.largest_tensor_per_sample_bytes  # inside a recomputed block
@@ -295,8 +300,9 @@ def profile_activations(build: Callable[[], nn.Module], seq_len: int, vocab_size
     emulation = 0
     if (target == "cpu" and device.type == "cpu" and precision == "bf16" and block_inputs
             and cpu_bf16_support() != "native"):
-        emulation = emulated_bf16_workspace(build().blocks[0], block_inputs[0][1:])
-    return ActivationProfile(precision, activation_checkpointing, per_sample, fixed,
+        block = build_model(factory, plain_transforms).blocks[0]  # type: ignore[index]
+        emulation = emulated_bf16_workspace(block, block_inputs[0][1:])
+    return ActivationProfile(precision, transforms.activation_checkpointing, per_sample, fixed,
                              largest_per_sample, recompute, recompute_block, autocast_cache,
                              loss_shapes[0] if loss_shapes else None, seq_len,
                              _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
@@ -342,7 +348,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
 
 def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
                    global_batch_size: int, world_size: int, device_memory_bytes: int,
-                   headroom: float = 0.9) -> list[PlanRow]:
+                   headroom: float = HEADROOM) -> list[PlanRow]:
     """Every (precision, checkpointing, micro-batch) that keeps the global batch and fits.
 
     Micro-batches are the divisors of the per-rank batch; for each profile only the largest
@@ -381,19 +387,19 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def profile_all(build: Callable[[], nn.Module], seq_len: int, vocab_size: int,
-                precisions: list[str], ac_modes: list[str], every_k: int,
-                loss_chunk_tokens: int, device: torch.device | None = None,
-                target: str | None = None) -> list[ActivationProfile]:
+def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
+                vocab_size: int, precisions: Iterable[str], ac_modes: Iterable[str],
+                device: torch.device | None = None, target: str | None = None
+                ) -> list[ActivationProfile]:
     """One activation profile per (precision, checkpointing) pair."""
-    return [profile_activations(build, seq_len, vocab_size, precision, mode, every_k, device,
-                                loss_chunk_tokens, target)
+    return [profile_activations(factory, transforms.replace(activation_checkpointing=mode),
+                                seq_len, vocab_size, precision, device, target)
             for precision in precisions for mode in ac_modes]
 
 
 def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,
                 world_size: int, device_memory_bytes: int, micro_batch_size: int | None = None,
-                min_micro_batch: int = 4, headroom: float = 0.9) -> PlanRow | None:
+                min_micro_batch: int = 4, headroom: float = HEADROOM) -> PlanRow | None:
     """The plan for ``auto``: the cheapest checkpointing that fits, with a useful micro-batch.
 
     ``micro_batch_size`` None means auto: each profile gets the largest micro-batch that fits.

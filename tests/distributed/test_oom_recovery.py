@@ -27,7 +27,7 @@ def test_injected_oom_on_rank_1_halves_micro_batch_and_keeps_the_update(
     cfg, clean_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=clean"))
     clean = launch_local(cfg, clean_dir)
 
-    monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "3:1")  # step 3, rank 1
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "oom@3:1")  # step 3, rank 1
     cfg, oom_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=oom"))
     recovered = launch_local(cfg, oom_dir)
 
@@ -48,7 +48,7 @@ def test_injected_oom_on_rank_1_halves_micro_batch_and_keeps_the_update(
 
 def test_oom_beyond_the_retry_budget_fails_with_a_clear_message(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MEMTRAIN_INJECT_OOM", "2:0")
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "oom@2:0")
     cfg, run_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
         "memory.max_oom_retries=0", "memory.oom_recovery=true", "train.steps=3",

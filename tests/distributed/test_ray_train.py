@@ -72,8 +72,8 @@ def _final_weights(run_dir: Path, step: int) -> dict:
     return state["model"]
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_bit_exact(ray_cluster, corpus_dir: Path,
-                                                                  tmp_path: Path) -> None:
+def test_a_killed_worker_is_restarted_and_the_run_ends_bit_exact(
+        ray_cluster, corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL rank 1 at step 5, two steps after the step-3 checkpoint: Ray restarts the group,
     training resumes from step 3 and the final weights equal those of an uninterrupted run, bit
     for bit (the loop is deterministic on CPU: seeded init, per-step reseeding, the loader's
@@ -89,9 +89,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_exact(ray_cluster, co
     launch_ray(straight_cfg, straight_dir)
     killed_cfg, killed_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common,
                                                      "run.name=killed"))
-    (killed_dir / ".inject-kill").write_text("5:1")
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "kill@5:1")
     summary = launch_ray(killed_cfg, killed_dir)
-    assert (killed_dir / ".inject-kill.done").exists()  # the kill happened
+    assert (killed_dir / ".faults-fired" / "kill@5-1").exists()  # the kill happened
     assert summary["resumed_from_step"] == 3 and summary["final_step"] == 6
     straight, killed = _final_weights(straight_dir, 6), _final_weights(killed_dir, 6)
     assert straight.keys() == killed.keys()

@@ -22,12 +22,12 @@ def test_a_crash_during_checkpoint_write_keeps_the_previous_one_latest(
     cfg, run_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "parallel.launcher=local", "train.steps=6",
         "train.checkpoint_every=2", "train.eval_every=0", "run.name=crash"))
-    monkeypatch.setenv("MEMTRAIN_INJECT_CHECKPOINT_FAILURE", "4")
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "checkpoint@4")
     with pytest.raises(Exception, match="checkpoint write failed at step 4"):
         launch_local(cfg, run_dir)
     assert [step for step, _ in complete_checkpoints(run_dir)] == [2]
     assert (run_dir / ".staging-checkpoint-00000004" / "state.pt").is_file()  # never published
-    monkeypatch.delenv("MEMTRAIN_INJECT_CHECKPOINT_FAILURE")
+    monkeypatch.delenv("MEMTRAIN_FAULTS")
     resumed = launch_local(cfg, run_dir)
     assert resumed["resumed_from_step"] == 2 and resumed["final_step"] == 6
     assert [step for step, _ in complete_checkpoints(run_dir)] == [2, 4, 6]
@@ -64,8 +64,8 @@ def test_a_model_with_nan_weights_is_never_checkpointed(tmp_path: Path) -> None:
     import torch
 
     from trainer.context import LocalContext
-    from trainer.loop import _checkpoint
     from trainer.model import GPT, GPTConfig
+    from trainer.state import TrainState
 
     model = GPT(GPTConfig(seq_len=8, n_layer=1, n_head=1, n_embd=8))
     with torch.no_grad():
@@ -75,8 +75,8 @@ def test_a_model_with_nan_weights_is_never_checkpointed(tmp_path: Path) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with pytest.raises(NonFiniteError, match=r"refusing to checkpoint step 7 on rank 0: "
                                              r"non-finite weights in \['blocks.0.mlp.fc.weight'\]"):
-        _checkpoint(ctx, 7, model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
-                    scheduler, None, {}, sharded=False)  # type: ignore[arg-type]
+        TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
+                   None, sharded=False, strategy="ddp", step=7).save(ctx, {})  # type: ignore[arg-type]
     assert complete_checkpoints(tmp_path) == []
 
 

@@ -15,7 +15,7 @@ from trainer.memory import (
     checkpointed_block_indices,
     precision_policy,
 )
-from trainer.model import GPT, GPTConfig, build_model
+from trainer.model import GPT, GPTConfig, create_model
 
 
 def _loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor):
@@ -101,13 +101,13 @@ def test_precision_policies_on_cpu() -> None:
 
 
 def test_model_registry_and_entry_points() -> None:
-    assert isinstance(build_model("gpt", n_layer=1, n_embd=16, n_head=2), GPT)
-    model = build_model("torch.nn:Linear", in_features=2, out_features=3)
+    assert isinstance(create_model("gpt", n_layer=1, n_embd=16, n_head=2), GPT)
+    model = create_model("torch.nn:Linear", in_features=2, out_features=3)
     assert isinstance(model, torch.nn.Linear)
     with pytest.raises(ValueError, match="not registered"):
-        build_model("llama")
+        create_model("llama")
     with pytest.raises(ValueError, match="cannot import entry point"):
-        build_model("no_such_module:f")
+        create_model("no_such_module:f")
 
 
 class _Payload:

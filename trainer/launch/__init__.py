@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from datapipe.manifest import is_remote, read_manifest
 from trainer.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from trainer.planner import ActivationProfile, StaticBytes
 
 log = logging.getLogger("memtrain")
 
@@ -50,18 +53,21 @@ def device_memory_bytes(cfg: Config) -> int:
     return host // cfg.parallel.workers
 
 
-def planning_builder(cfg: Config) -> Callable[[], Any]:
-    """Builds the configured model as the planner must probe it: with the memory transforms
-    the loop applies besides checkpointing and loss chunking (which the planner varies)."""
-    from trainer.memory import bf16_norm_inputs
-    from trainer.model import build_model
+def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
+                 ) -> tuple[StaticBytes, list[ActivationProfile]]:
+    """The planner's inputs for ``cfg``: one rank's static bytes and an activation profile per
+    (precision, checkpointing) pair, probed on CPU for the configured device type."""
+    from trainer.build import MemoryTransforms, build_model, model_factory
+    from trainer.planner import profile_all, static_bytes
 
-    def build() -> Any:
-        model = build_model(cfg.model.name, **cfg.model.model_dump(exclude={"name"}))
-        bf16_norm_inputs(model, cfg.memory.bf16_norm_inputs)
-        return model
-
-    return build
+    factory = model_factory(cfg.model)
+    transforms = MemoryTransforms.of(cfg.memory)
+    profiles = profile_all(factory, transforms, cfg.model.seq_len, cfg.model.vocab_size,
+                           precisions, ac_modes,
+                           target="cuda" if cfg.parallel.use_gpu else "cpu")
+    plain = build_model(factory, transforms.replace(activation_checkpointing="none"))
+    static = static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers)
+    return static, profiles
 
 
 def resolve_auto(cfg: Config) -> Config:
@@ -71,20 +77,14 @@ def resolve_auto(cfg: Config) -> Config:
     ac_auto = cfg.memory.activation_checkpointing == "auto"
     if not (micro_auto or ac_auto):
         return cfg
-    from trainer.planner import choose_plan, profile_all, static_bytes
+    from trainer.planner import AC_MODES, choose_plan
 
     world = cfg.parallel.workers
     if cfg.train.global_batch_size % world:
         raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
                           f"multiple of the workers ({world})")
-    modes: list[str] = ["none", "selective", "full"] if ac_auto \
-        else [cfg.memory.activation_checkpointing]
-    build = planning_builder(cfg)
-    profiles = profile_all(build, cfg.model.seq_len,
-                           cfg.model.vocab_size, [cfg.memory.precision], modes,
-                           cfg.memory.checkpoint_every_k, cfg.memory.loss_chunk_tokens,
-                           target="cuda" if cfg.parallel.use_gpu else "cpu")
-    static = static_bytes(build(), cfg.parallel.strategy, world)
+    modes = AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,)
+    static, profiles = probe_config(cfg, [cfg.memory.precision], modes)
     budget = device_memory_bytes(cfg)
     fixed = None if micro_auto else cfg.train.micro_batch()
     plan = choose_plan(static, profiles, cfg.train.global_batch_size, world, budget, fixed)

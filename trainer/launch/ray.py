@@ -31,6 +31,7 @@ from ray.util.metrics import Counter, Gauge, Histogram  # noqa: E402
 
 from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E402
 from monitoring.sinks import Sink  # noqa: E402
+from trainer import faults  # noqa: E402
 from trainer.compat import ray_loopback_init_kwargs  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
@@ -91,6 +92,8 @@ class RayContext(WorkerContext):
 
 def _worker_loop(loop_config: dict[str, Any]) -> None:
     setup_logging()
+    if loop_config.get("faults"):  # tests: Ray's workers started before the test set it
+        os.environ[faults.ENV] = loop_config["faults"]
     configure_allocator_env()
     cfg = Config.model_validate(loop_config["config"])
     context = ray.train.get_context()
@@ -135,7 +138,8 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None) -> dict[s
     init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers))
     trainer = TorchTrainer(
         _worker_loop,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)},
+        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
+                           "faults": os.environ.get(faults.ENV, "")},
         scaling_config=ScalingConfig(num_workers=cfg.parallel.workers,
                                      use_gpu=cfg.parallel.use_gpu,
                                      resources_per_worker={"CPU": 1}),

@@ -1,0 +1,83 @@
+"""Fault injection for tests, through one environment variable: ``MEMTRAIN_FAULTS``.
+
+A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left out), steps
+1-based optimizer steps:
+- ``oom@3:1``: rank 1 raises ``torch.OutOfMemoryError`` halfway through step 3's micro-batches,
+  on the step's first attempt only (OOM recovery then retries it);
+- ``checkpoint@4``: the checkpoint of step 4 fails after its files are written, before it is
+  published (every rank raises);
+- ``kill@5:1``: rank 1 SIGKILLs itself at the end of step 5, once per run directory (a marker
+  file in the run directory keeps a restarted worker from doing it again).
+
+Both launchers carry the variable to their workers (spawned processes inherit it; the Ray
+launcher passes it in the loop config, since Ray's workers start before a test could set it).
+Unset, every check is a dictionary lookup. Production code has no other test hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "MEMTRAIN_FAULTS"
+KINDS = ("oom", "checkpoint", "kill")
+log = logging.getLogger("memtrain")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}:{self.rank}"
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """``"oom@3:1,kill@5"`` -> faults; raises ValueError naming the bad item."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, at, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in KINDS or not at or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"{ENV} item {item!r} is not KIND@STEP[:RANK] with KIND one of "
+                             f"{', '.join(KINDS)}")
+        faults.append(Fault(kind, int(step), int(rank or 0)))
+    return tuple(faults)
+
+
+def active() -> tuple[Fault, ...]:
+    return parse_faults(os.environ.get(ENV, ""))
+
+
+def wanted(kind: str, step: int, rank: int) -> bool:
+    """Whether ``MEMTRAIN_FAULTS`` asks for a ``kind`` fault at ``step`` on ``rank``."""
+    return Fault(kind, step, rank) in active()
+
+
+def maybe_fail_checkpoint(step: int) -> None:
+    """``checkpoint@STEP``: fail this step's checkpoint write (on every rank)."""
+    if any(f.kind == "checkpoint" and f.step == step for f in active()):
+        raise OSError(f"checkpoint write failed at step {step} (injected by {ENV})")
+
+
+def maybe_kill(run_dir: Path, step: int, rank: int) -> None:
+    """``kill@STEP:RANK``: SIGKILL this process at the end of the step, once per run dir."""
+    fault = Fault("kill", step, rank)
+    if fault not in active():
+        return
+    marker = run_dir / ".faults-fired" / str(fault).replace(":", "-")
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    # Ray's controller registers a reported checkpoint when it next polls the workers; wait for
+    # that, so the kill lands after the checkpoint is known, as a real preemption would.
+    time.sleep(3)
+    log.warning("rank %d: killed by %s=%s at the end of step %d", rank, ENV, fault, step)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,128 @@
+"""``TrainState``: everything a checkpoint holds, and how it is written and restored.
+
+The state owns the model (DDP-wrapped once the process group needs it), the optimizer, the LR
+schedule, the GradScaler, the loader's position, the step and, in every checkpoint, the RNG.
+``state_dict()`` / ``load_state_dict()`` carry the plain part; under FSDP the model and optimizer
+shards go through DCP (``trainer.sharding``) beside it. ``save`` refuses non-finite weights and
+hands a complete directory to the worker context; ``restore`` loads the context's latest one.
+
+DDP: rank 0 writes everything into ``state.pt``. FSDP: every rank writes its model and optimizer
+shards, rank 0 adds ``state.pt`` with the rest.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from datapipe.loader import BatchLoader
+from trainer.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_model_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.context import WorkerContext
+from trainer.sharding import load_sharded, local_tensor, save_sharded
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite numbers that it cannot step over."""
+
+
+@dataclass
+class TrainState:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    loader: BatchLoader
+    sharded: bool  # FSDP: model and optimizer state are per-rank shards (DCP)
+    strategy: str  # parallel.strategy, for messages
+    step: int = 0
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        return self.model.module if isinstance(self.model, DDP) else self.model
+
+    def wrap_ddp(self, ctx: WorkerContext) -> None:
+        """DDP when more than one rank holds the whole model (after ``restore``: DDP
+        broadcasts rank 0's weights when it wraps)."""
+        if ctx.world_size > 1 and not self.sharded:
+            device = ctx.device
+            self.model = DDP(self.model,
+                             device_ids=[device.index] if device.type == "cuda" else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``state.pt``: model and optimizer too unless they are sharded."""
+        state: dict[str, Any] = {
+            "scaler": self.scaler.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
+            "sharded": self.sharded,
+        }
+        if not self.sharded:
+            state.update(model=self.unwrapped.state_dict(),
+                         optimizer=self.optimizer.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], source: str) -> None:
+        """The inverse of ``state_dict`` (sharded model and optimizer: see ``restore``)."""
+        if not self.sharded:
+            load_model_state(self.unwrapped, state["model"], source)
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+    def restore(self, ctx: WorkerContext) -> int | None:
+        """Load the context's latest checkpoint; returns its step, or None (nothing to load)."""
+        with ctx.latest_checkpoint() as checkpoint_dir:
+            if checkpoint_dir is None:
+                return None
+            state = load_checkpoint(checkpoint_dir)
+            if bool(state.get("sharded")) != self.sharded:
+                how = "with" if state.get("sharded") else "without"
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run has "
+                    f"parallel.strategy {self.strategy!r} on {ctx.world_size} workers")
+            if self.sharded:
+                load_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
+            self.load_state_dict(state, str(checkpoint_dir))
+            return self.step
+
+    def save(self, ctx: WorkerContext, metrics: dict[str, Any]) -> None:
+        """Write a checkpoint of this step into a staging directory and hand it to ``ctx``.
+
+        Every rank calls. Raises NonFiniteError on every rank, writing nothing, when any rank
+        holds a non-finite weight: the last good checkpoint stays the latest.
+        """
+        bad = [name for name, p in self.unwrapped.named_parameters()  # FSDP: this rank's shard
+               if not bool(torch.isfinite(local_tensor(p.detach())).all())]  # host sync: here
+        flag = torch.tensor([1.0 if bad else 0.0], device=ctx.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank refuses together
+        if flag.item():
+            where = f"in {bad[:3]}" if bad else "on another rank"
+            raise NonFiniteError(f"refusing to checkpoint step {self.step} on rank {ctx.rank}: "
+                                 f"non-finite weights {where}; the last good checkpoint stays "
+                                 "the latest")
+        with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
+            checkpoint_dir = None
+            if self.sharded:
+                checkpoint_dir = Path(tmp)
+                save_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
+            if ctx.is_main:
+                checkpoint_dir = Path(tmp)
+                save_checkpoint(checkpoint_dir, self.state_dict())
+            ctx.report(metrics, checkpoint_dir, self.step)
