@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import tiny_config
+from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
 from trainer.launch import prepare_run
 from trainer.launch.local import free_port, launch_local
@@ -138,7 +140,7 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, precision: str) -> N
     mp.start_processes(_step_peak, args=(free_port(), precision, str(out)), nprocs=2,
                        start_method="spawn")
     measured = torch.load(out, weights_only=True)["peak"]
-    profile = profile_activations(lambda: GPT(_WIDE), _WIDE.seq_len, _WIDE.vocab_size,
-                                  precision, "none")
+    profile = profile_activations(partial(GPT, _WIDE), MemoryTransforms(bf16_norm_inputs=False),
+                                  _WIDE.seq_len, _WIDE.vocab_size, precision)
     row = plan_row(static_bytes(GPT(_WIDE), "fsdp", 2), profile, 2, 1)
     assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.12), row

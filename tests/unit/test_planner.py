@@ -1,14 +1,14 @@
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
+from trainer.build import MemoryTransforms, build_model
 from trainer.loop import step_peak_bytes, train_step
 from trainer.memory import (
-    apply_activation_checkpointing,
-    bf16_norm_inputs,
     precision_policy,
-    set_loss_chunking,
 )
 from trainer.model import GPT, GPTConfig
 from trainer.planner import (
@@ -25,13 +25,18 @@ from trainer.planner import (
 CFG = GPTConfig(seq_len=64, n_layer=4, n_head=2, n_embd=64)
 
 
+def plain(mode: str) -> MemoryTransforms:
+    """Checkpointing ``mode`` and nothing else (no loss chunking, no bf16 norm inputs)."""
+    return MemoryTransforms(mode, bf16_norm_inputs=False)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_probe_predicts_saved_bytes_at_a_larger_batch_within_5_percent(precision: str,
                                                                        mode: str) -> None:
-    profile = profile_activations(lambda: GPT(CFG), CFG.seq_len, CFG.vocab_size, precision, mode)
-    model = GPT(CFG)
-    apply_activation_checkpointing(model, mode, 2)
+    profile = profile_activations(partial(GPT, CFG), plain(mode), CFG.seq_len, CFG.vocab_size,
+                                  precision)
+    model = build_model(partial(GPT, CFG), plain(mode))
     measured, _sizes = measure_saved_bytes(model, torch.randint(0, 256, (8, CFG.seq_len + 1)),
                                       precision)
     assert profile.saved_bytes(8) == pytest.approx(measured, rel=0.05)
@@ -46,12 +51,6 @@ STEP_SHAPES = {
 }
 
 
-def _normed_gpt(cfg: GPTConfig) -> GPT:
-    model = GPT(cfg)
-    bf16_norm_inputs(model)  # the trainer's default
-    return model
-
-
 @pytest.mark.parametrize("shape", sorted(STEP_SHAPES))
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -60,17 +59,14 @@ def test_predicted_step_peak_matches_the_cpu_allocator(shape: str, precision: st
     """The whole prediction (static, saved, transients) against a real step's peak on CPU.
 
     The peak is the CPU allocator's record of the trainer's own ``train_step`` (forward,
-    backward, clipping, AdamW), after a first step has created the optimizer state. Before the
-    planner counted autocast's weight cache and the loss's weight copy, and before the loss freed
-    each chunk's gradient logits, the loss-bound rows were 5-25% off; counting every gradient
-    and twice the largest tensor at the start of backward overshot selective by up to 47%.
+    backward, clipping, AdamW), after a first step has created the optimizer state. The model
+    applied is the one for this machine's CPU: where bf16 is emulated
+    (``trainer.compat.cpu_bf16_support``) it includes the emulated kernels' measured workspace.
     """
     cfg, micro, chunk = STEP_SHAPES[shape]
     device = torch.device("cpu")
-    torch.manual_seed(0)
-    model = _normed_gpt(cfg)
-    apply_activation_checkpointing(model, mode, 2)
-    set_loss_chunking(model, chunk)
+    transforms = MemoryTransforms(mode, 2, chunk)  # the trainer's defaults: bf16 norm inputs
+    model = build_model(partial(GPT, cfg), transforms)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     policy = precision_policy(precision, device, warn=False)
     scaler = policy.grad_scaler(device)
@@ -78,8 +74,8 @@ def test_predicted_step_peak_matches_the_cpu_allocator(shape: str, precision: st
     train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
     measured = step_peak_bytes(model, optimizer, scaler, tokens, policy)
 
-    profile = profile_activations(lambda: _normed_gpt(cfg), cfg.seq_len, cfg.vocab_size,
-                                  precision, mode, loss_chunk_tokens=chunk)
+    profile = profile_activations(partial(GPT, cfg), transforms, cfg.seq_len, cfg.vocab_size,
+                                  precision)
     row = plan_row(static_bytes(GPT(cfg)), profile, micro, 1)
     assert row.peak_moment != "optimizer step"  # (CPU AdamW's temporaries differ from CUDA's)
     assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.08), row
@@ -87,8 +83,8 @@ def test_predicted_step_peak_matches_the_cpu_allocator(shape: str, precision: st
 
 def test_checkpointing_and_bf16_save_less() -> None:
     def per_sample(precision: str, mode: str) -> int:
-        return profile_activations(lambda: GPT(CFG), CFG.seq_len, CFG.vocab_size, precision,
-                                   mode).per_sample_bytes
+        return profile_activations(partial(GPT, CFG), plain(mode), CFG.seq_len,
+                                   CFG.vocab_size, precision).per_sample_bytes
 
     base = per_sample("fp32", "none")
     assert per_sample("fp32", "selective") < base
@@ -108,7 +104,8 @@ def test_static_bytes_count_tied_weights_once_and_shard_under_fsdp() -> None:
 def test_feasible_plans_keep_the_global_batch_and_fit() -> None:
     model = GPT(CFG)
     static = static_bytes(model)
-    profiles = [profile_activations(lambda: GPT(CFG), CFG.seq_len, CFG.vocab_size, "bf16", m)
+    profiles = [profile_activations(partial(GPT, CFG), plain(m), CFG.seq_len, CFG.vocab_size,
+                                    "bf16")
                 for m in ("none", "full")]
     budget = static.total + profiles[1].saved_bytes(16) * 2  # too small for "none" at 16
     rows = feasible_plans(static, profiles, global_batch_size=64, world_size=2,
@@ -227,7 +224,7 @@ def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None
 
     def profile(kind: str, precision: str = "bf16", target: str = "cpu") -> ActivationProfile:
         monkeypatch.setattr(planner, "cpu_bf16_support", lambda: kind)
-        return profile_activations(Model, 16, 256, precision, "none", target=target)
+        return profile_activations(Model, plain("none"), 16, 256, precision, target=target)
 
     assert profile("native").emulation_workspace_per_sample_bytes == 0
     assert profile("emulated", "fp32").emulation_workspace_per_sample_bytes == 0
