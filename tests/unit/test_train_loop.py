@@ -46,3 +46,32 @@ def test_twenty_steps_give_the_recorded_losses_bit_for_bit(precision: str, corpu
     rows = [json.loads(line) for line in
             (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()]
     assert [r["loss"].hex() for r in rows if "loss" in r] == RECORDED["losses"][precision]
+
+
+def test_a_run_that_fails_midway_restores_gc_and_stops_the_loader_threads(
+        corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local runs and the tests train in-process: whatever a failed run turned off or started
+    (automatic gc, the loaders' read-ahead threads) must be back or gone when it raises."""
+    import gc
+    import threading
+    import time
+
+    def loader_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("memtrain-read")]
+
+    assert gc.isenabled() and not loader_threads()
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
+        "memory.gc_every=2", "train.steps=6", "train.checkpoint_every=2", "train.eval_every=2",
+        "run.name=fails"))
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "checkpoint@4")
+    seen_during: list[bool] = []
+    monkeypatch.setattr("trainer.loop.gc.collect", lambda *a: seen_during.append(gc.isenabled()))
+    with pytest.raises(OSError, match="checkpoint write failed at step 4"):
+        launch_local(cfg, run_dir)
+    assert seen_during == [False]  # gc was off while it trained (collected at step 2)
+    assert gc.isenabled()
+    deadline = time.monotonic() + 5  # shut down without waiting: idle threads exit at once
+    while loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loader_threads() == []
