@@ -9,9 +9,11 @@ STAMP := $(VENV)/.installed
 DATA := data/stdlib
 RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
 PYTEST_ARGS ?=
-GPU_PYTHON ?= python3  # gpu-check runs on the machine's own torch, from the source tree
+# gpu-check runs on the machine's own torch, from the source tree
+GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= bench/results
-OVERLAY ?= cluster  # k8s/overlays/: cluster (long-lived RayCluster) or job (one RayJob)
+# k8s/overlays/: cluster (long-lived RayCluster) or job (one RayJob)
+OVERLAY ?= cluster
 CONFIG ?= configs/gpt2-124m-8xgpu.yaml
 SUBMIT_ARGS ?=
 

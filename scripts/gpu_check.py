@@ -143,9 +143,8 @@ def measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
 def release_memory(device: torch.device) -> int:
     """Free what earlier rows left (cyclic garbage included); returns bytes still allocated.
 
-    Run 3 on an H200 showed memory carried from row to row (the planner's probes leaked their
-    activations, since fixed); each row now starts from a collected heap and an empty cache, and
-    the bytes still allocated at its start are recorded so any carry-over shows.
+    Each row starts from a collected heap and an empty cache, and the bytes still allocated at
+    its start are recorded, so memory carried over from an earlier row shows in the report.
     """
     gc.collect()
     if device.type != "cuda":

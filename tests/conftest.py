@@ -117,6 +117,30 @@ def tiny_train_command(corpus_dir: Path, run_dir: Path, *overrides: str) -> list
             *set_args(tiny_overrides(corpus_dir, run_dir, *overrides))]
 
 
+TIERS = ("unit", "distributed", "e2e", "deploy")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test carries its tier's marker (the folder it lives in), so ``-m unit`` selects
+    exactly tests/unit; ``gpu`` tests skip, saying why, where CUDA is absent; tests on the
+    session's Ray cluster share one xdist worker (``--dist loadgroup``), so one cluster serves
+    them all."""
+    cuda = None
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in TIERS and item.get_closest_marker(tier) is None:
+            item.add_marker(getattr(pytest.mark, tier))
+        if item.get_closest_marker("gpu") is not None:
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA (a gpu test)"))
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.
 # trainer.launch.ray sets it too; setting it here covers any test that imports ray first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

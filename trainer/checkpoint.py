@@ -39,7 +39,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` (see ``training_state``) into ``directory``; returns the state file."""
+    """Write ``state`` (``trainer.state.TrainState.state_dict``) into ``directory``; returns the
+    state file."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / STATE_FILE
     torch.save(state, path)

@@ -27,13 +27,12 @@ app = typer.Typer(help="memtrain: distributed PyTorch training that minds GPU me
 data_app = typer.Typer(help="Build and inspect sharded Arrow datasets.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 console = Console(stderr=False)
-_state = {"debug": False}
 
 
 @app.callback()
 def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False
           ) -> None:
-    _state["debug"] = debug
+    """``--debug`` is read by ``main`` before typer runs (it decides how errors print)."""
 
 
 @app.command("train")

@@ -143,7 +143,7 @@ class ParallelConfig(_Strict):
 
 class MonitoringConfig(_Strict):
     # Local launcher: serve each rank's metrics on 127.0.0.1:(port + rank); None: no exporter.
-    # Under Ray the node's metrics endpoint is used instead (issue #5).
+    # Under Ray the node's metrics endpoint is used instead.
     port: int | None = Field(None, ge=0, le=65535)
 
 

@@ -6,9 +6,13 @@
   dropout is replayed identically; parameter names and state_dict keys are unchanged.
 - Loss chunking: the output projection and cross-entropy in chunks of tokens, gradients computed
   on the fly (``trainer.loss``), so the ``(B, T, V)`` logits and their fp32 copies never exist.
+- bf16 norm inputs: every ``nn.LayerNorm`` becomes a ``Bf16InputLayerNorm`` (a subclass with
+  the same parameters and state_dict keys) that keeps only a bf16 copy of its input for backward.
 - Allocator: ``expandable_segments:True`` through the environment, before CUDA initialises.
 
-Nothing here patches a model's ``forward``: the wrappers are torch's own.
+The checkpointing wrappers are torch's own; the norm transform changes each LayerNorm's class to
+the subclass, so ``print(model)`` shows it. ``trainer.build.build_model`` applies them all, in
+one order.
 """
 
 from __future__ import annotations
@@ -126,20 +130,23 @@ def bf16_norm_inputs(model: nn.Module, enabled: bool = True) -> int:
     """
     if not enabled:
         return 0
-    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    norms = [m for m in model.modules() if type(m) is nn.LayerNorm]
     for norm in norms:
-        norm.forward = partial(_bf16_saved_layer_norm, norm)  # type: ignore[method-assign]
+        norm.__class__ = Bf16InputLayerNorm
     return len(norms)
 
 
-def _bf16_saved_layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    device_type = x.device.type
-    if not (torch.is_autocast_enabled(device_type)
-            and torch.get_autocast_dtype(device_type) == torch.bfloat16
-            and x.dtype == torch.float32 and torch.is_grad_enabled()):
-        return nn.LayerNorm.forward(norm, x)
-    return _LayerNormSavingBf16.apply(x, norm.weight, norm.bias, norm.normalized_shape,
-                                      norm.eps)
+class Bf16InputLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that, under bf16 autocast with grad, saves a bf16 copy of its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        if not (torch.is_autocast_enabled(device_type)
+                and torch.get_autocast_dtype(device_type) == torch.bfloat16
+                and x.dtype == torch.float32 and torch.is_grad_enabled()):
+            return super().forward(x)
+        return _LayerNormSavingBf16.apply(x, self.weight, self.bias, self.normalized_shape,
+                                          self.eps)
 
 
 class _LayerNormSavingBf16(torch.autograd.Function):

@@ -9,6 +9,9 @@ with a 1, the others with a 0, and all of them raise ``StepOutOfMemory`` togethe
 then writes a memory snapshot, cuts each micro-batch in two (accumulation doubles, the samples
 and the global batch are unchanged), empties the CUDA cache and retries the same step.
 
+Under FSDP the reduce-scatter runs inside backward and cannot wait for an agreement, so there
+recovery is per rank only (world size 1; ``trainer.loop.step_with_oom_recovery``).
+
 The price: the gradient all-reduce no longer overlaps the last micro-batch's backward (with
 ``memory.oom_recovery: false`` DDP's own overlapped all-reduce is used). An OOM inside the
 gradient all-reduce itself, after the agreement, is re-raised and fails the run.

@@ -19,7 +19,7 @@ import yaml
 
 from tests.conftest import REPO, require_tool
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.deploy
 DOCKER = REPO / "docker"
 BIN = Path(sys.executable).parent
 

@@ -17,7 +17,7 @@ import yaml
 
 from tests.conftest import REPO, require_tool
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.deploy
 K8S = REPO / "k8s"
 OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 SCHEMAS = REPO.parent / "shared" / "schemas"

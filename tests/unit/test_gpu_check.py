@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPU machine has torch, pyarrow, numpy and prometheus-client only: hide the rest.
@@ -41,3 +44,16 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     assert report["metrics"]["ok"]  # on CPU: cuda and device families absent
     assert report["metrics"]["families"]["train"]
     assert (tmp_path / report_file.name.replace(".json", ".md")).read_text().startswith("###")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_section_runs_and_the_cuda_families_export(tmp_path: Path) -> None:
+    """``make gpu-check`` itself on the CUDA device (skipped, saying so, without one)."""
+    result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path),
+                             "--steps", "2", "--no-compile"], cwd=REPO, capture_output=True,
+                            text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    [report_file] = tmp_path.glob("gpu-check-*.json")
+    report = json.loads(report_file.read_text())
+    assert not report["dry"] and report["errors"] == []
+    assert report["metrics"]["ok"], report["metrics"]

@@ -1,6 +1,7 @@
 """The Ray launcher: Ray Train's ``TorchTrainer`` (Train V2) runs the same loop on N workers.
 
-This is the only module that imports ``ray``. The driver starts (or joins) a Ray cluster whose
+With ``trainer/launch/submit.py`` (the Jobs client) it is the launch edge, the only code that
+imports ``ray``; private Ray keywords come from ``trainer.compat``. The driver starts (or joins) a Ray cluster whose
 node IP is 127.0.0.1, so every worker, the rendezvous (MASTER_ADDR) and the metrics agent stay on
 loopback; Ray's token authentication is left as Ray configures it (on). Checkpoints go through
 ``ray.train.report`` into ``<run.dir>/<run.name>/``; running again with the same run name makes
