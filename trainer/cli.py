@@ -55,20 +55,13 @@ def train_command(
     """Train a model; rerunning with the same --run-name resumes from its latest checkpoint."""
     from trainer.launch import prepare_run, setup_logging
 
-    extra = list(overrides or [])
-    if launcher is not None:
-        extra.append(f"parallel.launcher={launcher}")
-    if workers is not None:
-        extra.append(f"parallel.workers={workers}")
-    if run_name is not None:
-        extra.append(f"run.name={run_name}")
-    if profile_steps is not None:
-        extra.append(f"memory.profile_steps='{profile_steps}'")
-    if memory_summary is not None:
-        extra.append(f"memory.memory_summary_steps=[{memory_summary}]")
-    if metrics_port is not None:
-        extra.append(f"monitoring.port={metrics_port}")
-    cfg = load_config(config, extra)
+    options: dict[str, Any] = {
+        "parallel.launcher": launcher, "parallel.workers": workers, "run.name": run_name,
+        "memory.profile_steps": profile_steps, "monitoring.port": metrics_port,
+        "memory.memory_summary_steps": _step_list(memory_summary, "--memory-summary"),
+    }
+    cfg = load_config(config, list(overrides or []),
+                      {key: value for key, value in options.items() if value is not None})
     cfg, run_dir = prepare_run(cfg)
     setup_logging()
     console.print(f"[bold]memtrain[/] run [cyan]{cfg.run.name}[/]: launcher "
@@ -83,6 +76,17 @@ def train_command(
 
         summary = launch_local(cfg, run_dir)
     _print_summary(summary, time.perf_counter() - start)
+
+
+def _step_list(text: str | None, option: str) -> list[int] | None:
+    """``"1,100"`` -> [1, 100]; a usage error names the option."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of steps",
+                                 param_hint=option) from None
 
 
 def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
@@ -176,8 +180,8 @@ def plan_command(
     from trainer.launch import probe_config
     from trainer.planner import AC_MODES, HEADROOM, feasible_plans, parse_bytes, plan_row
 
-    extra = list(overrides or []) + ([f"parallel.workers={workers}"] if workers else [])
-    cfg = load_config(config, extra)
+    cfg = load_config(config, list(overrides or []),
+                      {"parallel.workers": workers} if workers else None)
     budget = parse_bytes(device_memory)
     world = cfg.parallel.workers
     accumulation = cfg.train.accumulation_steps(world)

@@ -76,6 +76,13 @@ def dump_memory_snapshot(path: Path) -> None:
     torch.cuda.memory._dump_snapshot(str(path))
 
 
+def _event_tree(prof: torch.profiler.profile) -> list[Any]:
+    """The root events of a finished profile (``experimental_event_tree``)."""
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None, \
+        "the profile must have finished"
+    return prof.profiler.kineto_results.experimental_event_tree()
+
+
 def cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
     """``(time ns, bytes allocated (+) or freed (-), running total after)`` of every CPU
     allocation a finished ``profile(profile_memory=True)`` recorded, in time order.
@@ -86,7 +93,7 @@ def cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, 
     """
     from torch._C._profiler import _EventType
 
-    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    pending = list(_event_tree(prof))
     events = []
     while pending:
         event = pending.pop()
@@ -129,7 +136,7 @@ def cpu_op_workspace_bytes(prof: torch.profiler.profile, op_names: frozenset[str
         return sorted(found, key=lambda e: e.start_time_ns)
 
     workspace = 0
-    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    pending = list(_event_tree(prof))
     while pending:
         event = pending.pop()
         if event.tag == _EventType.TorchOp and event.name in op_names:

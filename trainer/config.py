@@ -177,26 +177,35 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: {field}: {first['msg']}{shown}"
 
 
-def apply_override(tree: dict[str, Any], assignment: str) -> None:
-    """Apply one ``a.b.c=value`` to a nested dict; the value is parsed as YAML (so 3 is an int)."""
-    key, sep, raw = assignment.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.lr=3e-4")
+def set_value(tree: dict[str, Any], key: str, value: Any, source: str | None = None) -> None:
+    """Set the dotted ``key`` (``a.b.c``) of a nested dict to ``value``."""
     *parents, leaf = key.split(".")
     node = tree
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {assignment!r}: {part!r} is not a section")
+            raise ConfigError(f"{source or key}: {part!r} is not a section")
         node = child
+    node[leaf] = value
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one ``a.b.c=value`` to a nested dict; the value is parsed as YAML (so 3 is an int)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.lr=3e-4")
     try:
-        node[leaf] = yaml.safe_load(raw) if raw else ""
+        value = yaml.safe_load(raw) if raw else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {assignment!r}: value is not valid YAML ({err})") from err
+    set_value(tree, key, value, f"--set {assignment!r}")
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a config file (or the defaults when ``path`` is None) and apply overrides."""
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                values: dict[str, Any] | None = None) -> Config:
+    """Load a config file (or the defaults when ``path`` is None) and apply overrides: the
+    ``--set KEY=VALUE`` strings (values parsed as YAML), then ``values``, typed values by dotted
+    key that a CLI option already parsed (``{"parallel.workers": 4}``)."""
     source = str(path) if path is not None else "defaults"
     tree: dict[str, Any] = {}
     if path is not None:
@@ -214,6 +223,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         tree = loaded or {}
     for assignment in overrides:
         apply_override(tree, assignment)
+    for key, value in (values or {}).items():
+        set_value(tree, key, value)
     try:
         return Config.model_validate(tree)
     except ValidationError as err:

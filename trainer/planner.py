@@ -300,8 +300,8 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     emulation = 0
     if (target == "cpu" and device.type == "cpu" and precision == "bf16" and block_inputs
             and cpu_bf16_support() != "native"):
-        block = build_model(factory, plain_transforms).blocks[0]  # type: ignore[index]
-        emulation = emulated_bf16_workspace(block, block_inputs[0][1:])
+        first_block = build_model(factory, plain_transforms).get_submodule("blocks.0")
+        emulation = emulated_bf16_workspace(first_block, block_inputs[0][1:])
     return ActivationProfile(precision, transforms.activation_checkpointing, per_sample, fixed,
                              largest_per_sample, recompute, recompute_block, autocast_cache,
                              loss_shapes[0] if loss_shapes else None, seq_len,

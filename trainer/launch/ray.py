@@ -1,11 +1,11 @@
 """The Ray launcher: Ray Train's ``TorchTrainer`` (Train V2) runs the same loop on N workers.
 
 With ``trainer/launch/submit.py`` (the Jobs client) it is the launch edge, the only code that
-imports ``ray``; private Ray keywords come from ``trainer.compat``. The driver starts (or joins) a Ray cluster whose
-node IP is 127.0.0.1, so every worker, the rendezvous (MASTER_ADDR) and the metrics agent stay on
-loopback; Ray's token authentication is left as Ray configures it (on). Checkpoints go through
-``ray.train.report`` into ``<run.dir>/<run.name>/``; running again with the same run name makes
-Ray Train restore the latest one, and the loop resumes from it.
+imports ``ray``; private Ray keywords come from ``trainer.compat``. The driver starts (or joins)
+a Ray cluster whose node IP is 127.0.0.1, so every worker, the rendezvous (MASTER_ADDR) and the
+metrics agent stay on loopback; Ray's token authentication is left as Ray configures it (on).
+Checkpoints go through ``ray.train.report`` into ``<run.dir>/<run.name>/``; running again with
+the same run name makes Ray Train restore the latest one, and the loop resumes from it.
 """
 
 from __future__ import annotations
