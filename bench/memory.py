@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench.results import result_path, write_json
+from bench.results import describe_cpu, result_path, write_json
 from trainer.build import MemoryTransforms, build_model
 from trainer.loop import build_optimizer, step_peak_bytes, train_step
 from trainer.memory import precision_policy
@@ -126,7 +126,8 @@ def check_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"Micro-batch {report['micro_batch_size']}, loss chunk "
+    lines = [f"CPU: {describe_cpu(report['cpu'])}. Micro-batch {report['micro_batch_size']}, "
+             f"loss chunk "
              f"{report['loss_chunk_tokens'] or 'off'}, {report['threads']} threads, torch "
              f"{report['torch']}, median of {report['steps']} steps.", "",
              "| model | precision | act. ckpt | saved MiB | vs fp32/none | predicted MiB | "

@@ -22,8 +22,36 @@ def result_path(out: str | Path, name: str, suffix: str = ".json") -> Path:
     return directory / f"{name + '-' if name else ''}{stamp()}{suffix}"
 
 
+def cpu_description() -> dict[str, Any]:
+    """Which CPU a figure came from: model, the instruction sets that change torch's kernels,
+    and how it runs bf16 (``trainer.compat.cpu_bf16_support``)."""
+    import platform
+
+    from trainer.compat import cpu_bf16_support, cpu_capability
+
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": model, "flags": [f for f in wanted if f in flags],
+            "aten_capability": cpu_capability(), "bf16": cpu_bf16_support()}
+
+
+def describe_cpu(cpu: dict[str, Any]) -> str:
+    """One line for a report: ``AMD EPYC (avx2; bf16 emulated)``."""
+    return f"{cpu['model']} ({', '.join(cpu['flags']) or 'no AVX2'}; bf16 {cpu['bf16']})"
+
+
 def write_json(out: str | Path, name: str, report: dict[str, Any],
                sort_keys: bool = False) -> Path:
+    """Write ``report`` (with the CPU it ran on added as ``cpu``) as today's ``name`` report."""
+    report.setdefault("cpu", cpu_description())
     path = result_path(out, name)
     path.write_text(json.dumps(report, indent=2, sort_keys=sort_keys) + "\n")
     return path

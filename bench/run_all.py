@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.results import result_path, write_json
+from bench.results import cpu_description, describe_cpu, result_path, write_json
 
 BENCHES = {  # name -> (module, result file stem)
     "loader": ("bench.loader", "loader"),
@@ -129,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     reports = run(out, args.only.split(","), execute=not args.no_run)
-    machine = (f"{socket.gethostname()}: {platform.processor() or platform.machine()}, "
+    machine = (f"{socket.gethostname()}: {describe_cpu(cpu_description())}, "
                f"{len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}")
     summary = write_json(out, "", {"machine": machine, **reports})
     text = f"Machine: {machine}. Command: `make bench`.\n\n{table(reports)}"

@@ -4,28 +4,32 @@ torch is pinned at 2.13.0 and Ray at 2.60.0, and each function here wraps one AP
 projects may move or rename without notice. ``tests/unit/test_compat.py`` calls each of them
 and fails naming the installed torch or Ray version when one has moved, so an upgrade breaks
 there, with a clear line, and not deep inside a run. Nothing here imports ``ray`` at import
-time: the Ray helpers take keyword arguments for ``ray.init`` and import nothing.
+time, nor ``torch``: ``memtrain submit`` uses the Ray helpers on machines without torch, so every
+torch API is imported inside the function that wraps it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch import nn
-
-# Activation checkpointing's module wrapper lives in a private package of torch.distributed;
-# it is what torchtitan and FSDP's own docs use, and there is no public equivalent.
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
-    CheckpointImpl,
-    CheckpointWrapper,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 CpuBf16 = Literal["native", "onednn-emulated", "emulated"]
+
+
+def checkpoint_wrapper_api() -> ModuleType:
+    """torch's activation-checkpointing module wrapper (``CheckpointWrapper``,
+    ``checkpoint_wrapper``, ``CheckpointImpl``, ``apply_activation_checkpointing``). It lives in a
+    private package of torch.distributed; torchtitan and FSDP's docs use it, and there is no
+    public equivalent."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+
+    return checkpoint_wrapper
 
 
 def cpu_bf16_support() -> CpuBf16:
@@ -39,6 +43,8 @@ def cpu_bf16_support() -> CpuBf16:
     The two emulated kinds are about 2-3x slower than fp32 and allocate temporaries the native
     path does not (``trainer.planner`` measures them).
     """
+    import torch
+
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return "native"
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -48,15 +54,19 @@ def cpu_bf16_support() -> CpuBf16:
 
 def cpu_capability() -> str:
     """The instruction set ATen's CPU kernels were dispatched to (``AVX512``, ``AVX2``, ...)."""
+    import torch
+
     return torch.backends.cpu.get_cpu_capability()
 
 
 def is_checkpoint_wrapper(module: nn.Module) -> bool:
-    return isinstance(module, CheckpointWrapper)
+    return isinstance(module, checkpoint_wrapper_api().CheckpointWrapper)
 
 
 def allocator_settings() -> str:
     """The CUDA caching allocator's effective settings, or the environment's request."""
+    import torch
+
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         return getter() or "(defaults)"
@@ -65,6 +75,8 @@ def allocator_settings() -> str:
 
 def record_memory_history(enabled: bool = True, max_entries: int = 100_000) -> None:
     """CUDA: start (or stop) recording allocations with Python stacks, for snapshots."""
+    import torch
+
     if enabled:
         torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     else:
@@ -73,6 +85,8 @@ def record_memory_history(enabled: bool = True, max_entries: int = 100_000) -> N
 
 def dump_memory_snapshot(path: Path) -> None:
     """CUDA: the recorded history as a pickle that pytorch.org/memory_viz opens."""
+    import torch
+
     torch.cuda.memory._dump_snapshot(str(path))
 
 
@@ -102,6 +116,12 @@ def cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, 
             fields = event.extra_fields
             events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
     return sorted(events)
+
+
+def ray_server_version(client: Any) -> str | None:
+    """The Ray version a ``JobSubmissionClient``'s cluster answered at ``/api/version`` (kept
+    by the client in a private attribute; there is no public getter)."""
+    return client._server_ray_version
 
 
 def ray_loopback_init_kwargs(node_ip: str, metrics_export_port: int | None) -> dict[str, Any]:

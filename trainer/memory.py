@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.compat import CheckpointImpl, checkpoint_wrapper
-from trainer.compat import apply_activation_checkpointing as _apply_checkpoint_wrapper
+from trainer.compat import checkpoint_wrapper_api
 
 ALLOCATOR_SETTING = "expandable_segments:True"
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,10 +97,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
                          f"{type(model).__name__} does not")
     chosen = checkpointed_block_indices(len(blocks), mode, every_k)
     targets = {id(blocks[i]) for i in chosen}
-    _apply_checkpoint_wrapper(
+    api = checkpoint_wrapper_api()
+    api.apply_activation_checkpointing(
         model,
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper,
-                                      checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+        checkpoint_wrapper_fn=partial(api.checkpoint_wrapper,
+                                      checkpoint_impl=api.CheckpointImpl.NO_REENTRANT,
                                       preserve_rng_state=True),
         check_fn=lambda module: id(module) in targets,
     )

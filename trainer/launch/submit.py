@@ -31,6 +31,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 import datapipe
 import monitoring
 import trainer
+from trainer.compat import ray_server_version
 
 JOB_CONFIG_NAME = "memtrain-job.yaml"
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
@@ -79,7 +80,7 @@ def connect(address: str, headers: dict[str, str]) -> JobSubmissionClient:
         reason = "no token was sent" if "Authorization" not in headers else "the token is wrong"
         raise SubmitError(f"the Ray cluster at {address} refused the request ({reason}): pass "
                           "--token, or set RAY_AUTH_TOKEN") from err
-    check_versions(client._server_ray_version, address)  # what /api/version answered
+    check_versions(ray_server_version(client), address)  # what /api/version answered
     return client
 
 
@@ -119,12 +120,29 @@ def submit(client: JobSubmissionClient, config: Path, overrides: list[str],
         if ship_code:
             runtime_env["py_modules"] = project_packages()
             runtime_env["excludes"] = ["__pycache__", "*.pyc"]
-        submitted = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+        submitted = _submit_when_an_agent_is_ready(
+            lambda: client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
                                       submission_id=job_id,
-                                      metadata={"memtrain_config": config.name})
+                                      metadata={"memtrain_config": config.name}))
     finally:  # the SDK has uploaded the directory's zip by now
         shutil.rmtree(working_dir, ignore_errors=True)
     return Submission(submitted, entrypoint)
+
+
+NO_AGENT = "No available agent to submit job"
+
+
+def _submit_when_an_agent_is_ready(send: Callable[[], str], timeout_seconds: float = 60) -> str:
+    """``send()``, retried while Ray answers that no job agent is up yet (it says to try again
+    later: a head that has just started, or a busy one, registers its agents late)."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            return send()
+        except RuntimeError as err:
+            if NO_AGENT not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def follow(client: JobSubmissionClient, job_id: str, write: Callable[[str], object]) -> JobStatus:
