@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 DATA := data/stdlib
 RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
 PYTEST_ARGS ?=
+# Test processes: the Ray tests share one (xdist_group "ray"), the rest spread over both.
+PYTEST_WORKERS ?= 2
 # gpu-check runs on the machine's own torch, from the source tree
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= bench/results
@@ -43,7 +45,7 @@ demo: setup data ## Train the demo GPT: 2 Ray Train workers, AMP + activation ck
 
 test: setup ## Run every test: unit, distributed (gloo, Ray), e2e (a real Prometheus)
 	bash scripts/install-prometheus.sh
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 dashboards: setup ## Regenerate monitoring/grafana/dashboards/*.json from monitoring/dashboards.py
 	$(BIN)/memtrain dashboards

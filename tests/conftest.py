@@ -122,9 +122,9 @@ TIERS = ("unit", "distributed", "e2e", "deploy")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test carries its tier's marker (the folder it lives in), so ``-m unit`` selects
-    exactly tests/unit; ``gpu`` tests skip, saying why, where CUDA is absent; tests on the
-    session's Ray cluster share one xdist worker (``--dist loadgroup``), so one cluster serves
-    them all."""
+    exactly tests/unit; ``gpu`` tests skip, saying why, where CUDA is absent. (Tests on the
+    session's Ray cluster carry ``xdist_group("ray")`` in their modules: one xdist worker, one
+    cluster; two clusters on one machine collide on Ray's fixed agent ports.)"""
     cuda = None
     for item in items:
         tier = Path(str(item.fspath)).parent.name
@@ -138,7 +138,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason="needs CUDA (a gpu test)"))
         if "ray_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            assert item.get_closest_marker("xdist_group") is not None, \
+                f"{item.nodeid} uses the Ray cluster: mark its module xdist_group('ray')"
 
 
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.

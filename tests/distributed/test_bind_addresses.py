@@ -8,7 +8,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-pytestmark = pytest.mark.distributed
+# One Ray cluster for the session: every test on it runs in one xdist worker.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 

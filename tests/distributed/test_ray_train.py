@@ -10,7 +10,8 @@ import pytest
 from tests.conftest import tiny_config
 from trainer.launch import prepare_run
 
-pytestmark = pytest.mark.distributed
+# One Ray cluster for the session: every test on it runs in one xdist worker.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
 
 
 def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_cluster, corpus_dir: Path,

@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import REPO, set_args, tiny_overrides
 
-pytestmark = pytest.mark.distributed
+# One Ray cluster for the session: every test on it runs in one xdist worker.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
 MEMTRAIN = [sys.executable, "-m", "trainer.cli"]
 
 

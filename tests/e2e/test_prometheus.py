@@ -20,7 +20,8 @@ from tests.conftest import require_tool, tiny_config, wait_for_http
 from trainer.launch import prepare_run
 from trainer.launch.local import free_port
 
-pytestmark = pytest.mark.e2e
+# One Ray cluster for the session: every test on it runs in one xdist worker.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray")]
 PROMETHEUS_DIR = Path(__file__).resolve().parents[2] / "monitoring" / "prometheus"
 # Counters that stay 0 in a healthy CPU run: Ray cannot export a counter before its first
 # increment, so they have no series (dashboards use `or vector(0)`).
