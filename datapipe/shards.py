@@ -21,12 +21,94 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from datapipe.manifest import DatasetError, Manifest, is_remote, read_manifest, remote_filesystem
+from datapipe.manifest import (
+    ColumnSpec,
+    DatasetError,
+    Manifest,
+    ShardInfo,
+    is_remote,
+    read_manifest,
+    remote_filesystem,
+    sha256_file,
+    shard_location,
+)
 from datapipe.split import Range
 from datapipe.writer import arrow_type
 
 log = logging.getLogger("memtrain.data")
 OnBadShard = Literal["error", "skip"]
+
+
+def check_schema(file: str, schema: pa.Schema, columns: list[ColumnSpec]) -> None:
+    """The shard's columns are exactly the manifest's, each of its dtype and shape."""
+    expected = {c.name: arrow_type(c) for c in columns}
+    for name in expected:
+        if name not in schema.names:
+            raise DatasetError(f"shard {file}: has no column {name!r} (schema differs from the "
+                               "manifest)")
+    for name in schema.names:
+        if name not in expected:
+            raise DatasetError(f"shard {file}: has a column {name!r} that the manifest does not "
+                               f"list (it lists {', '.join(expected)})")
+    for name, wanted in expected.items():
+        found = schema.field(name).type
+        if found != wanted:
+            raise DatasetError(f"shard {file}: column {name!r} is {found}, the manifest says "
+                               f"{wanted}")
+
+
+def verify_dataset(directory: str | Path) -> list[str]:
+    """Check every shard as ``memtrain train`` will, and more: present, its size and SHA-256,
+    its columns, dtypes and shapes, and its rows (from the file's record batches), local or
+    remote (remote shards are streamed through). Shard paths are checked to stay inside the
+    dataset before any is opened (DatasetError).
+
+    Returns one line per problem, naming the shard (empty: the dataset trains).
+    """
+    root = str(directory).rstrip("/") if is_remote(directory) \
+        else str(directory).removeprefix("file://")
+    manifest = read_manifest(root)
+    files = [shard_location(root, shard) for shard in manifest.shards]
+    problems = []
+    for shard, file in zip(manifest.shards, files, strict=True):
+        try:
+            _verify_shard(file, shard, manifest.columns)
+        except DatasetError as err:
+            problems.append(str(err))
+    return problems
+
+
+def _verify_shard(file: str, shard: ShardInfo, columns: list[ColumnSpec]) -> None:
+    if is_remote(file):
+        filesystem, inner = remote_filesystem(file)
+        info = filesystem.get_file_info(inner)
+        size = info.size if info.type == pafs.FileType.File else None
+    else:
+        size = Path(file).stat().st_size if Path(file).is_file() else None
+    if size is None:
+        raise DatasetError(f"shard {file}: missing")
+    if size != shard.num_bytes:
+        raise DatasetError(f"shard {file}: {size} bytes, the manifest says {shard.num_bytes}")
+    digest = sha256_file(file)
+    if digest != shard.sha256:
+        raise DatasetError(f"shard {file}: checksum {digest[:16]}... does not match the "
+                           f"manifest's {shard.sha256[:16]}...")
+    try:
+        if is_remote(file):
+            filesystem, inner = remote_filesystem(file)
+            source = filesystem.open_input_file(inner)
+        else:
+            source = pa.memory_map(file)  # a local batch's rows are counted without reading it
+        with source:
+            reader = pa.ipc.open_file(source)
+            schema = reader.schema
+            rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    except (OSError, pa.ArrowInvalid) as err:
+        raise DatasetError(f"shard {file}: cannot be read as Arrow IPC ({err})") from err
+    check_schema(file, schema, columns)
+    if rows != shard.num_rows:
+        raise DatasetError(f"shard {file}: has {rows} rows, the manifest says "
+                           f"{shard.num_rows}")
 
 
 class ShardSource:
@@ -38,6 +120,8 @@ class ShardSource:
         self.remote = is_remote(path)
         self.root = str(path).rstrip("/") if self.remote else str(path).removeprefix("file://")
         self.manifest: Manifest = read_manifest(self.root)
+        # Every path is checked to stay in the dataset before any shard is opened.
+        self.files = [shard_location(self.root, shard) for shard in self.manifest.shards]
         self.spec = self.manifest.column(column)
         self.arrow_type = arrow_type(self.spec)
         self.skipped: list[str] = []  # one message per skipped shard
@@ -65,17 +149,10 @@ class ShardSource:
         return [self.manifest.shards[i].num_rows for i in self.usable]
 
     def file(self, index: int) -> str:
-        return f"{self.root}/{self.manifest.shards[index].path}"
+        return self.files[index]
 
     def _check_schema(self, file: str, schema: pa.Schema) -> None:
-        name = self.spec.name
-        if name not in schema.names:
-            raise DatasetError(f"shard {file}: has no column {name!r} (schema differs from the "
-                               "manifest)")
-        found = schema.field(name).type
-        if found != self.arrow_type:
-            raise DatasetError(f"shard {file}: column {name!r} is {found}, the manifest says "
-                               f"{self.arrow_type}")
+        check_schema(file, schema, self.manifest.columns)
 
     def _open(self, index: int) -> None:
         shard, file = self.manifest.shards[index], self.file(index)

@@ -328,7 +328,8 @@ def data_inspect(path: Annotated[str, typer.Argument(
 def data_verify(path: Annotated[str, typer.Argument(
         help="Dataset directory or URI (s3://bucket/prefix).")]) -> None:
     """Check every shard against the manifest, checksums included."""
-    from datapipe.manifest import DatasetError, read_manifest, verify_dataset
+    from datapipe.manifest import DatasetError, read_manifest
+    from datapipe.shards import verify_dataset
 
     problems = verify_dataset(path)
     if problems:  # one line: the first problem and how many shards are bad

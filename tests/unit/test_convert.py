@@ -14,7 +14,8 @@ import pytest
 
 from datapipe.convert import write_dataset
 from datapipe.loader import BatchLoader
-from datapipe.manifest import DatasetError, read_manifest, verify_dataset
+from datapipe.manifest import DatasetError, read_manifest
+from datapipe.shards import verify_dataset
 
 pytestmark = pytest.mark.unit
 

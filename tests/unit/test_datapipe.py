@@ -57,7 +57,7 @@ def test_verify_finds_checksum_size_and_missing_shard_problems(tmp_path: Path) -
     import subprocess
     import sys
 
-    from datapipe.manifest import verify_dataset
+    from datapipe.shards import verify_dataset
 
     spec = [ColumnSpec("x", "int32", (4,))]
     write_rows(tmp_path / "ds", spec, [{"x": np.arange(120, dtype=np.int32).reshape(30, 4)}], 10)
