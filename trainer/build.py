@@ -35,7 +35,7 @@ class MemoryTransforms:
 
     activation_checkpointing: str = "none"  # none | selective | full
     checkpoint_every_k: int = 2
-    loss_chunk_tokens: int = 0  # 0: the plain loss
+    loss_chunk_tokens: int | str = 0  # 0: the plain loss; "auto": chunked if the model can
     bf16_norm_inputs: bool = True
 
     @classmethod

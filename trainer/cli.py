@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         logging.getLogger("memtrain").debug("failure", exc_info=True)
         if getattr(err, "one_line", False):  # a message written for the user, e.g. SubmitError
-            _fail(str(err), 1)
+            _fail(str(err), getattr(err, "exit_code", 1))
         _fail(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}", 1)
     sys.exit(result if isinstance(result, int) else 0)
 

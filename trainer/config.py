@@ -109,8 +109,9 @@ class MemoryConfig(_Strict):
     # Under bf16 autocast, LayerNorms read (and save for backward) a bf16 copy of their input
     # instead of the fp32 residual stream: the largest fp32 share of bf16's saved activations.
     bf16_norm_inputs: bool = True
-    # Output projection + cross-entropy in chunks of this many tokens (0: full logits).
-    loss_chunk_tokens: int = Field(4096, ge=0)
+    # Output projection + cross-entropy in chunks of this many tokens (0: full logits). "auto":
+    # 4096 for a model that computes its own loss (the GPT), the plain loss for any other.
+    loss_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     # On OOM: snapshot, halve the micro-batch, double accumulation (global batch kept), retry.
     # It costs one flag all-reduce per step and DDP's overlap of the gradient all-reduce with
     # backward. "auto": on for CUDA devices, off on CPU (a host out of memory is the kernel's

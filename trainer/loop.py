@@ -44,7 +44,7 @@ from trainer.context import WorkerContext
 from trainer.diagnostics import LeakGuard, cpu_peak_bytes, profiler_window, write_memory_summary
 from trainer.faults import maybe_kill, wanted
 from trainer.loss import summed_loss
-from trainer.memory import PrecisionPolicy, precision_policy
+from trainer.memory import PrecisionPolicy, computes_own_loss, precision_policy
 from trainer.oom import (
     BatchPlan,
     OOMAgreement,
@@ -360,6 +360,12 @@ def _log_start(cfg: Config, ctx: WorkerContext, state: TrainState, plan: BatchPl
              cfg.memory.activation_checkpointing, checkpointed_blocks(state.unwrapped),
              plan.micro_batch_size, plan.accumulation_steps, ctx.world_size,
              cfg.train.global_batch_size, where)
+    chunk = getattr(state.unwrapped, "loss_chunk_tokens", 0)
+    log.info("loss: %s (memory.loss_chunk_tokens %s)",
+             f"output projection and cross-entropy in chunks of {chunk} tokens" if chunk else
+             "full logits, then cross-entropy" + ("" if computes_own_loss(state.unwrapped)
+                                                  else " (the model computes no loss of its own)"),
+             cfg.memory.loss_chunk_tokens)
     if ctx.device.type == "cuda":
         log.info("CUDA allocator settings: %s; memory history %s",
                  allocator_settings(), "recording" if recording_history else "off")

@@ -92,9 +92,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
         return []
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"memory.activation_checkpointing {mode!r} needs the model to expose "
-                         f"its repeated blocks as `model.blocks` (an nn.ModuleList); "
-                         f"{type(model).__name__} does not")
+        # The shipped configs turn checkpointing on; a user's own model without blocks still
+        # trains with them, and is told what it would take.
+        warnings.warn(f"memory.activation_checkpointing {mode!r} ignored: it needs the model to "
+                      f"expose its repeated blocks as `model.blocks` (an nn.ModuleList); "
+                      f"{type(model).__name__} does not", stacklevel=2)
+        return []
     chosen = checkpointed_block_indices(len(blocks), mode, every_k)
     targets = {id(blocks[i]) for i in chosen}
     api = checkpoint_wrapper_api()
@@ -108,14 +111,27 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
     return chosen
 
 
-def set_loss_chunking(model: nn.Module, chunk_tokens: int) -> None:
-    """Compute the loss in chunks of ``chunk_tokens`` tokens (0: the plain loss)."""
-    if chunk_tokens and not hasattr(model, "loss_chunk_tokens"):
+AUTO_LOSS_CHUNK_TOKENS = 4096  # one chunk's fp32 logits: 0.77 GiB at GPT-2's vocabulary
+
+
+def computes_own_loss(model: nn.Module) -> bool:
+    """Whether ``model(idx, targets)`` returns its summed loss, so the loss can be chunked."""
+    return hasattr(model, "loss_chunk_tokens")
+
+
+def set_loss_chunking(model: nn.Module, chunk_tokens: int | str) -> int:
+    """Compute the loss in chunks of ``chunk_tokens`` tokens (0: the plain loss; "auto": 4096
+    for a model that computes its own loss, else the plain loss). Returns the chunk size set."""
+    if chunk_tokens == "auto":
+        chunk_tokens = AUTO_LOSS_CHUNK_TOKENS if computes_own_loss(model) else 0
+    assert isinstance(chunk_tokens, int), chunk_tokens
+    if chunk_tokens and not computes_own_loss(model):
         raise ValueError(f"memory.loss_chunk_tokens {chunk_tokens} needs a model that computes "
                          f"its own loss (`loss_chunk_tokens` attribute); {type(model).__name__} "
                          "does not; set it to 0")
-    if hasattr(model, "loss_chunk_tokens"):
+    if computes_own_loss(model):
         setattr(model, "loss_chunk_tokens", chunk_tokens)  # noqa: B010 - any model class
+    return chunk_tokens
 
 
 def bf16_norm_inputs(model: nn.Module, enabled: bool = True) -> int:

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from tests.conftest import tiny_config
 from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
-from trainer.launch import prepare_run
+from trainer.launch import WorkerError, prepare_run
 from trainer.launch.local import free_port, launch_local
 from trainer.loop import step_peak_bytes, train_step
 from trainer.memory import precision_policy
@@ -84,10 +84,12 @@ def test_resuming_a_ddp_checkpoint_under_fsdp_names_both(corpus_dir: Path,
     launch_local(ddp_cfg, run_dir)
     fsdp_cfg, _ = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=4",
                                           "parallel.strategy=fsdp"))
-    with pytest.raises(mp.ProcessRaisedException,
-                       match=r"checkpoint-00000002 was written without FSDP sharding; this run "
-                             r"has parallel.strategy 'fsdp' on 2 workers"):
+    with pytest.raises(WorkerError,
+                       match=r"^rank \d: CheckpointError: checkpoint .*checkpoint-00000002 was "
+                             r"written without FSDP sharding; this run has parallel.strategy "
+                             r"'fsdp' on 2 workers$") as failed:
         launch_local(fsdp_cfg, run_dir)
+    assert failed.value.exit_code == 2  # a checkpoint the user must change: exit 2
 
 
 def test_fsdp_in_bf16_with_bf16_norm_inputs_tracks_ddp(corpus_dir: Path, tmp_path: Path) -> None:

@@ -81,9 +81,9 @@ def test_checkpointed_block_indices() -> None:
         checkpointed_block_indices(6, "some", 2)
 
 
-def test_checkpointing_needs_blocks() -> None:
-    with pytest.raises(ValueError, match="model.blocks"):
-        apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
+def test_checkpointing_a_model_without_blocks_is_skipped_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match=r"'full' ignored: .*`model.blocks`.*Linear does not"):
+        assert apply_activation_checkpointing(torch.nn.Linear(2, 2), "full") == []
 
 
 def test_precision_policies_on_cpu() -> None:

@@ -22,6 +22,60 @@ if TYPE_CHECKING:
     from trainer.planner import ActivationProfile, StaticBytes
 
 log = logging.getLogger("memtrain")
+ERRORS_DIR = "errors"  # run_dir/errors/rank-<r>.json: a failed worker's own error, one line
+
+
+class WorkerError(RuntimeError):
+    """A worker failed: the message is one line, the rank and the worker's own error. Exit 2
+    when the worker's error is one a user fixes (config, data, checkpoint: a ValueError), else
+    1, as for the same error in the driver."""
+
+    one_line = True
+
+    def __init__(self, rank: int, kind: str, message: str, user_error: bool):
+        super().__init__(f"rank {rank}: {kind}: {message}" if message else f"rank {rank}: {kind}")
+        self.rank, self.kind = rank, kind
+        self.exit_code = 2 if user_error else 1
+
+
+def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
+    """In a failing worker: keep its error where the launcher finds it (best effort: a run
+    directory the driver cannot see, on another node, just leaves the launcher's fallback)."""
+    import json
+
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    record = {"kind": type(err).__name__, "message": first_line,
+              "user_error": isinstance(err, ValueError | FileNotFoundError)}
+    try:
+        path = run_dir / ERRORS_DIR / f"rank-{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    except OSError:
+        log.debug("could not record rank %d's error in %s", rank, run_dir, exc_info=True)
+
+
+def recorded_worker_error(run_dir: Path, rank: int | None = None) -> WorkerError | None:
+    """The error a failed worker recorded (``rank``, or the lowest rank that recorded one)."""
+    import json
+
+    paths = sorted((run_dir / ERRORS_DIR).glob("rank-*.json"),
+                   key=lambda p: int(p.stem.removeprefix("rank-")))
+    if rank is not None:
+        paths = [p for p in paths if p.stem == f"rank-{rank}"]
+    for path in paths:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return WorkerError(int(path.stem.removeprefix("rank-")), record["kind"],
+                           record["message"], record["user_error"])
+    return None
+
+
+def clear_worker_errors(run_dir: Path) -> None:
+    import shutil
+
+    shutil.rmtree(run_dir / ERRORS_DIR, ignore_errors=True)
 
 
 def setup_logging() -> None:

@@ -19,7 +19,13 @@ import torch.multiprocessing as mp
 
 from trainer.config import Config
 from trainer.context import LocalContext
-from trainer.launch import available_cpus, setup_logging
+from trainer.launch import (
+    available_cpus,
+    clear_worker_errors,
+    record_worker_error,
+    recorded_worker_error,
+    setup_logging,
+)
 from trainer.loop import train
 from trainer.memory import configure_allocator_env
 
@@ -69,6 +75,9 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
         ctx = LocalContext(rank, rank, world_size, device, Path(run_dir))
         attach_metrics(ctx, cfg)
         train(cfg, ctx, until_step)
+    except BaseException as err:
+        record_worker_error(Path(run_dir), rank, err)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -79,10 +88,24 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
     ``until_step`` stops early at that step of the same schedule (see ``trainer.loop.train``).
     """
     configure_allocator_env()
-    if cfg.parallel.workers == 1:
+    if cfg.parallel.workers == 1:  # in-process: the worker's error is the user's, as it is
         ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir)
         attach_metrics(ctx, cfg)
         return train(cfg, ctx, until_step)
-    mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port(), until_step),
-                       nprocs=cfg.parallel.workers, start_method="spawn")
+    clear_worker_errors(run_dir)
+    try:
+        mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port(),
+                                          until_step),
+                           nprocs=cfg.parallel.workers, start_method="spawn")
+    except mp.ProcessRaisedException as err:
+        # torch's message is the worker's whole traceback; the worker recorded its own line.
+        recorded = recorded_worker_error(run_dir, err.error_index) \
+            or recorded_worker_error(run_dir)
+        if recorded is None:
+            raise
+        raise recorded from err
+    except mp.ProcessExitedException as err:  # killed (OOM killer, signal): no line of its own
+        raise RuntimeError(f"rank {err.error_index} exited with code {err.exit_code}"
+                           f"{f' (signal {err.signal_name})' if err.signal_name else ''}"
+                           ) from err
     return json.loads((run_dir / "summary.json").read_text())

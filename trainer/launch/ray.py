@@ -34,9 +34,15 @@ from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E4
 from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
 from trainer.compat import ray_loopback_init_kwargs  # noqa: E402
-from trainer.config import Config  # noqa: E402
+from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
-from trainer.launch import setup_logging  # noqa: E402
+from trainer.launch import (  # noqa: E402
+    WorkerError,
+    clear_worker_errors,
+    record_worker_error,
+    recorded_worker_error,
+    setup_logging,
+)
 from trainer.loop import train  # noqa: E402
 from trainer.memory import configure_allocator_env  # noqa: E402
 
@@ -108,7 +114,33 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
                                 "local_rank": str(ctx.local_rank),
                                 "node": ray.get_runtime_context().get_node_id()[:12],
                                 "device": str(device)})
-    train(cfg, ctx)
+    try:
+        train(cfg, ctx)
+    except BaseException as err:
+        record_worker_error(ctx.run_dir, ctx.rank, err)
+        raise
+
+
+def shipped_model_code(model_name: str) -> list[str]:
+    """Where the code of a ``module:function`` model lives, for Ray's workers to receive it
+    (``runtime_env`` ``py_modules``): the module's top-level package directory or file. Nothing
+    for registered models, memtrain's own packages or installed ones (site-packages)."""
+    if ":" not in model_name:
+        return []
+    import importlib
+
+    top = model_name.partition(":")[0].split(".")[0]
+    try:
+        module = importlib.import_module(top)
+    except ImportError as err:
+        raise ConfigError(f"model.name {model_name!r}: cannot import {top!r} ({err})") from err
+    file = getattr(module, "__file__", None)
+    if file is None or top in ("trainer", "datapipe", "monitoring"):
+        return []
+    path = Path(file).parent if Path(file).name == "__init__.py" else Path(file)
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        return []
+    return [str(path)]
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None,
@@ -127,16 +159,20 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
         ray.init(address=address, **kwargs)
         return
     kwargs.update(ray_loopback_init_kwargs(LOOPBACK, metrics_export_port))
-    ray.init(num_cpus=num_cpus, include_dashboard=True,
-             dashboard_host=LOOPBACK,
-             runtime_env={"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}, **kwargs)
+    runtime_env = kwargs.pop("runtime_env", {})
+    runtime_env.setdefault("env_vars", {})["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=LOOPBACK,
+             runtime_env=runtime_env, **kwargs)
 
 
 def launch_ray(cfg: Config, run_dir: Path, address: str | None = None) -> dict[str, Any]:
     """Train with Ray Train on ``cfg.parallel.workers`` workers; returns rank 0's summary."""
     from trainer.launch import available_cpus
 
-    init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers))
+    shipped = shipped_model_code(cfg.model.name)
+    runtime_env: dict[str, Any] = {"py_modules": shipped} if shipped else {}
+    init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers),
+             runtime_env=runtime_env)
     trainer = TorchTrainer(
         _worker_loop,
         train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
@@ -150,5 +186,27 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None) -> dict[s
             failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
         ),
     )
-    trainer.fit()
+    clear_worker_errors(run_dir)
+    try:
+        trainer.fit()
+    except ray.train.TrainingFailedError as err:
+        raise worker_error(run_dir, err) from err
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def worker_error(run_dir: Path, err: Exception) -> Exception:
+    """One line for a failed Ray Train run: the lowest failed rank's own error (recorded by the
+    worker in the run directory, else read from Ray's exception), or Ray's own first line."""
+    recorded = recorded_worker_error(run_dir)
+    if recorded is not None:
+        return recorded
+    failures = getattr(err, "worker_failures", None) or {}
+    if failures:
+        rank = min(failures)
+        cause = failures[rank]
+        cause = getattr(cause, "cause", None) or cause  # a RayTaskError wraps the user's error
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        return WorkerError(rank, type(cause).__name__, lines[-1] if lines else "",
+                           isinstance(cause, ValueError | FileNotFoundError))
+    lines = str(err).strip().splitlines()
+    return RuntimeError(lines[-1] if lines else type(err).__name__)

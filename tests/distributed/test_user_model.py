@@ -1,0 +1,108 @@
+"""Your own model, exactly as the README describes it, with the shipped demo config; and what a
+user sees when a worker fails: one line, the rank and the worker's own message.
+
+The model module lives outside the repository, on ``PYTHONPATH`` as a user's would; the demo
+config turns on activation checkpointing and leaves the loss to ``auto``, which such a model
+(no ``model.blocks``, no loss of its own) must train with. Both launchers: the local one (2
+spawned processes) and Ray (the session's cluster, which receives the module's code through
+``runtime_env``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from datapipe.corpus import build_stdlib_corpus
+from tests.conftest import REPO
+
+# One Ray cluster for the session: every test on it runs in one xdist worker.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
+
+USER_MODEL = textwrap.dedent('''
+    """A user's model: token ids (B, T) to logits (B, T, V); no blocks, no loss of its own."""
+    import torch
+    from torch import nn
+
+
+    class TinyLM(nn.Module):
+        def __init__(self, vocab_size, seq_len, n_embd):
+            super().__init__()
+            self.embed = nn.Embedding(vocab_size, n_embd)
+            self.position = nn.Embedding(seq_len, n_embd)
+            self.mix = nn.Sequential(nn.LayerNorm(n_embd), nn.Linear(n_embd, n_embd), nn.GELU())
+            self.head = nn.Linear(n_embd, vocab_size)
+
+        def forward(self, idx):
+            x = self.embed(idx) + self.position(torch.arange(idx.shape[1], device=idx.device))
+            return self.head(x + self.mix(x))
+
+
+    def build(vocab_size, seq_len, n_embd, **unused):
+        return TinyLM(vocab_size, seq_len, n_embd)
+
+
+    def broken(**config):
+        raise ValueError("this model needs model.n_embd >= 4096")
+''')
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's working directory: the demo's dataset where the config expects it, and their
+    model module in a folder of its own."""
+    root = tmp_path_factory.mktemp("user")
+    build_stdlib_corpus(root / "data" / "stdlib", seq_len=256, max_bytes=400_000)
+    (root / "code").mkdir()
+    (root / "code" / "usermodel.py").write_text(USER_MODEL)
+    return root
+
+
+def memtrain_train(user_dir: Path, launcher: str, model: str, run: str,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "train", "--config",
+         str(REPO / "configs" / "demo-cpu.yaml"), "--launcher", launcher, "--run-name", run,
+         "--set", f"model.name={model}", "--set", "train.steps=2"],
+        cwd=user_dir, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{user_dir / 'code'}{os.pathsep}{REPO}",
+             **(env or {})})
+
+
+def ray_env(ray_cluster) -> dict[str, str]:
+    """Join the session's cluster (a second one on this machine would collide on ports)."""
+    return {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user_dir: Path,
+                                                             request) -> None:
+    env = ray_env(request.getfixturevalue("ray_cluster")) if launcher == "ray" else None
+    out = memtrain_train(user_dir, launcher, "usermodel:build", f"own-{launcher}", env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    summary = json.loads((user_dir / "runs" / f"own-{launcher}" / "summary.json").read_text())
+    assert summary["final_step"] == 2 and summary["workers"] == 2
+    assert summary["final_loss"] is not None
+    if launcher == "local":  # Ray's workers log through Ray's own streams
+        assert "'full' ignored: it needs the model to expose" in out.stderr
+        assert "full logits, then cross-entropy (the model computes no loss of its own)" \
+            in out.stderr
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_a_worker_side_error_is_one_line_naming_the_rank(launcher: str, user_dir: Path,
+                                                         request) -> None:
+    """The model's entry point raises in the workers only (the driver never builds it)."""
+    env = ray_env(request.getfixturevalue("ray_cluster")) if launcher == "ray" else None
+    out = memtrain_train(user_dir, launcher, "usermodel:broken", f"broken-{launcher}", env)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("memtrain: error:")]
+    assert errors, out.stderr[-3000:]
+    assert errors[-1].startswith("memtrain: error: rank ")
+    assert errors[-1].endswith(": ValueError: this model needs model.n_embd >= 4096"), errors
+    assert out.returncode == 2  # a model the user must change: exit 2, as in the driver
