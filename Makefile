@@ -71,7 +71,12 @@ bench-metrics: setup ## Cost of recording the metrics contract as a share of ste
 	$(BIN)/python -m bench.metrics_overhead --out bench/results
 
 gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no CUDA: dry mode)
-	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
+	@py="$(GPU_PYTHON)"; \
+	if ! $$py -c "import torch" 2>/dev/null; then \
+		if [ -x $(BIN)/python ]; then py=$(BIN)/python; echo "gpu-check: $(GPU_PYTHON) has no torch, using $$py"; \
+		else echo "error: gpu-check needs torch, pyarrow, numpy and prometheus-client; $(GPU_PYTHON) has no torch and there is no $(VENV) (make setup, or GPU_PYTHON=...)"; exit 2; fi; \
+	fi; \
+	PYTHONPATH=. $$py scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 up: ## Kubernetes: check prerequisites, then apply k8s/overlays/$(OVERLAY) (+ monitoring)
 	bash scripts/k8s.sh up $(OVERLAY)

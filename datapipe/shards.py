@@ -170,6 +170,10 @@ class ShardSource:
                 return
             if not Path(file).exists():
                 raise DatasetError(f"shard {file}: missing")
+            size = Path(file).stat().st_size  # a stat: cheap, and it catches truncation first
+            if Path(file).is_file() and size != shard.num_bytes:
+                raise DatasetError(f"shard {file}: {size} bytes, the manifest says "
+                                   f"{shard.num_bytes} (truncated or replaced)")
             with open(file, "rb") as handle:  # Python's mmap: it can madvise (pyarrow's cannot)
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[index] = mapped

@@ -39,6 +39,13 @@ def other_schema(path: Path) -> None:
     with pa.OSFile(str(path / "shard-00001.arrow"), "wb") as sink, \
             pa.ipc.new_file(sink, table.schema) as out:
         out.write_table(table)
+    # The manifest agrees on size and checksum: only the schema is wrong.
+    from datapipe.manifest import sha256_file
+
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest["shards"][1].update(num_bytes=(path / "shard-00001.arrow").stat().st_size,
+                                 sha256=sha256_file(path / "shard-00001.arrow"))
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
 def wrong_rows(path: Path) -> None:
@@ -57,7 +64,7 @@ def unreadable(path: Path) -> None:  # not a file at all (chmod does not stop ro
 
 
 CASES: dict[str, tuple[Callable[[Path], None], str]] = {
-    "truncated": (truncate, "shard-00001.arrow: cannot be read"),
+    "truncated": (truncate, "shard-00001.arrow: 60 bytes, the manifest says"),
     "schema differs": (other_schema, "shard-00001.arrow: column 'x' is fixed_size_list<item: "
                                      "float>[4], the manifest says"),
     "row count": (wrong_rows, "shard-00001.arrow: has 10 rows, the manifest says 12"),
