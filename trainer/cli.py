@@ -308,9 +308,11 @@ def data_write(
 def data_inspect(path: Annotated[str, typer.Argument(
         help="Dataset directory or URI (s3://bucket/prefix).")]) -> None:
     """Show a dataset's schema, shards, rows and bytes."""
-    from datapipe.manifest import read_manifest
+    from datapipe.manifest import read_manifest, shard_location
 
     manifest = read_manifest(path)
+    for shard in manifest.shards:  # a shard path out of the dataset is an error here too
+        shard_location(path, shard)
     console.print(f"[bold]{path}[/]  format v{manifest.format_version}  "
                   f"{manifest.num_rows} rows  {manifest.num_bytes / 2**20:.2f} MiB  "
                   f"{len(manifest.shards)} shards")
