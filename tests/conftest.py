@@ -120,6 +120,15 @@ def tiny_train_command(corpus_dir: Path, run_dir: Path, *overrides: str) -> list
 TIERS = ("unit", "distributed", "e2e", "deploy")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist (``make test``), each test process computes on one thread: two processes
+    on two cores, and the Ray group's workers, are not slowed by oversubscription."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test carries its tier's marker (the folder it lives in), so ``-m unit`` selects
     exactly tests/unit; ``gpu`` tests skip, saying why, where CUDA is absent. (Tests on the

@@ -22,8 +22,9 @@ import pytest
 from datapipe.corpus import build_stdlib_corpus
 from tests.conftest import REPO
 
-# One Ray cluster for the session: every test on it runs in one xdist worker.
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
+pytestmark = pytest.mark.distributed
+# The Ray cases run on the session's one cluster, in its xdist worker.
+LAUNCHERS = ["local", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))]
 
 USER_MODEL = textwrap.dedent('''
     """A user's model: token ids (B, T) to logits (B, T, V); no blocks, no loss of its own."""
@@ -80,7 +81,7 @@ def ray_env(ray_cluster) -> dict[str, str]:
     return {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user_dir: Path,
                                                              request) -> None:
     env = ray_env(request.getfixturevalue("ray_cluster")) if launcher == "ray" else None
@@ -95,14 +96,34 @@ def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user
             in out.stderr
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_a_worker_side_error_is_one_line_naming_the_rank(launcher: str, user_dir: Path,
-                                                         request) -> None:
-    """The model's entry point raises in the workers only (the driver never builds it)."""
-    env = ray_env(request.getfixturevalue("ray_cluster")) if launcher == "ray" else None
-    out = memtrain_train(user_dir, launcher, "usermodel:broken", f"broken-{launcher}", env)
+def test_a_worker_side_error_is_one_line_naming_the_rank(user_dir: Path) -> None:
+    """Local launcher, 2 spawned processes: the model's entry point raises in the workers only
+    (the driver never builds it)."""
+    out = memtrain_train(user_dir, "local", "usermodel:broken", "broken-local")
     errors = [line for line in out.stderr.splitlines() if line.startswith("memtrain: error:")]
     assert errors, out.stderr[-3000:]
     assert errors[-1].startswith("memtrain: error: rank ")
     assert errors[-1].endswith(": ValueError: this model needs model.n_embd >= 4096"), errors
     assert out.returncode == 2  # a model the user must change: exit 2, as in the driver
+
+
+@pytest.mark.xdist_group("ray")
+def test_under_ray_a_shard_that_vanishes_is_one_line_naming_the_rank(
+        ray_cluster, corpus_dir: Path, tmp_path: Path) -> None:
+    """Ray wraps a worker's exception in its own types; the user sees the worker's line. The
+    shard goes after the driver has checked the dataset: only the workers can meet it."""
+    import shutil
+
+    from tests.conftest import tiny_config
+    from trainer.launch import WorkerError, prepare_run
+    from trainer.launch.ray import launch_ray
+
+    data = tmp_path / "train"
+    shutil.copytree(corpus_dir / "train", data)
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, f"data.path={data}",
+                                           "train.steps=2", "run.name=vanished"))
+    (data / "shard-00000.arrow").unlink()
+    with pytest.raises(WorkerError, match=r"^rank [01]: DatasetError: shard .*shard-00000\.arrow:"
+                                          r" missing$") as failed:
+        launch_ray(cfg, run_dir)
+    assert failed.value.exit_code == 2
