@@ -151,6 +151,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{item.nodeid} uses the Ray cluster: mark its module xdist_group('ray')"
 
 
+# Ray Train's controller polls its workers every 2 s by default; each test run waits for a few
+# polls (start, reports, end). Tests only: production keeps Ray's default.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.
 # trainer.launch.ray sets it too; setting it here covers any test that imports ray first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

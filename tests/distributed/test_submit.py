@@ -67,7 +67,7 @@ def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Pa
     from trainer.launch.submit import wait
 
     overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=2", "train.eval_every=2",
-                               "train.checkpoint_every=2")
+                               "train.checkpoint_every=2", "parallel.workers=1")
     out = submit("--address", jobs_api, *set_args(overrides), "--no-follow",
                  "--job-id", "memtrain-no-follow")
     assert out.returncode == 0, out.stderr[-2000:]
