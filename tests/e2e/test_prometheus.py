@@ -135,15 +135,20 @@ def test_every_cpu_family_has_series_for_both_ranks(prometheus: int, corpus_dir:
     # otherwise) and, except for the panels that need CUDA, returns data.
     from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, panel_queries, render
 
-    # The CUDA panels read the allocator statistics recorded on an H200 instead.
-    empty = []
+    # The CUDA panels read the allocator statistics recorded on an H200 instead. A counter's
+    # rate needs two samples: one published at the run's last log step has one at first, so
+    # the panels get a few scrapes (1 s apart) to fill in.
+    queries = []
     for name in DASHBOARDS:
         for title, expr in panel_queries(render(name)):
             run = RECORDED_RUN if title in CUDA_PANELS else "prom"
-            promql = (expr.replace("$run", run).replace("$rank", ".*")
-                      .replace("$node", ".*").replace("$__rate_interval", "1m"))
-            if not _query(prometheus, promql):
-                empty.append(f"{name}: {title}: {promql}")
+            queries.append((f"{name}: {title}", expr.replace("$run", run).replace("$rank", ".*")
+                            .replace("$node", ".*").replace("$__rate_interval", "1m")))
+    deadline, empty = time.monotonic() + 30, queries
+    while empty and time.monotonic() < deadline:
+        empty = [(panel, promql) for panel, promql in empty if not _query(prometheus, promql)]
+        if empty:
+            time.sleep(2)
     assert not empty, empty
     skew = _query(prometheus, dict(panel_queries(render("memtrain-memory.json")))[
         "Peak memory skew across ranks"].replace("$run", RECORDED_RUN)
