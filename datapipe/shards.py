@@ -168,10 +168,11 @@ class ShardSource:
                 with filesystem.open_input_file(inner) as source:
                     self._check_schema(file, pa.ipc.open_file(source).schema)
                 return
-            if not Path(file).exists():
+            path = Path(file)
+            if not path.exists():
                 raise DatasetError(f"shard {file}: missing")
-            size = Path(file).stat().st_size  # a stat: cheap, and it catches truncation first
-            if Path(file).is_file() and size != shard.num_bytes:
+            # A stat is cheap and catches truncation before the file is mapped.
+            if path.is_file() and (size := path.stat().st_size) != shard.num_bytes:
                 raise DatasetError(f"shard {file}: {size} bytes, the manifest says "
                                    f"{shard.num_bytes} (truncated or replaced)")
             with open(file, "rb") as handle:  # Python's mmap: it can madvise (pyarrow's cannot)

@@ -38,6 +38,11 @@ class WorkerError(RuntimeError):
         self.exit_code = 2 if user_error else 1
 
 
+def is_user_error(err: BaseException) -> bool:
+    """An error the user fixes (config, data, checkpoint): exit 2, as in the driver."""
+    return isinstance(err, ValueError | FileNotFoundError)
+
+
 def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
     """In a failing worker: keep its error where the launcher finds it (best effort: a run
     directory the driver cannot see, on another node, just leaves the launcher's fallback)."""
@@ -45,7 +50,7 @@ def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
 
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
     record = {"kind": type(err).__name__, "message": first_line,
-              "user_error": isinstance(err, ValueError | FileNotFoundError)}
+              "user_error": is_user_error(err)}
     try:
         path = run_dir / ERRORS_DIR / f"rank-{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
 from trainer.launch import (  # noqa: E402
     WorkerError,
     clear_worker_errors,
+    is_user_error,
     record_worker_error,
     recorded_worker_error,
     setup_logging,
@@ -207,6 +208,6 @@ def worker_error(run_dir: Path, err: Exception) -> Exception:
         cause = getattr(cause, "cause", None) or cause  # a RayTaskError wraps the user's error
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
         return WorkerError(rank, type(cause).__name__, lines[-1] if lines else "",
-                           isinstance(cause, ValueError | FileNotFoundError))
+                           is_user_error(cause))
     lines = str(err).strip().splitlines()
     return RuntimeError(lines[-1] if lines else type(err).__name__)
