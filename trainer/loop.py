@@ -44,7 +44,13 @@ from trainer.context import WorkerContext
 from trainer.diagnostics import LeakGuard, cpu_peak_bytes, profiler_window, write_memory_summary
 from trainer.faults import maybe_kill, wanted
 from trainer.loss import summed_loss
-from trainer.memory import PrecisionPolicy, computes_own_loss, precision_policy
+from trainer.memory import (
+    PrecisionChoice,
+    PrecisionPolicy,
+    computes_own_loss,
+    precision_policy,
+    resolve_precision,
+)
 from trainer.oom import (
     BatchPlan,
     OOMAgreement,
@@ -228,7 +234,8 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
                                          cfg.train.accumulation_steps(ctx.world_size))
     model = build_model(model_factory(cfg.model), MemoryTransforms.of(cfg.memory), device,
                         seed=cfg.run.seed)  # identical initial weights on every rank
-    policy = precision_policy(cfg.memory.precision, device)
+    precision = resolve_precision(cfg.memory.precision, device, cfg.parallel.strategy)
+    policy = precision_policy(precision.name, device)
     recording_history = start_memory_history(device, cfg.memory.record_memory_history)
     sharded = cfg.parallel.strategy == "fsdp" and ctx.world_size > 1
     if sharded:
@@ -243,7 +250,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             sharded, cfg.parallel.strategy)
         resumed_from = state.restore(ctx)
         state.wrap_ddp(ctx)
-        _log_start(cfg, ctx, state, plan, policy.name, resumed_from, recording_history)
+        _log_start(cfg, ctx, state, plan, precision, resumed_from, recording_history)
         val_batches = None
         if cfg.data.val_path and cfg.train.eval_every:
             val_batches = resources.enter_context(
@@ -350,13 +357,17 @@ def build_loader(data: DataConfig, ctx: WorkerContext, micro_batch_size: int, se
 
 
 def _log_start(cfg: Config, ctx: WorkerContext, state: TrainState, plan: BatchPlan,
-               precision: str, resumed_from: int | None, recording_history: bool) -> None:
+               precision: PrecisionChoice, resumed_from: int | None,
+               recording_history: bool) -> None:
     if not ctx.is_main:
         return
+    if precision.warning:
+        log.warning("warning: %s", precision.warning)
     where = f"resuming from step {resumed_from}" if resumed_from is not None else "from scratch"
     log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
              "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch %d; %s",
-             cfg.run.name, ctx.world_size, ctx.device.type, precision,
+             cfg.run.name, ctx.world_size, ctx.device.type,
+             f"{precision.name} ({precision.reason})",
              cfg.memory.activation_checkpointing, checkpointed_blocks(state.unwrapped),
              plan.micro_batch_size, plan.accumulation_steps, ctx.world_size,
              cfg.train.global_batch_size, where)

@@ -1,6 +1,8 @@
 """Memory strategies as small transforms in native torch, chosen by ``MemoryConfig``.
 
 - Precision: ``autocast`` to bf16 or fp16 (or nothing for fp32); fp16 adds a ``GradScaler``.
+  ``auto`` (``resolve_precision``) picks what the device runs fast: bf16 on GPUs that have it,
+  else fp16; on CPUs bf16 only where it is native (AVX512_BF16 or AMX), else fp32.
 - Activation checkpointing: wrap every (``full``) or every k-th (``selective``) block of
   ``model.blocks`` in torch's non-reentrant checkpoint wrapper, which preserves RNG state so
   dropout is replayed identically; parameter names and state_dict keys are unchanged.
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.compat import checkpoint_wrapper_api
+from trainer.compat import checkpoint_wrapper_api, cpu_bf16_support, cpu_capability
 
 ALLOCATOR_SETTING = "expandable_segments:True"
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,14 +57,60 @@ class PrecisionPolicy:
                                     enabled=self.use_grad_scaler)
 
 
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The precision a run uses, why (one log line), and a warning where an explicit choice is
+    slow on this device."""
+
+    name: str
+    reason: str
+    warning: str | None = None
+
+
+def resolve_precision(requested: str, device: torch.device, strategy: str = "ddp"
+                      ) -> PrecisionChoice:
+    """``memory.precision`` for ``device``: an explicit value as it is, ``auto`` resolved.
+
+    ``auto``: on CUDA, bf16 where the device has it natively, else fp16 with a GradScaler (fp32
+    under FSDP, which memtrain does not run with fp16). On CPU, bf16 only where the CPU has
+    native bf16 (AVX512_BF16 or AMX): elsewhere autocast emulates it with fp32 arithmetic and
+    conversions, 2-9x slower than plain fp32 (``docs/benchmarks.md``), so fp32.
+    """
+    if requested != "auto":
+        warning = None
+        if requested == "bf16" and device.type == "cpu" and cpu_bf16_support() != "native":
+            warning = (f"memory.precision bf16 on this CPU ({cpu_capability()}, no AVX512_BF16 "
+                       "or AMX) is emulated and slower than fp32; 'auto' would choose fp32")
+        return PrecisionChoice(requested, "set in memory.precision", warning)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return PrecisionChoice("bf16", f"auto: {name} has native bf16")
+        if strategy == "fsdp":
+            return PrecisionChoice("fp32", f"auto: {name} has no native bf16, and FSDP does "
+                                           "not run with fp16 here")
+        return PrecisionChoice("fp16", f"auto: {name} has no native bf16; fp16 with a "
+                                       "GradScaler")
+    if device.type == "cpu":
+        support = cpu_bf16_support()
+        if support == "native":
+            return PrecisionChoice("bf16", "auto: this CPU has native bf16 (AVX512_BF16/AMX)")
+        return PrecisionChoice("fp32", f"auto: this CPU ({cpu_capability()}) has no native bf16 "
+                                       "(AVX512_BF16/AMX), where bf16 autocast is emulated and "
+                                       "slower than fp32")
+    return PrecisionChoice("fp32", f"auto: no mixed precision for {device.type} devices")
+
+
 def precision_policy(precision: str, device: torch.device, warn: bool = True
                      ) -> PrecisionPolicy:
-    """The policy for ``precision`` on ``device``; raises ValueError where the device can't.
+    """The policy for a resolved ``precision`` on ``device``; raises ValueError where the device
+    can't run it.
 
     ``warn=False`` silences the fp16-on-CPU warning (probes and benchmarks ask for it on purpose).
     """
     if precision not in _DTYPES:
-        raise ValueError(f"memory.precision {precision!r} is not one of {sorted(_DTYPES)}")
+        raise ValueError(f"memory.precision {precision!r} is not one of {sorted(_DTYPES)} "
+                         "(resolve 'auto' first)")
     if (precision == "bf16" and device.type == "cuda"
             and not torch.cuda.is_bf16_supported(including_emulation=False)):
         raise ValueError(f"memory.precision 'bf16' is not supported natively on "

@@ -112,6 +112,22 @@ def device_memory_bytes(cfg: Config) -> int:
     return host // cfg.parallel.workers
 
 
+def planned_precision(cfg: Config) -> str:
+    """The precision the planner plans ``cfg`` with: ``memory.precision``, ``auto`` resolved on
+    this machine's device (the workers resolve it again on theirs, ``trainer.loop``). A driver
+    without the GPU a run asks for plans bf16, what ``auto`` picks on every GPU since Ampere."""
+    if cfg.memory.precision != "auto":
+        return cfg.memory.precision
+    import torch
+
+    from trainer.memory import resolve_precision
+
+    if cfg.parallel.use_gpu and not torch.cuda.is_available():
+        return "bf16"
+    device = torch.device("cuda", 0) if cfg.parallel.use_gpu else torch.device("cpu")
+    return resolve_precision("auto", device, cfg.parallel.strategy).name
+
+
 def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
                  ) -> tuple[StaticBytes, list[ActivationProfile]]:
     """The planner's inputs for ``cfg``: one rank's static bytes and an activation profile per
@@ -143,13 +159,14 @@ def resolve_auto(cfg: Config) -> Config:
         raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
                           f"multiple of the workers ({world})")
     modes = AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,)
-    static, profiles = probe_config(cfg, [cfg.memory.precision], modes)
+    precision = planned_precision(cfg)
+    static, profiles = probe_config(cfg, [precision], modes)
     budget = device_memory_bytes(cfg)
     fixed = None if micro_auto else cfg.train.micro_batch()
     plan = choose_plan(static, profiles, cfg.train.global_batch_size, world, budget, fixed)
     if plan is None:
         raise ConfigError(f"nothing fits {budget / 2**30:.1f} GiB per device with precision "
-                          f"{cfg.memory.precision} (memory.device_memory); try FSDP, a shorter "
+                          f"{precision} (memory.device_memory); try FSDP, a shorter "
                           "sequence or a smaller model")
     log.info("auto: activation checkpointing %s, micro-batch %d x accumulation %d; predicted "
              "peak %.2f GiB of %.2f GiB", plan.activation_checkpointing, plan.micro_batch_size,
