@@ -40,7 +40,7 @@ $(DATA)/train/manifest.json: | $(STAMP)
 
 data: $(DATA)/train/manifest.json ## Build the demo dataset from the Python standard library
 
-demo: setup data ## Train the demo GPT: 2 Ray Train workers, AMP + activation ckpt + accumulation
+demo: setup data ## Train the demo GPT: 2 Ray Train workers, activation ckpt + accumulation, AMP where the CPU has bf16
 	$(BIN)/memtrain train --config configs/demo-cpu.yaml --run-name $(RUN)
 
 test: setup ## Run every test: unit, distributed (gloo, Ray), e2e (a real Prometheus)

@@ -101,7 +101,8 @@ def tiny_overrides(corpus_dir: Path, run_dir: Path, *overrides: str) -> list[str
         "model.n_embd=64", "model.n_head=2", "train.steps=12", "train.global_batch_size=16",
         "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every=2",
         "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=6",
-        "train.lr=0.005", "memory.precision=fp32", *overrides,
+        "train.lr=0.005", "memory.precision=fp32", "memory.activation_checkpointing=full",
+        *overrides,
     ]
 
 

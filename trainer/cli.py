@@ -30,13 +30,16 @@ console = Console(stderr=False)
 
 
 @app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False
-          ) -> None:
-    """``--debug`` is read by ``main`` before typer runs (it decides how errors print)."""
+def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
+        "--debug", help="Show tracebacks, and Ray Train's own log lines.")] = False) -> None:
+    """``--debug`` is read by ``main`` before typer runs (it decides how errors print); the
+    commands read it from the context."""
+    ctx.obj = {"debug": debug}
 
 
 @app.command("train")
 def train_command(
+    ctx: typer.Context,
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
     launcher: Annotated[str | None, typer.Option(help="ray | local (overrides the config).")
                         ] = None,
@@ -70,7 +73,7 @@ def train_command(
     if cfg.parallel.launcher == "ray":
         from trainer.launch.ray import launch_ray
 
-        summary = launch_ray(cfg, run_dir)
+        summary = launch_ray(cfg, run_dir, ray_logs=bool((ctx.obj or {}).get("debug")))
     else:
         from trainer.launch.local import launch_local
 

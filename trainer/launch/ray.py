@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +27,13 @@ os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 import ray  # noqa: E402
 import ray.train  # noqa: E402
 import torch  # noqa: E402
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train import (  # noqa: E402
+    CheckpointConfig,
+    FailureConfig,
+    LoggingConfig,
+    RunConfig,
+    ScalingConfig,
+)
 from ray.train.torch import TorchTrainer  # noqa: E402
 from ray.util.metrics import Counter, Gauge, Histogram  # noqa: E402
 
@@ -98,8 +105,24 @@ class RayContext(WorkerContext):
             yield Path(directory)
 
 
+class _RayInfoFilter(logging.Filter):
+    """Drops Ray's own records below WARNING. Ray Train's ``LoggingConfig`` level covers the
+    ``ray.train`` loggers, but some of its modules log under their file path (Ray 2.60's
+    "Reporting training result ..." does), which reaches the root logger: so the test is
+    where the record was made, inside Ray's package."""
+
+    RAY_PACKAGE = str(Path(ray.__file__).parent)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING
+                or not record.pathname.startswith(self.RAY_PACKAGE))
+
+
 def _worker_loop(loop_config: dict[str, Any]) -> None:
     setup_logging()
+    if not loop_config.get("ray_logs"):
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_RayInfoFilter())
     if loop_config.get("faults"):  # tests: Ray's workers started before the test set it
         os.environ[faults.ENV] = loop_config["faults"]
     configure_allocator_env()
@@ -166,8 +189,14 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
              runtime_env=runtime_env, **kwargs)
 
 
-def launch_ray(cfg: Config, run_dir: Path, address: str | None = None) -> dict[str, Any]:
-    """Train with Ray Train on ``cfg.parallel.workers`` workers; returns rank 0's summary."""
+def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
+               ray_logs: bool = False) -> dict[str, Any]:
+    """Train with Ray Train on ``cfg.parallel.workers`` workers; returns rank 0's summary.
+
+    Ray Train's own INFO lines (a "Reporting training result ..." per worker and report, the
+    worker group's start) go to the session's log files only, unless ``ray_logs``
+    (``memtrain --debug train``); its warnings and errors always reach the console.
+    """
     from trainer.launch import available_cpus
 
     shipped = shipped_model_code(cfg.model.name)
@@ -177,7 +206,7 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None) -> dict[s
     trainer = TorchTrainer(
         _worker_loop,
         train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
-                           "faults": os.environ.get(faults.ENV, "")},
+                           "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs},
         scaling_config=ScalingConfig(num_workers=cfg.parallel.workers,
                                      use_gpu=cfg.parallel.use_gpu,
                                      resources_per_worker={"CPU": 1}),
@@ -185,6 +214,9 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None) -> dict[s
             name=cfg.run.name, storage_path=str(Path(cfg.run.dir).resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=3),
             failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
+            # Train V2's RunConfig (RAY_TRAIN_V2_ENABLED); the stubs describe V1's, which lacks it
+            logging_config=LoggingConfig(  # type: ignore[call-arg]
+                log_level="INFO" if ray_logs else "WARNING"),
         ),
     )
     clear_worker_errors(run_dir)
