@@ -28,6 +28,7 @@ rank's share of the epoch as shard ranges, read in shuffle windows. This module 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import warnings
 from collections import deque
@@ -47,6 +48,7 @@ from datapipe.split import (
     batches_per_rank,
     epoch_ranges,
     span_ranges,
+    window_permutation,
     window_rows,
 )
 
@@ -68,24 +70,44 @@ class _Window:
     def __init__(self, pieces: list[np.ndarray], first: int):
         self.pieces = pieces
         self.starts = np.cumsum([0] + [len(piece) for piece in pieces])
+        self.start_rows = self.starts.tolist()  # for bisect: cheaper than numpy on a few items
         self.first = first  # span position of the window's first row
+        self.relative: np.ndarray | None = None  # shuffled: set by plan_shuffle on first use
+        self.bounds: list[list[int]] = []
 
-    def gather(self, positions: np.ndarray, out: torch.Tensor) -> None:
-        """``out[i] = row at span position positions[i]`` for sorted ``positions``: one
-        ``index_select`` per piece, straight into its slice of ``out`` (a slice copy when the
-        rows are contiguous)."""
-        local = positions - self.first
-        bounds = np.searchsorted(local, self.starts)  # positions in each piece: one slice
+    def plan_shuffle(self, order: np.ndarray, batch_size: int) -> None:
+        """Every batch of the window at once, from its permutation ``order`` (window-local
+        rows): batch ``k`` is ``order[k*B:(k+1)*B]``, sorted so it reads in file order, as
+        ``datapipe.split.batch_positions`` defines it. Kept as piece-relative rows and, per
+        batch, where each piece's rows start: a batch's gather is then one ``np.take`` per
+        piece and no other array work (the per-batch sorts and searches cost a third of a
+        shuffled batch's time, bench/loader.py)."""
+        rows = np.sort(order.reshape(-1, batch_size), axis=1)
+        piece = np.searchsorted(self.starts, rows, side="right") - 1
+        self.relative = rows - self.starts[piece]
+        self.bounds = np.stack([(rows < start).sum(axis=1) for start in self.starts],
+                               axis=1).tolist()
+
+    def gather(self, batch: int, dst: np.ndarray) -> None:
+        """``dst[i]`` = row ``i`` of the window's planned batch ``batch`` (``plan_shuffle``):
+        one ``np.take`` per piece it touches, straight into its slice of ``dst``."""
+        relative, bounds = self.relative[batch], self.bounds[batch]
         for index, array in enumerate(self.pieces):
-            a, b = int(bounds[index]), int(bounds[index + 1])
-            if a == b:
-                continue
-            piece = torch.from_numpy(array)
-            rows = local[a:b] - self.starts[index]
-            if rows[-1] - rows[0] == b - a - 1:
-                out[a:b].copy_(piece[int(rows[0]):int(rows[-1]) + 1])
-            else:
-                torch.index_select(piece, 0, torch.from_numpy(rows), out=out[a:b])
+            a, b = bounds[index], bounds[index + 1]
+            if a < b:  # "clip": the rows are in range, and "raise" would buffer the output
+                np.take(array, relative[a:b], axis=0, out=dst[a:b], mode="clip")
+
+    def copy(self, first: int, dst: np.ndarray) -> None:
+        """``dst[i] = row at span position first + i``: the unshuffled batch, slice copies
+        only, with no position array."""
+        local, filled, size = first - self.first, 0, len(dst)
+        index = bisect.bisect_right(self.start_rows, local) - 1
+        while filled < size:
+            array = self.pieces[index]
+            row = local + filled - self.start_rows[index]
+            count = min(size - filled, len(array) - row)
+            dst[filled:filled + count] = array[row:row + count]
+            filled, index = filled + count, index + 1
 
 
 class BatchLoader:
@@ -172,8 +194,10 @@ class BatchLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
-        batch = (self._transfer.next() if self._transfer is not None
-                 else self._gather(torch.empty(self.shape, dtype=_torch_dtype(self.dtype))))
+        if self._transfer is not None:
+            batch = self._transfer.next()
+        else:  # numpy allocates a batch faster than torch.empty (bench/loader.py)
+            batch = torch.from_numpy(self._gather(np.empty(self.shape, dtype=self.dtype)))
         self.batch_index += 1
         if self.batch_index == self.num_batches:
             self.epoch, self.batch_index = self.epoch + 1, 0
@@ -191,7 +215,7 @@ class BatchLoader:
         return batch_positions(self.num_batches * self.batch_size, self.batch_size, self.window,
                                batch_index, self.seed, epoch, self.rank, self.shuffle)
 
-    def _gather(self, out: torch.Tensor) -> torch.Tensor:
+    def _gather(self, out: np.ndarray) -> np.ndarray:
         """Gather the batch at the cursor into ``out`` and advance the cursor."""
         epoch, batch_index = self._cursor
         index = batch_index * self.batch_size // self.window
@@ -199,7 +223,16 @@ class BatchLoader:
             if self._reader is None:
                 self._reader = _Reader(self, epoch, index)
             self._current = (epoch, index, self._reader.window(epoch, index))
-        self._current[2].gather(self.positions(epoch, batch_index), out)
+        window = self._current[2]
+        if not self.shuffle:
+            window.copy(batch_index * self.batch_size, out)
+        else:
+            if window.relative is None:
+                span = self.num_batches * self.batch_size
+                window.plan_shuffle(window_permutation(
+                    min(self.window, span - window.first), self.seed, epoch, self.rank, index),
+                    self.batch_size)
+            window.gather(batch_index - index * (self.window // self.batch_size), out)
         batch_index += 1
         self._cursor = (epoch + 1, 0) if batch_index == self.num_batches else (epoch,
                                                                                   batch_index)
@@ -219,8 +252,14 @@ class _Reader:
 
     def __init__(self, loader: BatchLoader, epoch: int, window: int):
         self.loader = loader
-        self.pool = ThreadPoolExecutor(max_workers=loader.read_ahead,
-                                       thread_name_prefix="memtrain-read")
+        # Local shards: a window's "read" is views onto the memory map plus a WILLNEED advice,
+        # which starts the kernel's read-ahead and returns; done inline, ``read_ahead`` windows
+        # early. A pool thread there cost the consumer more in GIL handoffs than it saved (up
+        # to 20% of the unshuffled loader's speed, bench/loader.py). Remote shards are fetched
+        # on the pool.
+        self.pool: ThreadPoolExecutor | _Inline = (
+            ThreadPoolExecutor(max_workers=loader.read_ahead, thread_name_prefix="memtrain-read")
+            if loader.source.remote else _Inline())
         self.pending: deque[tuple[int, int, Future[_Window]]] = deque()
         self.next_epoch, self.next_window = epoch, window
         self._ranges: tuple[int, list[Range]] | None = None  # (epoch, this rank's ranges)
@@ -256,11 +295,27 @@ class _Reader:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+class _Inline:
+    """The executor interface, run on the caller's thread (local shards)."""
+
+    def submit(self, function: Any, *args: Any) -> Future[_Window]:
+        future: Future[_Window] = Future()
+        try:
+            future.set_result(function(*args))
+        except BaseException as err:  # raised again by result(), where the pool's would be
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
 class _Slot:
     """One staging buffer and the event of the last copy that read it."""
 
     def __init__(self, host: torch.Tensor):
         self.host = host
+        self.host_array = host.numpy()  # the same memory, for the gather
         self.copied: Any = None
 
     def wait_copied(self) -> None:
@@ -303,7 +358,7 @@ class _StagedTransfer:
         slot = self.slots[self.next_slot]
         self.next_slot = (self.next_slot + 1) % len(self.slots)
         slot.wait_copied()  # the copy that last read this buffer is done
-        self.loader._gather(slot.host)
+        self.loader._gather(slot.host_array)
         event: Any
         if self.cuda:
             with torch.cuda.stream(self.stream):

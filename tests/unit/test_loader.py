@@ -74,6 +74,27 @@ def test_shuffling_changes_the_order_not_the_epoch(uneven: Path) -> None:
     assert plain == sorted(plain)  # unshuffled: manifest order
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_batches_are_the_documented_window_shuffle(uneven: Path, world: int) -> None:
+    """Each batch holds exactly the rows ``datapipe.split.batch_positions`` names (the loader
+    plans a window's batches at once), in file order, and windows that straddle shards give
+    batches mixing rows of several shards."""
+    rank = world - 1
+    loader = BatchLoader(uneven, "x", rank=rank, world_size=world, batch_size=8, seed=3,
+                         shuffle=True, shuffle_window=64)
+    shard_first = np.cumsum([0] + loader.source.shard_rows)
+    mixed = 0
+    for epoch in range(2):
+        span = [int(shard_first[r.shard]) + row for r in loader.ranges(epoch)
+                for row in range(r.start, r.stop)]
+        for k in range(len(loader)):
+            got = ids(next(loader))
+            assert got == [span[p] for p in loader.positions(epoch, k)]
+            mixed += len({int(np.searchsorted(shard_first, i, side="right")) for i in got}) > 1
+    assert mixed > 0
+    loader.close()
+
+
 @pytest.mark.parametrize("staging", ["direct", "staged"])
 def test_resume_at_random_points_gives_the_uninterrupted_sequence(
         uneven: Path, staging: str) -> None:
