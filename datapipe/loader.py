@@ -72,8 +72,10 @@ class _Window:
         self.starts = np.cumsum([0] + [len(piece) for piece in pieces])
         self.start_rows = self.starts.tolist()  # for bisect: cheaper than numpy on a few items
         self.first = first  # span position of the window's first row
-        self.relative: np.ndarray | None = None  # shuffled: set by plan_shuffle on first use
+        # Set by plan_shuffle or plan_copy when the loader opens the window.
+        self.relative: np.ndarray | None = None
         self.bounds: list[list[int]] = []
+        self.slices: list[list[tuple[int, int, np.ndarray]]] = []
 
     def plan_shuffle(self, order: np.ndarray, batch_size: int) -> None:
         """Every batch of the window at once, from its permutation ``order`` (window-local
@@ -97,17 +99,26 @@ class _Window:
             if a < b:  # "clip": the rows are in range, and "raise" would buffer the output
                 np.take(array, relative[a:b], axis=0, out=dst[a:b], mode="clip")
 
-    def copy(self, first: int, dst: np.ndarray) -> None:
-        """``dst[i] = row at span position first + i``: the unshuffled batch, slice copies
-        only, with no position array."""
-        local, filled, size = first - self.first, 0, len(dst)
-        index = bisect.bisect_right(self.start_rows, local) - 1
-        while filled < size:
-            array = self.pieces[index]
-            row = local + filled - self.start_rows[index]
-            count = min(size - filled, len(array) - row)
-            dst[filled:filled + count] = array[row:row + count]
-            filled, index = filled + count, index + 1
+    def plan_copy(self, batch_size: int) -> None:
+        """Every unshuffled batch of the window at once: batch ``k`` is the window's rows
+        ``k*B .. (k+1)*B - 1``, kept as ``(dst_lo, dst_hi, view)`` slices of the pieces, so a
+        batch's gather is one slice copy per piece it touches and nothing else."""
+        self.slices = []
+        for first in range(0, int(self.starts[-1]) - batch_size + 1, batch_size):
+            parts, filled = [], 0
+            index = bisect.bisect_right(self.start_rows, first) - 1
+            while filled < batch_size:
+                array = self.pieces[index]
+                row = first + filled - self.start_rows[index]
+                count = min(batch_size - filled, len(array) - row)
+                parts.append((filled, filled + count, array[row:row + count]))
+                filled, index = filled + count, index + 1
+            self.slices.append(parts)
+
+    def copy(self, batch: int, dst: np.ndarray) -> None:
+        """``dst`` = the window's planned unshuffled batch ``batch`` (``plan_copy``)."""
+        for lo, hi, view in self.slices[batch]:
+            dst[lo:hi] = view
 
 
 class BatchLoader:
@@ -126,6 +137,7 @@ class BatchLoader:
         self.seed, self.shuffle = seed, shuffle
         self.device = device or torch.device("cpu")
         self.window = window_rows(shuffle_window, batch_size)
+        self._window_batches = self.window // batch_size
         self.read_ahead = max(1, read_ahead)
         self.num_rows = sum(self.source.shard_rows)
         self.num_batches = batches_per_rank(self.num_rows, world_size, batch_size)
@@ -216,27 +228,34 @@ class BatchLoader:
                                batch_index, self.seed, epoch, self.rank, self.shuffle)
 
     def _gather(self, out: np.ndarray) -> np.ndarray:
-        """Gather the batch at the cursor into ``out`` and advance the cursor."""
+        """Gather the batch at the cursor into ``out`` and advance the cursor. Everything a
+        batch needs beyond its copy was planned when its window was opened."""
         epoch, batch_index = self._cursor
-        index = batch_index * self.batch_size // self.window
-        if self._current is None or self._current[:2] != (epoch, index):
-            if self._reader is None:
-                self._reader = _Reader(self, epoch, index)
-            self._current = (epoch, index, self._reader.window(epoch, index))
-        window = self._current[2]
-        if not self.shuffle:
-            window.copy(batch_index * self.batch_size, out)
+        index, within = divmod(batch_index, self._window_batches)
+        current = self._current
+        if current is None or current[1] != index or current[0] != epoch:
+            current = self._current = (epoch, index, self._open_window(epoch, index))
+        if self.shuffle:
+            current[2].gather(within, out)
         else:
-            if window.relative is None:
-                span = self.num_batches * self.batch_size
-                window.plan_shuffle(window_permutation(
-                    min(self.window, span - window.first), self.seed, epoch, self.rank, index),
-                    self.batch_size)
-            window.gather(batch_index - index * (self.window // self.batch_size), out)
+            current[2].copy(within, out)
         batch_index += 1
         self._cursor = (epoch + 1, 0) if batch_index == self.num_batches else (epoch,
                                                                                   batch_index)
         return out
+
+    def _open_window(self, epoch: int, index: int) -> _Window:
+        if self._reader is None:
+            self._reader = _Reader(self, epoch, index)
+        window = self._reader.window(epoch, index)
+        if self.shuffle:
+            span = self.num_batches * self.batch_size
+            window.plan_shuffle(window_permutation(min(self.window, span - window.first),
+                                                   self.seed, epoch, self.rank, index),
+                                self.batch_size)
+        else:
+            window.plan_copy(self.batch_size)
+        return window
 
     def _restart(self, epoch: int, batch_index: int) -> None:
         self.close()
