@@ -3,17 +3,21 @@
 What it reads and in which order is decided by ``datapipe.split`` (pure, property-tested): the
 rank's share of the epoch as shard ranges, read in shuffle windows. This module does the work:
 
-- **Background I/O.** Windows are read ``read_ahead`` windows ahead on a thread pool, so
-  reading overlaps compute. Remote shards (``s3://``...) are fetched there with buffered reads
-  of only the record batches a window needs; local shards are memory-mapped and the pool asks
-  the kernel to page the window's bytes in (``madvise(WILLNEED)``). The whole dataset is never
-  loaded: memory is at most ``read_ahead + 1`` remote windows.
-- **Batches.** The next batch is gathered when asked for, with one ``index_select`` per record
-  batch it touches, straight into the batch tensor (a slice copy when unshuffled; no
-  per-sample Python). Arrow's fixed-size lists view as ``(rows, *shape)`` arrays with no copy,
-  so that gather is the only copy of a row between the page cache and the batch. It runs on
-  the caller's thread on purpose: handing each batch over from a gather thread cost more, in
-  GIL handoffs, than the gather itself (measured in ``bench/loader.py``).
+- **Reading ahead.** Windows are read ``read_ahead`` windows ahead. Remote shards
+  (``s3://``...) are fetched on a thread pool, with buffered reads of only the record batches a
+  window needs, so reading overlaps compute. Local shards are memory-mapped: a window is views
+  onto the map plus a ``madvise(WILLNEED)`` for pages not yet cached, which starts the kernel's
+  read-ahead and returns, so it is done on the caller's thread (a pool thread cost more in GIL
+  handoffs than it saved). The whole dataset is never loaded: memory is at most
+  ``read_ahead + 1`` remote windows.
+- **Batches.** When a window opens, all its batches are planned (the window's permutation
+  sorted batch by batch, or the unshuffled batches' slices); the next batch is then gathered
+  when asked for, with one ``np.take`` (a slice copy when unshuffled) per record batch it
+  touches, straight into the batch's array: no per-sample Python. Arrow's fixed-size lists
+  view as ``(rows, *shape)`` arrays with no copy, so that gather is the only copy of a row
+  between the page cache and the batch. It runs on the caller's thread on purpose: handing
+  each batch over from a gather thread cost more, in GIL handoffs, than the gather itself
+  (measured in ``bench/loader.py``).
 - **Device (CUDA).** Batches are gathered straight into pinned staging buffers, allocated once
   and reused; each is copied to the GPU with one ``non_blocking`` copy on a side stream,
   ``prefetch`` batches ahead, and the compute stream waits on that copy's event only.
@@ -267,7 +271,7 @@ class BatchLoader:
 
 class _Reader:
     """Windows in order from ``(epoch, window)`` on, across epochs, read ``read_ahead`` ahead
-    on a thread pool."""
+    (on a thread pool for remote shards, inline for local ones)."""
 
     def __init__(self, loader: BatchLoader, epoch: int, window: int):
         self.loader = loader

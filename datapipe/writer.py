@@ -30,7 +30,7 @@ from datapipe.manifest import (
 
 ProgressFn = Callable[[int], None]  # called with the number of rows just written
 # Target size of one record batch inside a shard: large enough that a batch gather touches few
-# (one index_select each), small enough for ranged reads from object stores.
+# (one np.take each), small enough for ranged reads from object stores.
 BATCH_BYTES = 8 << 20
 
 

@@ -53,7 +53,7 @@ class DataConfig(_Strict):
     shuffle: bool = True  # shard order per epoch + a window shuffle (datapipe/split.py)
     shuffle_window: int = Field(8192, ge=1)  # rows per shuffle window (rounded to batches)
     prefetch: int = Field(2, ge=1)  # CUDA: batches copied to the GPU ahead (pinned, side stream)
-    read_ahead: int = Field(2, ge=1)  # windows read ahead (threads); remote stores want more
+    read_ahead: int = Field(2, ge=1)  # windows read ahead (remote: on threads; wants more)
     # A shard that is missing, truncated, unreadable or disagrees with the manifest: "error"
     # stops with a message naming it; "skip" leaves it out (logged, and counted in
     # memtrain_data_skipped_shards_total). Every rank decides the same way before training.
