@@ -77,7 +77,7 @@ class _Window:
         self.start_rows = self.starts.tolist()  # for bisect: cheaper than numpy on a few items
         self.first = first  # span position of the window's first row
         # Set by plan_shuffle or plan_copy when the loader opens the window.
-        self.relative: np.ndarray | None = None
+        self.relative = np.empty((0, 0), dtype=np.int64)
         self.bounds: list[list[int]] = []
         self.slices: list[list[tuple[int, int, np.ndarray]]] = []
 
