@@ -18,10 +18,14 @@ GPU_CHECK_OUT ?= bench/results
 OVERLAY ?= cluster
 CONFIG ?= configs/gpt2-124m-8xgpu.yaml
 SUBMIT_ARGS ?=
+# cluster-data: where the text is on the shared volume, and the tokenizer (trained if absent)
+TEXT ?=
+VOCAB_SIZE ?=
+TOKENIZER ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
-	up down status submit grafana local local-down
+	bench-tokenize up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -64,6 +68,9 @@ bench: $(VENV)/.bench-installed ## Every CPU benchmark: bench/results/<date>-<ho
 bench-data: $(VENV)/.bench-installed ## Loader samples/s and GB/s: raw Arrow limit, memtrain, HF datasets, Ray Data
 	$(BIN)/python -m bench.loader --out bench/results
 
+bench-tokenize: setup ## memtrain data write --tokenizer vs tokenizers' own batch encoding (MB/s)
+	$(BIN)/python -m bench.tokenize --out bench/results
+
 bench-memory: setup ## CPU: activation bytes and step time per precision x checkpointing, planner beside
 	$(BIN)/python -m bench.memory --out bench/results
 
@@ -89,6 +96,9 @@ status: ## Kubernetes: Ray clusters, jobs, pods and volumes of the memtrain name
 
 submit: setup ## Kubernetes: submit CONFIG through the Ray Jobs API (port-forward) and follow it
 	MEMTRAIN=$(BIN)/memtrain bash scripts/k8s.sh submit $(CONFIG) $(SUBMIT_ARGS)
+
+cluster-data: ## Kubernetes: text on the volume (TEXT=/mnt/memtrain/text) -> tokenizer -> shards for CONFIG
+	TEXT=$(TEXT) VOCAB_SIZE=$(VOCAB_SIZE) TOKENIZER=$(TOKENIZER) bash scripts/k8s.sh data
 
 grafana: ## Kubernetes: port-forward Grafana to http://127.0.0.1:3000
 	bash scripts/k8s.sh grafana

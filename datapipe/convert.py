@@ -6,6 +6,8 @@ memtrain dataset (Arrow IPC shards + manifest, published last).
   batches (Parquet) or blocks (JSON), so inputs larger than memory convert.
 - **Text**: the files' bytes, concatenated in sorted path order, cut into rows of
   ``seq_len + 1`` byte tokens (a language model's inputs plus next-token targets).
+- **Tokenized text** (``tokenizer``): text files, a JSON lines field or a Parquet string
+  column, through a Hugging Face ``tokenizers`` tokenizer (``datapipe.tokenize``).
 - **numpy**: ``.npy`` files are rows of one column (concatenated in order); an ``.npz`` file's
   arrays are columns (e.g. ``image`` and ``label``), memory-mapped where numpy allows.
 
@@ -27,6 +29,14 @@ import pyarrow.parquet as pq
 
 from datapipe.corpus import token_rows
 from datapipe.manifest import MANIFEST_NAME, ColumnSpec, DatasetError, Manifest
+from datapipe.tokenize import (
+    EOT_TOKEN,
+    ByteProgress,
+    documents,
+    load_tokenizer,
+    token_blocks,
+)
+from datapipe.tokenize import token_dtype as token_dtype_for
 from datapipe.writer import DatasetWriter, ProgressFn
 
 Format = Literal["auto", "parquet", "jsonl", "text", "numpy"]
@@ -141,29 +151,46 @@ def numpy_blocks(files: list[Path], column: str, block_rows: int = 65536) -> Ite
 def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
                   columns: list[str] | None = None, column: str = "tokens", seq_len: int = 256,
                   shard_bytes: int = 64 << 20, overwrite: bool = False,
-                  progress: ProgressFn | None = None) -> Manifest:
+                  tokenizer: Path | None = None, text_field: str = "text",
+                  token_dtype: str = "auto", eot_token: str = EOT_TOKEN,
+                  progress: ProgressFn | None = None,
+                  input_progress: ByteProgress | None = None) -> Manifest:
     """Convert ``sources`` into a dataset at ``out``; returns its manifest.
 
+    With ``tokenizer`` (a ``tokenizer.json``), text, JSON lines (``text_field``) or Parquet (a
+    string column ``text_field``) become rows of ``seq_len + 1`` tokens (``datapipe.tokenize``).
     An existing dataset at ``out`` is refused unless ``overwrite``: then its manifest is
     removed first, so no reader ever pairs the old manifest with new shards.
     """
     files = expand_sources(sources)
+    loaded = load_tokenizer(tokenizer, eot_token) if tokenizer is not None else None
+    dtype = token_dtype_for(loaded[1].vocab_size, token_dtype) if loaded else None
     existing = out / MANIFEST_NAME
     if existing.exists():
         if not overwrite:
             raise DatasetError(f"{out} already holds a dataset: pass --overwrite to replace it")
         existing.unlink()
     kind = detect_format(files) if fmt == "auto" else fmt
-    if kind == "text" and seq_len < 1:
+    if (kind == "text" or loaded) and seq_len < 1:
         raise DatasetError(f"--seq-len must be >= 1, got {seq_len}")
     if shard_bytes < 1:
         raise DatasetError(f"--shard-size must be > 0, got {shard_bytes}")
-    blocks = {
-        "parquet": lambda: parquet_blocks(files, columns),
-        "jsonl": lambda: jsonl_blocks(files, columns),
-        "text": lambda: text_blocks(files, seq_len, column),
-        "numpy": lambda: numpy_blocks(files, column),
-    }[kind]()
+    metadata = {"source_format": kind}
+    if loaded is not None:
+        tok, info = loaded
+        docs = documents(files, kind, text_field, input_progress)
+        blocks: Iterator[Block] = ({column: block} for block in token_blocks(
+            docs, tok, info, seq_len + 1, dtype or "uint32"))
+        metadata |= info.metadata()
+    else:
+        blocks = {
+            "parquet": lambda: parquet_blocks(files, columns),
+            "jsonl": lambda: jsonl_blocks(files, columns),
+            "text": lambda: text_blocks(files, seq_len, column),
+            "numpy": lambda: numpy_blocks(files, column),
+        }[kind]()
+        if kind == "text":
+            metadata["vocab_size"] = "256"  # byte tokens
     writer: DatasetWriter | None = None
     for block in blocks:
         if writer is None:
@@ -171,9 +198,10 @@ def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
                      for name, array in block.items()]
             row_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in specs)
             writer = DatasetWriter(out, specs, rows_per_shard=max(1, shard_bytes // row_bytes),
-                                   metadata={"source_format": kind}, progress=progress)
+                                   metadata=metadata, progress=progress)
         writer.write(block)
     if writer is None:
+        unit = "tokens" if loaded else "bytes"
         raise DatasetError(f"no rows in {', '.join(map(str, sources))} (text needs at least "
-                           f"seq_len + 1 = {seq_len + 1} bytes)")
+                           f"seq_len + 1 = {seq_len + 1} {unit})")
     return writer.close()

@@ -4,6 +4,7 @@
 #   scripts/k8s.sh down [OVERLAY]      delete the Ray cluster or job (volume and Secret kept)
 #   scripts/k8s.sh status
 #   scripts/k8s.sh submit CONFIG [memtrain submit options...]
+#   scripts/k8s.sh data                the data step: text on the volume -> tokenized shards
 #   scripts/k8s.sh grafana
 # Environment: IMAGE (registry/memtrain:tag for `up`), NAMESPACE (memtrain), ADDRESS (submit
 # to this Jobs API URL instead of a port-forward; the token from RAY_AUTH_TOKEN),
@@ -46,12 +47,33 @@ overlay_dir() {  # the overlay, or a temporary one that swaps in $IMAGE
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-  - $(realpath --relative-to="$tmp" "$overlay")
+  - $(python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$overlay" "$tmp")
 images:
   - name: memtrain
     newName: $name
     newTag: "$tag"
 YAML
+  echo "$tmp"
+}
+
+DATA_SETTINGS=(TEXT TEXT_FIELD TOKENIZER VOCAB_SIZE SEQ_LEN OUT)
+
+data_overlay_dir() {  # the data overlay (image swapped in) with the settings given in the environment
+  local base tmp name literals=""
+  base=$(overlay_dir data)
+  tmp=$(mktemp -d)
+  for name in "${DATA_SETTINGS[@]}"; do
+    [[ -n ${!name:-} ]] && literals+="      - $name=${!name}"$'\n'
+  done
+  cat > "$tmp/kustomization.yaml" <<YAML
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - $(python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$base" "$tmp")
+YAML
+  if [[ -n $literals ]]; then
+    printf 'configMapGenerator:\n  - name: memtrain-data\n    namespace: %s\n    behavior: merge\n    literals:\n%s' "$NAMESPACE" "$literals" >> "$tmp/kustomization.yaml"
+  fi
   echo "$tmp"
 }
 
@@ -115,6 +137,22 @@ case "$cmd" in
     done
     RAY_AUTH_TOKEN=$(token) "$MEMTRAIN" submit --address "http://127.0.0.1:$port" --config "$config" "$@"
     ;;
+  data)
+    # The data step (k8s/jobs/data-job.yaml): text on the volume -> tokenizer -> shards. The
+    # settings the Job reads (TEXT, TEXT_FIELD, TOKENIZER, VOCAB_SIZE, SEQ_LEN, OUT) may come
+    # from the environment; unset, the ConfigMap's defaults hold.
+    check_cluster
+    dir=$(data_overlay_dir)
+    "$KUBECTL" -n "$NAMESPACE" delete job memtrain-data --ignore-not-found >/dev/null
+    "$KUBECTL" apply -k "$dir"
+    say "waiting for the data Job's pod (its logs follow)"
+    "$KUBECTL" -n "$NAMESPACE" wait --for=condition=Ready pod -l app.kubernetes.io/name=memtrain-data --timeout=600s >/dev/null \
+      || "$KUBECTL" -n "$NAMESPACE" get pods -l app.kubernetes.io/name=memtrain-data
+    "$KUBECTL" -n "$NAMESPACE" logs -f job/memtrain-data || true
+    "$KUBECTL" -n "$NAMESPACE" wait --for=condition=complete job/memtrain-data --timeout=60s >/dev/null \
+      || die "the data Job failed: kubectl -n $NAMESPACE logs job/memtrain-data"
+    say "data written; next: make submit CONFIG=configs/gpt2-124m-8xgpu.yaml"
+    ;;
   grafana)
     command -v "$KUBECTL" >/dev/null || die "kubectl not found"
     say "Grafana on http://127.0.0.1:3000 (Ctrl-C to stop)"
@@ -122,6 +160,6 @@ case "$cmd" in
       "svc/${GRAFANA_SERVICE:-kube-prometheus-stack-grafana}" 3000:80
     ;;
   *)
-    die "usage: scripts/k8s.sh up|down|status|submit|grafana"
+    die "usage: scripts/k8s.sh up|down|status|submit|data|grafana"
     ;;
 esac

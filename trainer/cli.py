@@ -26,6 +26,9 @@ app = typer.Typer(help="memtrain: distributed PyTorch training that minds GPU me
                   add_completion=False)
 data_app = typer.Typer(help="Build and inspect sharded Arrow datasets.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+tokenizer_app = typer.Typer(help="Train a tokenizer for `data write --tokenizer`.",
+                            no_args_is_help=True)
+data_app.add_typer(tokenizer_app, name="tokenizer")
 console = Console(stderr=False)
 
 
@@ -284,9 +287,21 @@ def data_write(
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB.")] = "64MiB",
     overwrite: Annotated[bool, typer.Option(help="Replace a dataset already at --out.")
                          ] = False,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="A tokenizers tokenizer.json: text, JSON lines or Parquet text become tokens.")
+                         ] = None,
+    text_field: Annotated[str, typer.Option(
+        help="With --tokenizer: the JSON field or Parquet column holding the text.")] = "text",
+    token_dtype: Annotated[str, typer.Option(
+        help="With --tokenizer: auto (uint16 up to 65,536 tokens, else uint32) | uint16 | "
+             "uint32.")] = "auto",
+    eot_token: Annotated[str, typer.Option(
+        help="With --tokenizer: the token that ends each document.")] = "<|endoftext|>",
 ) -> None:
     """Convert Parquet, JSON lines, text files or numpy arrays into a memtrain dataset."""
-    from datapipe.convert import write_dataset
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
+    from datapipe.convert import expand_sources, write_dataset
     from trainer.planner import parse_bytes
 
     if fmt not in ("auto", "parquet", "jsonl", "text", "numpy"):
@@ -295,16 +310,53 @@ def data_write(
         shard_bytes = parse_bytes(shard_size)
     except ValueError as err:
         raise ConfigError(f"--shard-size {shard_size!r} is not a size like 64MiB") from err
-    with Progress(TextColumn("writing"), BarColumn(), TextColumn("{task.completed:,} rows"),
-                  TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("rows", total=None)
-        manifest = write_dataset(list(sources), out, fmt,  # type: ignore[arg-type]
-                                 columns=columns.split(",") if columns else None, column=column,
-                                 seq_len=seq_len, shard_bytes=shard_bytes, overwrite=overwrite,
-                                 progress=lambda n: progress.advance(task, n))
+    if tokenizer is not None:  # progress in input bytes, with their rate
+        total = sum(f.stat().st_size for f in expand_sources(list(sources)))
+        columns_shown = [TextColumn("tokenizing"), BarColumn(), DownloadColumn(),
+                         TransferSpeedColumn(), TimeElapsedColumn()]
+    else:
+        total = None
+        columns_shown = [TextColumn("writing"), BarColumn(),
+                         TextColumn("{task.completed:,} rows"), TimeElapsedColumn()]
+    with Progress(*columns_shown, console=console) as progress:
+        task = progress.add_task("input", total=total)
+        manifest = write_dataset(
+            list(sources), out, fmt,  # type: ignore[arg-type]
+            columns=columns.split(",") if columns else None, column=column, seq_len=seq_len,
+            shard_bytes=shard_bytes, overwrite=overwrite, tokenizer=tokenizer,
+            text_field=text_field, token_dtype=token_dtype, eot_token=eot_token,
+            progress=None if tokenizer else lambda n: progress.advance(task, n),
+            input_progress=(lambda n: progress.advance(task, n)) if tokenizer else None)
     described = ", ".join(f"{c.name} {c.dtype}{list(c.shape)}" for c in manifest.columns)
     console.print(f"{out}: {manifest.num_rows} rows ({described}) in {len(manifest.shards)} "
                   f"shards, {manifest.num_bytes / 2**20:.1f} MiB")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train(
+    sources: Annotated[list[Path], typer.Argument(help="Input files or directories.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write tokenizer.json.")],
+    vocab_size: Annotated[int, typer.Option(help="Vocabulary size, end-of-text included.")
+                          ] = 32768,
+    fmt: Annotated[str, typer.Option(
+        "--format", help="auto | text | jsonl | parquet (auto: by file suffix).")] = "auto",
+    text_field: Annotated[str, typer.Option(
+        help="The JSON field or Parquet column holding the text.")] = "text",
+    min_frequency: Annotated[int, typer.Option(help="Merges seen fewer times are not learned.")
+                             ] = 2,
+    overwrite: Annotated[bool, typer.Option(help="Replace a file already at --out.")] = False,
+) -> None:
+    """Train a byte-level BPE tokenizer on your text, offline (Hugging Face tokenizers)."""
+    from datapipe.convert import detect_format, expand_sources
+    from datapipe.tokenize import train_tokenizer
+
+    files = expand_sources(list(sources))
+    kind = detect_format(files) if fmt == "auto" else fmt
+    with console.status(f"training a {vocab_size:,}-token BPE tokenizer on {len(files)} files"):
+        info = train_tokenizer(files, kind, out, vocab_size, text_field=text_field,
+                               min_frequency=min_frequency, overwrite=overwrite)
+    console.print(f"{out}: vocabulary {info.vocab_size:,}, end-of-text id {info.eot_id}, "
+                  f"sha256 {info.sha256[:16]}")
 
 
 @data_app.command("inspect")
@@ -319,6 +371,13 @@ def data_inspect(path: Annotated[str, typer.Argument(
     console.print(f"[bold]{path}[/]  format v{manifest.format_version}  "
                   f"{manifest.num_rows} rows  {manifest.num_bytes / 2**20:.2f} MiB  "
                   f"{len(manifest.shards)} shards")
+    meta = manifest.metadata
+    if "tokenizer" in meta:
+        console.print(f"tokenizer {meta['tokenizer']} (sha256 "
+                      f"{meta.get('tokenizer_sha256', '?')[:16]}), vocabulary "
+                      f"{meta.get('vocab_size', '?')}, end-of-text id {meta.get('eot_id', '?')}")
+    elif "vocab_size" in meta:
+        console.print(f"vocabulary {meta['vocab_size']} (byte tokens)")
     schema = Table("column", "dtype", "shape")
     for column in manifest.columns:
         schema.add_row(column.name, column.dtype, str(list(column.shape)))

@@ -27,7 +27,8 @@ SCHEMA_FILES = {
     "PodMonitor": "prometheus-operator-v0.93.0/podmonitor-monitoring-v1.schema.json",
     "PrometheusRule": "prometheus-operator-v0.93.0/prometheusrule-monitoring-v1.schema.json",
 }
-CORE_KINDS = {"Namespace", "PersistentVolumeClaim", "NetworkPolicy", "ConfigMap", "Secret"}
+CORE_KINDS = {"Namespace", "PersistentVolumeClaim", "NetworkPolicy", "ConfigMap", "Secret",
+              "Job"}
 
 
 def kubectl() -> str:
@@ -47,7 +48,9 @@ def built() -> dict[str, list[dict[str, Any]]]:
 
 
 def pod_specs(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(where, pod spec) for every pod template inside a RayCluster or RayJob."""
+    """(where, pod spec) for every pod template inside a RayCluster, RayJob or Job."""
+    if obj["kind"] == "Job":
+        return [("job", obj["spec"]["template"]["spec"])]
     if obj["kind"] not in ("RayCluster", "RayJob"):
         return []
     spec = obj["spec"]
@@ -64,11 +67,13 @@ def all_objects(built: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def test_the_expected_overlays_exist_and_build(built: dict[str, list[dict[str, Any]]]) -> None:
-    assert {"cluster", "job"} <= set(built)
+    assert {"cluster", "job", "data"} <= set(built)
     kinds = {name: sorted(o["kind"] for o in objects) for name, objects in built.items()}
     assert kinds["cluster"] == ["Namespace", "NetworkPolicy", "PersistentVolumeClaim",
                                 "RayCluster"]
     assert kinds["job"] == ["Namespace", "NetworkPolicy", "PersistentVolumeClaim", "RayJob"]
+    assert kinds["data"] == ["ConfigMap", "Job", "Namespace", "NetworkPolicy",
+                             "PersistentVolumeClaim"]
     assert kinds["monitoring"] == ["ConfigMap", "PodMonitor", "PodMonitor", "PrometheusRule"]
     for obj in all_objects(built):
         if obj["kind"] != "Namespace":
@@ -83,7 +88,8 @@ def test_core_kinds_and_embedded_pods_pass_kubernetes_validate_strict(
             documents.append({"apiVersion": "v1", "kind": "Pod", "spec": spec, "metadata": {
                 "name": f"{obj['metadata']['name']}-{where}", "namespace": "memtrain"}})
     core = {o["kind"] for o in documents}
-    assert core >= {"Namespace", "PersistentVolumeClaim", "NetworkPolicy", "ConfigMap", "Pod"}
+    assert core >= {"Namespace", "PersistentVolumeClaim", "NetworkPolicy", "ConfigMap", "Pod",
+                    "Job"}
     path = tmp_path / "core.yaml"
     path.write_text(yaml.safe_dump_all(documents))
     validate = Path(sys.executable).parent / "kubernetes-validate"
@@ -144,7 +150,7 @@ def test_no_manifest_runs_privileged_on_the_host_or_as_root(
         built: dict[str, list[dict[str, Any]]]) -> None:
     specs = [(f"{o['kind']}/{where}", spec) for o in all_objects(built)
              for where, spec in pod_specs(o)]
-    assert len(specs) == 5  # cluster head + gpu, job head + gpu + submitter
+    assert len(specs) == 6  # cluster head + gpu, job head + gpu + submitter, the data Job
     for where, spec in specs:
         for key in ("hostNetwork", "hostPID", "hostIPC"):
             assert not spec.get(key), (where, key)
@@ -211,6 +217,57 @@ def test_an_image_override_reaches_every_container(tmp_path: Path) -> None:
     images = {c["image"] for o in objects for _, spec in pod_specs(o)
               for c in spec["containers"]}
     assert images == {"registry.example.com/team/memtrain:0.2.0"}
+
+
+def _data_settings(objects: list[dict[str, Any]]) -> dict[str, str]:
+    [job] = [o for o in objects if o["kind"] == "Job"]
+    [ref] = [e["configMapRef"]["name"] for e in job["spec"]["template"]["spec"]["containers"][0]
+             ["envFrom"]]
+    [config_map] = [o for o in objects if o["kind"] == "ConfigMap"
+                    and o["metadata"]["name"] == ref]
+    return config_map["data"]
+
+
+def test_the_data_job_writes_what_the_cluster_config_reads(
+        built: dict[str, list[dict[str, Any]]]) -> None:
+    """`make cluster-data` then `make submit CONFIG=configs/gpt2-124m-8xgpu.yaml`: the Job's
+    output, sequence length and vocabulary are the config's, on the volume the Ray pods mount."""
+    from trainer.config import load_config
+
+    settings = _data_settings(built["data"])
+    cfg = load_config(REPO / "configs" / "gpt2-124m-8xgpu.yaml")
+    assert f"{settings['OUT']}/train" == cfg.data.path
+    assert f"{settings['OUT']}/val" == cfg.data.val_path
+    assert int(settings["SEQ_LEN"]) == cfg.model.seq_len
+    assert int(settings["VOCAB_SIZE"]) == cfg.model.vocab_size
+    [job] = [o for o in built["data"] if o["kind"] == "Job"]
+    spec = job["spec"]["template"]["spec"]
+    [claim] = [v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]]
+    assert claim == "memtrain-shared"
+    assert {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]} == {"/mnt/memtrain"}
+    for path in (settings["TEXT"], settings["TOKENIZER"], settings["OUT"]):
+        assert path.startswith("/mnt/memtrain/")
+    script = spec["containers"][0]["args"][0]
+    for command in ("data tokenizer train", "data write", "--tokenizer"):
+        assert command in script  # the CLI's own commands (tests/unit/test_tokenize.py)
+
+
+def test_make_cluster_data_passes_its_settings_to_the_job(tmp_path: Path) -> None:
+    script = REPO / "scripts" / "k8s.sh"
+    code = (f'source <(sed -n "/^overlay_dir()/,/^}}/p;/^data_overlay_dir()/,/^}}/p;'
+            f'/^die()/p;/^DATA_SETTINGS=/p" {script}); NAMESPACE=memtrain; data_overlay_dir')
+    env = {**os.environ, "TEXT": "/mnt/memtrain/corpus", "VOCAB_SIZE": "32768",
+           "IMAGE": "registry.example.com/memtrain:0.2.0"}
+    env.pop("TOKENIZER", None)
+    out = subprocess.run(["bash", "-c", code], capture_output=True, text=True, env=env,
+                         cwd=REPO, check=True)
+    objects = build(Path(out.stdout.strip()))
+    settings = _data_settings(objects)
+    assert settings["TEXT"] == "/mnt/memtrain/corpus" and settings["VOCAB_SIZE"] == "32768"
+    assert settings["TOKENIZER"] == "/mnt/memtrain/data/tokenizer.json"  # the default kept
+    [job] = [o for o in objects if o["kind"] == "Job"]
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "registry.example.com/memtrain:0.2.0"
 
 
 @pytest.mark.parametrize("kubeconfig, message", [

@@ -202,6 +202,12 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         except ValueError as err:
             raise ConfigError(f"{field}: {err}") from err
         spec = manifest.column(cfg.data.column)
+        vocab = manifest.metadata.get("vocab_size")
+        if vocab is not None and vocab.isdigit() and int(vocab) > cfg.model.vocab_size:
+            written = manifest.metadata.get("tokenizer", "byte tokens")
+            raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the "
+                              f"vocabulary of {field} ({vocab}, {written}): set model.vocab_size "
+                              f"to at least {vocab}")
         if spec.shape != (cfg.model.seq_len + 1,):
             raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")

@@ -1,0 +1,290 @@
+"""Tokenized text: documents from text files, JSON lines or Parquet, encoded with a Hugging Face
+``tokenizers`` tokenizer (``tokenizer.json``) and packed into rows of ``seq_len + 1`` tokens.
+
+- **Documents.** A text file is one document (read in pieces that end at a line break, so
+  files larger than memory convert); a JSON line's ``text_field`` is one; a Parquet string
+  column's value is one. Documents are read in sorted path order, lines and rows in order.
+- **Encoding.** ``encode_batch_fast`` over batches of documents (the Rust library spreads a
+  batch over every core), without the tokenizer's own special tokens; each document is followed
+  by the end-of-text token. The token stream is cut into rows of ``seq_len + 1``; the last,
+  partial row is dropped. The same inputs and tokenizer give the same shards.
+- **Token dtype.** ``uint16`` while every id fits (vocabulary up to 65,536), else ``uint32``.
+- **Provenance.** The manifest's metadata records the tokenizer: its file name, SHA-256,
+  vocabulary size and end-of-text id; ``memtrain train`` refuses a ``model.vocab_size`` smaller
+  than the dataset's vocabulary.
+- **A tokenizer without the hub.** ``train_tokenizer`` trains a byte-level BPE tokenizer on the
+  same documents, offline.
+
+Bad input (an empty file, bytes that are not UTF-8, a JSON line without the field, a file that
+is not a tokenizer, a vocabulary the dtype cannot hold) is a ``DatasetError`` naming the file,
+and the line or row where there is one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from datapipe.manifest import DatasetError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+EOT_TOKEN = "<|endoftext|>"
+PIECE_BYTES = 1 << 20  # a text file is read and encoded in pieces of about this size
+BATCH_BYTES = 4 << 20  # text handed to one encode_batch call (spread over every core)
+TOKEN_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}
+ByteProgress = Callable[[int], None]  # called with the input bytes just read
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the manifest records of the tokenizer a dataset was written with."""
+
+    name: str
+    sha256: str
+    vocab_size: int
+    eot_id: int
+
+    def metadata(self) -> dict[str, str]:
+        return {"tokenizer": self.name, "tokenizer_sha256": self.sha256,
+                "vocab_size": str(self.vocab_size), "eot_id": str(self.eot_id)}
+
+
+def _tokenizers() -> object:
+    try:
+        import tokenizers
+    except ImportError as err:  # an install without the dependency: say which
+        raise DatasetError("--tokenizer needs the `tokenizers` package (pip install "
+                           "tokenizers)") from err
+    return tokenizers
+
+
+def load_tokenizer(path: Path, eot_token: str = EOT_TOKEN) -> tuple[Tokenizer, TokenizerInfo]:
+    """A ``tokenizer.json`` and what the manifest records of it."""
+    _tokenizers()
+    from tokenizers import Tokenizer
+
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise DatasetError(f"tokenizer {path}: cannot be read ({err.strerror})") from err
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as err:  # tokenizers raises a plain Exception for every parse error
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DatasetError(f"tokenizer {path}: not a tokenizers tokenizer.json ({first})") from err
+    eot_id = tokenizer.token_to_id(eot_token)
+    if eot_id is None:
+        raise DatasetError(f"tokenizer {path}: has no end-of-text token {eot_token!r} "
+                           "(pass --eot-token)")
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return tokenizer, TokenizerInfo(path.name, hashlib.sha256(raw).hexdigest(), vocab_size,
+                                    eot_id)
+
+
+def token_dtype(vocab_size: int, requested: str = "auto") -> str:
+    """The narrowest dtype that holds every id of the vocabulary, or ``requested`` if it does."""
+    if requested == "auto":
+        return next(name for name, limit in TOKEN_DTYPES.items() if vocab_size <= limit)
+    if requested not in TOKEN_DTYPES:
+        raise DatasetError(f"--token-dtype {requested!r} is not one of auto, "
+                           f"{', '.join(TOKEN_DTYPES)}")
+    if vocab_size > TOKEN_DTYPES[requested]:
+        raise DatasetError(f"--token-dtype {requested} holds ids below "
+                           f"{TOKEN_DTYPES[requested]:,}; the vocabulary has {vocab_size:,}")
+    return requested
+
+
+# ---- documents ------------------------------------------------------------------------------
+def _cut(data: bytes) -> int:
+    """Where a piece of ``data`` may end: after its last line break, else before a UTF-8
+    character that the read cut off."""
+    cut = data.rfind(b"\n") + 1
+    if cut:
+        return cut
+    cut = len(data)
+    while cut > max(0, len(data) - 4) and data[cut - 1] & 0xC0 == 0x80:
+        cut -= 1  # continuation bytes: back off to the character's lead byte
+    return cut - 1 if cut and data[cut - 1] >= 0xC0 else len(data)
+
+
+def _text_pieces(file: Path, progress: ByteProgress | None) -> Iterator[tuple[str, bool]]:
+    """A text file as pieces of about PIECE_BYTES that end at a line break, then ``("",
+    True)`` for the end of the document."""
+    line, has_text = 1, False
+    with file.open("rb") as handle:
+        pending = b""
+        while True:
+            chunk = handle.read(PIECE_BYTES)
+            data = pending + chunk
+            cut = _cut(data) if chunk else len(data)
+            piece, pending = data[:cut], data[cut:]
+            if piece:
+                if b"\0" in piece:
+                    at = line + piece[:piece.index(b"\0")].count(b"\n")
+                    raise DatasetError(f"{file}: line {at}: binary data (a NUL byte), not text")
+                try:
+                    text = piece.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    at = line + piece[:err.start].count(b"\n")
+                    raise DatasetError(f"{file}: line {at}: not UTF-8 text (byte "
+                                       f"0x{piece[err.start]:02x})") from err
+                has_text = has_text or bool(text.strip())
+                line += piece.count(b"\n")
+                if progress is not None:
+                    progress(len(piece))
+                yield text, False
+            if not chunk:
+                break
+    if not has_text:
+        raise DatasetError(f"{file}: empty (no text)")
+    yield "", True
+
+
+def _jsonl_documents(file: Path, field: str, progress: ByteProgress | None
+                     ) -> Iterator[tuple[str, bool]]:
+    found = False
+    with file.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if progress is not None:
+                progress(len(raw))
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise DatasetError(f"{file}: line {number}: not a JSON object ({err})") from err
+            if not isinstance(row, dict) or field not in row:
+                raise DatasetError(f"{file}: line {number}: no text field {field!r} "
+                                   "(pass --text-field)")
+            if not isinstance(row[field], str):
+                raise DatasetError(f"{file}: line {number}: field {field!r} is "
+                                   f"{type(row[field]).__name__}, not a string")
+            found = True
+            yield row[field], True
+    if not found:
+        raise DatasetError(f"{file}: empty (no JSON lines)")
+
+
+def _parquet_documents(file: Path, field: str, progress: ByteProgress | None
+                       ) -> Iterator[tuple[str, bool]]:
+    try:
+        reader = pq.ParquetFile(file)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"{file}: not readable as Parquet ({err})") from err
+    names = reader.schema_arrow.names
+    if field not in names:
+        raise DatasetError(f"{file}: no text column {field!r} (columns: {', '.join(names)}; "
+                           "pass --text-field)")
+    kind = reader.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DatasetError(f"{file}: column {field!r} is {kind}, not strings")
+    if reader.metadata.num_rows == 0:
+        raise DatasetError(f"{file}: empty (no rows)")
+    first = 0
+    for batch in reader.iter_batches(batch_size=8192, columns=[field]):
+        column = batch.column(0)
+        if column.null_count:
+            row = first + int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DatasetError(f"{file}: row {row}: column {field!r} is null")
+        values = column.to_pylist()
+        if progress is not None:
+            progress(sum(len(v) for v in values))
+        for value in values:
+            yield value, True
+        first += len(column)
+
+
+def documents(files: list[Path], kind: str, text_field: str = "text",
+              progress: ByteProgress | None = None) -> Iterator[tuple[str, bool]]:
+    """``(text, ends_document)`` for every document of ``files``, in order."""
+    read = {"text": lambda f: _text_pieces(f, progress),
+            "jsonl": lambda f: _jsonl_documents(f, text_field, progress),
+            "parquet": lambda f: _parquet_documents(f, text_field, progress)}.get(kind)
+    if read is None:
+        raise DatasetError(f"--tokenizer reads text, jsonl or parquet inputs, not {kind}")
+    for file in files:
+        yield from read(file)
+
+
+# ---- encoding and packing -------------------------------------------------------------------
+def _batches(docs: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    batch: list[tuple[str, bool]] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc[0])
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def token_blocks(docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, info: TokenizerInfo,
+                 row_len: int, dtype: str, block_rows: int = 8192) -> Iterator[np.ndarray]:
+    """``(n, row_len)`` blocks of the packed token stream: each document's ids, then the
+    end-of-text id; the last partial row is dropped."""
+    np_dtype = np.dtype(dtype)
+    eot = np.array([info.eot_id], dtype=np_dtype)
+    pending: list[np.ndarray] = []
+    pending_tokens = 0
+    block_tokens = block_rows * row_len
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    for batch in _batches(docs):
+        encodings = encode([text for text, _ in batch], add_special_tokens=False)
+        for (_, ends), encoding in zip(batch, encodings, strict=True):
+            ids = np.asarray(encoding.ids, dtype=np_dtype)
+            pending.append(ids)
+            pending_tokens += len(ids)
+            if ends:
+                pending.append(eot)
+                pending_tokens += 1
+        if pending_tokens >= block_tokens:
+            stream = np.concatenate(pending)
+            rows = len(stream) // row_len
+            yield stream[:rows * row_len].reshape(rows, row_len)
+            pending, pending_tokens = [stream[rows * row_len:]], len(stream) - rows * row_len
+    if pending_tokens >= row_len:
+        stream = np.concatenate(pending)
+        rows = len(stream) // row_len
+        yield stream[:rows * row_len].reshape(rows, row_len)
+
+
+# ---- training a tokenizer -------------------------------------------------------------------
+def train_tokenizer(files: list[Path], kind: str, out: Path, vocab_size: int, *,
+                    text_field: str = "text", min_frequency: int = 2,
+                    overwrite: bool = False) -> TokenizerInfo:
+    """A byte-level BPE tokenizer trained on ``files``' documents, saved at ``out``; its
+    vocabulary is the 256 byte symbols, the end-of-text token and the merges learned."""
+    _tokenizers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    floor = 256 + 1
+    if vocab_size < floor:
+        raise DatasetError(f"--vocab-size must be at least {floor} (the 256 byte symbols and "
+                           f"{EOT_TOKEN}), got {vocab_size}")
+    if out.exists() and not overwrite:
+        raise DatasetError(f"{out} exists: pass --overwrite to replace it")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=[EOT_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator((text for text, _ in documents(files, kind, text_field)),
+                                  trainer=trainer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tokenizer.save(str(tmp))
+    tmp.replace(out)
+    return load_tokenizer(out)[1]
