@@ -1,14 +1,18 @@
 """A real Ray cluster on 127.0.0.1 with 2 Ray Train workers (gloo): AC and accumulation on.
 
-One uninterrupted run (``ray_run``, module scope) serves three tests: it must learn and
-checkpoint, its workers must export the metrics contract, and it is the reference a run with a
-killed worker must equal bit for bit. Each Ray Train run costs its worker group's start; on a
-2-core CI machine the module takes three runs, not six.
+One run (``ray_run``, module scope) serves three tests, and a worker of it is killed: rank 1 is
+SIGKILLed at step 9, three steps after the step-6 checkpoint, so Ray restarts the group and the
+loop resumes from step 6. It must still learn and checkpoint, its workers must export the
+metrics contract, and its final weights must equal, bit for bit, those of an uninterrupted run
+of the same config under the local launcher (2 spawned processes, gloo): the loop is
+deterministic on CPU whichever launcher runs it. Each Ray Train run costs its worker group's
+start; on a 2-core CI machine the module takes three group starts, not five.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import urllib.request
@@ -35,13 +39,18 @@ class RayRun:
     run_dir: Path
     summary: dict[str, Any]
     final_weights: dict[str, torch.Tensor]  # checkpoint 12, read before any test resumes it
-    losses: dict[int, float]
+    losses: dict[int, float]  # the last logged loss of each step (after the restart: resumed)
+    first_losses: dict[int, float]  # the first logged loss of each step (before the kill)
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
+def _losses(run_dir: Path, first: bool = False) -> dict[int, float]:
     rows = [json.loads(line) for line in
             (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    losses: dict[int, float] = {}
+    for row in rows:
+        if "loss" in row and not (first and row["step"] in losses):
+            losses[row["step"]] = row["loss"]
+    return losses
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -55,8 +64,13 @@ def ray_run(ray_cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFact
 
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path_factory.mktemp("ray"),
                                            *SETTINGS, "run.name=ray"))
-    summary = launch_ray(cfg, run_dir)
-    return RayRun(run_dir, summary, _weights(run_dir, 12), _losses(run_dir))
+    os.environ["MEMTRAIN_FAULTS"] = "kill@9:1"  # the launcher hands it to Ray's workers
+    try:
+        summary = launch_ray(cfg, run_dir)
+    finally:
+        del os.environ["MEMTRAIN_FAULTS"]
+    return RayRun(run_dir, summary, _weights(run_dir, 12), _losses(run_dir),
+                  _losses(run_dir, first=True))
 
 
 def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun,
@@ -66,7 +80,7 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun,
     summary = ray_run.summary
     assert summary["workers"] == 2 and summary["accumulation_steps"] == 2
     assert summary["activation_checkpointing"] == "full"
-    assert summary["final_loss"] < summary["first_loss"] - 0.5
+    assert ray_run.losses[12] < ray_run.first_losses[1] - 0.5
     checkpoints = sorted(p.name for p in ray_run.run_dir.glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-00000006", "checkpoint-00000012"]
 
@@ -100,25 +114,25 @@ def test_ray_workers_export_the_contract_on_the_nodes_metrics_endpoint(
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_bit_exact(
-        ray_run: RayRun, corpus_dir: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIGKILL rank 1 at step 9, three steps after the step-6 checkpoint: Ray restarts the
-    group, training resumes from step 6 and the final weights equal those of the uninterrupted
-    run, bit for bit (the loop is deterministic on CPU: seeded init, per-step reseeding, the
-    loader's position and the optimizer state in the checkpoint, gloo's fixed reduction
-    order)."""
-    from trainer.launch.ray import launch_ray
+        ray_run: RayRun, corpus_dir: Path, tmp_path: Path) -> None:
+    """The kill at step 9 happened, Ray restarted the group, training resumed from step 6, and
+    the final weights equal those of an uninterrupted local run, bit for bit (seeded init,
+    per-step reseeding, the loader's position and the optimizer state in the checkpoint, gloo's
+    fixed reduction order)."""
+    from trainer.launch.local import launch_local
 
-    killed_cfg, killed_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *SETTINGS,
-                                                     "run.name=killed"))
-    monkeypatch.setenv("MEMTRAIN_FAULTS", "kill@9:1")
-    summary = launch_ray(killed_cfg, killed_dir)
-    assert (killed_dir / ".faults-fired" / "kill@9-1").exists()  # the kill happened
-    assert summary["resumed_from_step"] == 6 and summary["final_step"] == 12
-    killed = _weights(killed_dir, 12)
-    assert ray_run.final_weights.keys() == killed.keys()
-    for name in killed:
-        assert torch.equal(ray_run.final_weights[name], killed[name]), name
-    # Every step's loss after the resume is the uninterrupted run's loss.
-    assert {s: v for s, v in _losses(killed_dir).items() if s > 6} == \
-        {s: v for s, v in ray_run.losses.items() if s > 6}
+    assert (ray_run.run_dir / ".faults-fired" / "kill@9-1").exists()  # the kill happened
+    assert ray_run.summary["resumed_from_step"] == 6 and ray_run.summary["final_step"] == 12
+    cfg, local_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *SETTINGS,
+                                             "run.name=uninterrupted",
+                                             "parallel.launcher=local"))
+    launch_local(cfg, local_dir)
+    uninterrupted = _weights(local_dir, 12)
+    assert ray_run.final_weights.keys() == uninterrupted.keys()
+    for name in uninterrupted:
+        assert torch.equal(ray_run.final_weights[name], uninterrupted[name]), name
+    # Every step's loss, before the kill and after the resume, is the uninterrupted run's.
+    reference = _losses(local_dir)
+    assert ray_run.losses == reference
+    assert {s: v for s, v in ray_run.first_losses.items() if s <= 8} == \
+        {s: reference[s] for s in range(1, 9)}
