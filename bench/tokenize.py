@@ -44,6 +44,8 @@ def corpus(root: Path, max_mb: float) -> list[Path]:
                 text = source.read_text(encoding="utf-8")
             except UnicodeDecodeError:
                 continue
+            if not text.strip():  # empty __init__.py files: data write refuses empty input
+                continue
             (tmp / f"{i:05d}.txt").write_text(text, encoding="utf-8")
             total += len(text.encode())
             if total >= max_mb * 2**20:

@@ -5,7 +5,8 @@
   files larger than memory convert); a JSON line's ``text_field`` is one; a Parquet string
   column's value is one. Documents are read in sorted path order, lines and rows in order.
 - **Encoding.** ``encode_batch_fast`` over batches of documents (the Rust library spreads a
-  batch over every core), without the tokenizer's own special tokens; each document is followed
+  batch over every core), the next batch read and encoded on a thread while this one is packed
+  and written, without the tokenizer's own special tokens; each document is followed
   by the end-of-text token. The token stream is cut into rows of ``seq_len + 1``; the last,
   partial row is dropped. The same inputs and tokenizer give the same shards.
 - **Token dtype.** ``uint16`` while every id fits (vocabulary up to 65,536), else ``uint32``.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -240,8 +242,25 @@ def token_blocks(docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, info: T
     pending_tokens = 0
     block_tokens = block_rows * row_len
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-    for batch in _batches(docs):
-        encodings = encode([text for text, _ in batch], add_special_tokens=False)
+
+    def encoded() -> Iterator[tuple[list[tuple[str, bool]], list]]:
+        """Each batch with its encodings; the next batch is read and encoded on a thread while
+        the caller packs and writes this one (the Rust encoder releases the GIL)."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtrain-encode") as pool:
+            batches = _batches(docs)
+
+            def next_encoded() -> tuple[list[tuple[str, bool]], list] | None:
+                batch = next(batches, None)
+                if batch is None:
+                    return None
+                return batch, encode([text for text, _ in batch], add_special_tokens=False)
+
+            ahead = pool.submit(next_encoded)
+            while (done := ahead.result()) is not None:
+                ahead = pool.submit(next_encoded)
+                yield done
+
+    for batch, encodings in encoded():
         for (_, ends), encoding in zip(batch, encodings, strict=True):
             ids = np.asarray(encoding.ids, dtype=np_dtype)
             pending.append(ids)
