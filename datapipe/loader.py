@@ -119,10 +119,17 @@ class _Window:
                 filled, index = filled + count, index + 1
             self.slices.append(parts)
 
-    def copy(self, batch: int, dst: np.ndarray) -> None:
-        """``dst`` = the window's planned unshuffled batch ``batch`` (``plan_copy``)."""
-        for lo, hi, view in self.slices[batch]:
+    def copy(self, batch: int, dst: np.ndarray | None = None) -> np.ndarray:
+        """The window's planned unshuffled batch ``batch`` (``plan_copy``), into ``dst``, or
+        without one into a new array made by one copy in numpy's C code."""
+        parts = self.slices[batch]
+        if dst is None:
+            if len(parts) == 1:
+                return parts[0][2].copy()
+            return np.concatenate([view for _, _, view in parts])
+        for lo, hi, view in parts:
             dst[lo:hi] = view
+        return dst
 
 
 class BatchLoader:
@@ -212,8 +219,8 @@ class BatchLoader:
     def __next__(self) -> torch.Tensor:
         if self._transfer is not None:
             batch = self._transfer.next()
-        else:  # numpy allocates a batch faster than torch.empty (bench/loader.py)
-            batch = torch.from_numpy(self._gather(np.empty(self.shape, dtype=self.dtype)))
+        else:  # a numpy array: numpy allocates a batch faster than torch.empty
+            batch = torch.from_numpy(self._gather(None))
         self.batch_index += 1
         if self.batch_index == self.num_batches:
             self.epoch, self.batch_index = self.epoch + 1, 0
@@ -231,18 +238,20 @@ class BatchLoader:
         return batch_positions(self.num_batches * self.batch_size, self.batch_size, self.window,
                                batch_index, self.seed, epoch, self.rank, self.shuffle)
 
-    def _gather(self, out: np.ndarray) -> np.ndarray:
-        """Gather the batch at the cursor into ``out`` and advance the cursor. Everything a
-        batch needs beyond its copy was planned when its window was opened."""
+    def _gather(self, out: np.ndarray | None) -> np.ndarray:
+        """Gather the batch at the cursor into ``out`` (None: a new array) and advance the
+        cursor. Everything a batch needs beyond its copy was planned when its window opened."""
         epoch, batch_index = self._cursor
         index, within = divmod(batch_index, self._window_batches)
         current = self._current
         if current is None or current[1] != index or current[0] != epoch:
             current = self._current = (epoch, index, self._open_window(epoch, index))
         if self.shuffle:
+            if out is None:
+                out = np.empty(self.shape, dtype=self.dtype)
             current[2].gather(within, out)
         else:
-            current[2].copy(within, out)
+            out = current[2].copy(within, out)
         batch_index += 1
         self._cursor = (epoch + 1, 0) if batch_index == self.num_batches else (epoch,
                                                                                   batch_index)
