@@ -163,24 +163,26 @@ def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
     removed first, so no reader ever pairs the old manifest with new shards.
     """
     files = expand_sources(sources)
-    loaded = load_tokenizer(tokenizer, eot_token) if tokenizer is not None else None
-    dtype = token_dtype_for(loaded[1].vocab_size, token_dtype) if loaded else None
+    tokenized = None  # (tokenizer, its info, the token dtype), checked before anything is written
+    if tokenizer is not None:
+        tok, info = load_tokenizer(tokenizer, eot_token)
+        tokenized = (tok, info, token_dtype_for(info.vocab_size, token_dtype))
     existing = out / MANIFEST_NAME
     if existing.exists():
         if not overwrite:
             raise DatasetError(f"{out} already holds a dataset: pass --overwrite to replace it")
         existing.unlink()
     kind = detect_format(files) if fmt == "auto" else fmt
-    if (kind == "text" or loaded) and seq_len < 1:
+    if (kind == "text" or tokenized) and seq_len < 1:
         raise DatasetError(f"--seq-len must be >= 1, got {seq_len}")
     if shard_bytes < 1:
         raise DatasetError(f"--shard-size must be > 0, got {shard_bytes}")
     metadata = {"source_format": kind}
-    if loaded is not None:
-        tok, info = loaded
+    if tokenized is not None:
+        tok, info, dtype = tokenized
         docs = documents(files, kind, text_field, input_progress)
         blocks: Iterator[Block] = ({column: block} for block in token_blocks(
-            docs, tok, info, seq_len + 1, dtype or "uint32"))
+            docs, tok, info, seq_len + 1, dtype))
         metadata |= info.metadata()
     else:
         blocks = {
@@ -201,7 +203,7 @@ def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
                                    metadata=metadata, progress=progress)
         writer.write(block)
     if writer is None:
-        unit = "tokens" if loaded else "bytes"
+        unit = "tokens" if tokenized else "bytes"
         raise DatasetError(f"no rows in {', '.join(map(str, sources))} (text needs at least "
                            f"seq_len + 1 = {seq_len + 1} {unit})")
     return writer.close()

@@ -74,7 +74,6 @@ class _Window:
     def __init__(self, pieces: list[np.ndarray], first: int):
         self.pieces = pieces
         self.starts = np.cumsum([0] + [len(piece) for piece in pieces])
-        self.start_rows = self.starts.tolist()  # for bisect: cheaper than numpy on a few items
         self.first = first  # span position of the window's first row
         # Set by plan_shuffle or plan_copy when the loader opens the window.
         self.relative = np.empty((0, 0), dtype=np.int64)
@@ -107,13 +106,14 @@ class _Window:
         """Every unshuffled batch of the window at once: batch ``k`` is the window's rows
         ``k*B .. (k+1)*B - 1``, kept as ``(dst_lo, dst_hi, view)`` slices of the pieces, so a
         batch's gather is one slice copy per piece it touches and nothing else."""
+        starts = self.starts.tolist()  # for bisect: cheaper than numpy on a few items
         self.slices = []
-        for first in range(0, int(self.starts[-1]) - batch_size + 1, batch_size):
+        for first in range(0, starts[-1] - batch_size + 1, batch_size):
             parts, filled = [], 0
-            index = bisect.bisect_right(self.start_rows, first) - 1
+            index = bisect.bisect_right(starts, first) - 1
             while filled < batch_size:
                 array = self.pieces[index]
-                row = first + filled - self.start_rows[index]
+                row = first + filled - starts[index]
                 count = min(batch_size - filled, len(array) - row)
                 parts.append((filled, filled + count, array[row:row + count]))
                 filled, index = filled + count, index + 1

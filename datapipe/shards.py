@@ -59,7 +59,7 @@ def _probably_resident(address: int, length: int, samples: int = 8) -> bool:
     (``mincore``): a cheap guess that the whole range is (the kernel's own fault path reads
     whatever was missed)."""
     assert _libc is not None
-    state = ctypes.c_ubyte()  # one per call: the read-ahead pool has several threads
+    state = ctypes.c_ubyte()  # one per call, so calls from several threads never share it
     last = address + max(0, length - 1) // mmap.PAGESIZE * mmap.PAGESIZE
     for i in range(samples):
         page = address + (last - address) * i // max(1, samples - 1)
@@ -160,7 +160,6 @@ class ShardSource:
         self.skipped: list[str] = []  # one message per skipped shard
         # local: per shard, zero-copy views onto the memory map, one per record batch
         self._views: dict[int, list[np.ndarray]] = {}
-        self._maps: dict[int, mmap.mmap] = {}
         self.usable: list[int] = []
         for index in range(len(self.manifest.shards)):
             try:
@@ -208,9 +207,8 @@ class ShardSource:
             if path.is_file() and (size := path.stat().st_size) != shard.num_bytes:
                 raise DatasetError(f"shard {file}: {size} bytes, the manifest says "
                                    f"{shard.num_bytes} (truncated or replaced)")
-            with open(file, "rb") as handle:  # Python's mmap: it can madvise (pyarrow's cannot)
+            with open(file, "rb") as handle:  # the table's buffers keep the map alive
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[index] = mapped
             table = pa.ipc.open_file(pa.py_buffer(mapped)).read_all()  # maps, reads nothing
         except DatasetError:
             raise
@@ -223,7 +221,7 @@ class ShardSource:
         self._views[index] = [self._as_rows(chunk, zero_copy=True)
                               for chunk in table.column(self.spec.name).chunks]
 
-    def _will_need(self, index: int, parts: list[np.ndarray]) -> None:
+    def _will_need(self, parts: list[np.ndarray]) -> None:
         """madvise(WILLNEED) over the bytes of ``parts`` that are not in the page cache yet:
         the kernel reads them ahead. Over pages already cached the call still walks every page
         (160 us for a 16 MiB window here) and slowed the consumer's gathers by 15-20%
@@ -256,7 +254,7 @@ class ShardSource:
                                       min(piece.stop, last) - first])
                 first = last
             if advise:
-                self._will_need(piece.shard, parts)
+                self._will_need(parts)
             return parts
         file = self.file(piece.shard)
         parts = []

@@ -61,18 +61,17 @@ class TokenizerInfo:
                 "vocab_size": str(self.vocab_size), "eot_id": str(self.eot_id)}
 
 
-def _tokenizers() -> object:
+def _require_tokenizers() -> None:
     try:
-        import tokenizers
+        import tokenizers  # noqa: F401
     except ImportError as err:  # an install without the dependency: say which
         raise DatasetError("--tokenizer needs the `tokenizers` package (pip install "
                            "tokenizers)") from err
-    return tokenizers
 
 
 def load_tokenizer(path: Path, eot_token: str = EOT_TOKEN) -> tuple[Tokenizer, TokenizerInfo]:
     """A ``tokenizer.json`` and what the manifest records of it."""
-    _tokenizers()
+    _require_tokenizers()
     from tokenizers import Tokenizer
 
     try:
@@ -243,6 +242,12 @@ def token_blocks(docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, info: T
     block_tokens = block_rows * row_len
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
+    def cut(pieces: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The whole rows of the concatenated ``pieces``, and the tokens left over."""
+        stream = np.concatenate(pieces)
+        whole = len(stream) // row_len * row_len
+        return stream[:whole].reshape(-1, row_len), stream[whole:]
+
     def encoded() -> Iterator[tuple[list[tuple[str, bool]], list]]:
         """Each batch with its encodings; the next batch is read and encoded on a thread while
         the caller packs and writes this one (the Rust encoder releases the GIL)."""
@@ -269,14 +274,11 @@ def token_blocks(docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, info: T
                 pending.append(eot)
                 pending_tokens += 1
         if pending_tokens >= block_tokens:
-            stream = np.concatenate(pending)
-            rows = len(stream) // row_len
-            yield stream[:rows * row_len].reshape(rows, row_len)
-            pending, pending_tokens = [stream[rows * row_len:]], len(stream) - rows * row_len
+            block, rest = cut(pending)
+            yield block
+            pending, pending_tokens = [rest], len(rest)
     if pending_tokens >= row_len:
-        stream = np.concatenate(pending)
-        rows = len(stream) // row_len
-        yield stream[:rows * row_len].reshape(rows, row_len)
+        yield cut(pending)[0]
 
 
 # ---- training a tokenizer -------------------------------------------------------------------
@@ -285,7 +287,7 @@ def train_tokenizer(files: list[Path], kind: str, out: Path, vocab_size: int, *,
                     overwrite: bool = False) -> TokenizerInfo:
     """A byte-level BPE tokenizer trained on ``files``' documents, saved at ``out``; its
     vocabulary is the 256 byte symbols, the end-of-text token and the merges learned."""
-    _tokenizers()
+    _require_tokenizers()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     floor = 256 + 1

@@ -20,6 +20,8 @@ HEAD_SERVICE=memtrain-head-svc
 
 die() { echo "k8s: $*" >&2; exit 1; }
 say() { echo "k8s: $*"; }
+# relative PATH DIR: PATH as seen from DIR (GNU realpath --relative-to is missing on macOS)
+relative() { python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$1" "$2"; }
 
 check_cluster() {  # kubectl, a context, a reachable API server, KubeRay's CRDs
   command -v "$KUBECTL" >/dev/null || die "kubectl not found: install it (https://kubernetes.io/docs/tasks/tools/)"
@@ -47,7 +49,7 @@ overlay_dir() {  # the overlay, or a temporary one that swaps in $IMAGE
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-  - $(python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$overlay" "$tmp")
+  - $(relative "$overlay" "$tmp")
 images:
   - name: memtrain
     newName: $name
@@ -69,7 +71,7 @@ data_overlay_dir() {  # the data overlay (image swapped in) with the settings gi
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-  - $(python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$base" "$tmp")
+  - $(relative "$base" "$tmp")
 YAML
   if [[ -n $literals ]]; then
     printf 'configMapGenerator:\n  - name: memtrain-data\n    namespace: %s\n    behavior: merge\n    literals:\n%s' "$NAMESPACE" "$literals" >> "$tmp/kustomization.yaml"

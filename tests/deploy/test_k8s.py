@@ -209,7 +209,7 @@ def test_an_image_override_reaches_every_container(tmp_path: Path) -> None:
     """`make up IMAGE=...` writes a temporary overlay; it must rename every memtrain image."""
     script = REPO / "scripts" / "k8s.sh"
     env = {**os.environ, "IMAGE": "registry.example.com/team/memtrain:0.2.0"}
-    code = (f'source <(sed -n "/^overlay_dir()/,/^}}/p;/^die()/p" {script}); '
+    code = (f'source <(sed -n "/^overlay_dir()/,/^}}/p;/^die()/p;/^relative()/p" {script}); '
             "overlay_dir job")
     out = subprocess.run(["bash", "-c", code], capture_output=True, text=True, env=env,
                          cwd=REPO, check=True)
@@ -255,7 +255,8 @@ def test_the_data_job_writes_what_the_cluster_config_reads(
 def test_make_cluster_data_passes_its_settings_to_the_job(tmp_path: Path) -> None:
     script = REPO / "scripts" / "k8s.sh"
     code = (f'source <(sed -n "/^overlay_dir()/,/^}}/p;/^data_overlay_dir()/,/^}}/p;'
-            f'/^die()/p;/^DATA_SETTINGS=/p" {script}); NAMESPACE=memtrain; data_overlay_dir')
+            f'/^die()/p;/^relative()/p;/^DATA_SETTINGS=/p" {script}); NAMESPACE=memtrain; '
+            'data_overlay_dir')
     env = {**os.environ, "TEXT": "/mnt/memtrain/corpus", "VOCAB_SIZE": "32768",
            "IMAGE": "registry.example.com/memtrain:0.2.0"}
     env.pop("TOKENIZER", None)
