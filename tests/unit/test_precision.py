@@ -75,8 +75,8 @@ def test_shipped_configs_default_to_auto() -> None:
         assert load_config(path).memory.precision == "auto", path.name
 
 
-def test_the_planner_plans_the_precision_auto_resolves_to(monkeypatch: pytest.MonkeyPatch,
-                                                           tmp_path: Path) -> None:
+def test_the_planner_plans_the_precision_auto_resolves_to(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
     for support, expected in (("native", "bf16"), ("emulated", "fp32")):
         monkeypatch.setattr(memory, "cpu_bf16_support", lambda support=support: support)
