@@ -22,12 +22,17 @@ OUT_DIR = Path(__file__).resolve().parent / "grafana" / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SELECTOR = 'run=~"$run", rank=~"$rank", node=~"$node"'
 RATE = "$__rate_interval"
-# Panels whose series exist only on CUDA workers (absent, not zero, on CPU).
+# Panels whose series exist only on CUDA workers (absent, not zero, on CPU); the last two also
+# need dcgm-exporter's series.
 CUDA_PANELS = frozenset({
     "Allocated, reserved and peak per rank", "Fragmentation (inactive split / reserved)",
     "Allocator retries and OOMs", "Device memory used against total",
-    "Peak memory skew across ranks",
+    "Peak memory skew across ranks", "Framebuffer (dcgm-exporter) against PyTorch, per GPU",
+    "Device memory outside PyTorch's cache, per GPU",
 })
+# dcgm-exporter's framebuffer-used gauge (MiB), relabelled so it joins memtrain's gpu_uuid.
+DCGM_FB_USED_BYTES = ('max by (gpu_uuid) (label_replace(DCGM_FI_DEV_FB_USED, "gpu_uuid", "$1", '
+                      '"UUID", "(.+)")) * 1048576')
 
 
 def query(expr: str, legend: str, ref_id: str = "A") -> prometheus.Dataquery:
@@ -69,8 +74,9 @@ def memory_per_rank() -> timeseries.Panel:
                        "rank {{rank}} reserved", "B"),
                  query(f"ray_memtrain_gpu_memory_peak_allocated_bytes{{{SELECTOR}}}",
                        "rank {{rank}} peak (interval)", "C"),
-                 description="PyTorch caching allocator per worker. The peak covers one "
-                             "reporting interval, so a one-step spike still shows.")
+                 description="PyTorch caching allocator per worker. The peak is the highest "
+                             "in the last monitoring.peak_window_seconds (60 s by default), so "
+                             "a one-step spike shows in every scrape of that window.")
 
 
 def fragmentation() -> timeseries.Panel:
@@ -112,19 +118,52 @@ def memory_skew() -> timeseries.Panel:
                  description="The fullest rank decides when a job runs out of memory.")
 
 
-def assemble(title: str, uid: str, panels: list[timeseries.Panel]) -> dashboard.Dashboard:
-    """A dashboard with the shared variables, time range and refresh, panels numbered from 1."""
+def dcgm_against_pytorch() -> timeseries.Panel:
+    reserved = f"ray_memtrain_gpu_memory_reserved_bytes{{{SELECTOR}}}"
+    return panel("Framebuffer (dcgm-exporter) against PyTorch, per GPU", "bytes",
+                 query(f"{DCGM_FB_USED_BYTES} and on (gpu_uuid) group by (gpu_uuid) ({reserved})",
+                       "{{gpu_uuid}} framebuffer used (dcgm)", "A"),
+                 query(f"sum by (gpu_uuid) ({reserved})", "{{gpu_uuid}} reserved (PyTorch)", "B"),
+                 query(f"sum by (gpu_uuid) (ray_memtrain_gpu_memory_allocated_bytes{{{SELECTOR}}})",
+                       "{{gpu_uuid}} allocated (PyTorch)", "C"),
+                 description="The GPUs of the selected runs, joined on the GPU UUID: "
+                             "dcgm-exporter's DCGM_FI_DEV_FB_USED beside the caching "
+                             "allocator's view. Empty without dcgm-exporter.")
+
+
+def outside_pytorch() -> timeseries.Panel:
+    reserved = f"ray_memtrain_gpu_memory_reserved_bytes{{{SELECTOR}}}"
+    return panel("Device memory outside PyTorch's cache, per GPU", "bytes",
+                 query(f"{DCGM_FB_USED_BYTES} - on (gpu_uuid) sum by (gpu_uuid) ({reserved})",
+                       "{{gpu_uuid}}"),
+                 description="Framebuffer used minus what PyTorch reserved: the CUDA context, "
+                             "NCCL and library workspaces, and other processes on the GPU.")
+
+
+def assemble(title: str, uid: str, panels: list[timeseries.Panel],
+             rows: tuple[tuple[str, list[timeseries.Panel]], ...] = ()) -> dashboard.Dashboard:
+    """A dashboard with the shared variables, time range and refresh, panels numbered from 1,
+    then each (title, panels) row."""
     builder = variables(dashboard.Dashboard(title).uid(uid).tags(["memtrain", "generated"])
                         .time("now-1h", "now").refresh("30s").editable())
-    for panel_id, made in enumerate(panels, 1):
+    panel_id = 0
+    for made in panels:
+        panel_id += 1
         builder = builder.with_panel(made.id(panel_id))
+    for row_title, row_panels in rows:
+        panel_id += 1
+        builder = builder.with_row(dashboard.Row(row_title).id(panel_id))
+        for made in row_panels:
+            panel_id += 1
+            builder = builder.with_panel(made.id(panel_id))
     return builder
 
 
 def memory_dashboard() -> dashboard.Dashboard:
     return assemble("Training memory", "memtrain-memory",
                     [memory_per_rank(), fragmentation(), retries_and_ooms(),
-                     device_used_vs_total(), host_memory(), memory_skew()])
+                     device_used_vs_total(), host_memory(), memory_skew()],
+                    rows=(("With dcgm-exporter", [dcgm_against_pytorch(), outside_pytorch()]),))
 
 
 # ---- Training throughput ---------------------------------------------------------------------

@@ -2,13 +2,21 @@
 
 ``read_cuda_allocator`` maps a ``torch.cuda.memory_stats()`` dict (tested on CPU with a dict
 recorded on an H200, ``tests/fixtures/memory_stats_h200.json``); an empty dict, as on CPU or
-before CUDA starts, gives an empty result: the family is absent, not zero. ``read_nvml`` and
-``read_host`` do the I/O for the device and host families.
+before CUDA starts, gives an empty result: the family is absent, not zero. ``read_device_memory``
+(NVML by GPU UUID) and ``read_host`` do the I/O for the device and host families.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import socket
 from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+log = logging.getLogger("memtrain")
 
 # Contract name -> key in torch.cuda.memory_stats().
 CUDA_ALLOCATOR_KEYS = {
@@ -29,19 +37,62 @@ def read_cuda_allocator(stats: Mapping[str, int | float]) -> dict[str, float]:
     return {name: float(stats.get(key, 0)) for name, key in CUDA_ALLOCATOR_KEYS.items()}
 
 
-def read_nvml(device_index: int) -> dict[str, float]:
-    """Device used and total bytes through NVML (nvidia-ml-py); {} where it is not present."""
+def gpu_uuid(device: torch.device) -> str:
+    """The device's UUID as NVML and dcgm-exporter spell it (``GPU-...``); "" off CUDA.
+
+    The UUID names the physical GPU whatever ``CUDA_VISIBLE_DEVICES`` renumbered, where the
+    CUDA ordinal does not.
+    """
+    if device.type != "cuda":
+        return ""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def read_device_memory(device: torch.device, uuid: str) -> dict[str, float]:
+    """Device used and total bytes: NVML (nvidia-ml-py, a dependency) for the GPU named by
+    ``uuid``, every process included; ``torch.cuda.mem_get_info`` where NVML cannot answer (no
+    driver library, a MIG instance NVML does not resolve). {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    nvml = _nvml()
+    if nvml is not None:
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(uuid))
+            return {"memtrain_gpu_device_used_bytes": float(info.used),
+                    "memtrain_gpu_device_total_bytes": float(info.total)}
+        except nvml.NVMLError as err:
+            log.debug("NVML cannot read %s (%s); using torch.cuda.mem_get_info", uuid, err)
+    return _mem_get_info(device)
+
+
+@functools.cache
+def _nvml() -> Any:
+    """The initialised ``pynvml`` module, once per process; None where NVML cannot start."""
     try:
         import pynvml
-    except ImportError:
-        return {}
+    except ImportError:  # memtrain's dependencies not installed as pyproject says
+        return None
     try:
         pynvml.nvmlInit()
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(device_index))
-    except pynvml.NVMLError:
-        return {}
-    return {"memtrain_gpu_device_used_bytes": float(info.used),
-            "memtrain_gpu_device_total_bytes": float(info.total)}
+    except pynvml.NVMLError as err:  # includes NVMLError_LibraryNotFound: no driver library
+        log.debug("NVML cannot start (%s); using torch.cuda.mem_get_info", err)
+        return None
+    return pynvml
+
+
+def _mem_get_info(device: torch.device) -> dict[str, float]:
+    free, total = torch.cuda.mem_get_info(device)
+    return {"memtrain_gpu_device_used_bytes": float(total - free),
+            "memtrain_gpu_device_total_bytes": float(total)}
+
+
+def worker_labels(run: str, rank: int, local_rank: int, node: str,
+                  device: torch.device) -> dict[str, str]:
+    """The contract's labels for one worker (``monitoring.metrics.LABELS``)."""
+    return {"run": run, "rank": str(rank), "local_rank": str(local_rank), "node": node,
+            "device": str(device), "gpu_uuid": gpu_uuid(device),
+            "hostname": socket.gethostname()}
 
 
 def resident_bytes() -> int:

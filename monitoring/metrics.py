@@ -1,14 +1,16 @@
 """The metrics contract: the single source of metric names, kinds, labels, units and help text.
 
 Names follow ``memtrain_<area>_<what>_<unit>``; counters end in ``_total``. Every series carries
-the labels in ``LABELS`` and nothing unbounded (no steps, no paths). Under Ray the node's metrics
-endpoint exposes a metric ``memtrain_x`` as ``ray_memtrain_x``; the standalone exporter
-(``monitoring.sinks.PrometheusSink``) uses the same final names (``exposed_name``), so one set of
-dashboards and alert rules serves both.
+the labels in ``LABELS`` and nothing unbounded (no steps, no paths). ``gpu_uuid`` (NVML's
+``GPU-...``, empty on CPU) and ``hostname`` (the pod name on Kubernetes) are there to join other
+GPU views: dcgm-exporter's series carry the same UUID in ``UUID`` and the host in ``Hostname``.
+Under Ray the node's metrics endpoint exposes a metric ``memtrain_x`` as ``ray_memtrain_x``; the
+standalone exporter (``monitoring.sinks.PrometheusSink``) uses the same final names
+(``exposed_name``), so one set of dashboards and alert rules serves both.
 
 Families: ``cuda`` (the PyTorch caching allocator, from ``torch.cuda.memory_stats()``), ``device``
-(NVML), ``host`` and ``train``. On CPU runs the ``cuda`` and ``device`` families are absent, not
-zero.
+(NVML, else ``torch.cuda.mem_get_info``), ``host`` and ``train``. On CPU runs the ``cuda`` and
+``device`` families are absent, not zero.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-LABELS = ("run", "rank", "local_rank", "node", "device")
+LABELS = ("run", "rank", "local_rank", "node", "device", "gpu_uuid", "hostname")
 RAY_PREFIX = "ray_"
 # Step-time histogram buckets, seconds: from fast GPU steps to slow CPU ones.
 STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -44,7 +46,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("memtrain_gpu_memory_active_bytes", "gauge", "cuda",
                "Bytes in active allocator blocks."),
     MetricSpec("memtrain_gpu_memory_peak_allocated_bytes", "gauge", "cuda",
-               "Peak allocated bytes within the last reporting interval (reset after each)."),
+               "Highest allocated bytes within the last monitoring.peak_window_seconds."),
     MetricSpec("memtrain_gpu_memory_inactive_split_bytes", "gauge", "cuda",
                "Bytes in inactive, split blocks: allocator fragmentation."),
     MetricSpec("memtrain_gpu_alloc_retries_total", "counter", "cuda",
@@ -65,6 +67,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Wall time of one optimizer step."),
     MetricSpec("memtrain_train_samples_total", "counter", "train", "Samples trained on."),
     MetricSpec("memtrain_train_tokens_total", "counter", "train", "Tokens trained on."),
+    MetricSpec("memtrain_train_run_active", "gauge", "train",
+               "1 while the worker's training loop runs (republished on a timer), 0 at its end."),
     MetricSpec("memtrain_train_loss", "gauge", "train", "Training loss at the last log step."),
     MetricSpec("memtrain_train_grad_norm", "gauge", "train",
                "Gradient norm before clipping at the last log step."),

@@ -21,7 +21,12 @@ LOOPBACK = "127.0.0.1"
 
 
 class Sink(ABC):
-    """Values by contract name; subclasses write one gauge, counter increment or observation."""
+    """Values by contract name; subclasses write one gauge, counter increment or observation.
+
+    ``max_publish_seconds``: how often, at least, values must be republished for gauges to stay
+    (None: they stay until replaced, as in the standalone exporter)."""
+
+    max_publish_seconds: float | None = None
 
     def __init__(self, labels: Mapping[str, str]):
         missing = set(LABELS) - set(labels)

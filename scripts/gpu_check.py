@@ -276,13 +276,13 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
     On CUDA every ``cuda`` family metric must be present (allocated, reserved, active and peak
     non-zero); on CPU the ``cuda`` and ``device`` families must be absent, not zero.
     """
+    from monitoring.memory import gpu_uuid, worker_labels
     from monitoring.metrics import METRICS
     from monitoring.sinks import PrometheusSink
-    from trainer.run_metrics import publish_metrics
+    from trainer.run_metrics import device_values, peak_tracker
 
     release_memory(device)
-    sink = PrometheusSink({"run": "gpu-check", "rank": "0", "local_rank": "0",
-                           "node": socket.gethostname(), "device": str(device)})
+    sink = PrometheusSink(worker_labels("gpu-check", 0, 0, socket.gethostname(), device))
     model = make_model(cfg, "selective", device, loss_chunk_tokens)
     policy = precision_policy("bf16", device, warn=False)
     scaler = policy.grad_scaler(device)
@@ -290,11 +290,13 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
     for _ in range(2):
         result = train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
-    record = {"loss": float(result.loss), "grad_norm": float(result.grad_norm),
-              "scale": scaler.get_scale(), "micro_batch_size": micro_batch,
-              "accumulation_steps": 1}
-    publish_metrics(sink, record, device, 0, {"memtrain_train_tokens_total":
-                                              2 * micro_batch * cfg.seq_len})
+    sink.set({"memtrain_train_loss": float(result.loss),
+              "memtrain_train_grad_norm": float(result.grad_norm),
+              "memtrain_train_grad_scale": scaler.get_scale(),
+              "memtrain_train_micro_batch_size": micro_batch,
+              "memtrain_train_accumulation_steps": 1,
+              "memtrain_train_tokens_total": 2 * micro_batch * cfg.seq_len,
+              **device_values(device, gpu_uuid(device), peak_tracker(device, 60.0), 0)})
     values: dict[str, float] = {}
     labels = dict(sink.labels)
     for m in METRICS:
@@ -311,14 +313,18 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
                         "memtrain_gpu_memory_active_bytes",
                         "memtrain_gpu_memory_peak_allocated_bytes"]
     if device.type == "cuda":
+        must_be_positive += ["memtrain_gpu_device_used_bytes", "memtrain_gpu_device_total_bytes"]
         ok = len(found["cuda"]) == len(cuda) and all(
             values.get("ray_" + name, 0) > 0 for name in must_be_positive)
     else:
         ok = not found["cuda"] and not found["device"]
+    from monitoring.memory import _nvml
+
     del model, optimizer, tokens, result
     release_memory(device)
-    return {"ok": ok, "families": found, "values": {k: v for k, v in values.items()
-                                                     if k.startswith("ray_memtrain_gpu")}}
+    return {"ok": ok, "families": found, "labels": labels,
+            "nvml": device.type == "cuda" and _nvml() is not None,
+            "values": {k: v for k, v in values.items() if k.startswith("ray_memtrain_gpu")}}
 
 
 def recorded_memory_stats(device: torch.device) -> dict[str, Any] | None:

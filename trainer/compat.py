@@ -137,6 +137,18 @@ def ray_loopback_init_kwargs(node_ip: str, metrics_export_port: int | None) -> d
 
 
 
+def ray_metrics_export_seconds() -> float:
+    """How often a Ray worker exports its metrics to the node's agent, in seconds.
+
+    Ray 2.60 floors ``metrics_report_interval_ms`` at 1 s for the export (``src/ray/stats/
+    stats.h``), and its agent drops a gauge not refreshed for two exports
+    (``open_telemetry_metric_recorder.py``). The config is read through ``ray._config``.
+    """
+    import ray
+
+    return max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+
+
 def cpu_op_workspace_bytes(prof: torch.profiler.profile, op_names: frozenset[str]) -> int:
     """The most CPU memory any call of the named ops allocated and freed again before it ended
     (kernel workspace, conversion buffers), from a finished ``profile(profile_memory=True)``.

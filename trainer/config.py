@@ -148,6 +148,13 @@ class MonitoringConfig(_Strict):
     # Local launcher: serve each rank's metrics on 127.0.0.1:(port + rank); None: no exporter.
     # Under Ray the node's metrics endpoint is used instead.
     port: int | None = Field(None, ge=0, le=65535)
+    # Every value is republished this often, log steps or not, so no series lapses between slow
+    # log steps. Under Ray, at most Ray's export interval (10 s by default): its agent drops a
+    # gauge that two exports did not refresh.
+    publish_seconds: float = Field(5.0, gt=0, le=60)
+    # The published allocator peak is the highest in this many seconds, sliding: at least
+    # Ray's export interval plus the scrape interval, so no scrape misses a spike.
+    peak_window_seconds: float = Field(60.0, gt=0)
 
 
 class Config(_Strict):

@@ -7,7 +7,9 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
 - ``checkpoint@4``: the checkpoint of step 4 fails after its files are written, before it is
   published (every rank raises);
 - ``kill@5:1``: rank 1 SIGKILLs itself at the end of step 5, once per run directory (a marker
-  file in the run directory keeps a restarted worker from doing it again).
+  file in the run directory keeps a restarted worker from doing it again);
+- ``stall@3``: rank 0 sleeps ``STALL_SECONDS`` at the end of step 3, as a long evaluation, a
+  slow checkpoint or a stuck peer would hold it (the other ranks wait in the next collective).
 
 Both launchers carry the variable to their workers (spawned processes inherit it; the Ray
 launcher passes it in the loop config, since Ray's workers start before a test could set it).
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "MEMTRAIN_FAULTS"
-KINDS = ("oom", "checkpoint", "kill")
+KINDS = ("oom", "checkpoint", "kill", "stall")
+# Three times the gauge expiry of the tests' Ray cluster (two 1 s export intervals).
+STALL_SECONDS = 6.0
 log = logging.getLogger("memtrain")
 
 
@@ -64,6 +68,14 @@ def maybe_fail_checkpoint(step: int) -> None:
     """``checkpoint@STEP``: fail this step's checkpoint write (on every rank)."""
     if any(f.kind == "checkpoint" and f.step == step for f in active()):
         raise OSError(f"checkpoint write failed at step {step} (injected by {ENV})")
+
+
+def maybe_stall(step: int, rank: int) -> None:
+    """``stall@STEP:RANK``: hold this rank at the end of the step for ``STALL_SECONDS``."""
+    if wanted("stall", step, rank):
+        log.warning("rank %d: stalled %.0f s by %s at the end of step %d", rank, STALL_SECONDS,
+                    ENV, step)
+        time.sleep(STALL_SECONDS)
 
 
 def maybe_kill(run_dir: Path, step: int, rank: int) -> None:

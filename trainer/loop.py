@@ -42,7 +42,7 @@ from trainer.build import MemoryTransforms, build_model, checkpointed_blocks, mo
 from trainer.compat import allocator_settings
 from trainer.context import WorkerContext
 from trainer.diagnostics import LeakGuard, cpu_peak_bytes, profiler_window, write_memory_summary
-from trainer.faults import maybe_kill, wanted
+from trainer.faults import maybe_kill, maybe_stall, wanted
 from trainer.loss import summed_loss
 from trainer.memory import (
     PrecisionChoice,
@@ -256,8 +256,11 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             val_batches = resources.enter_context(
                 build_loader(cfg.data, ctx, plan.micro_batch_size, cfg.run.seed, validation=True))
         metrics = RunMetrics(ctx, cfg.run.name, cfg.train.global_batch_size * cfg.model.seq_len,
-                             cfg.train.global_batch_size // ctx.world_size, cfg.model.seq_len)
+                             cfg.train.global_batch_size // ctx.world_size, cfg.model.seq_len,
+                             publish_seconds=cfg.monitoring.publish_seconds,
+                             peak_window_seconds=cfg.monitoring.peak_window_seconds)
         resources.callback(metrics.close)
+        metrics.start_publishing(state.loader)
         batches = TimedBatches(state.loader)
         guard = LeakGuard() if cfg.memory.leak_check_every else None
         profiler = resources.enter_context(profiler_window(
@@ -324,6 +327,7 @@ def after_step(memory: MemoryConfig, ctx: WorkerContext, step: int, guard: LeakG
                         "ignored on %s", ctx.device.type)
     if guard is not None and step % memory.leak_check_every == 0:
         guard.sample(step, ctx.device)
+    maybe_stall(step, ctx.rank)  # MEMTRAIN_FAULTS=stall@STEP:RANK (tests)
     maybe_kill(ctx.run_dir, step, ctx.rank)  # MEMTRAIN_FAULTS=kill@STEP:RANK (tests)
 
 

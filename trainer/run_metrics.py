@@ -2,10 +2,13 @@
 
 This is the only trainer code that knows metric names; they come from the contract in
 ``monitoring/metrics.py``. Per rank it appends to ``run_dir/metrics/rank-<rank>.jsonl`` (across
-resumes): a record per log step and per evaluation. On log steps it publishes gauges and this
-run's running totals to the context's sink; on CUDA the allocator's peak is reset afterwards,
-so the next report's peak covers only its interval. ``summary()`` is what ``train()`` returns
-and rank 0 writes to ``summary.json``.
+resumes): a record per log step and per evaluation. Where the context has a metrics sink, a
+``monitoring.publisher.Publisher`` thread publishes every value every
+``monitoring.publish_seconds`` (and at once on log steps): this run's running totals, the last
+log step's gauges, host memory and, on CUDA, the allocator's and the device's figures, so gauges
+never lapse between slow log steps. The allocator's peak belongs to a ``PeakTracker``: a log
+record's peak covers its interval, the published one a sliding window, the summary's the run.
+``summary()`` is what ``train()`` returns and rank 0 writes to ``summary.json``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from monitoring.memory import read_cuda_allocator, read_host, read_nvml
+from monitoring.memory import gpu_uuid, read_cuda_allocator, read_device_memory, read_host
 from monitoring.metrics import spec
+from monitoring.publisher import PeakTracker, Publisher
 from trainer.memory import peak_memory_bytes
 
 if TYPE_CHECKING:
@@ -40,23 +44,25 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.1f} GiB"
 
 
-def publish_metrics(sink: Any, record: dict[str, Any], device: torch.device,
-                    pinned_bytes: int, totals: dict[str, float]) -> None:
-    """One log step's values for the metrics contract into ``sink``: the step ``record``'s
-    gauges, the counters' running ``totals``, host memory and, on CUDA, the allocator's and
-    NVML's figures (the allocator's peak is reset afterwards: peaks cover one interval)."""
-    values = {
-        "memtrain_train_loss": record["loss"], "memtrain_train_grad_norm": record["grad_norm"],
-        "memtrain_train_grad_scale": record["scale"],
-        "memtrain_train_micro_batch_size": record["micro_batch_size"],
-        "memtrain_train_accumulation_steps": record["accumulation_steps"],
-        **totals, **read_host(pinned_bytes),
-    }
+def device_values(device: torch.device, uuid: str, peaks: PeakTracker | None,
+                  pinned_bytes: int) -> dict[str, float]:
+    """Host memory and, on CUDA, the allocator's and the device's figures for the metrics
+    contract; with ``peaks`` the allocator's peak is the tracker's window (and is reset)."""
+    values = read_host(pinned_bytes)
     if device.type == "cuda":
         values.update(read_cuda_allocator(torch.cuda.memory_stats(device)))
-        values.update(read_nvml(device.index or 0))
-        torch.cuda.reset_peak_memory_stats(device)
-    sink.set({spec(name).name: value for name, value in values.items()})
+        if peaks is not None:
+            values["memtrain_gpu_memory_peak_allocated_bytes"] = peaks.sample()
+        values.update(read_device_memory(device, uuid))
+    return values
+
+
+def peak_tracker(device: torch.device, window_seconds: float) -> PeakTracker:
+    """The allocator's peak on CUDA; the process's peak RSS (never reset) on CPU."""
+    if device.type == "cuda":
+        return PeakTracker(lambda: torch.cuda.max_memory_allocated(device),
+                           lambda: torch.cuda.reset_peak_memory_stats(device), window_seconds)
+    return PeakTracker(lambda: peak_memory_bytes(device), lambda: None, window_seconds)
 
 
 @dataclass
@@ -86,16 +92,50 @@ class RunMetrics:
     last_loss: float | None = None
     eval_loss: float | None = None
     checkpoints_written: list[int] = field(default_factory=list)
-    run_peak_bytes: int = 0  # on CUDA the allocator's peak is reset per metrics interval
+    publish_seconds: float = 5.0
+    peak_window_seconds: float = 60.0
     window: _Window = field(default_factory=_Window)
 
     def __post_init__(self) -> None:
         path = self.ctx.run_dir / "metrics" / f"rank-{self.ctx.rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self.peaks = peak_tracker(self.ctx.device, self.peak_window_seconds)
+        self._gauges: dict[str, float] = {}  # the last log step's
+        self._loader: Any = None
+        self._publisher: Publisher | None = None
+
+    def start_publishing(self, loader: Any) -> None:
+        """Publish to the context's sink (if any) from now on; ``loader`` gives pinned bytes and
+        skipped shards."""
+        if self.ctx.metrics_sink is None:
+            return
+        self._loader = loader
+        self._uuid = gpu_uuid(self.ctx.device)
+        sink = self.ctx.metrics_sink
+        interval = min(self.publish_seconds, sink.max_publish_seconds or self.publish_seconds)
+        self._publisher = Publisher(sink, self._current_values, interval).start()
 
     def close(self) -> None:
+        """Publish the final values, the run no longer active, and close the log."""
+        if self._publisher is not None:
+            self._publisher.close({"memtrain_train_run_active": 0.0})
         self._log.close()
+
+    def _current_values(self) -> dict[str, float]:
+        """Every published value now (the publisher's thread): reads counters, no host sync."""
+        samples = self.steps_this_run * self.samples_per_rank_step
+        return {
+            "memtrain_train_run_active": 1.0, **self._gauges,
+            # This run's running totals (since the last start or resume).
+            "memtrain_train_samples_total": samples,
+            "memtrain_train_tokens_total": samples * self.seq_len,
+            "memtrain_train_skipped_steps_total": self.skipped_steps,
+            "memtrain_data_wait_seconds_total": self.wait_seconds,
+            "memtrain_checkpoint_seconds_total": self.checkpoint_seconds,
+            "memtrain_data_skipped_shards_total": self._loader.skipped_shards,
+            **device_values(self.ctx.device, self._uuid, self.peaks, self._loader.pinned_bytes),
+        }
 
     def _write(self, record: dict[str, Any]) -> None:
         self._log.write(json.dumps(record, sort_keys=True) + "\n")
@@ -113,8 +153,7 @@ class RunMetrics:
             self.ctx.metrics_sink.observe(spec("memtrain_train_step_seconds").name, seconds)
 
     def log_step(self, state: TrainState, result: StepResult, plan: BatchPlan) -> None:
-        """A log step: the JSON-lines record, the sink, rank 0's console line."""
-        device = self.ctx.device
+        """A log step: the JSON-lines record, the publisher's gauges, rank 0's console line."""
         loss_value = result.loss.item()  # host sync: logging steps only
         self.first_loss = loss_value if self.first_loss is None else self.first_loss
         self.last_loss = loss_value
@@ -126,31 +165,23 @@ class RunMetrics:
             "tokens_per_second": self.window.steps * self.tokens_per_step / elapsed,
             "step_seconds": elapsed / self.window.steps,
             "data_wait_share": self.window.wait_seconds / elapsed,
-            "peak_memory_bytes": peak_memory_bytes(device),
+            "peak_memory_bytes": self.peaks.take(),
             "micro_batch_size": plan.running_micro_batch,
             "accumulation_steps": plan.running_accumulation, "time": time.time(),
         }
         self._write(record)
-        self.run_peak_bytes = max(self.run_peak_bytes, record["peak_memory_bytes"])
-        if self.ctx.metrics_sink is not None:
-            self._publish(record, state.loader.pinned_bytes, state.loader.skipped_shards)
+        self._gauges = {
+            "memtrain_train_loss": loss_value, "memtrain_train_grad_norm": record["grad_norm"],
+            "memtrain_train_grad_scale": record["scale"],
+            "memtrain_train_micro_batch_size": record["micro_batch_size"],
+            "memtrain_train_accumulation_steps": record["accumulation_steps"]}
+        if self._publisher is not None:
+            self._publisher.poke()
         if self.ctx.is_main:
             log.info("step %5d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%%",
                      state.step, loss_value, record["tokens_per_second"],
                      format_bytes(record["peak_memory_bytes"]), 100 * record["data_wait_share"])
         self.window = _Window()
-
-    def _publish(self, record: dict[str, Any], pinned_bytes: int, skipped_shards: int) -> None:
-        samples = self.steps_this_run * self.samples_per_rank_step
-        publish_metrics(self.ctx.metrics_sink, record, self.ctx.device, pinned_bytes, {
-            # This run's running totals (since the last start or resume).
-            "memtrain_train_samples_total": samples,
-            "memtrain_train_tokens_total": samples * self.seq_len,
-            "memtrain_train_skipped_steps_total": self.skipped_steps,
-            "memtrain_data_wait_seconds_total": self.wait_seconds,
-            "memtrain_checkpoint_seconds_total": self.checkpoint_seconds,
-            "memtrain_data_skipped_shards_total": skipped_shards,
-        })
 
     def eval_done(self, step: int, loss: float) -> None:
         self.eval_loss = loss
@@ -181,7 +212,7 @@ class RunMetrics:
             "tokens_per_second": (self.steps_this_run * self.tokens_per_step / seconds
                                   if seconds else None),
             "data_wait_share": self.wait_seconds / seconds if seconds else None,
-            "peak_memory_bytes": max(self.run_peak_bytes, peak_memory_bytes(device)),
+            "peak_memory_bytes": self.peaks.overall(),
             "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "host_max_rss",
             "checkpoints_written": self.checkpoints_written, "leak_findings": findings,
             "leak_samples": [[x.step, x.live_tensors, x.resident_bytes, x.cuda_allocated_bytes]

@@ -1,13 +1,19 @@
 """A real Prometheus server scrapes a real 2-worker Ray training; rules pass promtool.
 
+Beside the Ray node it scrapes two standalone exporters serving allocator statistics recorded on
+an H200 and a stand-in dcgm-exporter serving its real text format for the same GPU UUIDs, so
+every dashboard panel, CUDA and dcgm ones included, is queried against series of the real shapes.
+
 Prometheus comes from Debian's `prometheus` package (`.ci/run` installs it). With CI=true these
 tests run or fail, never skip.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -47,7 +53,23 @@ def _query(port: int, promql: str) -> list[dict]:
         return json.loads(response.read())["data"]["result"]
 
 
+def _query_range(port: int, promql: str, start: float, end: float, step: float) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query_range?" + urllib.parse.urlencode(
+        {"query": promql, "start": start, "end": end, "step": step})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())["data"]["result"]
+
+
+def _rule_expr(alert: str) -> str:
+    import yaml
+
+    groups = yaml.safe_load((PROMETHEUS_DIR / "rules.yml").read_text())["groups"]
+    return next(r["expr"] for g in groups for r in g["rules"] if r.get("alert") == alert)
+
+
 RECORDED_RUN = "recorded-h200"
+RECORDED_UUIDS = ("GPU-6f1c2a7e-3b1d-4c2e-9a51-0d2b7c9e4f10",
+                  "GPU-a83e5d02-71c4-4f6b-8e2d-5b9c0a7f3e21")
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "memory_stats_h200.json"
 
 
@@ -70,15 +92,65 @@ def recorded_cuda_exporters() -> list[int]:
         values["memtrain_gpu_device_total_bytes"] = 143_771 * 2**20
         values["memtrain_gpu_device_used_bytes"] = values["memtrain_gpu_memory_reserved_bytes"]
         sink = PrometheusSink({"run": RECORDED_RUN, "rank": rank, "local_rank": rank,
-                               "node": "h200", "device": f"cuda:{rank}"})
+                               "node": "h200", "device": f"cuda:{rank}",
+                               "gpu_uuid": RECORDED_UUIDS[int(rank)],
+                               "hostname": f"memtrain-worker-{rank}"})
         sink.set(values)
         ports.append(sink.serve(0))
     return ports
 
 
+# dcgm-exporter 4.x's text for DCGM_FI_DEV_FB_USED (MiB) on Kubernetes, with its pod mapping:
+# the GPUs of the recorded run, each with 1.5 GiB more in use than PyTorch reserved (the CUDA
+# context and library workspaces), and a third GPU that no memtrain run uses.
+DCGM_FB_EXTRA_MIB = 1536
+
+
+def dcgm_text(reserved_bytes: list[float]) -> str:
+    lines = ["# HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).",
+             "# TYPE DCGM_FI_DEV_FB_USED gauge"]
+    gpus = [*zip(RECORDED_UUIDS, reserved_bytes, strict=True),
+            ("GPU-0e9d8c7b-6a5f-4e3d-2c1b-0a9f8e7d6c5b", 40 * 2**30)]
+    for gpu, (uuid, reserved) in enumerate(gpus):
+        mib = int(reserved // 2**20) + DCGM_FB_EXTRA_MIB
+        lines.append(
+            f'DCGM_FI_DEV_FB_USED{{gpu="{gpu}",UUID="{uuid}",pci_bus_id="00000000:{0x18 + gpu:02X}'
+            f':00.0",device="nvidia{gpu}",modelName="NVIDIA H200",Hostname="gpu-node-1",'
+            f'DCGM_FI_DRIVER_VERSION="570.124.06",container="ray-worker",namespace="memtrain",'
+            f'pod="memtrain-worker-{gpu}"}} {mib}')
+    return "\n".join(lines) + "\n"
+
+
 @pytest.fixture
-def prometheus(ray_cluster, recorded_cuda_exporters: list[int], tmp_path: Path):
-    """Prometheus on 127.0.0.1 scraping the Ray node's endpoint and the recorded exporters."""
+def dcgm_exporter():
+    """A stand-in dcgm-exporter on 127.0.0.1 (the real one needs a GPU and its DCGM daemon)."""
+    stats = json.loads(FIXTURE.read_text())["memory_stats"]
+    reserved = stats["reserved_bytes.all.current"]
+    body = dcgm_text([reserved * 1.0, reserved * 0.7]).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def prometheus(ray_cluster, recorded_cuda_exporters: list[int], dcgm_exporter: int,
+               tmp_path: Path):
+    """Prometheus on 127.0.0.1 scraping the Ray node's endpoint, the recorded exporters and
+    the stand-in dcgm-exporter."""
     binary = _need("prometheus")
     port = free_port()
     config = tmp_path / "prometheus.yml"
@@ -90,7 +162,9 @@ def prometheus(ray_cluster, recorded_cuda_exporters: list[int], tmp_path: Path):
         "  - job_name: ray\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{ray_cluster.metrics_port}']}}]\n"
         "  - job_name: recorded\n"
-        f"    static_configs: [{{targets: [{recorded}]}}]\n")
+        f"    static_configs: [{{targets: [{recorded}]}}]\n"
+        "  - job_name: dcgm\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{dcgm_exporter}']}}]\n")
     process = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}"],
@@ -105,13 +179,19 @@ def prometheus(ray_cluster, recorded_cuda_exporters: list[int], tmp_path: Path):
 
 
 def test_every_cpu_family_has_series_for_both_ranks(prometheus: int, corpus_dir: Path,
-                                                    tmp_path: Path) -> None:
+                                                    tmp_path: Path, monkeypatch) -> None:
+    from trainer.faults import STALL_SECONDS
     from trainer.launch.ray import launch_ray
 
+    # Log steps only at the first and the last step, and rank 0 held 6 s at the end of step 3
+    # (rank 1 waits in the next all-reduce), as a long evaluation or a stuck peer would.
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "stall@3:0")
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "run.name=prom",
-                                           "train.steps=8", "train.log_every=2",
+                                           "train.steps=8", "train.log_every=100",
                                            "train.eval_every=0"))
+    started = time.time()
     launch_ray(cfg, run_dir)
+    ended = time.time()
     expected = [m for m in METRICS if m.family in ("host", "train")
                 and m.name not in ZERO_IN_A_HEALTHY_RUN]
     missing: list[str] = []
@@ -130,6 +210,31 @@ def test_every_cpu_family_has_series_for_both_ranks(prometheus: int, corpus_dir:
     tokens = _query(prometheus, 'sum(ray_memtrain_train_tokens_total{run="prom"})')
     assert float(tokens[0]["value"][1]) == 8 * cfg.train.global_batch_size * cfg.model.seq_len
     assert _query(prometheus, 'ray_memtrain_gpu_memory_allocated_bytes{run="prom"}') == []
+
+    # The publisher's timer, not the log steps, moves the counters: during the stall both ranks'
+    # token counters read exactly three steps (with log steps alone they jump from 1 to 8).
+    per_rank_step = cfg.train.global_batch_size // 2 * cfg.model.seq_len
+    for one in _query_range(prometheus, 'ray_memtrain_train_tokens_total{run="prom"}', started,
+                            ended, 0.5):
+        seen = {round(float(v)) for _, v in one["values"]}
+        assert 3 * per_rank_step in seen, (one["metric"]["rank"], sorted(seen))
+    # Continuous gauges, every 0.5 s from a series' first sample to its last, through the stall.
+    # (Ray 2.60's workers re-export their live gauges every interval, so this holds with or
+    # without the timer; it guards Ray's side of the contract.)
+    for name in ("ray_memtrain_train_loss", "ray_memtrain_train_run_active",
+                 "ray_memtrain_host_rss_bytes"):
+        series = _query_range(prometheus, f'{name}{{run="prom"}}', started, ended + 3, 0.5)
+        assert {s["metric"]["rank"] for s in series} == {"0", "1"}, name
+        for one in series:
+            times = [float(t) for t, _ in one["values"]]
+            gaps = [(a, b) for a, b in zip(times, times[1:], strict=False) if b - a > 0.51]
+            assert not gaps, f"{name} rank {one['metric']['rank']} lapsed: {gaps}"
+            assert times[-1] - times[0] > STALL_SECONDS, (name, times)
+    # Ray's counter shape, which MemtrainOutOfMemory relies on: a series first appears at its
+    # first increment, never at 0.
+    for one in _query_range(prometheus, 'ray_memtrain_train_tokens_total{run="prom"}', started,
+                            ended, 0.5):
+        assert float(one["values"][0][1]) > 0, one["values"][:3]
 
     # Every dashboard panel's query, variables filled in: it parses (Prometheus answers 400
     # otherwise) and, except for the panels that need CUDA, returns data.
@@ -154,3 +259,22 @@ def test_every_cpu_family_has_series_for_both_ranks(prometheus: int, corpus_dir:
         "Peak memory skew across ranks"].replace("$run", RECORDED_RUN)
         .replace("$rank", ".*").replace("$node", ".*"))
     assert float(skew[0]["value"][1]) == pytest.approx(0.3)  # rank 1 at 70% of rank 0
+    # The dcgm join: exactly the run's two GPUs, each 1.5 GiB (to MiB rounding) outside PyTorch.
+    outside = _query(prometheus, dict(panel_queries(render("memtrain-memory.json")))[
+        "Device memory outside PyTorch's cache, per GPU"].replace("$run", RECORDED_RUN)
+        .replace("$rank", ".*").replace("$node", ".*"))
+    assert {o["metric"]["gpu_uuid"] for o in outside} == set(RECORDED_UUIDS)
+    for one in outside:
+        assert DCGM_FB_EXTRA_MIB - 1 <= float(one["value"][1]) / 2**20 <= DCGM_FB_EXTRA_MIB
+
+    # After the run: Ray's agent dropped its gauges (run_active with them) and keeps its
+    # counters. A finished run must not page: the no-tokens rule (its window shortened to this
+    # test's seconds) is empty, though the token counter is present and flat.
+    deadline = time.monotonic() + 30
+    while _query(prometheus, 'ray_memtrain_train_run_active{run="prom"}'):
+        assert time.monotonic() < deadline, "run_active outlived the run"
+        time.sleep(1)
+    time.sleep(4)  # the counter flat for a whole window
+    assert len(_query(prometheus, 'increase(ray_memtrain_train_tokens_total{run="prom"}[3s]) == 0')
+               ) == 2
+    assert _query(prometheus, _rule_expr("MemtrainNoTokens").replace("[10m]", "[3s]")) == []

@@ -91,6 +91,19 @@ def test_the_jobs_client_keeps_the_cluster_version() -> None:
     assert compat.ray_server_version(client) == version
 
 
+def test_ray_metrics_export_interval_is_readable() -> None:
+    import importlib.metadata
+
+    import ray._private.telemetry.open_telemetry_metric_recorder as recorder
+
+    version = importlib.metadata.version("ray")
+    assert compat.ray_metrics_export_seconds() == 10.0, f"Ray {version}'s default moved"
+    # The agent's gauge expiry that memtrain's publisher stays inside: two export intervals.
+    source = inspect.getsource(recorder.OpenTelemetryMetricRecorder._resolve_gauge_ttl_seconds)
+    assert "2 * effective_report_interval_ms" in source, \
+        f"Ray {version} changed how long its agent keeps a gauge"
+
+
 def test_compat_imports_neither_torch_nor_ray() -> None:
     """``memtrain submit`` runs where torch is absent: compat may not need it to import."""
     import subprocess

@@ -18,11 +18,12 @@ from trainer.launch import prepare_run
 from trainer.loop import train
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "memory_stats_h200.json"
-LABEL_VALUES = {"run": "r", "rank": "0", "local_rank": "0", "node": "n", "device": "cpu"}
+LABEL_VALUES = {"run": "r", "rank": "0", "local_rank": "0", "node": "n", "device": "cpu",
+                "gpu_uuid": "", "hostname": "h"}
 
 
 def test_contract_names_follow_the_conventions() -> None:
-    assert LABELS == ("run", "rank", "local_rank", "node", "device")
+    assert LABELS == ("run", "rank", "local_rank", "node", "device", "gpu_uuid", "hostname")
     for metric in METRICS:
         assert re.fullmatch(r"memtrain_[a-z]+_[a-z_]+", metric.name), metric.name
         assert metric.name.endswith("_total") == (metric.kind == "counter"), metric.name
@@ -54,11 +55,11 @@ def test_sink_exposes_the_final_names_with_labels_and_counts_deltas() -> None:
     sink.set({"memtrain_train_tokens_total": 300})  # totals: the sink adds the difference
     sink.observe("memtrain_train_step_seconds", 0.2)
     text = generate_latest(sink.registry).decode()
-    labels = 'device="cpu",local_rank="0",node="n",rank="0",run="r"'
+    labels = 'device="cpu",gpu_uuid="",hostname="h",local_rank="0",node="n",rank="0",run="r"'
     assert f"ray_memtrain_train_loss{{{labels}}} 2.5" in text
     assert f"ray_memtrain_train_tokens_total{{{labels}}} 300.0" in text
-    assert ('ray_memtrain_train_step_seconds_bucket{device="cpu",le="0.25",local_rank="0",'
-            'node="n",rank="0",run="r"} 1.0') in text
+    assert ('ray_memtrain_train_step_seconds_bucket{device="cpu",gpu_uuid="",hostname="h",'
+            'le="0.25",local_rank="0",node="n",rank="0",run="r"} 1.0') in text
     with pytest.raises(KeyError, match="not in the metrics contract"):
         sink.set({"memtrain_made_up": 1})
 
@@ -78,6 +79,7 @@ def test_training_publishes_the_cpu_families(corpus_dir: Path, tmp_path: Path) -
     assert re.search(r"ray_memtrain_host_rss_bytes\{[^}]*\} [1-9]", text)
     assert re.search(r'ray_memtrain_train_step_seconds_count\{[^}]*\} 4\.0', text)
     assert not re.search(r"ray_memtrain_gpu_memory_allocated_bytes\{", text)  # absent on CPU
+    assert re.search(r"ray_memtrain_train_run_active\{[^}]*\} 0\.0", text)  # the run ended
 
 
 def test_a_metrics_port_in_use_is_a_clear_error() -> None:

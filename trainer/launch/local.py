@@ -51,11 +51,11 @@ def attach_metrics(ctx: LocalContext, cfg: Config) -> None:
     """Serve this rank's metrics on 127.0.0.1:(monitoring.port + rank) when a port is set."""
     if cfg.monitoring.port is None:
         return
+    from monitoring.memory import worker_labels
     from monitoring.sinks import PrometheusSink
 
-    sink = PrometheusSink({"run": cfg.run.name, "rank": str(ctx.rank),
-                           "local_rank": str(ctx.local_rank), "node": socket.gethostname(),
-                           "device": str(ctx.device)})
+    sink = PrometheusSink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
+                                        socket.gethostname(), ctx.device))
     port = sink.serve(cfg.monitoring.port + ctx.rank if cfg.monitoring.port else 0)
     log.info("rank %d metrics on http://127.0.0.1:%d/metrics", ctx.rank, port)
     ctx.metrics_sink = sink

@@ -37,10 +37,11 @@ from ray.train import (  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 from ray.util.metrics import Counter, Gauge, Histogram  # noqa: E402
 
+from monitoring.memory import worker_labels  # noqa: E402
 from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E402
 from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
-from trainer.compat import ray_loopback_init_kwargs  # noqa: E402
+from trainer.compat import ray_loopback_init_kwargs, ray_metrics_export_seconds  # noqa: E402
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
 from trainer.launch import (  # noqa: E402
@@ -64,6 +65,8 @@ class RaySink(Sink):
 
     def __init__(self, labels: dict[str, str]):
         super().__init__(labels)
+        # The agent drops a gauge after two export intervals: republish at least once in each.
+        self.max_publish_seconds = ray_metrics_export_seconds()
         self._metrics: dict[str, Any] = {}
         for metric in METRICS:
             made: Any
@@ -134,10 +137,9 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
     ctx = RayContext(rank=context.get_world_rank(), local_rank=context.get_local_rank(),
                      world_size=context.get_world_size(), device=device,
                      run_dir=Path(loop_config["run_dir"]))
-    ctx.metrics_sink = RaySink({"run": cfg.run.name, "rank": str(ctx.rank),
-                                "local_rank": str(ctx.local_rank),
-                                "node": ray.get_runtime_context().get_node_id()[:12],
-                                "device": str(device)})
+    ctx.metrics_sink = RaySink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
+                                             ray.get_runtime_context().get_node_id()[:12],
+                                             device))
     try:
         train(cfg, ctx)
     except BaseException as err:
