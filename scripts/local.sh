@@ -27,6 +27,7 @@ case "${1:-}" in
     docker info >/dev/null 2>&1 || die "the Docker engine is not running (or this user may not use it)"
     write_secrets
     mkdir -p runs
+    "$MEMTRAIN" dashboards --ray monitoring/grafana/ray >/dev/null  # Ray's own, for Grafana
     "${COMPOSE[@]}" up -d --build --wait
     echo "local: Ray dashboard http://127.0.0.1:8265, Prometheus http://127.0.0.1:9090, Grafana http://127.0.0.1:3000 (admin, password in docker/grafana.env)"
     RAY_AUTH_TOKEN=$(sed -n 's/^RAY_AUTH_TOKEN=//p' docker/ray.env) \

@@ -227,12 +227,23 @@ def plan_command(
 @app.command("dashboards")
 def dashboards_command(
     out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
+    ray: Annotated[Path | None, typer.Option(
+        help="Also write Ray's own Default and Train dashboards here (what Ray's web UI "
+             "embeds once RAY_GRAFANA_HOST is set); needs ray installed.")] = None,
 ) -> None:
     """Generate the Grafana dashboards' JSON from monitoring/dashboards.py."""
     from monitoring.dashboards import CONFIGMAP_PATH, OUT_DIR, write_dashboards
 
     for path in write_dashboards(out or OUT_DIR, None if out else CONFIGMAP_PATH):
         console.print(f"wrote {path}")
+    if ray is not None:
+        from trainer.compat import ray_grafana_dashboards
+
+        ray.mkdir(parents=True, exist_ok=True)
+        for uid, content in ray_grafana_dashboards().items():
+            path = ray / f"{uid}.json"
+            path.write_text(content)
+            console.print(f"wrote {path}")
 
 
 @app.command("report")

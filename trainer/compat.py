@@ -149,6 +149,21 @@ def ray_metrics_export_seconds() -> float:
     return max(ray._config.metrics_report_interval_ms(), 1000) / 1000
 
 
+def ray_grafana_dashboards() -> dict[str, str]:
+    """Ray's own Grafana dashboards (Default and Train), uid -> JSON, as Ray's head generates
+    them into ``/tmp/ray/session_latest/metrics/grafana/dashboards``: the dashboards its web UI
+    embeds by uid once ``RAY_GRAFANA_HOST`` is set. Ray has no public API for them; this is its
+    dashboard factory module."""
+    from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
+
+    made = {}
+    for generate in (factory.generate_default_grafana_dashboard,
+                     factory.generate_train_grafana_dashboard):
+        content, uid = generate()
+        made[uid] = content
+    return made
+
+
 def cpu_op_workspace_bytes(prof: torch.profiler.profile, op_names: frozenset[str]) -> int:
     """The most CPU memory any call of the named ops allocated and freed again before it ended
     (kernel workspace, conversion buffers), from a finished ``profile(profile_memory=True)``.

@@ -83,20 +83,48 @@ def test_the_head_gets_the_gpus_and_shared_memory() -> None:
     assert head["shm_size"]
 
 
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """target -> host path of a service's bind mounts, short and long syntax."""
+    mounts = {}
+    for m in service.get("volumes", []):
+        if isinstance(m, dict) and m["type"] == "bind":
+            mounts[m["target"]] = (DOCKER / m["source"]).resolve()
+        elif isinstance(m, str) and m.startswith("."):
+            mounts[m.split(":")[1]] = (DOCKER / m.split(":")[0]).resolve()
+    return mounts
+
+
 def test_grafana_and_prometheus_mount_what_monitoring_ships() -> None:
     services = compose()["services"]
-    mounts = {m.split(":")[1]: (DOCKER / m.split(":")[0]).resolve()
-              for s in ("grafana", "prometheus") for m in services[s]["volumes"]
-              if m.startswith(".")}
+    mounts = {**bind_mounts(services["grafana"]), **bind_mounts(services["prometheus"])}
+    ray_dashboards = REPO / "monitoring/grafana/ray"
     for target, source in mounts.items():
-        assert source.exists(), (target, source)
-    provider = yaml.safe_load((REPO / "monitoring/grafana/provisioning/dashboards/memtrain.yml")
-                              .read_text())["providers"][0]["options"]["path"]
-    assert mounts[provider] == (REPO / "monitoring/grafana/dashboards").resolve()
+        assert source.exists() or source == ray_dashboards, (target, source)
+    providers = {p["name"]: p["options"]["path"] for p in yaml.safe_load(
+        (REPO / "monitoring/grafana/provisioning/dashboards/memtrain.yml").read_text()
+    )["providers"]}
+    assert mounts[providers["memtrain"]] == (REPO / "monitoring/grafana/dashboards").resolve()
+    # Ray's own dashboards: written by `make local` where Grafana reads them, never committed.
+    assert mounts[providers["ray"]] == ray_dashboards
+    assert "dashboards --ray monitoring/grafana/ray" in (REPO / "scripts/local.sh").read_text()
+    assert "/monitoring/grafana/ray/" in (REPO / ".gitignore").read_text().splitlines()
     prometheus = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
     assert prometheus["rule_files"] == ["rules.yml"]
     assert mounts["/etc/prometheus/rules.yml"] == (REPO / "monitoring/prometheus/rules.yml")
     assert services["grafana"]["image"] == "grafana/grafana:11.6.0"
+
+
+def test_rays_web_ui_reaches_grafana_and_prometheus_and_grafana_allows_embedding() -> None:
+    services = compose()["services"]
+    env = services["ray-head"]["environment"]
+    # in the compose network: service name and container port; in the browser: the published one
+    assert env["RAY_GRAFANA_HOST"] == "http://grafana:3000"
+    assert env["RAY_PROMETHEUS_HOST"] == "http://prometheus:9090"
+    assert "127.0.0.1:3000:3000" in services["grafana"]["ports"]
+    assert env["RAY_GRAFANA_IFRAME_HOST"] == "http://127.0.0.1:3000"
+    assert "127.0.0.1:9090:9090" in services["prometheus"]["ports"]
+    assert services["grafana"]["environment"]["GF_SECURITY_ALLOW_EMBEDDING"] == "true"
+    assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
 
 
 def test_the_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,22 @@ def test_ray_clusters_follow_kuberay_conventions(built: dict[str, list[dict[str,
             shm = [m for m in ray_container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
             [volume] = [v for v in spec["volumes"] if v["name"] == shm[0]["name"]]
             assert volume["emptyDir"]["medium"] == "Memory"
+
+
+def test_rays_web_ui_embeds_the_grafana_that_make_grafana_forwards(
+        built: dict[str, list[dict[str, Any]]]) -> None:
+    script = (REPO / "scripts" / "k8s.sh").read_text()
+    namespace = re.search(r'GRAFANA_NAMESPACE:-([\w-]+)', script).group(1)
+    service = re.search(r'GRAFANA_SERVICE:-([\w-]+)', script).group(1)
+    local_port = re.search(r'port-forward .*\n?.*" (\d+):80', script).group(1)
+    for obj in (o for o in all_objects(built) if o["kind"] in ("RayCluster", "RayJob")):
+        cluster = obj["spec"].get("rayClusterSpec", obj["spec"])
+        head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in head.get("env", [])}
+        assert env["RAY_GRAFANA_HOST"] == f"http://{service}.{namespace}.svc", obj["kind"]
+        assert env["RAY_PROMETHEUS_HOST"].startswith(f"http://kube-prometheus-stack-prometheus."
+                                                     f"{namespace}.svc:"), obj["kind"]
+        assert env["RAY_GRAFANA_IFRAME_HOST"] == f"http://127.0.0.1:{local_port}", obj["kind"]
 
 
 def test_the_rayjob_runs_the_same_cluster_as_the_raycluster() -> None:

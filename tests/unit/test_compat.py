@@ -104,6 +104,21 @@ def test_ray_metrics_export_interval_is_readable() -> None:
         f"Ray {version} changed how long its agent keeps a gauge"
 
 
+def test_ray_generates_the_dashboards_its_web_ui_embeds() -> None:
+    import importlib.metadata
+    import json
+
+    version = importlib.metadata.version("ray")
+    made = compat.ray_grafana_dashboards()
+    assert set(made) == {"rayDefaultDashboard", "rayTrainDashboard"}, \
+        f"Ray {version}'s dashboard uids moved"
+    for uid, content in made.items():
+        dashboard = json.loads(content)
+        assert dashboard["uid"] == uid and dashboard["panels"], uid
+        # Ray's panels ask for a Prometheus datasource by a variable: any name works.
+        assert dashboard["templating"]["list"][0]["name"] == "datasource", uid
+
+
 def test_compat_imports_neither_torch_nor_ray() -> None:
     """``memtrain submit`` runs where torch is absent: compat may not need it to import."""
     import subprocess
