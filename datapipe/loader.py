@@ -26,8 +26,11 @@ rank's share of the epoch as shard ranges, read in shuffle windows. This module 
   (batches copied ahead do not count); ``state_dict``/``load_state_dict`` restore it, and
   because batch ``k`` is computable without reading batches ``0..k-1``, a resumed run reads
   exactly the batches an uninterrupted one would.
-- **World size.** The state records world size, batch size and seed; loading a state saved with
-  other values is refused (the rank spans would differ, so samples would repeat or be skipped).
+- **World size.** The state records world size, batch size and seed. Loading a state saved at
+  another world size or batch size (an elastic resize, a lost node, ``--workers``) continues the
+  epoch with the rows no rank has read yet, re-split for this world
+  (``datapipe.split.resumed_ranges``): no row repeats, and fewer than one batch per rank is
+  dropped for the rest of that epoch. A different seed is refused.
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ from datapipe.manifest import DatasetError
 from datapipe.shards import OnBadShard, ShardSource
 from datapipe.split import (
     Range,
+    Segment,
     batch_positions,
     batches_per_rank,
     epoch_ranges,
+    resumed_ranges,
     span_ranges,
     window_permutation,
     window_rows,
@@ -147,6 +152,7 @@ class BatchLoader:
         self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
         self.seed, self.shuffle = seed, shuffle
         self.device = device or torch.device("cpu")
+        self.shuffle_window = shuffle_window  # as asked: a resize re-plans it per batch size
         self.window = window_rows(shuffle_window, batch_size)
         self._window_batches = self.window // batch_size
         self.read_ahead = max(1, read_ahead)
@@ -159,6 +165,9 @@ class BatchLoader:
         self.shape = (batch_size, *self.source.spec.shape)
         self.dtype = np.dtype(self.source.spec.dtype)
         self.epoch = 0
+        # (epoch, what earlier world sizes read of it, this rank's ranges of the rest): set when
+        # a state saved at another size resumes mid-epoch.
+        self._resumed: tuple[int, list[Segment], list[Range]] | None = None
         self.batch_index = 0  # of the next batch handed to the consumer
         self._cursor = (0, 0)  # (epoch, batch_index) of the next batch to gather
         self._current: tuple[int, int, _Window] | None = None  # (epoch, window index, window)
@@ -180,17 +189,37 @@ class BatchLoader:
         """Pinned host memory held by the staging buffers (0 on CPU)."""
         return self._transfer.pinned_bytes if self._transfer is not None else 0
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
+        segments = self._resumed[1] if self._resumed and self._resumed[0] == self.epoch else []
         return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
-                "world_size": self.world_size, "batch_size": self.batch_size}
+                "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
+                "world_size": self.world_size, "batch_size": self.batch_size,
+                "segments": [list(segment) for segment in segments]}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        for key in ("seed", "world_size", "batch_size"):
-            if state[key] != getattr(self, key):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "shuffle", "shuffle_window"):  # what decides which rows were read
+            if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"loader state was saved with {key}={state[key]} but this run has "
                     f"{key}={getattr(self, key)}; resuming would repeat or skip samples")
-        self._restart(int(state["epoch"]), int(state["batch_index"]))
+        epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
+        segments = [Segment(*map(int, segment)) for segment in state.get("segments", [])]
+        if (state["world_size"], state["batch_size"]) != (self.world_size, self.batch_size):
+            # Another size read this epoch so far: the rest of it is re-split for this one.
+            segments.append(Segment(int(state["world_size"]), int(state["batch_size"]),
+                                    batch_index))
+            batch_index = 0
+        self._restart(epoch, batch_index)
+        self._resumed = None
+        if segments:
+            spans = resumed_ranges(self.source.shard_rows, segments, self.world_size,
+                                   self.batch_size, self.seed, epoch, self.shuffle,
+                                   self.shuffle_window)
+            usable = self.source.usable
+            self._resumed = (epoch, segments,
+                             [Range(usable[r.shard], r.start, r.stop) for r in spans[self.rank]])
+            if self.batches_in(epoch) == 0:  # less than a batch per rank was left
+                self._restart(epoch + 1, 0)
 
     def rewind(self) -> None:
         """Go back to the first batch of epoch 0 (evaluation reads the same batches each time)."""
@@ -222,21 +251,30 @@ class BatchLoader:
         else:  # a numpy array: numpy allocates a batch faster than torch.empty
             batch = torch.from_numpy(self._gather(None))
         self.batch_index += 1
-        if self.batch_index == self.num_batches:
+        if self.batch_index == self.batches_in(self.epoch):
             self.epoch, self.batch_index = self.epoch + 1, 0
         return batch
 
     # ---- planning (pure, cheap) -------------------------------------------------------------
+    def batches_in(self, epoch: int) -> int:
+        """This rank's batches in ``epoch``: fewer in an epoch resumed at another world size."""
+        if self._resumed is not None and self._resumed[0] == epoch:
+            return sum(r.rows for r in self._resumed[2]) // self.batch_size
+        return self.num_batches
+
     def ranges(self, epoch: int) -> list[Range]:
         """This rank's shard ranges in ``epoch`` (manifest shard indices)."""
+        if self._resumed is not None and self._resumed[0] == epoch:
+            return self._resumed[2]
         spans = epoch_ranges(self.source.shard_rows, self.world_size, self.batch_size, self.seed,
                              epoch, self.shuffle)
         usable = self.source.usable
         return [Range(usable[r.shard], r.start, r.stop) for r in spans[self.rank]]
 
     def positions(self, epoch: int, batch_index: int) -> np.ndarray:
-        return batch_positions(self.num_batches * self.batch_size, self.batch_size, self.window,
-                               batch_index, self.seed, epoch, self.rank, self.shuffle)
+        return batch_positions(self.batches_in(epoch) * self.batch_size, self.batch_size,
+                               self.window, batch_index, self.seed, epoch, self.rank,
+                               self.shuffle)
 
     def _gather(self, out: np.ndarray | None) -> np.ndarray:
         """Gather the batch at the cursor into ``out`` (None: a new array) and advance the
@@ -253,8 +291,8 @@ class BatchLoader:
         else:
             out = current[2].copy(within, out)
         batch_index += 1
-        self._cursor = (epoch + 1, 0) if batch_index == self.num_batches else (epoch,
-                                                                                  batch_index)
+        self._cursor = ((epoch + 1, 0) if batch_index == self.batches_in(epoch)
+                        else (epoch, batch_index))
         return out
 
     def _open_window(self, epoch: int, index: int) -> _Window:
@@ -262,7 +300,7 @@ class BatchLoader:
             self._reader = _Reader(self, epoch, index)
         window = self._reader.window(epoch, index)
         if self.shuffle:
-            span = self.num_batches * self.batch_size
+            span = self.batches_in(epoch) * self.batch_size
             window.plan_shuffle(window_permutation(min(self.window, span - window.first),
                                                    self.seed, epoch, self.rank, index),
                                 self.batch_size)
@@ -295,7 +333,11 @@ class _Reader:
         self.pending: deque[tuple[int, int, Future[_Window]]] = deque()
         self.next_epoch, self.next_window = epoch, window
         self._ranges: tuple[int, list[Range]] | None = None  # (epoch, this rank's ranges)
-        self.count = -(-loader.num_batches * loader.batch_size // loader.window)
+
+    def count(self, epoch: int) -> int:
+        """Windows in ``epoch``."""
+        loader = self.loader
+        return -(-loader.batches_in(epoch) * loader.batch_size // loader.window)
 
     def _epoch_ranges(self, epoch: int) -> list[Range]:
         if self._ranges is None or self._ranges[0] != epoch:
@@ -307,17 +349,17 @@ class _Reader:
         while len(self.pending) < self.loader.read_ahead:
             ranges = self._epoch_ranges(self.next_epoch)
             self.pending.append((self.next_epoch, self.next_window, self.pool.submit(
-                self._read, ranges, self.next_window)))
+                self._read, ranges, self.next_epoch, self.next_window)))
             self.next_window += 1
-            if self.next_window == self.count:
+            if self.next_window == self.count(self.next_epoch):
                 self.next_epoch, self.next_window = self.next_epoch + 1, 0
         got_epoch, got_index, future = self.pending.popleft()
         assert (got_epoch, got_index) == (epoch, index), "windows are read in order"
         return future.result()
 
-    def _read(self, ranges: list[Range], index: int) -> _Window:
+    def _read(self, ranges: list[Range], epoch: int, index: int) -> _Window:
         loader = self.loader
-        span = loader.num_batches * loader.batch_size
+        span = loader.batches_in(epoch) * loader.batch_size
         first, last = index * loader.window, min((index + 1) * loader.window, span)
         pieces = [part for piece in span_ranges(ranges, first, last)
                   for part in loader.source.read(piece, advise=True)]

@@ -18,6 +18,16 @@ The policy, in three steps:
    ``(seed, epoch, rank, window index)``; batches are consecutive runs of ``B`` rows of the
    permuted window. Memory is bounded by one window, and batch ``k`` of an epoch is found
    without reading anything before it: exact resume is O(1).
+
+**A change of world size (or batch size) within an epoch** (``resumed_ranges``): the epoch so
+far is a list of segments, each ``world_size`` ranks having read their first ``batches`` batches
+of ``batch_size``. The rows no rank has read are, per rank of the last segment and in rank
+order, the rest of its current window (in file order) and then its later windows; they are cut
+into equal spans of whole batches for the new world, and window-shuffled as above. The rows
+that do not fill one more batch on every new rank (fewer than ``world_size * batch_size``) are
+dropped for the rest of that epoch. So across any number of changes, every row of an epoch is
+read at most once, and all are read except the epoch's drop window and those remainders. The
+next epoch is planned for the new world from scratch.
 """
 
 from __future__ import annotations
@@ -83,6 +93,11 @@ def epoch_ranges(shard_rows: list[int], world_size: int, batch_size: int, seed: 
         order = np.random.default_rng([seed, epoch]).permutation(len(pieces))
         pieces = [pieces[i] for i in order]
 
+    return _cut(pieces, world_size, per_rank)
+
+
+def _cut(pieces: list[Range], world_size: int, per_rank: int) -> list[list[Range]]:
+    """``pieces`` in order, cut into ``world_size`` spans of ``per_rank`` rows (the rest unread)."""
     spans: list[list[Range]] = [[] for _ in range(world_size)]
     rank, room = 0, per_rank
     for piece in pieces:
@@ -136,3 +151,53 @@ def span_ranges(ranges: list[Range], first: int, last: int) -> list[Range]:
             out.append(Range(piece.shard, piece.start + lo - start, piece.start + hi - start))
         start += piece.rows
     return out
+
+
+class Segment(NamedTuple):
+    """Part of an epoch read at one size: ``world_size`` ranks each read their first
+    ``batches`` batches of ``batch_size`` rows."""
+
+    world_size: int
+    batch_size: int
+    batches: int
+
+
+def unread_ranges(ranges: list[Range], batch_size: int, window: int, batches: int, seed: int,
+                  epoch: int, rank: int, shuffle: bool) -> list[Range]:
+    """The rows of a rank's span (``ranges``, in reading order) outside its first ``batches``
+    batches: the rest of the current window in file order, then the windows after it."""
+    span = sum(r.rows for r in ranges)
+    first = batches * batch_size
+    if not shuffle or first % window_rows(window, batch_size) == 0:
+        return span_ranges(ranges, first, span)
+    size = window_rows(window, batch_size)
+    index, within = divmod(first, size)
+    start = index * size
+    length = min(size, span - start)
+    rest = np.sort(start + window_permutation(length, seed, epoch, rank, index)[within:])
+    # Runs of consecutive positions, each one range (or a few where the span changes piece).
+    breaks = np.flatnonzero(np.diff(rest) != 1) + 1
+    runs = [(int(run[0]), int(run[-1]) + 1) for run in np.split(rest, breaks)]
+    return ([piece for lo, hi in runs for piece in span_ranges(ranges, lo, hi)]
+            + span_ranges(ranges, start + length, span))
+
+
+def resumed_ranges(shard_rows: list[int], segments: list[Segment], world_size: int,
+                   batch_size: int, seed: int, epoch: int, shuffle: bool,
+                   window: int) -> list[list[Range]]:
+    """Per rank of a ``world_size`` x ``batch_size`` world, the ranges it reads of the rest of
+    ``epoch`` after ``segments`` (read in that order, at their own sizes), in reading order;
+    see "A change of world size" above."""
+    if not segments:
+        return epoch_ranges(shard_rows, world_size, batch_size, seed, epoch, shuffle)
+    spans = epoch_ranges(shard_rows, segments[0].world_size, segments[0].batch_size, seed,
+                         epoch, shuffle)
+    following = [*segments[1:], Segment(world_size, batch_size, 0)]
+    for segment, after in zip(segments, following, strict=True):
+        pieces = [piece for rank, ranges in enumerate(spans)
+                  for piece in unread_ranges(ranges, segment.batch_size, window,
+                                             segment.batches, seed, epoch, rank, shuffle)]
+        rows = sum(piece.rows for piece in pieces)
+        per_rank = rows // (after.world_size * after.batch_size) * after.batch_size
+        spans = _cut(pieces, after.world_size, per_rank)
+    return spans

@@ -90,9 +90,12 @@ class TrainConfig(_Strict):
         """Micro-batches per optimizer step on each rank; the global batch is kept exactly."""
         per_step = self.micro_batch() * world_size
         if self.global_batch_size % per_step:
+            fits = [w for w in range(1, self.global_batch_size // self.micro_batch() + 1)
+                    if self.global_batch_size % (self.micro_batch() * w) == 0]
             raise ConfigError(
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                f"train.micro_batch_size x workers ({self.micro_batch_size} x {world_size})")
+                f"train.micro_batch_size x workers ({self.micro_batch_size} x {world_size}); "
+                f"workers that keep this global batch: {', '.join(map(str, fits))}")
         return self.global_batch_size // per_step
 
 

@@ -113,3 +113,73 @@ def test_span_positions_map_to_shard_rows() -> None:
     assert rows == [(3, 13), (3, 14), (0, 0), (0, 1), (7, 5), (7, 6)]
     assert span_ranges(ranges, 5, 7) == [Range(0, 0, 2)]
     assert span_ranges(ranges, 4, 4) == []
+
+
+def _read_batches(spans: list[list], batch: int, window: int, seed: int, epoch: int,
+                  shuffle: bool, upto: list[int] | None) -> list[tuple[int, int]]:
+    """(shard, row) of every row each rank reads in its first ``upto[rank]`` batches (all of
+    them when None), through the same functions the loader uses."""
+    read = []
+    for rank, ranges in enumerate(spans):
+        span = sum(r.rows for r in ranges)
+        count = span // batch if upto is None else upto[rank]
+        for index in range(count):
+            for position in batch_positions(span, batch, window, index, seed, epoch, rank,
+                                            shuffle):
+                [piece] = span_ranges(ranges, int(position), int(position) + 1)
+                read.append((piece.shard, piece.start))
+    return read
+
+
+segment_sizes = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 5), st.floats(0, 1)),
+                         min_size=1, max_size=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 120), min_size=1, max_size=8), segment_sizes,
+       st.tuples(st.integers(1, 6), st.integers(1, 5)), st.integers(1, 24), seeds, epochs,
+       st.booleans())
+def test_world_size_changes_within_an_epoch_read_every_row_at_most_once(
+        shard_rows: list[int], sizes: list[tuple[int, int, float]], final: tuple[int, int],
+        window: int, seed: int, epoch: int, shuffle: bool) -> None:
+    """Any save world and batch size, any step, any number of changes, any resume size: the
+    rows read before and after each change are distinct, and all the epoch's kept rows are read
+    except fewer than one batch per new rank at each change."""
+    from datapipe.split import Segment, resumed_ranges
+
+    segments: list[Segment] = []
+    read: list[tuple[int, int]] = []
+    lost = 0  # rows dropped at the changes so far
+    dropped = None
+    for world, batch, fraction in [*sizes, (*final, 1.0)]:
+        spans = resumed_ranges(shard_rows, segments, world, batch, seed, epoch, shuffle, window)
+        available = sum(r.rows for span in spans for r in span)
+        if dropped is None:  # the epoch's own drop window, chosen by its first size
+            dropped = dropped_window(sum(shard_rows), world, batch, seed, epoch)[1]
+        else:  # a change: what no rank read yet, less fewer than a batch per new rank
+            left = sum(shard_rows) - dropped - lost - len(read)
+            assert 0 <= left - available < world * batch
+            lost += left - available
+        per_rank = available // (world * batch)
+        assert all(sum(r.rows for r in span) == per_rank * batch for span in spans)
+        done = int(fraction * per_rank)
+        read += _read_batches(spans, batch, window, seed, epoch, shuffle, [done] * world)
+        segments.append(Segment(world, batch, done))
+    counts = Counter(read)
+    assert not [row for row, n in counts.items() if n > 1], "a row was read twice"
+    assert len(read) + lost + dropped == sum(shard_rows)  # every other row was read
+    assert all(0 <= row < shard_rows[shard] for shard, row in counts)
+
+
+def test_a_change_keeps_the_rows_of_the_current_window_that_were_not_read() -> None:
+    """2 ranks x batch 4 read 1 batch of a shuffled 8-row window, then 1 rank resumes: the 4
+    unread rows of each window come first, in file order, then the later windows."""
+    from datapipe.split import Segment, resumed_ranges
+
+    shard_rows = [32]
+    before = epoch_ranges(shard_rows, 2, 4, 7, 0, True)
+    first = _read_batches(before, 4, 8, 7, 0, True, [1, 1])
+    [after] = resumed_ranges(shard_rows, [Segment(2, 4, 1)], 1, 4, 7, 0, True, 8)
+    rest = [(r.shard, row) for r in after for row in range(r.start, r.stop)]
+    assert sorted(first + rest) == [(0, row) for row in range(32)]
+    assert len(rest) == 24
