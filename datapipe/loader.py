@@ -168,6 +168,7 @@ class BatchLoader:
         # (epoch, what earlier world sizes read of it, this rank's ranges of the rest): set when
         # a state saved at another size resumes mid-epoch.
         self._resumed: tuple[int, list[Segment], list[Range]] | None = None
+        self.resized_from: int | None = None  # the world size of a state loaded at another
         self.batch_index = 0  # of the next batch handed to the consumer
         self._cursor = (0, 0)  # (epoch, batch_index) of the next batch to gather
         self._current: tuple[int, int, _Window] | None = None  # (epoch, window index, window)
@@ -204,7 +205,9 @@ class BatchLoader:
                     f"{key}={getattr(self, key)}; resuming would repeat or skip samples")
         epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
         segments = [Segment(*map(int, segment)) for segment in state.get("segments", [])]
-        if (state["world_size"], state["batch_size"]) != (self.world_size, self.batch_size):
+        saved_world = int(state["world_size"])
+        self.resized_from = saved_world if saved_world != self.world_size else None
+        if (saved_world, state["batch_size"]) != (self.world_size, self.batch_size):
             # Another size read this epoch so far: the rest of it is re-split for this one.
             segments.append(Segment(int(state["world_size"]), int(state["batch_size"]),
                                     batch_index))

@@ -177,7 +177,7 @@ def unread_ranges(ranges: list[Range], batch_size: int, window: int, batches: in
     rest = np.sort(start + window_permutation(length, seed, epoch, rank, index)[within:])
     # Runs of consecutive positions, each one range (or a few where the span changes piece).
     breaks = np.flatnonzero(np.diff(rest) != 1) + 1
-    runs = [(int(run[0]), int(run[-1]) + 1) for run in np.split(rest, breaks)]
+    runs = [(int(run[0]), int(run[-1]) + 1) for run in np.split(rest, breaks) if run.size]
     return ([piece for lo, hi in runs for piece in span_ranges(ranges, lo, hi)]
             + span_ranges(ranges, start + length, span))
 

@@ -218,10 +218,22 @@ def batch_split() -> timeseries.Panel:
                  description="Changes under auto and after OOM recovery; their product stays.")
 
 
+def world_size() -> timeseries.Panel:
+    return panel("World size and resizes", "short",
+                 query(f"max by (run) (ray_memtrain_train_world_size{{{SELECTOR}}})",
+                       "{{run}} workers", "A"),
+                 # Ray exports no counter before its first increment: 0 when nothing resized.
+                 query("sum by (run) (increase(ray_memtrain_train_world_size_changes_total"
+                       f"{{{SELECTOR}}}[{RATE}])) or on () vector(0)", "{{run}} resizes", "B"),
+                 description="Workers in the running group, and resumes at another size (an "
+                             "elastic resize, a lost node): the global batch is kept by the "
+                             "accumulation steps.")
+
+
 def throughput_dashboard() -> dashboard.Dashboard:
     return assemble("Training throughput", "memtrain-throughput",
                     [tokens_per_second(), step_time(), data_wait_share(), checkpoint_time(),
-                     loss(), grad_scale(), batch_split()])
+                     loss(), grad_scale(), batch_split(), world_size()])
 
 
 DASHBOARDS = {"memtrain-memory.json": memory_dashboard,

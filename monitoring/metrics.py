@@ -83,6 +83,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Current micro-batch size (changes under auto and OOM recovery)."),
     MetricSpec("memtrain_train_accumulation_steps", "gauge", "train",
                "Current micro-batches per optimizer step."),
+    MetricSpec("memtrain_train_world_size", "gauge", "train", "Workers in the running group."),
+    MetricSpec("memtrain_train_world_size_changes_total", "counter", "train",
+               "Resumes at another world size than the checkpoint's (an elastic resize, a lost "
+               "node, another --workers)."),
     MetricSpec("memtrain_data_skipped_shards_total", "counter", "train",
                "Bad shards skipped by the loader (on_bad_shard: skip)."),
 )

@@ -137,7 +137,12 @@ class MemoryConfig(_Strict):
 
 class ParallelConfig(_Strict):
     launcher: Literal["ray", "local"] = "ray"
+    # N, or [min, max] for elastic training under Ray (Train V2's ScalingConfig(num_workers=
+    # (min, max))): the worker group starts with as many as the cluster holds, up to max, and is
+    # resized between min and max after failures and as nodes come and go; every size in the
+    # range must keep the global batch. Stored as workers = max, min_workers = min.
     workers: int = Field(2, ge=1)
+    min_workers: int | None = Field(None, ge=1)
     use_gpu: bool = False
     # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state
     # sharded across ranks (FSDP2), checkpoints sharded (torch.distributed.checkpoint).
@@ -145,6 +150,28 @@ class ParallelConfig(_Strict):
     # Ray: how many times a failed worker group is restarted from the latest checkpoint
     # (-1: without limit). A preempted or killed worker costs the steps since that checkpoint.
     max_failures: int = Field(1, ge=-1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_range(cls, data: Any) -> Any:
+        workers = data.get("workers") if isinstance(data, dict) else None
+        if isinstance(workers, list | tuple):
+            if len(workers) != 2 or not all(isinstance(w, int) for w in workers):
+                raise ValueError(f"parallel.workers: expected N or [min, max], got {workers}")
+            data = {**data, "min_workers": workers[0], "workers": workers[1]}
+        return data
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> ParallelConfig:
+        if self.min_workers is not None and self.min_workers > self.workers:
+            raise ValueError(f"parallel.workers: min {self.min_workers} is above max "
+                             f"{self.workers}")
+        return self
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(min, max) workers; equal unless elastic."""
+        return (self.min_workers or self.workers, self.workers)
 
 
 class MonitoringConfig(_Strict):

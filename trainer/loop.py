@@ -368,6 +368,13 @@ def _log_start(cfg: Config, ctx: WorkerContext, state: TrainState, plan: BatchPl
     if precision.warning:
         log.warning("warning: %s", precision.warning)
     where = f"resuming from step {resumed_from}" if resumed_from is not None else "from scratch"
+    if state.loader.resized_from is not None:
+        loader = state.loader
+        log.info("resized: the checkpoint was written by %d workers, this run has %d; the "
+                 "global batch is kept by the accumulation steps, and epoch %d continues with "
+                 "the %d batches per rank no rank has read yet (datapipe/split.py)",
+                 loader.resized_from, ctx.world_size, loader.epoch,
+                 loader.batches_in(loader.epoch) - loader.batch_index)
     log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
              "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch %d; %s",
              cfg.run.name, ctx.world_size, ctx.device.type,

@@ -127,6 +127,9 @@ class RunMetrics:
         samples = self.steps_this_run * self.samples_per_rank_step
         return {
             "memtrain_train_run_active": 1.0, **self._gauges,
+            "memtrain_train_world_size": self.ctx.world_size,
+            "memtrain_train_world_size_changes_total": int(
+                self._loader.resized_from is not None),
             # This run's running totals (since the last start or resume).
             "memtrain_train_samples_total": samples,
             "memtrain_train_tokens_total": samples * self.seq_len,

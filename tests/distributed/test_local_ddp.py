@@ -90,7 +90,23 @@ def test_resuming_at_other_worker_counts_keeps_the_global_batch_schedule_and_dat
 
     first = run(2, 4)
     assert (first["workers"], first["accumulation_steps"], first["final_step"]) == (2, 2, 4)
-    second = run(1, 8)
+    # The middle run in this process, as the local launcher runs one worker, with an exporter
+    # to read the resize from.
+    from monitoring.memory import worker_labels
+    from monitoring.sinks import PrometheusSink
+    from trainer.context import LocalContext
+    from trainer.loop import train
+
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
+        "run.name=resize", "train.eval_every=0", "train.checkpoint_every=4"))
+    ctx = LocalContext(0, 0, 1, torch.device("cpu"), run_dir)
+    ctx.metrics_sink = sink = PrometheusSink(worker_labels("resize", 0, 0, "n", ctx.device))
+    second = train(cfg, ctx, until_step=8)
+    labels = dict(sink.labels)
+    assert sink.registry.get_sample_value("ray_memtrain_train_world_size", labels) == 1
+    assert sink.registry.get_sample_value("ray_memtrain_train_world_size_changes_total",
+                                          labels) == 1
     assert (second["workers"], second["accumulation_steps"]) == (1, 4)  # 16 = 1 x 4 x 4
     assert (second["resumed_from_step"], second["final_step"]) == (4, 8)
     third = run(2, 12)

@@ -84,10 +84,12 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun,
     checkpoints = sorted(p.name for p in ray_run.run_dir.glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-00000006", "checkpoint-00000012"]
 
+    # The resume runs as an elastic group, workers [1, 2] (Train V2's ScalingConfig(num_workers=
+    # (1, 2))): it starts with as many as the cluster holds, both here.
     more, _ = prepare_run(tiny_config(corpus_dir, ray_run.run_dir.parent, *SETTINGS,
-                                      "run.name=ray", "train.steps=15"))
+                                      "run.name=ray", "train.steps=15", "parallel.workers=[1, 2]"))
     resumed = launch_ray(more, ray_run.run_dir)
-    assert resumed["resumed_from_step"] == 12
+    assert resumed["resumed_from_step"] == 12 and resumed["workers"] == 2
     assert resumed["final_step"] == 15 and resumed["steps_this_run"] == 3
     ranks = {json.loads(line)["step"] for line in
              (ray_run.run_dir / "metrics" / "rank-1.jsonl").read_text().splitlines()}

@@ -41,6 +41,8 @@ def test_each_component_gets_only_its_slice() -> None:
     (["train.micro_batch_size=0"], "train.micro_batch_size"),
     (["model.n_embd=100", "model.n_head=3"], "divisible by n_head"),
     (["trainlr"], "expected KEY=VALUE"),
+    (["parallel.workers=[4, 2]"], r"parallel.workers: min 4 is above max 2"),
+    (["parallel.workers=[1, 2, 3]"], r"parallel.workers: expected N or \[min, max\]"),
 ])
 def test_bad_values_name_the_field(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
@@ -52,6 +54,28 @@ def test_impossible_batch_arithmetic_is_refused() -> None:
     with pytest.raises(ConfigError, match="global_batch_size .30. must be a multiple"):
         cfg.train.accumulation_steps(2)
     assert load_config(None, ["train.global_batch_size=32"]).train.accumulation_steps(2) == 2
+    cfg = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match="workers that keep this global batch: 1, 2, 4$"):
+        cfg.train.accumulation_steps(3)
+
+
+def test_an_elastic_range_is_min_and_max_and_every_size_must_keep_the_batch(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    from tests.conftest import tiny_config
+    from trainer.launch import prepare_run
+
+    parallel = load_config(None, ["parallel.workers=[1, 4]"]).parallel
+    assert (parallel.min_workers, parallel.workers, parallel.worker_range) == (1, 4, (1, 4))
+    assert load_config(None, ["parallel.workers=3"]).parallel.worker_range == (3, 3)
+    # tiny_config: global batch 16, micro-batch 4; 2 CPUs here, so ranges up to 2 pass the
+    # CPU check and the batch arithmetic decides.
+    prepare_run(tiny_config(corpus_dir, tmp_path, "parallel.workers=[1, 2]"))
+    with pytest.raises(ConfigError, match="an elastic range needs the Ray launcher"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, "parallel.workers=[1, 2]",
+                                "parallel.launcher=local"))
+    with pytest.raises(ConfigError, match=r"\(4 x 2\); workers that keep this global batch: 1, 3"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, "parallel.workers=[1, 2]",
+                                "train.global_batch_size=12", "train.micro_batch_size=4"))
 
 
 def test_missing_and_malformed_files(tmp_path: Path) -> None:

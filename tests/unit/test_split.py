@@ -171,6 +171,13 @@ def test_world_size_changes_within_an_epoch_read_every_row_at_most_once(
     assert all(0 <= row < shard_rows[shard] for shard, row in counts)
 
 
+def test_a_change_after_the_last_batch_of_a_short_window_leaves_nothing() -> None:
+    """The span ends inside its last window and every batch was read: nothing is left."""
+    from datapipe.split import Segment, resumed_ranges
+
+    assert resumed_ranges([1], [Segment(1, 1, 1)], 1, 1, 0, 0, True, 2) == [[]]
+
+
 def test_a_change_keeps_the_rows_of_the_current_window_that_were_not_read() -> None:
     """2 ranks x batch 4 read 1 batch of a shuffled 8-row window, then 1 rank resumes: the 4
     unread rows of each window come first, in file order, then the later windows."""

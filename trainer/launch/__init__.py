@@ -193,7 +193,12 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         raise ConfigError(f"parallel.workers ({workers}) is more than the {available_cpus()} "
                           "CPUs of this machine and parallel.use_gpu is false")
     cfg = resolve_auto(cfg)
-    cfg.train.accumulation_steps(workers)  # raises ConfigError on impossible batch arithmetic
+    low, high = cfg.parallel.worker_range
+    if low < high and cfg.parallel.launcher != "ray":
+        raise ConfigError(f"parallel.workers [{low}, {high}]: an elastic range needs the Ray "
+                          "launcher; the local launcher takes one number")
+    for world in range(low, high + 1):  # an elastic group may run at any size in the range
+        cfg.train.accumulation_steps(world)  # ConfigError naming the sizes that fit
     for field, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
         if path is None:
             continue

@@ -205,11 +205,15 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     runtime_env: dict[str, Any] = {"py_modules": shipped} if shipped else {}
     init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers),
              runtime_env=runtime_env)
+    low, high = cfg.parallel.worker_range
+    # (min, max): Train V2's elastic group, sized by what the cluster holds. V2's ScalingConfig
+    # takes it; the stubs describe V1's, which takes an int only.
+    num_workers: Any = (low, high) if low < high else high
     trainer = TorchTrainer(
         _worker_loop,
         train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
                            "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs},
-        scaling_config=ScalingConfig(num_workers=cfg.parallel.workers,
+        scaling_config=ScalingConfig(num_workers=num_workers,
                                      use_gpu=cfg.parallel.use_gpu,
                                      resources_per_worker={"CPU": 1}),
         run_config=RunConfig(
