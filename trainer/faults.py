@@ -9,7 +9,8 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
 - ``kill@5:1``: rank 1 SIGKILLs itself at the end of step 5, once per run directory (a marker
   file in the run directory keeps a restarted worker from doing it again);
 - ``stall@3``: rank 0 sleeps ``STALL_SECONDS`` at the end of step 3, as a long evaluation, a
-  slow checkpoint or a stuck peer would hold it (the other ranks wait in the next collective).
+  slow checkpoint or a stuck peer would hold it (the other ranks wait in the next collective);
+  once per run directory, as ``kill``.
 
 Both launchers carry the variable to their workers (spawned processes inherit it; the Ray
 launcher passes it in the loop config, since Ray's workers start before a test could set it).
@@ -70,24 +71,32 @@ def maybe_fail_checkpoint(step: int) -> None:
         raise OSError(f"checkpoint write failed at step {step} (injected by {ENV})")
 
 
-def maybe_stall(step: int, rank: int) -> None:
-    """``stall@STEP:RANK``: hold this rank at the end of the step for ``STALL_SECONDS``."""
-    if wanted("stall", step, rank):
+def maybe_stall(run_dir: Path, step: int, rank: int) -> None:
+    """``stall@STEP:RANK``: hold this rank at the end of the step for ``STALL_SECONDS``, once
+    per run directory."""
+    if _first_time(run_dir, Fault("stall", step, rank)):
         log.warning("rank %d: stalled %.0f s by %s at the end of step %d", rank, STALL_SECONDS,
                     ENV, step)
         time.sleep(STALL_SECONDS)
 
 
+def _first_time(run_dir: Path, fault: Fault) -> bool:
+    """Whether ``fault`` is asked for and has not fired in ``run_dir`` yet (then it has)."""
+    if fault not in active():
+        return False
+    marker = run_dir / ".faults-fired" / str(fault).replace(":", "-")
+    if marker.exists():
+        return False
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    return True
+
+
 def maybe_kill(run_dir: Path, step: int, rank: int) -> None:
     """``kill@STEP:RANK``: SIGKILL this process at the end of the step, once per run dir."""
     fault = Fault("kill", step, rank)
-    if fault not in active():
+    if not _first_time(run_dir, fault):
         return
-    marker = run_dir / ".faults-fired" / str(fault).replace(":", "-")
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
     # Ray's controller registers a reported checkpoint when it next polls the workers; wait for
     # that, so the kill lands after the checkpoint is known, as a real preemption would.
     time.sleep(3)

@@ -327,7 +327,7 @@ def after_step(memory: MemoryConfig, ctx: WorkerContext, step: int, guard: LeakG
                         "ignored on %s", ctx.device.type)
     if guard is not None and step % memory.leak_check_every == 0:
         guard.sample(step, ctx.device)
-    maybe_stall(step, ctx.rank)  # MEMTRAIN_FAULTS=stall@STEP:RANK (tests)
+    maybe_stall(ctx.run_dir, step, ctx.rank)  # MEMTRAIN_FAULTS=stall@STEP:RANK (tests)
     maybe_kill(ctx.run_dir, step, ctx.rank)  # MEMTRAIN_FAULTS=kill@STEP:RANK (tests)
 
 

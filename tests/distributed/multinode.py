@@ -1,0 +1,126 @@
+"""Two Ray nodes on loopback, 2 workers each, and one node lost mid-run: the scenario of
+``test_multinode.py``, run in a fresh interpreter so its cluster never meets the test session's.
+
+``python -m tests.distributed.multinode CORPUS_DIR WORK_DIR``: starts a head node on 127.0.0.1
+and a worker node on 127.0.0.2 (``ray.cluster_utils.Cluster``, every port chosen here, so it
+coexists with the session's cluster), trains the tiny config on 4 workers through memtrain's Ray
+launcher, scrapes both nodes' metrics endpoints while it runs, SIGKILLs the worker node (its
+raylet and its workers) one step past a checkpoint, adds a replacement node on 127.0.0.3, and
+writes what it saw to ``WORK_DIR/result.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+from tests.conftest import tiny_config  # noqa: E402
+from trainer.launch import prepare_run  # noqa: E402
+from trainer.launch import ray as ray_launch  # noqa: E402  (sets Ray's loopback environment)
+from trainer.launch.local import free_port  # noqa: E402
+
+NODES = ("127.0.0.1", "127.0.0.2")
+REPLACEMENT = "127.0.0.3"
+# Global batch 24 of micro-batches of 2 on 4 workers: 3 micro-batches per step. OOM recovery on
+# (the default on CUDA) makes memtrain reduce gradients in its own fixed buckets: DDP's own
+# reduction rebuilds its buckets after a process group's first step, so with more than two ranks
+# a resumed group's first step would sum in another order (differences of an ulp).
+SETTINGS = ("run.name=multinode", "parallel.workers=4", "parallel.max_failures=1",
+            "train.steps=8", "train.checkpoint_every=4", "train.global_batch_size=24",
+            "train.micro_batch_size=2", "train.eval_every=0", "train.log_every=1",
+            "memory.oom_recovery=true")
+
+
+def node_args(ip: str) -> dict:
+    return {"num_cpus": 2, "node_ip_address": ip, "include_dashboard": False,
+            "metrics_export_port": free_port(), "dashboard_agent_listen_port": free_port(),
+            "runtime_env_agent_port": free_port(), "metrics_agent_port": free_port()}
+
+
+def scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            return response.read().decode()
+    except OSError:
+        return ""
+
+
+def main(corpus_dir: Path, work: Path) -> None:
+    from ray.cluster_utils import Cluster
+
+    ray = ray_launch.ray
+    head_args, worker_args = node_args(NODES[0]), node_args(NODES[1])
+    # A dead node is declared after 3 missed 0.5 s health checks (Ray's default: about 15 s).
+    # (With no replacement, a fixed-size group would wait for one; an elastic one restarts
+    # smaller after Train's worker-group start timeout, 60 s: tests/distributed/test_local_ddp.py
+    # tests that resize's data path without the wait.)
+    cluster = Cluster(initialize_head=True, head_node_args={**head_args, "_system_config": {
+        "metrics_report_interval_ms": 1000, "health_check_period_ms": 500,
+        "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}})
+    worker_node = cluster.add_node(**worker_args)
+    ray.init(address=cluster.address)
+    result: dict = {"nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]),
+                    "address": cluster.address,
+                    "node_ids": {NODES[0]: cluster.head_node.node_id[:12],
+                                 NODES[1]: worker_node.node_id[:12]}}
+    os.environ["RAY_ADDRESS"] = cluster.address  # the driver joins; CPUs are the cluster's
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, work, *SETTINGS))
+    ports = {NODES[0]: head_args["metrics_export_port"],
+             NODES[1]: worker_args["metrics_export_port"]}
+    scrapes: dict[str, str] = {}
+    os.environ["MEMTRAIN_FAULTS"] = "stall@5:0"  # the launcher hands it to the workers
+
+    def train() -> None:
+        try:
+            result["summary"] = ray_launch.launch_ray(cfg, run_dir, address=cluster.address)
+        except BaseException as err:  # reported in result.json
+            result["error"] = f"{type(err).__name__}: {err}"
+
+    # Training runs on a thread: Ray starts a node (the replacement) from the main thread only.
+    started = time.time()
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        # Scrape both nodes until each shows its two ranks' token counters.
+        while trainer.is_alive() and len(scrapes) < 2:
+            for ip, port in ports.items():
+                text = scrape(port)
+                if len(re.findall(r'ray_memtrain_train_tokens_total\{[^}]*run="multinode"',
+                                  text)) >= 2:
+                    scrapes[ip] = text
+            time.sleep(0.5)
+        # Once step 5 is logged (rank 0 is held there by the stall fault, the others wait in
+        # the next all-reduce), a random moment later: kill the worker node, one step past the
+        # checkpoint of step 4, and add a replacement.
+        log = run_dir / "metrics" / "rank-0.jsonl"
+        while trainer.is_alive() and not (log.exists() and '"step": 5,' in log.read_text()):
+            time.sleep(0.1)
+        time.sleep(random.uniform(0.5, 2.0))
+        if trainer.is_alive():
+            result["killed_after_checkpoints"] = sorted(
+                p.name for p in run_dir.glob("checkpoint-*"))
+            cluster.remove_node(worker_node, allow_graceful=False)  # SIGKILL raylet + workers
+            replacement = cluster.add_node(**node_args(REPLACEMENT))
+            result["node_ids"][REPLACEMENT] = replacement.node_id[:12]
+        trainer.join(timeout=400)
+    finally:
+        result["seconds"] = time.time() - started
+        result["scrapes"] = scrapes
+        result["ports"] = ports
+        (work / "result.json").write_text(json.dumps(result))
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
