@@ -59,6 +59,18 @@ def test_impossible_batch_arithmetic_is_refused() -> None:
         cfg.train.accumulation_steps(3)
 
 
+def test_a_run_directory_on_object_storage_is_refused_not_made_locally(
+        corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import tiny_config
+    from trainer.launch import prepare_run
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="run.dir 's3://bucket/runs': run directories on "
+                                          "object storage are not supported yet"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, "run.dir=s3://bucket/runs"))
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_an_elastic_range_is_min_and_max_and_every_size_must_keep_the_batch(
         corpus_dir: Path, tmp_path: Path) -> None:
     from tests.conftest import tiny_config

@@ -185,6 +185,10 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
 
     data = cfg.data.model_copy(update={"path": absolute(cfg.data.path),
                                        "val_path": absolute(cfg.data.val_path)})
+    if is_remote(cfg.run.dir):  # else Path() would make a local directory named "s3:"
+        raise ConfigError(f"run.dir {cfg.run.dir!r}: run directories on object storage are not "
+                          "supported yet; use a directory every node mounts (datasets may be "
+                          "on s3://)")
     run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
     cfg = cfg.model_copy(update={"data": data, "run": run})
     workers = cfg.parallel.workers
