@@ -41,10 +41,16 @@ SETTINGS = ("run.name=multinode", "parallel.workers=4", "parallel.max_failures=1
             "memory.oom_recovery=true")
 
 
+# Worker processes listen on ports of their node's range; the session's cluster uses Ray's
+# default range (10002-19999), so each node here gets its own range above it.
+WORKER_PORTS = {NODES[0]: 20000, NODES[1]: 20500, REPLACEMENT: 21000}
+
+
 def node_args(ip: str) -> dict:
     return {"num_cpus": 2, "node_ip_address": ip, "include_dashboard": False,
             "metrics_export_port": free_port(), "dashboard_agent_listen_port": free_port(),
-            "runtime_env_agent_port": free_port(), "metrics_agent_port": free_port()}
+            "runtime_env_agent_port": free_port(), "metrics_agent_port": free_port(),
+            "min_worker_port": WORKER_PORTS[ip], "max_worker_port": WORKER_PORTS[ip] + 499}
 
 
 def scrape(port: int) -> str:

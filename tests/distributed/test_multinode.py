@@ -82,8 +82,8 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
                                            "parallel.launcher=local", "parallel.workers=2"))
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"workers": 4})})
     launch_local(cfg, run_dir)
-    ray_weights = torch.load(Path(scenario["run_dir"]) / "checkpoint-00000008" / "state.pt",
-                             weights_only=True)["model"]
+    ray_checkpoint = Path(scenario["run_dir"]) / "checkpoint-00000008" / "state.pt"
+    ray_weights = torch.load(ray_checkpoint, weights_only=True)["model"]
     local_weights = torch.load(run_dir / "checkpoint-00000008" / "state.pt",
                                weights_only=True)["model"]
     assert ray_weights.keys() == local_weights.keys()
