@@ -15,7 +15,9 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -46,8 +48,14 @@ SETTINGS = ("run.name=multinode", "parallel.workers=4", "parallel.max_failures=1
 WORKER_PORTS = {NODES[0]: 20000, NODES[1]: 20500, REPLACEMENT: 21000}
 
 
+# Its own temporary directory: Ray writes the address of "the current cluster" and the
+# session_latest link there, which the session's cluster (and the jobs it runs) read in /tmp/ray.
+TEMP_DIR = tempfile.mkdtemp(prefix="mtray-", dir="/tmp")  # short: unix socket paths live here
+
+
 def node_args(ip: str) -> dict:
     return {"num_cpus": 2, "node_ip_address": ip, "include_dashboard": False,
+            "temp_dir": TEMP_DIR,
             "metrics_export_port": free_port(), "dashboard_agent_listen_port": free_port(),
             "runtime_env_agent_port": free_port(), "metrics_agent_port": free_port(),
             "min_worker_port": WORKER_PORTS[ip], "max_worker_port": WORKER_PORTS[ip] + 499}
@@ -126,6 +134,7 @@ def main(corpus_dir: Path, work: Path) -> None:
         (work / "result.json").write_text(json.dumps(result))
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(TEMP_DIR, ignore_errors=True)
 
 
 if __name__ == "__main__":
