@@ -1,10 +1,10 @@
 """Two Ray nodes on their own loopback addresses, 2 workers each, and the worker node killed
 one step past a checkpoint; a replacement node joins and the run ends bit-exact.
 
-The cluster runs in a subprocess (``tests/distributed/multinode.py``) with every port its own,
-so it never meets the session's single-node cluster. Nodes at distinct addresses (127.0.0.1,
-127.0.0.2, then 127.0.0.3) are what make Ray Train see two nodes: nodes that all share
-127.0.0.1 are reported as one node (every worker node rank 0).
+The cluster runs in a subprocess (``tests/distributed/multinode.py``) with every port and its
+temporary directory its own, so it never meets the session's single-node cluster. Nodes at
+distinct addresses (127.0.0.1, 127.0.0.2, then 127.0.0.3) are what make Ray Train see two
+nodes: nodes that all share 127.0.0.1 are reported as one node (every worker node rank 0).
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from tests.conftest import REPO, tiny_config
 from tests.distributed.multinode import NODES, REPLACEMENT, SETTINGS
 from trainer.launch import prepare_run
 
-pytestmark = pytest.mark.distributed
+# In the session cluster's xdist group, though it never uses that cluster: Ray's job supervisor
+# resolves its cluster by scanning this machine for GCS processes and takes the newest, so a
+# job submitted while this test's cluster is up would run on it (seen: test_submit failed).
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
 
 
 def _series(text: str, name: str, run: str) -> list[dict[str, str]]:
