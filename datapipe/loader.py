@@ -30,7 +30,7 @@ rank's share of the epoch as shard ranges, read in shuffle windows. This module 
   another world size or batch size (an elastic resize, a lost node, ``--workers``) continues the
   epoch with the rows no rank has read yet, re-split for this world
   (``datapipe.split.resumed_ranges``): no row repeats, and fewer than one batch per rank is
-  dropped for the rest of that epoch. A different seed is refused.
+  dropped for the rest of that epoch. A different seed, shuffle or shuffle window is refused.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -137,6 +137,15 @@ class _Window:
         return dst
 
 
+class _Resumed(NamedTuple):
+    """An epoch that earlier world sizes began: what they read, and this rank's rest of it."""
+
+    epoch: int
+    segments: list[Segment]
+    ranges: list[Range]  # manifest shard indices
+    batches: int
+
+
 class BatchLoader:
     """Endless iterator of ``(batch_size, *shape)`` tensors for one rank."""
 
@@ -165,9 +174,8 @@ class BatchLoader:
         self.shape = (batch_size, *self.source.spec.shape)
         self.dtype = np.dtype(self.source.spec.dtype)
         self.epoch = 0
-        # (epoch, what earlier world sizes read of it, this rank's ranges of the rest): set when
-        # a state saved at another size resumes mid-epoch.
-        self._resumed: tuple[int, list[Segment], list[Range]] | None = None
+        # Set when a state saved at another size resumes mid-epoch (only that epoch differs).
+        self._resumed: _Resumed | None = None
         self.resized_from: int | None = None  # the world size of a state loaded at another
         self.batch_index = 0  # of the next batch handed to the consumer
         self._cursor = (0, 0)  # (epoch, batch_index) of the next batch to gather
@@ -191,7 +199,8 @@ class BatchLoader:
         return self._transfer.pinned_bytes if self._transfer is not None else 0
 
     def state_dict(self) -> dict[str, Any]:
-        segments = self._resumed[1] if self._resumed and self._resumed[0] == self.epoch else []
+        resumed = self._resumed_in(self.epoch)
+        segments = resumed.segments if resumed is not None else []
         return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
                 "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
                 "world_size": self.world_size, "batch_size": self.batch_size,
@@ -209,8 +218,7 @@ class BatchLoader:
         self.resized_from = saved_world if saved_world != self.world_size else None
         if (saved_world, state["batch_size"]) != (self.world_size, self.batch_size):
             # Another size read this epoch so far: the rest of it is re-split for this one.
-            segments.append(Segment(int(state["world_size"]), int(state["batch_size"]),
-                                    batch_index))
+            segments.append(Segment(saved_world, int(state["batch_size"]), batch_index))
             batch_index = 0
         self._restart(epoch, batch_index)
         self._resumed = None
@@ -218,10 +226,10 @@ class BatchLoader:
             spans = resumed_ranges(self.source.shard_rows, segments, self.world_size,
                                    self.batch_size, self.seed, epoch, self.shuffle,
                                    self.shuffle_window)
-            usable = self.source.usable
-            self._resumed = (epoch, segments,
-                             [Range(usable[r.shard], r.start, r.stop) for r in spans[self.rank]])
-            if self.batches_in(epoch) == 0:  # less than a batch per rank was left
+            ranges = self._manifest_ranges(spans[self.rank])
+            self._resumed = _Resumed(epoch, segments, ranges,
+                                     sum(r.rows for r in ranges) // self.batch_size)
+            if self._resumed.batches == 0:  # less than a batch per rank was left
                 self._restart(epoch + 1, 0)
 
     def rewind(self) -> None:
@@ -259,20 +267,28 @@ class BatchLoader:
         return batch
 
     # ---- planning (pure, cheap) -------------------------------------------------------------
+    def _resumed_in(self, epoch: int) -> _Resumed | None:
+        return self._resumed if self._resumed is not None and self._resumed.epoch == epoch \
+            else None
+
     def batches_in(self, epoch: int) -> int:
         """This rank's batches in ``epoch``: fewer in an epoch resumed at another world size."""
-        if self._resumed is not None and self._resumed[0] == epoch:
-            return sum(r.rows for r in self._resumed[2]) // self.batch_size
-        return self.num_batches
+        resumed = self._resumed_in(epoch)
+        return resumed.batches if resumed is not None else self.num_batches
 
     def ranges(self, epoch: int) -> list[Range]:
         """This rank's shard ranges in ``epoch`` (manifest shard indices)."""
-        if self._resumed is not None and self._resumed[0] == epoch:
-            return self._resumed[2]
+        resumed = self._resumed_in(epoch)
+        if resumed is not None:
+            return resumed.ranges
         spans = epoch_ranges(self.source.shard_rows, self.world_size, self.batch_size, self.seed,
                              epoch, self.shuffle)
+        return self._manifest_ranges(spans[self.rank])
+
+    def _manifest_ranges(self, ranges: list[Range]) -> list[Range]:
+        """Ranges over the usable shards, renumbered as manifest shard indices."""
         usable = self.source.usable
-        return [Range(usable[r.shard], r.start, r.stop) for r in spans[self.rank]]
+        return [Range(usable[r.shard], r.start, r.stop) for r in ranges]
 
     def positions(self, epoch: int, batch_index: int) -> np.ndarray:
         return batch_positions(self.batches_in(epoch) * self.batch_size, self.batch_size,

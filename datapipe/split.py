@@ -168,10 +168,10 @@ def unread_ranges(ranges: list[Range], batch_size: int, window: int, batches: in
     batches: the rest of the current window in file order, then the windows after it."""
     span = sum(r.rows for r in ranges)
     first = batches * batch_size
-    if not shuffle or first % window_rows(window, batch_size) == 0:
-        return span_ranges(ranges, first, span)
     size = window_rows(window, batch_size)
     index, within = divmod(first, size)
+    if not shuffle or within == 0:  # whole windows read: the rest is contiguous
+        return span_ranges(ranges, first, span)
     start = index * size
     length = min(size, span - start)
     rest = np.sort(start + window_permutation(length, seed, epoch, rank, index)[within:])

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from monitoring.memory import gpu_uuid, read_cuda_allocator, read_device_memory, read_host
+from monitoring.memory import read_cuda_allocator, read_device_memory, read_host
 from monitoring.metrics import spec
 from monitoring.publisher import PeakTracker, Publisher
 from trainer.memory import peak_memory_bytes
@@ -110,9 +110,9 @@ class RunMetrics:
         skipped shards."""
         if self.ctx.metrics_sink is None:
             return
-        self._loader = loader
-        self._uuid = gpu_uuid(self.ctx.device)
         sink = self.ctx.metrics_sink
+        self._loader = loader
+        self._uuid = sink.labels["gpu_uuid"]  # the sink's labels named the device already
         interval = min(self.publish_seconds, sink.max_publish_seconds or self.publish_seconds)
         self._publisher = Publisher(sink, self._current_values, interval).start()
 

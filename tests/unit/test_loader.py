@@ -119,11 +119,11 @@ def test_resume_at_random_points_gives_the_uninterrupted_sequence(
         assert seen == expected, f"resumed after {cut} batches"
 
 
-def _read_from(state: dict | None, world: int, batch: int, count: int | None,
+def _read_from(dataset: Path, state: dict | None, world: int, batch: int, count: int | None,
                shuffle: bool) -> tuple[list[int], dict]:
     """Loaders of ``world`` ranks resume from ``state`` (None: the start) and each reads
     ``count`` batches (None: to the end of the epoch); the ids read and rank 0's state after."""
-    loaders = [BatchLoader(UNEVEN[0], "x", rank=r, world_size=world, batch_size=batch, seed=9,
+    loaders = [BatchLoader(dataset, "x", rank=r, world_size=world, batch_size=batch, seed=9,
                            shuffle=shuffle, shuffle_window=40) for r in range(world)]
     for loader in loaders:
         if state is not None:
@@ -140,9 +140,6 @@ def _read_from(state: dict | None, world: int, batch: int, count: int | None,
     return read, states[0]
 
 
-UNEVEN: list[Path] = []
-
-
 @pytest.mark.parametrize("sizes", [[(4, 6), (2, 6)], [(2, 6), (1, 6)], [(1, 6), (2, 6)],
                                    [(4, 5), (2, 6), (3, 4)]])
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -151,21 +148,20 @@ def test_a_resize_mid_epoch_reads_every_remaining_row_once(
     """4 -> 2, 2 -> 1 and 1 -> 2 workers (and 4 -> 2 -> 3 with batch sizes changing): the
     rows read before and after each change are distinct, fewer than one batch per new rank is
     dropped at each change, and the next epoch is whole at the new size."""
-    UNEVEN[:] = [uneven]
     total = sum(ShardSource(uneven, "x").shard_rows)
     state, read = None, []
     for world, batch in sizes[:-1]:
-        got, state = _read_from(state, world, batch, 3, shuffle)
+        got, state = _read_from(uneven, state, world, batch, 3, shuffle)
         read += got
     world, batch = sizes[-1]
-    rest, after = _read_from(state, world, batch, None, shuffle)
+    rest, after = _read_from(uneven, state, world, batch, None, shuffle)
     read += rest
     assert len(read) == len(set(read)), "a row was read twice across the resize"
     first_drop = dropped_window(total, *sizes[0], 9, 0)[1]
     remainders = sum(w * b for w, b in sizes[1:])  # each change drops fewer than this
     assert total - first_drop - remainders < len(read) <= total - first_drop
     assert after["epoch"] == 1 and after["batch_index"] == 0 and after["segments"] == []
-    next_epoch, _ = _read_from(after, world, batch, None, shuffle)
+    next_epoch, _ = _read_from(uneven, after, world, batch, None, shuffle)
     assert len(set(next_epoch)) == len(next_epoch) == total - dropped_window(
         total, world, batch, 9, 1)[1]
 
@@ -173,12 +169,11 @@ def test_a_resize_mid_epoch_reads_every_remaining_row_once(
 def test_a_resized_epoch_resumes_exactly_within_itself(uneven: Path) -> None:
     """A state saved inside an epoch that was resized carries its segments: resuming at the
     same size again gives exactly the batches an uninterrupted resized epoch gives."""
-    UNEVEN[:] = [uneven]
-    _, state = _read_from(None, 4, 6, 3, True)
-    whole, _ = _read_from(state, 2, 6, None, True)
-    part, middle = _read_from(state, 2, 6, 2, True)
+    _, state = _read_from(uneven, None, 4, 6, 3, True)
+    whole, _ = _read_from(uneven, state, 2, 6, None, True)
+    part, middle = _read_from(uneven, state, 2, 6, 2, True)
     assert middle["segments"] == [[4, 6, 3]] and middle["batch_index"] == 2
-    rest, _ = _read_from(middle, 2, 6, None, True)
+    rest, _ = _read_from(uneven, middle, 2, 6, None, True)
     assert sorted(part + rest) == sorted(whole)
 
 
