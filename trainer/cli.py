@@ -30,6 +30,9 @@ tokenizer_app = typer.Typer(help="Train a tokenizer for `data write --tokenizer`
                             no_args_is_help=True)
 data_app.add_typer(tokenizer_app, name="tokenizer")
 console = Console(stderr=False)
+# The `train` extra's top-level modules: the core install (enough for `memtrain submit`) lacks them.
+TRAINING_MODULES = {"torch", "numpy", "pyarrow", "prometheus_client", "tokenizers", "matplotlib",
+                    "grafana_foundation_sdk", "pynvml", "pandas", "fsspec"}
 
 
 @app.callback()
@@ -133,6 +136,7 @@ def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
 
 @app.command("submit")
 def submit_command(
+    ctx: typer.Context,
     config: Annotated[Path, typer.Option("--config", "-c", help="YAML config file.")],
     address: Annotated[str, typer.Option(
         envvar="RAY_API_SERVER_ADDRESS",
@@ -152,13 +156,23 @@ def submit_command(
         "--ship-code/--no-ship-code",
         help="Send this checkout's packages with the job (else use the image's).")] = True,
     job_id: Annotated[str | None, typer.Option(help="Submission id (default: Ray's).")] = None,
+    run_name: Annotated[str | None, typer.Option(
+        help="Run name; resubmit with the same name to resume.")] = None,
+    local_paths: Annotated[bool, typer.Option(
+        "--local-paths", help="Resolve the config's relative paths against this directory "
+                              "(a cluster that runs on this machine).")] = False,
 ) -> None:
     """Send a training job to a Ray cluster; paths in the config are read on the cluster."""
-    from trainer.launch.submit import connect, read_token, request_headers, submit
+    from trainer.launch.submit import cluster_paths, connect, read_token, request_headers, submit
     from trainer.launch.submit import follow as follow_job
 
-    extra = list(overrides or [])
-    load_config(config, extra)  # fail here, not on the cluster
+    if not (ctx.obj or {}).get("debug"):  # Ray's upload and websocket lines: noise here
+        for name in ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging",
+                     "ray.dashboard.modules.job.sdk"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    extra = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
+    cfg = load_config(config, extra)  # fail here, not on the cluster
+    extra += cluster_paths(cfg, Path.cwd() if local_paths else None)
     client = connect(address, request_headers(read_token(token), list(headers or [])))
     submission = submit(client, config, extra, python=python, ship_code=ship_code,
                         job_id=job_id)
@@ -170,7 +184,20 @@ def submit_command(
     status = follow_job(client, submission.job_id, lambda text: print(text, end="", flush=True))
     console.print(f"job {submission.job_id}: {status.value}")
     if status.value != "SUCCEEDED":
+        _explain_missing_module(client, submission.job_id)
         raise typer.Exit(1)
+
+
+def _explain_missing_module(client: Any, job_id: str) -> None:
+    """A job that died importing a module says so in one line: the cluster's Python lacks
+    memtrain's dependencies (a head started outside memtrain's image)."""
+    from trainer.launch.submit import missing_module
+
+    name = missing_module(client.get_job_logs(job_id))
+    if name is not None:
+        print(f"memtrain: error: the cluster's Python has no module {name!r}: run the cluster "
+              "from memtrain's image, or install memtrain's training dependencies there "
+              "(pip install 'memtrain[train]'; docs/deploy.md)", file=sys.stderr)
 
 
 @app.command("plan")
@@ -433,6 +460,11 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         _fail(str(err).splitlines()[0] if str(err) else type(err).__name__, 2)
+    except ModuleNotFoundError as err:
+        if debug or err.name is None or err.name.split(".")[0] not in TRAINING_MODULES:
+            raise
+        _fail(f"this command needs memtrain's training dependencies (no module {err.name!r}): "
+              "pip install 'memtrain[train]'", 1)
     except Exception as err:  # a runtime failure: one line, the details with --debug
         if debug:
             raise

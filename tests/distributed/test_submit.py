@@ -33,23 +33,70 @@ def jobs_api(ray_cluster) -> str:
     return "http://" + ray_cluster._private.worker.get_dashboard_url()
 
 
-def submit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MEMTRAIN, "submit", "--config", str(REPO / "configs/demo-cpu.yaml"),
+def submit(*args: str, timeout: float = 240, cwd: Path = REPO,
+           python: list[str] = MEMTRAIN) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*python, "submit", "--config", str(REPO / "configs/demo-cpu.yaml"),
                            *args], capture_output=True, text=True, env=client_env(),
-                          timeout=timeout, cwd=REPO)
+                          timeout=timeout, cwd=cwd)
 
 
-def test_submitted_job_trains_to_completion_and_streams_its_logs(
+# `memtrain submit` with torch, numpy, pyarrow and the rest of the `train` extra unimportable:
+# what a laptop with only the core install runs.
+WITHOUT_TRAINING_DEPS = [sys.executable, str(REPO / "tests/fixtures/without_training_deps.py")]
+
+
+def test_a_resubmitted_run_resumes_from_its_checkpoint_in_the_users_directory(
         jobs_api: str, corpus_dir: Path, tmp_path: Path) -> None:
+    """The config's relative run directory means this directory (``--local-paths``), not Ray's
+    per-job working directory: the checkpoints stay where the user looks, and a resubmission
+    with the same ``--run-name`` resumes from them. The second submission runs without torch."""
     overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=4", "train.eval_every=4",
-                               "train.checkpoint_every=4", "run.name=submitted")
-    out = submit("--address", jobs_api, *set_args(overrides), "--job-id", "memtrain-submit-ok")
+                               "train.checkpoint_every=4", "run.dir=runs")
+    out = submit("--address", jobs_api, *set_args(overrides), "--job-id", "memtrain-submit-ok",
+                 "--run-name", "submitted", "--local-paths", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "submitted job memtrain-submit-ok" in out.stdout
     assert "job memtrain-submit-ok: SUCCEEDED" in out.stdout
     assert "steps (this run)" in out.stdout  # the job's own summary table, streamed back
-    summary = json.loads((tmp_path / "submitted" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
     assert summary["final_step"] == 4 and summary["workers"] == 2
+
+    overrides = [o.replace("train.steps=4", "train.steps=6") for o in overrides]
+    out = submit("--address", jobs_api, *set_args(overrides), "--run-name", "submitted",
+                 "--local-paths", cwd=tmp_path, python=WITHOUT_TRAINING_DEPS)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
+    assert (summary["resumed_from_step"], summary["final_step"]) == (4, 6)
+
+
+@pytest.mark.parametrize(("relative", "field"), [
+    ([], "data.path"),  # the shipped demo config: data/stdlib/train, runs
+    (["data.path=/srv/train", "data.val_path=s3://bucket/val"], "run.dir"),
+])
+def test_relative_paths_are_refused_before_anything_is_sent(relative: list[str],
+                                                            field: str) -> None:
+    out = submit("--address", "http://127.0.0.1:9", *set_args(relative),
+                 python=WITHOUT_TRAINING_DEPS)
+    assert out.returncode == 2
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith(f"memtrain: error: {field}: ")
+    assert "is relative" in line and "--local-paths" in line and f"--set {field}=/" in line
+
+
+def test_a_cluster_without_memtrains_dependencies_is_named_in_one_line(
+        jobs_api: str, corpus_dir: Path, tmp_path: Path) -> None:
+    """A head whose Python lacks memtrain's dependencies (here: a bare virtual environment as
+    the job's interpreter) fails the job importing them; submit says so in one line."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    out = submit("--address", jobs_api, *set_args(tiny_overrides(corpus_dir, tmp_path)),
+                 "--python", str(bare / "bin" / "python"), python=WITHOUT_TRAINING_DEPS)
+    assert out.returncode == 1
+    assert ": FAILED" in out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith("memtrain: error: the cluster's Python has no module '")
+    assert "pip install 'memtrain[train]'" in line
 
 
 def test_a_failing_job_makes_submit_exit_non_zero(jobs_api: str, corpus_dir: Path,
@@ -84,7 +131,7 @@ def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Pa
 
 
 def test_a_wrong_token_is_one_clear_line(jobs_api: str) -> None:
-    out = submit("--address", jobs_api, "--token", "not-the-token")
+    out = submit("--address", jobs_api, "--token", "not-the-token", "--local-paths")
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         f"memtrain: error: the Ray cluster at {jobs_api} refused the request (the token is "
@@ -95,7 +142,7 @@ def test_an_unreachable_cluster_is_one_clear_line() -> None:
     from trainer.launch.local import free_port
 
     address = f"http://127.0.0.1:{free_port()}"
-    out = submit("--address", address)
+    out = submit("--address", address, "--local-paths")
     assert out.returncode == 1
     assert out.stderr.strip() == (f"memtrain: error: cannot reach the Ray Jobs API at {address}: "
                                   "is the cluster up and the dashboard port (8265) forwarded?")
@@ -127,7 +174,7 @@ def test_a_ray_version_mismatch_is_refused_before_submitting() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         address = f"http://127.0.0.1:{server.server_address[1]}"
-        out = submit("--address", address, timeout=60)
+        out = submit("--address", address, "--local-paths", timeout=60)
     finally:
         server.shutdown()
     assert out.returncode == 1

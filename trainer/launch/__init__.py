@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from datapipe.manifest import is_remote, read_manifest
 from trainer.config import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -180,6 +179,9 @@ def resolve_auto(cfg: Config) -> Config:
 
 def prepare_run(cfg: Config) -> tuple[Config, Path]:
     """Validate ``cfg`` for launching and return it with absolute paths, plus the run directory."""
+    # Here, not at the top: ``memtrain submit`` imports this package where pyarrow may be absent.
+    from datapipe.manifest import is_remote, read_manifest
+
     def absolute(path: str | None) -> str | None:
         return path if path is None or is_remote(path) else str(Path(path).resolve())
 

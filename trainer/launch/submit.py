@@ -6,16 +6,21 @@ whose working directory holds that config and whose ``py_modules`` carry this ch
 ``trainer``, ``datapipe`` and ``monitoring`` packages (the image has them installed too; the
 shipped ones come first on the path, so the cluster runs the code the user is looking at).
 
-Paths inside the config (``data.path``, ``run.dir``) are read on the cluster: point them at the
-shared volume or at an object store, not at the laptop.
+Paths inside the config (``data.path``, ``data.val_path``, ``run.dir``) are read on the cluster.
+A relative one would resolve inside Ray's per-job temporary working directory, where a dataset
+is missing and checkpoints are lost with the session, so ``cluster_paths`` refuses them before
+anything is sent, or resolves them against this directory when the cluster shares this
+machine's files (``--local-paths``).
 
-This module imports only Ray's job SDK; it never starts a cluster.
+This module imports only Ray's job SDK and memtrain's config: no torch, numpy or pyarrow, so
+``memtrain submit`` works from an environment with the core install alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -32,6 +37,7 @@ import datapipe
 import monitoring
 import trainer
 from trainer.compat import ray_server_version
+from trainer.config import Config, ConfigError
 
 JOB_CONFIG_NAME = "memtrain-job.yaml"
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
@@ -90,6 +96,42 @@ def check_versions(cluster_ray: str | None, address: str) -> None:
     if cluster_ray is not None and cluster_ray != ray.__version__:
         raise SubmitError(f"the cluster at {address} runs Ray {cluster_ray}, this machine Ray "
                           f"{ray.__version__}: memtrain needs the same Ray on both")
+
+
+PATH_FIELDS = ("data.path", "data.val_path", "run.dir")
+
+
+def _is_uri(path: str) -> bool:  # as datapipe.manifest.is_remote, which imports pyarrow
+    return "://" in path and not path.startswith("file://")
+
+
+def cluster_paths(cfg: Config, local_root: Path | None) -> list[str]:
+    """``--set`` overrides that make every path of ``cfg`` mean on the cluster what it means
+    here: none when all are absolute or URIs; with ``local_root``, relative ones resolved
+    against it; else a ``ConfigError`` naming the first relative one."""
+    values = {"data.path": cfg.data.path, "data.val_path": cfg.data.val_path,
+              "run.dir": cfg.run.dir}
+    out = []
+    for field in PATH_FIELDS:
+        value = values[field]
+        if value is None or _is_uri(value) or Path(value).is_absolute():
+            continue
+        if local_root is None:
+            where = "/mnt/memtrain/runs" if field == "run.dir" else "/mnt/memtrain/data/..."
+            remote = "" if field == "run.dir" else " or s3://BUCKET/PREFIX"
+            raise ConfigError(
+                f"{field}: {value!r} is relative, and the job would resolve it inside Ray's "
+                f"temporary working directory (lost with the session): give an absolute path on "
+                f"storage the cluster sees (--set {field}={where}){remote}, or pass "
+                "--local-paths when the cluster runs on this machine")
+        out.append(f"{field}={(local_root / value).resolve()}")
+    return out
+
+
+def missing_module(logs: str) -> str | None:
+    """The module a failed job's Python could not import, from its logs (the last one named)."""
+    found = re.findall(r"ModuleNotFoundError: No module named '([^']+)'", logs)
+    return found[-1] if found else None
 
 
 def project_packages() -> list[str]:
