@@ -24,20 +24,51 @@ VOCAB_SIZE ?=
 TOKENIZER ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
+.PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
 	bench-tokenize up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+# `make submit` needs only memtrain's core install (the Jobs client, no torch), on any Python
+# 3.10-3.12: its own small environment.
+SUBMIT_PYTHON ?= python3
+SUBMIT_VENV := .venv-submit
+# The image: docker or podman; VARIANT gpu (the default) or cpu; tag <version>-<git revision>.
+ENGINE ?= $(shell command -v docker >/dev/null 2>&1 && echo docker || echo podman)
+VARIANT ?= gpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REVISION := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+IMAGE_NAME ?= memtrain
+IMAGE_TAG := $(VERSION)-$(REVISION)$(if $(filter cpu,$(VARIANT)),-cpu)
+
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (memtrain needs Python 3.11; set PYTHON=...)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[train,dev]'
 	touch $(STAMP)
 
 setup: $(STAMP) ## Create .venv and install memtrain with its pinned dependencies
+
+$(SUBMIT_VENV)/.installed: pyproject.toml
+	$(SUBMIT_PYTHON) -m venv $(SUBMIT_VENV)
+	$(SUBMIT_VENV)/bin/pip install --quiet --upgrade pip
+	$(SUBMIT_VENV)/bin/pip install --quiet .
+	touch $@
+
+lock: setup ## Rewrite the image's hashed lock files (docker/requirements/) from pyproject.toml
+	$(BIN)/python scripts/lock.py
+
+image: ## Build the image (VARIANT=gpu|cpu) as $(IMAGE_NAME):<version>-<git revision>
+	$(ENGINE) build -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) \
+		--build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) \
+		$(if $(filter cpu,$(VARIANT)),--build-arg BASE=docker.io/library/debian:bookworm-slim) \
+		-t $(IMAGE_NAME):$(IMAGE_TAG) .
+	@echo "image: $(IMAGE_NAME):$(IMAGE_TAG); push it, then: IMAGE=REGISTRY/$(IMAGE_NAME):$(IMAGE_TAG) make up"
+
+image-check: setup data ## podman: build the CPU image here, train, healthcheck and submit inside it
+	$(BIN)/python scripts/image_check.py --out bench/results
 
 $(DATA)/train/manifest.json: | $(STAMP)
 	$(BIN)/memtrain data corpus $(DATA)
@@ -59,7 +90,7 @@ lint: setup ## ruff and mypy
 	$(BIN)/mypy
 
 $(VENV)/.bench-installed: $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet -e '.[train,dev,bench]'
 	touch $@
 
 bench: $(VENV)/.bench-installed ## Every CPU benchmark: bench/results/<date>-<host>.{json,md} (~10 min)
@@ -94,8 +125,8 @@ down: ## Kubernetes: delete the Ray cluster or job (the data volume and token ar
 status: ## Kubernetes: Ray clusters, jobs, pods and volumes of the memtrain namespace
 	bash scripts/k8s.sh status
 
-submit: setup ## Kubernetes: submit CONFIG through the Ray Jobs API (port-forward) and follow it
-	MEMTRAIN=$(BIN)/memtrain bash scripts/k8s.sh submit $(CONFIG) $(SUBMIT_ARGS)
+submit: $(SUBMIT_VENV)/.installed ## Kubernetes: submit CONFIG through the Ray Jobs API (port-forward) and follow it
+	MEMTRAIN=$(SUBMIT_VENV)/bin/memtrain bash scripts/k8s.sh submit $(CONFIG) $(SUBMIT_ARGS)
 
 cluster-data: ## Kubernetes: text on the volume (TEXT=/mnt/memtrain/text) -> tokenizer -> shards for CONFIG
 	TEXT=$(TEXT) VOCAB_SIZE=$(VOCAB_SIZE) TOKENIZER=$(TOKENIZER) bash scripts/k8s.sh data
@@ -110,4 +141,4 @@ local-down: ## Docker: stop the local run (volumes kept)
 	bash scripts/local.sh down
 
 clean: ## Remove runs, data and the virtual environment
-	rm -rf runs data $(VENV)
+	rm -rf runs data $(VENV) $(SUBMIT_VENV)

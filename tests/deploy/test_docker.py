@@ -63,8 +63,7 @@ def test_secrets_come_from_ignored_env_files_never_defaults() -> None:
 
 def test_containers_run_as_non_root_without_capabilities() -> None:
     dockerfile = (DOCKER / "Dockerfile").read_text()
-    runtime = dockerfile.split("AS runtime")[1]
-    users = re.findall(r"^USER (\S+)", runtime, flags=re.M)
+    users = re.findall(r"^USER (\S+)", dockerfile, flags=re.M)
     assert users and not users[-1].startswith(("0", "root")), users
     for name, service in compose()["services"].items():
         assert service["cap_drop"] == ["ALL"], name
@@ -145,35 +144,44 @@ def _dockerignored(path: str) -> bool:
             continue
         negate = pattern.startswith("!")
         pattern = pattern.removeprefix("!").rstrip("/")
-        if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path.split("/")[0], pattern):
+        parts = path.split("/")  # a pattern naming a folder names everything in it
+        if any(fnmatch.fnmatch("/".join(parts[:n]), pattern) for n in range(1, len(parts) + 1)):
             ignored = not negate
     return ignored
 
 
 def test_everything_the_dockerfile_copies_is_in_the_build_context() -> None:
-    sources = [source for line in (DOCKER / "Dockerfile").read_text().splitlines()
+    sources = [source.replace("${VARIANT}", variant)
+               for line in (DOCKER / "Dockerfile").read_text().splitlines()
                if line.startswith("COPY ") and "--from=" not in line
-               for source in line.split()[1:-1] if not source.startswith("--")]
-    assert {"pyproject.toml", "trainer", "configs"} <= set(sources)
+               for source in line.split()[1:-1] if not source.startswith("--")
+               for variant in ("gpu", "cpu")]
+    assert {"docker/requirements/gpu.txt", "docker/requirements/cpu.txt", "trainer",
+            "configs"} <= set(sources)
     for source in sources:
         assert (REPO / source).exists() and not _dockerignored(source), source
     assert _dockerignored(".venv") and _dockerignored("data") and _dockerignored(".git")
+    assert _dockerignored("docker/ray.env") and _dockerignored("tests")
 
 
-def test_versions_agree_across_pyproject_dockerfile_compose_and_manifests() -> None:
+def test_versions_agree_across_pyproject_locks_dockerfile_compose_and_manifests() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     pins = dict(re.match(r"([a-z]+)(?:\[[^]]*\])?==(\S+)", d).groups()  # type: ignore[union-attr]
-                for d in project["dependencies"] if re.match(r"(torch|ray)\b.*==", d))
+                for d in project["optional-dependencies"]["train"]
+                if re.match(r"(torch|ray)\b.*==", d))
     assert pins == {"torch": "2.13.0", "ray": "2.60.0"}
-    python = re.search(r">=(3\.\d+)", project["requires-python"]).group(1)  # type: ignore[union-attr]
     version = project["version"]
 
+    for variant, torch in (("gpu", "2.13.0"), ("cpu", "2.13.0+cpu")):
+        lock = (DOCKER / "requirements" / f"{variant}.txt").read_text()
+        assert f"\ntorch=={torch} \\\n" in lock and f"\nray=={pins['ray']} \\\n" in lock
     dockerfile = (DOCKER / "Dockerfile").read_text()
-    assert re.search(rf"ARG PYTHON_VERSION={re.escape(python)}\.\d+\n", dockerfile)
-    assert f'"torch=={pins["torch"]}"' in dockerfile
+    assert f"torch.__version__.startswith('{pins['torch']}')" in dockerfile
     assert f"ray.__version__ == '{pins['ray']}'" in dockerfile
-    assert f'org.opencontainers.image.version="{version}"' in dockerfile
-    assert compose()["services"]["ray-head"]["image"] == f"memtrain:{version}"
+    assert f"ARG VERSION={version}\n" in dockerfile
+    assert 'org.opencontainers.image.version="${VERSION}"' in dockerfile
+    assert compose()["services"]["ray-head"]["image"] == "memtrain:${MEMTRAIN_TAG:?" \
+        "run make local, which sets it}"
 
     manifests = [yaml.safe_load(p.read_text())
                  for p in ((REPO / "k8s/raycluster/raycluster.yaml"),
@@ -184,9 +192,51 @@ def test_versions_agree_across_pyproject_dockerfile_compose_and_manifests() -> N
     images = set(re.findall(r"image: (\S+)", "".join(
         p.read_text() for p in (REPO / "k8s").rglob("*.yaml"))))
     assert images == {f"memtrain:{version}"}
-    for overlay in (REPO / "k8s/overlays").glob("*/kustomization.yaml"):
-        [image] = yaml.safe_load(overlay.read_text())["images"]
-        assert image["newTag"] == version, overlay
+
+
+def test_the_image_runs_debians_python_311_which_the_locks_are_resolved_for() -> None:
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert "ARG BASE=docker.io/library/debian:bookworm-slim" in dockerfile  # Python 3.11
+    assert "sys.version_info[:2] == (3, 11)" in dockerfile
+    assert '"--python-version", "3.11"' in (REPO / "scripts/lock.py").read_text()
+
+
+def test_the_locks_are_fresh_hashed_and_differ_only_in_torchs_build() -> None:
+    out = subprocess.run([sys.executable, str(REPO / "scripts/lock.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    locks = {}
+    for variant in ("gpu", "cpu"):
+        text = (DOCKER / "requirements" / f"{variant}.txt").read_text()
+        pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+) \\\n((?:    --hash=sha256:[0-9a-f]{64}"
+                          r"(?: \\)?\n)+)", text, flags=re.M)
+        # every requirement line is a pin with at least one hash
+        assert len(pins) == len(re.findall(r"^[A-Za-z0-9]", text, flags=re.M)), variant
+        locks[variant] = {name.lower(): version for name, version, _ in pins}
+    gpu, cpu = locks["gpu"], locks["cpu"]
+    cuda = set(gpu) - set(cpu)  # CUDA's runtime libraries, bundled as wheels, and triton
+    assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "triton"} <= cuda
+    assert all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in cuda), cuda
+    assert set(cpu) <= set(gpu)
+    assert {n: v for n, v in cpu.items() if gpu[n] != v} == {"torch": "2.13.0+cpu"}
+    # everything memtrain[train] names is in both
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"] + project["optional-dependencies"]["train"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()  # type: ignore[union-attr]
+        assert all(name.replace("_", "-") in lock for lock in locks.values()), name
+
+
+def test_a_changed_dependency_makes_the_locks_stale(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import lock
+    finally:
+        sys.path.pop(0)
+    changed = tmp_path / "pyproject.toml"
+    changed.write_text((REPO / "pyproject.toml").read_text().replace(
+        '"pyarrow>=17"', '"pyarrow>=18"'))
+    assert lock.inputs_digest(changed) != lock.inputs_digest()
+    assert lock.recorded_digest(DOCKER / "requirements" / "gpu.txt") == lock.inputs_digest()
 
 
 def test_make_local_names_a_missing_docker_engine_before_writing_anything() -> None:
