@@ -27,6 +27,19 @@ case "${1:-}" in
     docker info >/dev/null 2>&1 || die "the Docker engine is not running (or this user may not use it)"
     write_secrets
     mkdir -p runs
+    # The head writes checkpoints into runs/ as this host user, so any uid works; a root user
+    # would make the container root, so it runs as the image's uid 1000 and gives it runs/.
+    if [[ $(id -u) == 0 ]]; then
+      chown 1000:1000 runs
+      export MEMTRAIN_UID=1000 MEMTRAIN_GID=1000
+    else
+      MEMTRAIN_UID=$(id -u) MEMTRAIN_GID=$(id -g)
+      export MEMTRAIN_UID MEMTRAIN_GID
+    fi
+    MEMTRAIN_VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+    MEMTRAIN_REVISION=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+    MEMTRAIN_TAG=$MEMTRAIN_VERSION-$MEMTRAIN_REVISION
+    export MEMTRAIN_VERSION MEMTRAIN_REVISION MEMTRAIN_TAG
     "$MEMTRAIN" dashboards --ray monitoring/grafana/ray >/dev/null  # Ray's own, for Grafana
     "${COMPOSE[@]}" up -d --build --wait
     echo "local: Ray dashboard http://127.0.0.1:8265, Prometheus http://127.0.0.1:9090, Grafana http://127.0.0.1:3000 (admin, password in docker/grafana.env)"
@@ -34,7 +47,7 @@ case "${1:-}" in
       "$MEMTRAIN" submit --address http://127.0.0.1:8265 --config "$CONFIG" --follow
     ;;
   down)
-    "${COMPOSE[@]}" down
+    MEMTRAIN_TAG=any "${COMPOSE[@]}" down
     ;;
   *)
     die "usage: scripts/local.sh up|down"
