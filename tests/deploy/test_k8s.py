@@ -70,10 +70,11 @@ def all_objects(built: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def test_the_expected_overlays_exist_and_build(built: dict[str, list[dict[str, Any]]]) -> None:
     assert {"cluster", "job", "data"} <= set(built)
     kinds = {name: sorted(o["kind"] for o in objects) for name, objects in built.items()}
-    assert kinds["cluster"] == ["Namespace", "NetworkPolicy", "PersistentVolumeClaim",
-                                "RayCluster"]
-    assert kinds["job"] == ["Namespace", "NetworkPolicy", "PersistentVolumeClaim", "RayJob"]
-    assert kinds["data"] == ["ConfigMap", "Job", "Namespace", "NetworkPolicy",
+    assert kinds["cluster"] == ["ConfigMap", "Namespace", "NetworkPolicy",
+                                "PersistentVolumeClaim", "RayCluster"]
+    assert kinds["job"] == ["ConfigMap", "Namespace", "NetworkPolicy", "PersistentVolumeClaim",
+                            "RayJob"]
+    assert kinds["data"] == ["ConfigMap", "ConfigMap", "Job", "Namespace", "NetworkPolicy",
                              "PersistentVolumeClaim"]
     assert kinds["monitoring"] == ["ConfigMap", "PodMonitor", "PodMonitor", "PrometheusRule"]
     for obj in all_objects(built):
@@ -138,20 +139,89 @@ def test_ray_clusters_follow_kuberay_conventions(built: dict[str, list[dict[str,
             assert volume["emptyDir"]["medium"] == "Memory"
 
 
-def test_rays_web_ui_embeds_the_grafana_that_make_grafana_forwards(
-        built: dict[str, list[dict[str, Any]]]) -> None:
+def render(overlay: str, **env: str) -> list[dict[str, Any]]:
+    """What `make up` would apply for ``overlay`` with these settings (scripts/k8s.sh render)."""
+    settings = {k: v for k, v in os.environ.items()
+                if k not in ("IMAGE", "STORAGE_CLASS", "TOKENIZER") and not k.startswith(
+                    ("MONITORING_", "GRAFANA_", "PROMETHEUS_"))}
+    out = subprocess.run(["bash", str(REPO / "scripts" / "k8s.sh"), "render", overlay],
+                         capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**settings, "KUBECTL": kubectl(), **env})
+    assert out.returncode == 0, out.stderr
+    return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
+FAKE_KUBECTL = REPO / "tests" / "deploy" / "kubectl"
+
+
+def k8s_script(command: str, answers: list[list[Any]], **env: str
+               ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """scripts/k8s.sh COMMAND against a stand-in kubectl that gives ``answers`` (recorded
+    outputs: [regex of the arguments, exit code, stdout]); returns the run and kubectl's calls."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        scenario, log = Path(tmp) / "answers.json", Path(tmp) / "calls.log"
+        scenario.write_text(json.dumps(answers))
+        log.touch()
+        settings = {k: v for k, v in os.environ.items()
+                    if k not in ("IMAGE", "STORAGE_CLASS", "KUBECONFIG") and not k.startswith(
+                        ("MONITORING_", "GRAFANA_", "PROMETHEUS_"))}
+        out = subprocess.run(["bash", str(REPO / "scripts" / "k8s.sh"), command],
+                             capture_output=True, text=True, cwd=REPO, timeout=60,
+                             env={**settings, "KUBECTL": str(FAKE_KUBECTL / "fake_kubectl.py"),
+                                  "FAKE_KUBECTL": str(scenario), "FAKE_KUBECTL_LOG": str(log),
+                                  **env})
+        return out, log.read_text().splitlines()
+
+
+def head_env(objects: list[dict[str, Any]], kind: str) -> dict[str, str]:
+    """The head container's environment: its env entries and the ConfigMaps it loads."""
+    [obj] = [o for o in objects if o["kind"] == kind]
+    cluster = obj["spec"].get("rayClusterSpec", obj["spec"])
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in head.get("env", [])}
+    for source in head.get("envFrom", []):
+        if "configMapRef" in source:
+            [config_map] = [o for o in objects if o["kind"] == "ConfigMap"
+                            and o["metadata"]["name"] == source["configMapRef"]["name"]]
+            env.update(config_map["data"])
+    return env
+
+
+@pytest.mark.parametrize("overlay, kind", [("cluster", "RayCluster"), ("job", "RayJob")])
+def test_rays_web_ui_embeds_the_grafana_that_make_grafana_forwards(overlay: str,
+                                                                   kind: str) -> None:
     script = (REPO / "scripts" / "k8s.sh").read_text()
-    namespace = re.search(r'GRAFANA_NAMESPACE:-([\w-]+)', script).group(1)
-    service = re.search(r'GRAFANA_SERVICE:-([\w-]+)', script).group(1)
-    local_port = re.search(r'port-forward .*\n?.*" (\d+):80', script).group(1)
-    for obj in (o for o in all_objects(built) if o["kind"] in ("RayCluster", "RayJob")):
-        cluster = obj["spec"].get("rayClusterSpec", obj["spec"])
-        head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
-        env = {e["name"]: e["value"] for e in head.get("env", [])}
-        assert env["RAY_GRAFANA_HOST"] == f"http://{service}.{namespace}.svc", obj["kind"]
-        assert env["RAY_PROMETHEUS_HOST"].startswith(f"http://kube-prometheus-stack-prometheus."
-                                                     f"{namespace}.svc:"), obj["kind"]
-        assert env["RAY_GRAFANA_IFRAME_HOST"] == f"http://127.0.0.1:{local_port}", obj["kind"]
+    local_port = re.search(r'port-forward .*\n?.*" (\d+):80', script).group(1)  # type: ignore[union-attr]
+    env = head_env(render(overlay), kind)  # kube-prometheus-stack's defaults
+    assert env["RAY_GRAFANA_HOST"] == "http://kube-prometheus-stack-grafana.monitoring.svc"
+    assert env["RAY_PROMETHEUS_HOST"] == \
+        "http://kube-prometheus-stack-prometheus.monitoring.svc:9090"
+    assert env["RAY_GRAFANA_IFRAME_HOST"] == f"http://127.0.0.1:{local_port}"
+    out, calls = k8s_script("grafana", [[r"port-forward", 0, ""]], MONITORING_NAMESPACE="obs",
+                            MONITORING_RELEASE="prom")
+    assert out.returncode == 0, out.stderr
+    assert calls == ["-n obs port-forward --address 127.0.0.1 svc/prom-grafana 3000:80"]
+
+
+def test_the_monitoring_names_are_settings_not_fixed(tmp_path: Path) -> None:
+    objects = render("cluster", MONITORING_NAMESPACE="obs", MONITORING_RELEASE="prom",
+                     STORAGE_CLASS="nfs-rwx")
+    env = head_env(objects, "RayCluster")
+    assert env["RAY_GRAFANA_HOST"] == "http://prom-grafana.obs.svc"
+    assert env["RAY_PROMETHEUS_HOST"] == "http://prom-prometheus.obs.svc:9090"
+    [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    scrapers = [s["namespaceSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
+                for s in rule["from"] if s.get("namespaceSelector")]
+    assert {"kubernetes.io/metadata.name": "obs"} in scrapers
+    assert {"kubernetes.io/metadata.name": "monitoring"} not in scrapers
+    monitors = [o for o in objects if o["kind"] in ("PodMonitor", "PrometheusRule")]
+    assert len(monitors) == 3 and all(m["metadata"]["labels"]["release"] == "prom"
+                                      for m in monitors)
+    [claim] = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["storageClassName"] == "nfs-rwx"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_the_rayjob_runs_the_same_cluster_as_the_raycluster() -> None:
@@ -222,18 +292,12 @@ def test_pod_monitors_select_the_ray_pods_by_their_metrics_port(
         assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
 
 
-def test_an_image_override_reaches_every_container(tmp_path: Path) -> None:
+def test_an_image_override_reaches_every_container() -> None:
     """`make up IMAGE=...` writes a temporary overlay; it must rename every memtrain image."""
-    script = REPO / "scripts" / "k8s.sh"
-    env = {**os.environ, "IMAGE": "registry.example.com/team/memtrain:0.2.0"}
-    code = (f'source <(sed -n "/^overlay_dir()/,/^}}/p;/^die()/p;/^relative()/p" {script}); '
-            "overlay_dir job")
-    out = subprocess.run(["bash", "-c", code], capture_output=True, text=True, env=env,
-                         cwd=REPO, check=True)
-    objects = build(Path(out.stdout.strip()))
+    objects = render("job", IMAGE="registry.example.com/team/memtrain:0.2.0-0123456789ab")
     images = {c["image"] for o in objects for _, spec in pod_specs(o)
-              for c in spec["containers"]}
-    assert images == {"registry.example.com/team/memtrain:0.2.0"}
+              for c in spec["containers"] + spec.get("initContainers", [])}
+    assert images == {"registry.example.com/team/memtrain:0.2.0-0123456789ab"}
 
 
 def _data_settings(objects: list[dict[str, Any]]) -> dict[str, str]:
@@ -269,23 +333,15 @@ def test_the_data_job_writes_what_the_cluster_config_reads(
         assert command in script  # the CLI's own commands (tests/unit/test_tokenize.py)
 
 
-def test_make_cluster_data_passes_its_settings_to_the_job(tmp_path: Path) -> None:
-    script = REPO / "scripts" / "k8s.sh"
-    code = (f'source <(sed -n "/^overlay_dir()/,/^}}/p;/^data_overlay_dir()/,/^}}/p;'
-            f'/^die()/p;/^relative()/p;/^DATA_SETTINGS=/p" {script}); NAMESPACE=memtrain; '
-            'data_overlay_dir')
-    env = {**os.environ, "TEXT": "/mnt/memtrain/corpus", "VOCAB_SIZE": "32768",
-           "IMAGE": "registry.example.com/memtrain:0.2.0"}
-    env.pop("TOKENIZER", None)
-    out = subprocess.run(["bash", "-c", code], capture_output=True, text=True, env=env,
-                         cwd=REPO, check=True)
-    objects = build(Path(out.stdout.strip()))
+def test_make_cluster_data_passes_its_settings_to_the_job() -> None:
+    objects = render("data", TEXT="/mnt/memtrain/corpus", VOCAB_SIZE="32768",
+                     IMAGE="registry.example.com/memtrain:0.2.0-0123456789ab")
     settings = _data_settings(objects)
     assert settings["TEXT"] == "/mnt/memtrain/corpus" and settings["VOCAB_SIZE"] == "32768"
     assert settings["TOKENIZER"] == "/mnt/memtrain/data/tokenizer.json"  # the default kept
     [job] = [o for o in objects if o["kind"] == "Job"]
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == \
-        "registry.example.com/memtrain:0.2.0"
+        "registry.example.com/memtrain:0.2.0-0123456789ab"
 
 
 @pytest.mark.parametrize("kubeconfig, message", [
@@ -316,3 +372,91 @@ def test_every_deployment_target_dry_runs(target: str) -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "scripts/" in out.stdout
+
+
+HEALTHY: list[list[Any]] = json.loads((FAKE_KUBECTL / "healthy.json").read_text())
+GOOD_IMAGE = {"IMAGE": "registry.example.com/memtrain:0.1.0-0123456789ab"}
+
+
+def answers(**changes: tuple[int, str]) -> list[list[Any]]:
+    """The healthy cluster's recorded outputs, with the answers whose regex contains a key's
+    text (underscores for spaces) replaced by (exit code, stdout)."""
+    out = []
+    for pattern, code, stdout in HEALTHY:
+        for key, (new_code, new_stdout) in changes.items():
+            if key.replace("_", " ") in pattern:
+                code, stdout = new_code, new_stdout
+        out.append([pattern, code, stdout])
+    return out
+
+
+def test_make_up_checks_pass_on_a_cluster_that_has_everything() -> None:
+    out, calls = k8s_script("check", HEALTHY, **GOOD_IMAGE)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "k8s: every prerequisite of make up is there"
+    assert not [c for c in calls if c.startswith(("apply", "create", "delete"))]
+
+
+CRDS = "get crd rayclusters.ray.io rayjobs.ray.io -o name"
+RC_SECRET = "get crd rayclusters.ray.io -o jsonpath"
+RJ_SECRET = "get crd rayjobs.ray.io -o jsonpath"
+
+
+@pytest.mark.parametrize("changes, env, message", [
+    ({CRDS.replace(" ", "_"): (1, "")}, GOOD_IMAGE,
+     "KubeRay is not installed (CRDs rayclusters.ray.io, rayjobs.ray.io missing)"),
+    # KubeRay 1.5.x: the CRDs exist, without authOptions.secretName (first in 1.6.0)
+    ({RC_SECRET.replace(" ", "_"): (0, ""), RJ_SECRET.replace(" ", "_"): (0, "")}, GOOD_IMAGE,
+     "KubeRay is older than 1.6.0 (its CRDs lack authOptions.secretName"),
+    ({RJ_SECRET.replace(" ", "_"): (0, "")}, GOOD_IMAGE, "KubeRay is older than 1.6.0"),
+    ({}, {}, "IMAGE is not set: build and push the image (make image"),
+    ({}, {"IMAGE": "registry.example.com/memtrain:0.1.0"}, "IMAGE tag '0.1.0' names no build"),
+    ({}, {"IMAGE": "registry.example.com/memtrain:latest"}, "IMAGE tag 'latest' names no build"),
+    ({"get_storageclass": (0, "standard-rwo pd.csi.storage.gke.io \n")}, GOOD_IMAGE,
+     "no default StorageClass for the shared volume: set STORAGE_CLASS"),
+    ({"get_storageclass": (0, "standard-rwo pd.csi.storage.gke.io true\n")}, GOOD_IMAGE,
+     "StorageClass 'standard-rwo' (pd.csi.storage.gke.io) offers ReadWriteOnce only"),
+    ({}, {**GOOD_IMAGE, "STORAGE_CLASS": "standard-rwo"},
+     "StorageClass 'standard-rwo' (pd.csi.storage.gke.io) offers ReadWriteOnce only"),
+    ({}, {**GOOD_IMAGE, "STORAGE_CLASS": "nfs"}, "STORAGE_CLASS 'nfs' does not exist "
+                                                 "(classes: standard-rwo filestore-rwx"),
+    ({"get_nodes": (0, "  ")}, GOOD_IMAGE, "no node has allocatable nvidia.com/gpu"),
+    ({"get_prometheus": (0, "observability prom\n")}, GOOD_IMAGE,
+     "no Prometheus in namespace 'monitoring' selects PodMonitors labelled "
+     "release=kube-prometheus-stack (found: observability prom)"),
+])
+def test_make_up_names_the_first_missing_prerequisite_and_changes_nothing(
+        changes: dict[str, tuple[int, str]], env: dict[str, str], message: str) -> None:
+    out, calls = k8s_script("up", answers(**changes), **env)
+    assert out.returncode == 1
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith(f"k8s: {message}"), line
+    assert not [c for c in calls if c.startswith(("apply", "create", "-n memtrain create"))]
+
+
+def test_a_bound_volume_and_the_named_monitoring_release_pass() -> None:
+    """An existing, bound shared volume needs no class check; MONITORING_* pick the install."""
+    changed = answers(get_storageclass=(0, "standard-rwo pd.csi.storage.gke.io true\n"),
+                      get_prometheus=(0, "observability prom\n"))
+    changed.insert(0, ["^-n memtrain get pvc memtrain-shared", 0, "Bound"])
+    out, _ = k8s_script("check", changed, **GOOD_IMAGE, MONITORING_NAMESPACE="observability",
+                        MONITORING_RELEASE="prom")
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_shared_volume_is_made_writable_for_uid_1000_by_a_narrow_root_init_step(
+        built: dict[str, list[dict[str, Any]]]) -> None:
+    for obj in (o for o in all_objects(built) if o["kind"] in ("RayCluster", "RayJob")):
+        cluster = obj["spec"].get("rayClusterSpec", obj["spec"])
+        spec = cluster["headGroupSpec"]["template"]["spec"]
+        assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        owner, check = spec["initContainers"]
+        assert owner["securityContext"]["runAsUser"] == 0  # the one root step: chown alone
+        assert owner["securityContext"]["capabilities"] == {
+            "drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}
+        assert owner["securityContext"]["allowPrivilegeEscalation"] is False
+        assert "chown 1000:1000 /mnt/memtrain/runs" in owner["args"][0]
+        assert "runAsUser" not in check["securityContext"]  # the pod's uid 1000
+        assert "not writable by uid 1000" in check["args"][0]
+        for init in (owner, check):
+            assert [m["mountPath"] for m in init["volumeMounts"]] == ["/mnt/memtrain"]
