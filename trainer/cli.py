@@ -255,14 +255,16 @@ def plan_command(
 def dashboards_command(
     out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
     ray: Annotated[Path | None, typer.Option(
-        help="Also write Ray's own Default and Train dashboards here (what Ray's web UI "
-             "embeds once RAY_GRAFANA_HOST is set); needs ray installed.")] = None,
+        help="Write Ray's own Default and Train dashboards here instead (what Ray's web UI "
+             "embeds once RAY_GRAFANA_HOST is set; memtrain's core install suffices).")
+                   ] = None,
 ) -> None:
-    """Generate the Grafana dashboards' JSON from monitoring/dashboards.py."""
-    from monitoring.dashboards import CONFIGMAP_PATH, OUT_DIR, write_dashboards
+    """Generate the Grafana dashboards' JSON from monitoring/dashboards.py (or Ray's, --ray)."""
+    if ray is None or out is not None:
+        from monitoring.dashboards import CONFIGMAP_PATH, OUT_DIR, write_dashboards
 
-    for path in write_dashboards(out or OUT_DIR, None if out else CONFIGMAP_PATH):
-        console.print(f"wrote {path}")
+        for path in write_dashboards(out or OUT_DIR, None if out else CONFIGMAP_PATH):
+            console.print(f"wrote {path}")
     if ray is not None:
         from trainer.compat import ray_grafana_dashboards
 
