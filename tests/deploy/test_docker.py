@@ -254,3 +254,18 @@ def test_make_local_names_a_missing_docker_engine_before_writing_anything() -> N
         "local: 'docker compose' not found: install the compose plugin",
         "local: the Docker engine is not running (or this user may not use it)"}
     assert [p.exists() for p in secrets] == existed  # nothing written before the check
+
+
+def test_the_local_head_runs_as_the_host_user_and_a_tag_per_revision() -> None:
+    """`make local` passes the host user's uid and gid (1000 and a chowned runs/ for root), so
+    the bind-mounted runs/ is writable whoever runs it (checked for real by image_check.py's
+    uid-4242 run); the image is tagged with the git revision."""
+    head = compose()["services"]["ray-head"]
+    assert head["user"] == "${MEMTRAIN_UID:-1000}:${MEMTRAIN_GID:-1000}"
+    assert head["environment"]["HOME"] == "/tmp"  # the image's home belongs to uid 1000
+    assert head["build"]["args"]["REVISION"] == "${MEMTRAIN_REVISION:-unknown}"
+    script = (REPO / "scripts" / "local.sh").read_text()
+    for line in ("chown 1000:1000 runs", "MEMTRAIN_UID=$(id -u) MEMTRAIN_GID=$(id -g)",
+                 "MEMTRAIN_TAG=$MEMTRAIN_VERSION-$MEMTRAIN_REVISION",
+                 "export MEMTRAIN_VERSION MEMTRAIN_REVISION MEMTRAIN_TAG"):
+        assert line in script, line

@@ -14,7 +14,9 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.deploy
+# In the Ray tests' process: the check starts Ray heads and trainings of its own, and beside the
+# Ray tests on two cores it slows their clusters past their timeouts.
+pytestmark = [pytest.mark.deploy, pytest.mark.xdist_group("ray")]
 
 
 def test_the_cpu_image_builds_trains_as_non_root_and_serves_submitted_jobs(

@@ -33,11 +33,16 @@ def jobs_api(ray_cluster) -> str:
     return "http://" + ray_cluster._private.worker.get_dashboard_url()
 
 
-def submit(*args: str, timeout: float = 240, cwd: Path = REPO,
+def submit(*args: str, timeout: float = 360, cwd: Path = REPO,
            python: list[str] = MEMTRAIN) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*python, "submit", "--config", str(REPO / "configs/demo-cpu.yaml"),
-                           *args], capture_output=True, text=True, env=client_env(),
-                          timeout=timeout, cwd=cwd)
+    try:
+        return subprocess.run([*python, "submit", "--config",
+                               str(REPO / "configs/demo-cpu.yaml"), *args], capture_output=True,
+                              text=True, env=client_env(), timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired as err:  # what the job printed says where it stopped
+        output = [(part.decode() if isinstance(part, bytes) else part or "")[-4000:]
+                  for part in (err.stdout, err.stderr)]
+        pytest.fail(f"submit did not return in {timeout} s:\n{output[0]}\n{output[1]}")
 
 
 # `memtrain submit` with torch, numpy, pyarrow and the rest of the `train` extra unimportable:
