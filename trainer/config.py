@@ -72,6 +72,10 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)
+    # AdamW's fused kernel ("auto": on CUDA; measured 3.7% faster a step than foreach on an
+    # H200, GPT-2 124M, issue #17) or torch's default implementation (false). Checkpoints load
+    # across the switch.
+    fused_optimizer: bool | Literal["auto"] = "auto"
     # Stop after this many consecutive optimizer steps with a non-finite grad norm (fp16's
     # GradScaler skips a few while it calibrates; a run that keeps skipping is broken).
     max_nonfinite_steps: int = Field(10, ge=1)

@@ -209,13 +209,22 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
-                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms, biases)."""
+                    betas: tuple[float, float] = (0.9, 0.95),
+                    fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms, biases).
+
+    ``fused``: torch's fused kernel, one launch per parameter group and no temporary of a
+    moment's size (None: on CUDA parameters, as ``train.fused_optimizer: auto``); else torch's
+    default (foreach on CUDA, a per-parameter loop on CPU). Both keep the same state, so a
+    checkpoint of one loads into the other.
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    if fused is None:
+        fused = any(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if fused else None)
 
 
 def _step_seed(seed: int, rank: int, step: int) -> int:
@@ -240,7 +249,9 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     sharded = cfg.parallel.strategy == "fsdp" and ctx.world_size > 1
     if sharded:
         shard_model(model)  # before the optimizer: it must see the sharded parameters
-    optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.betas)
+    fused = cfg.train.fused_optimizer
+    optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.betas,
+                                None if fused == "auto" else fused)
     with contextlib.ExitStack() as resources:
         state = TrainState(
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train)),

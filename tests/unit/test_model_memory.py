@@ -134,3 +134,41 @@ def test_checkpoint_from_another_model_is_a_clear_error() -> None:
     wide = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2))
     with pytest.raises(CheckpointError, match=r"wte.weight has shape \[256, 16\]"):
         load_model_state(wide, small.state_dict(), "ckpt")
+
+
+def test_fused_adamw_is_chosen_on_cuda_only_and_checkpoints_load_across_the_switch(
+        tmp_path: Path) -> None:
+    """``train.fused_optimizer: auto`` is the fused kernel for CUDA parameters and torch's default
+    here; an optimizer checkpoint of either kind loads into the other (weights_only) and the
+    next step matches the one the saving kind takes."""
+    from trainer.loop import build_optimizer
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    tokens = torch.randint(0, 64, (4, 17))
+
+    def step(model: GPT, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    assert not build_optimizer(model, 1e-3).defaults["fused"]  # auto, CPU parameters
+    for saved_fused in (False, True):
+        trained = copy.deepcopy(model)
+        optimizer = build_optimizer(trained, 1e-2, fused=saved_fused)
+        assert bool(optimizer.defaults["fused"]) is saved_fused
+        step(trained, optimizer)
+        save_checkpoint(tmp_path / str(saved_fused),
+                        {"step": 1, "optimizer": optimizer.state_dict()})
+        resumed = copy.deepcopy(trained)
+        step(trained, optimizer)  # the step the saving kind takes next
+
+        other = build_optimizer(resumed, 1e-2, fused=not saved_fused)
+        other.load_state_dict(load_checkpoint(tmp_path / str(saved_fused))["optimizer"])
+        step(resumed, other)
+        moved = [not torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                       resumed.parameters(), strict=True)]
+        assert all(moved)
+        for a, b in zip(trained.parameters(), resumed.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
