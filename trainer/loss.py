@@ -69,12 +69,44 @@ class ChunkedLossShape:
         return weight_copy + hidden_copy + per_chunk
 
 
-_observed: list[ChunkedLossShape] | None = None
+    def backward_bytes(self, tokens: int) -> int:
+        """Bytes the loss adds at the start of backward: none, its gradients were computed in
+        the forward pass and are saved (counted with the activations)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class PlainLossShape:
+    """The unchunked loss: the full ``(tokens, vocab)`` logits in the compute dtype, an fp32
+    copy for the softmax, and in backward the fp32 gradients of the log-probabilities and of the
+    logits. Counted as the planner counts the chunked loss; the log-probabilities themselves are
+    saved for backward, so the probe counts them with the activations."""
+
+    vocab_size: int
+    compute_itemsize: int  # the logits' dtype (autocast's, or the weight's)
+
+    def transient_bytes(self, tokens: int) -> int:
+        """The forward's temporaries beside the saved log-probabilities: the logits and, when
+        they are not fp32, their fp32 copy."""
+        s = self.compute_itemsize
+        return tokens * self.vocab_size * (s + (4 if s != 4 else 0))
+
+    def backward_bytes(self, tokens: int) -> int:
+        """The loss's backward, the first of the step: cross-entropy's gradient of the
+        log-probabilities and log-softmax's of the logits, both fp32 and alive together (with
+        the saved log-probabilities, counted with the activations). The model's gradients come
+        after these are freed."""
+        return 8 * tokens * self.vocab_size
+
+
+LossShape = ChunkedLossShape | PlainLossShape
+_observed: list[LossShape] | None = None
 
 
 @contextlib.contextmanager
-def observe_chunked_losses() -> Iterator[list[ChunkedLossShape]]:
-    """Record the shape of every chunked loss computed inside the block (the planner's probe)."""
+def observe_chunked_losses() -> Iterator[list[LossShape]]:
+    """Record the shape of every loss computed inside the block (the planner's probe), chunked
+    or plain."""
     global _observed
     outer, _observed = _observed, []
     try:
@@ -129,6 +161,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 (grad_weight * grad_loss).to(weight_dtype), None, None)
 
 
+def _observe_plain(logits: torch.Tensor) -> None:
+    if _observed is not None:
+        _observed.append(PlainLossShape(logits.shape[-1], logits.element_size()))
+
+
 def linear_cross_entropy_sum(hidden_NC: torch.Tensor, weight_VC: torch.Tensor,
                              targets_N: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T, targets, reduction="sum")`` in chunks, fp32 result.
@@ -137,6 +174,7 @@ def linear_cross_entropy_sum(hidden_NC: torch.Tensor, weight_VC: torch.Tensor,
     """
     if chunk_tokens <= 0:
         logits = F.linear(hidden_NC, weight_VC)
+        _observe_plain(logits)
         return F.cross_entropy(logits.float(), targets_N, reduction="sum")
     return _ChunkedLinearCrossEntropy.apply(hidden_NC, weight_VC, targets_N, chunk_tokens)
 
@@ -155,5 +193,6 @@ def summed_loss(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPoli
         if getattr(unwrapped, "computes_loss", False):
             return model(inputs_BT, targets_BT).float()
         logits_BTV = model(inputs_BT)
+    _observe_plain(logits_BTV)
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                            reduction="sum")

@@ -8,7 +8,7 @@ deduplicated by storage, excluding parameters, and adds the inputs that activati
 keeps alive for recomputation. Two probe sizes separate the per-sample bytes from the fixed ones
 (autocast's low-precision weight copies).
 
-The predicted step peak is the largest of three moments (``PlanRow.peak_moment``), each on top
+The predicted step peak is the largest of these moments (``PlanRow.peak_moment``), each on top
 of the parameters and AdamW's state:
 - the end of the forward pass: the saved activations, the chunked loss's temporaries
   (``trainer.loss.ChunkedLossShape.transient_bytes``: one chunk's fp32 logits and softmax, the
@@ -16,6 +16,9 @@ of the parameters and AdamW's state:
   checkpointing under autocast, autocast's cache of low-precision weight copies for the
   checkpointed blocks, kept until autocast exits but not saved (measured as the fixed saved
   bytes a probe without checkpointing has in excess);
+- with the plain loss (``memory.loss_chunk_tokens: 0``), the loss's own backward, first: the
+  saved activations (the fp32 log-probabilities among them) and the fp32 gradients of the
+  log-probabilities and of the logits (``trainer.loss.PlainLossShape``);
 - the start of backward: the saved activations, the gradients of the parameters outside the
   repeated blocks (the output head's come first), the gradient of the largest tensor a block
   saves and, when the last block is checkpointed, that block's recomputed activations (measured
@@ -46,7 +49,7 @@ from torch import nn
 
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import cpu_bf16_support, is_checkpoint_wrapper
-from trainer.loss import ChunkedLossShape, observe_chunked_losses, summed_loss
+from trainer.loss import LossShape, observe_chunked_losses, summed_loss
 from trainer.memory import precision_policy
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -88,7 +91,7 @@ class ActivationProfile:
     # the forward pass but not saved for backward (0 without AC or without autocast).
     autocast_cache_bytes: int = 0
     # The chunked loss's shapes (None: the model has no chunked loss) and the tokens per sample.
-    loss_shape: ChunkedLossShape | None = None
+    loss_shape: LossShape | None = None
     seq_len: int = 0
     # Gradients of the parameters outside ``model.blocks`` (all of them for a model without).
     outside_blocks_grad_bytes: int = 0
@@ -116,7 +119,8 @@ class PlanRow:
     transient_bytes: int  # the peak less parameters, AdamW state and saved activations
     predicted_peak_bytes: int
     recompute_cost: float  # extra step time from recomputation, as a share of forward+backward
-    peak_moment: str = "forward end"  # forward end | backward start | backward end | optimizer step
+    # forward end | loss backward | backward start | backward end | optimizer step
+    peak_moment: str = "forward end"
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -198,7 +202,7 @@ def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: st
 
 
 def _probe(model: nn.Module, tokens_BT: torch.Tensor, precision: str
-           ) -> tuple[int, list[int], list[ChunkedLossShape]]:
+           ) -> tuple[int, list[int], list[LossShape]]:
     device = tokens_BT.device
     policy = precision_policy(precision, device, warn=False)
     with count_saved_tensors(model) as counts, observe_chunked_losses() as shapes:
@@ -314,6 +318,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     activations = profile.saved_bytes(micro_batch_size)
     tokens = micro_batch_size * profile.seq_len
     loss = profile.loss_shape.transient_bytes(tokens) if profile.loss_shape else 0
+    loss_backward = profile.loss_shape.backward_bytes(tokens) if profile.loss_shape else 0
     # Under FSDP the output head's gradients are sharded like the rest.
     outside_grads = min(profile.outside_blocks_grad_bytes, static.grads)
     in_flight = 0
@@ -336,6 +341,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
         "optimizer step": static.grads + static.optimizer // 2,
     }
+    if loss_backward:  # the plain loss: its backward runs first, before any block's
+        moments["loss backward"] = activations + loss_backward + in_flight + emulation
     if static.sharded:
         moments["backward end"] = static.grads + in_flight
     moment = max(moments, key=lambda name: moments[name])

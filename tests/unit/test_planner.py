@@ -42,12 +42,15 @@ def test_probe_predicts_saved_bytes_at_a_larger_batch_within_5_percent(precision
     assert profile.saved_bytes(8) == pytest.approx(measured, rel=0.05)
 
 
-# Two shapes whose peaks come from different moments: activations (a small vocabulary: backward
-# start, or forward end under autocast) and the chunked loss (a large vocabulary, four chunks).
+# Shapes whose peaks come from different moments: activations (a small vocabulary: backward
+# start, or forward end under autocast), the chunked loss (a large vocabulary, four chunks) and
+# the plain loss on the same large vocabulary (memory.loss_chunk_tokens: 0, the full logits).
 STEP_SHAPES = {
     "activations": (GPTConfig(vocab_size=256, seq_len=256, n_layer=4, n_head=4, n_embd=128), 8,
                     512),
     "loss": (GPTConfig(vocab_size=8192, seq_len=128, n_layer=4, n_head=4, n_embd=128), 8, 256),
+    "plain-loss": (GPTConfig(vocab_size=8192, seq_len=128, n_layer=4, n_head=4, n_embd=128), 8,
+                   0),
 }
 
 
@@ -78,6 +81,8 @@ def test_predicted_step_peak_matches_the_cpu_allocator(shape: str, precision: st
                                   precision)
     row = plan_row(static_bytes(GPT(cfg)), profile, micro, 1)
     assert row.peak_moment != "optimizer step"  # (CPU AdamW's temporaries differ from CUDA's)
+    if shape == "plain-loss":  # the full logits' gradients set the peak, before any block's
+        assert row.peak_moment == "loss backward", row
     assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.08), row
 
 
