@@ -196,20 +196,22 @@ def test_every_cpu_family_has_series_for_both_ranks(prometheus: int, corpus_dir:
     expected = [m for m in METRICS if m.family in ("host", "train")
                 and m.name not in ZERO_IN_A_HEALTHY_RUN]
     missing: list[str] = []
+    total, all_tokens = -1.0, 8 * cfg.train.global_batch_size * cfg.model.seq_len
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # the last publish reaches Prometheus an export later
         missing = []
         for metric in expected:
             name = metric.exposed_name + ("_count" if metric.kind == "histogram" else "")
             ranks = {s["metric"].get("rank") for s in _query(prometheus, f'{name}{{run="prom"}}')}
             if ranks != {"0", "1"}:
                 missing.append(f"{name}: ranks {sorted(r for r in ranks if r)}")
-        if not missing:
+        tokens = _query(prometheus, 'sum(ray_memtrain_train_tokens_total{run="prom"})')
+        total = float(tokens[0]["value"][1]) if tokens else -1.0
+        if not missing and total == all_tokens:
             break
         time.sleep(2)
     assert not missing, missing
-    tokens = _query(prometheus, 'sum(ray_memtrain_train_tokens_total{run="prom"})')
-    assert float(tokens[0]["value"][1]) == 8 * cfg.train.global_batch_size * cfg.model.seq_len
+    assert total == all_tokens  # every step's tokens, from both ranks
     assert _query(prometheus, 'ray_memtrain_gpu_memory_allocated_bytes{run="prom"}') == []
 
     # The publisher's timer, not the log steps, moves the counters: during the stall both ranks'
