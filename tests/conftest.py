@@ -150,12 +150,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             assert item.get_closest_marker("xdist_group") is not None, \
                 f"{item.nodeid} uses the Ray cluster: mark its module xdist_group('ray')"
-    # Last in the Ray group, so it runs once the other test process is done: its three-node
-    # scenario took 63 s alone here and 260 s beside the rest of the suite on two cores.
-    items.sort(key=lambda item: item.nodeid.startswith(LAST))
-
-
-LAST = ("tests/distributed/test_multinode.py", "distributed/test_multinode.py")
 
 
 # Ray Train's controller polls its workers every 2 s by default; each test run waits for a few
