@@ -13,6 +13,8 @@ micro-batch, through the trainer's own ``train_step``:
   written to local disk;
 - OOM recovery: a micro-batch too large for the device, a real OOM, the micro-batch halved with
   the global batch kept, and a memory snapshot that loads with ``pickle``;
+- the peer: a plain nanoGPT-style loop on the same model and micro-batch (eager, and compiled
+  with ``--compile``), with memtrain's rows as ratios to it (tokens/s, peak memory);
 - every CUDA metric family of the contract, published through the standalone exporter;
 - a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests.
 
@@ -47,6 +49,7 @@ from datapipe.writer import write_rows
 from trainer.build import MemoryTransforms, build_model
 from trainer.compat import allocator_settings, record_memory_history
 from trainer.context import LocalContext
+from trainer.diagnostics import cpu_peak_bytes
 from trainer.loop import build_optimizer, step_peak_bytes, train_step
 from trainer.memory import configure_allocator_env, precision_policy
 from trainer.model import GPT, GPTConfig
@@ -202,6 +205,77 @@ def _measure_step(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
     del model, optimizer, scaler, result, fixed
     release_memory(device)  # between phases: the next configuration starts from nothing
     return row
+
+
+def measure_peer(cfg: GPTConfig, precision: str, micro_batch: int, device: torch.device,
+                 steps: int, warmup: int, compile_model: bool = False) -> dict[str, Any]:
+    """The peer: a plain nanoGPT-style loop on the same model and batch, measured like
+    memtrain's rows. Autocast, the full logits and ``F.cross_entropy`` in fp32, AdamW (fused on
+    CUDA, as nanoGPT has it), clipping at 1.0; no checkpointing, no chunked loss, no memtrain
+    code in the step."""
+    allocated_at_start = release_memory(device)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    forward = torch.compile(model) if compile_model else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=True if device.type == "cuda" else None)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> torch.Tensor:
+        with autocast:
+            logits = forward(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                                                 targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+        loss = step()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    row: dict[str, Any] = {
+        "loop": "plain (nanoGPT-style)", "precision": precision, "compiled": compile_model,
+        "micro_batch_size": micro_batch, "steps": steps,
+        "allocated_at_start_bytes": allocated_at_start,
+        "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
+        "final_loss": float(loss)}
+    if device.type == "cuda":
+        row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    else:  # dry mode: the CPU allocator's record of one more step, as for memtrain's rows
+        state = [v for per in optimizer.state.values() for v in per.values()
+                 if isinstance(v, torch.Tensor)]
+        row["peak_allocated_bytes"] = cpu_peak_bytes(step, held=[*model.parameters(), *state,
+                                                                 tokens])
+    return row  # the next section's release_memory frees this one's model and state
+
+
+def peer_ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """memtrain's rows against the peer of the same precision and compilation: tokens/s and
+    peak memory as ratios (memtrain / peer)."""
+    out = []
+    for peer in report.get("peer", []):
+        for row in report["rows"]:
+            if (row["precision"], row["compiled"], row["sdpa"]) != \
+                    (peer["precision"], peer["compiled"], "default"):
+                continue
+            out.append({"precision": row["precision"], "compiled": row["compiled"],
+                        "activation_checkpointing": row["activation_checkpointing"],
+                        "loss_chunk_tokens": row["loss_chunk_tokens"],
+                        "tokens_per_second_ratio": row["tokens_per_second"]
+                        / peer["tokens_per_second"],
+                        "peak_ratio": row["peak_allocated_bytes"]
+                        / peer["peak_allocated_bytes"]})
+    return out
 
 
 def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
@@ -403,6 +477,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["mfu"] = (row["tokens_per_second"] * flops_per_token
                           / (report["matmul_bf16_tflops"] * 1e12))
         report["rows"].append(row)
+    peers = [("bf16", False)] + ([("bf16", True)] if not dry and args.compile else [])
+    report["peer"] = [row for precision, compiled in peers
+                      if (row := section(f"peer {precision}{' compiled' if compiled else ''}",
+                                         measure_peer, cfg, precision, micro_batch, device,
+                                         steps, warmup, compiled)) is not None]
+    report["peer_ratios"] = peer_ratios(report)
     report["memory_stats"] = recorded_memory_stats(device)
     report["metrics"] = section("metric families", metric_families, cfg, device, micro_batch,
                                 args.loss_chunk_tokens)
@@ -474,6 +554,19 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{gib(r['peak_reserved_bytes'])} | {phases} | "
                      f"{gib(r.get('predicted_peak_bytes'))}{moment} | "
                      f"{err} | {r['tokens_per_second']:,.0f} | {mfu} |")
+    if report.get("peer"):
+        lines += ["", "The peer, a plain nanoGPT-style loop (full logits, fused AdamW on CUDA, no "
+                      "checkpointing), same model and micro-batch:", "",
+                  "| precision | compiled | peak alloc GiB | tokens/s |", "|---|---|---|---|"]
+        lines += [f"| {p['precision']} | {'yes' if p['compiled'] else 'no'} | "
+                  f"{gib(p['peak_allocated_bytes'])} | {p['tokens_per_second']:,.0f} |"
+                  for p in report["peer"]]
+        lines += ["", "| memtrain row (precision, compiled, act. ckpt, loss chunk) | tokens/s "
+                      "vs peer | peak vs peer |", "|---|---|---|"]
+        lines += [f"| {r['precision']}, {'compiled' if r['compiled'] else 'eager'}, "
+                  f"{r['activation_checkpointing']}, {r['loss_chunk_tokens'] or 'off'} | "
+                  f"{r['tokens_per_second_ratio']:.3f}x | {r['peak_ratio']:.3f}x |"
+                  for r in report.get("peer_ratios", [])]
     s = report["summary"]
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for key, goal in TARGETS.items():

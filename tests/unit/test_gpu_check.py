@@ -38,6 +38,15 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     assert all(abs(r["planner_error"]) <= 0.15 for r in report["rows"]), \
         [(r["precision"], r["activation_checkpointing"], r["planner_error"])
          for r in report["rows"]]
+    # The peer (a plain nanoGPT-style loop, same model and batch) and memtrain's rows beside it
+    [peer] = report["peer"]
+    assert (peer["precision"], peer["compiled"]) == ("bf16", False)
+    assert peer["tokens_per_second"] > 0 and peer["peak_allocated_bytes"] > 0
+    ratios = {(r["activation_checkpointing"], r["loss_chunk_tokens"]): r
+              for r in report["peer_ratios"]}
+    assert set(ratios) == {("none", 4096), ("selective", 4096), ("full", 4096),
+                           ("selective", 0)}
+    assert ratios[("full", 4096)]["peak_ratio"] < 1  # checkpointing holds less than the peer
     assert report["oom_recovery"]["recovered_micro_batch"] == 2
     assert report["oom_recovery"]["ooms"] == 1
     assert 0 <= report["input_stall"]["input_stall"] < 1
