@@ -5,8 +5,9 @@
 and a worker node on 127.0.0.2 (``ray.cluster_utils.Cluster``, every port chosen here, so it
 coexists with the session's cluster), trains the tiny config on 4 workers through memtrain's Ray
 launcher, scrapes both nodes' metrics endpoints while it runs, SIGKILLs the worker node (its
-raylet and its workers) one step past a checkpoint, adds a replacement node on 127.0.0.3, and
-writes what it saw to ``WORK_DIR/result.json``.
+raylet and its workers) one step past a checkpoint, adds a replacement node on 127.0.0.3, lists
+every listening socket of the cluster's processes after training, and writes what it saw to
+``WORK_DIR/result.json``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def scrape(port: int) -> str:
         return ""
 
 
+def listening_sockets() -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket in LISTEN state owned by this process
+    or its descendants: the cluster's GCS, raylets, agents and workers."""
+    import psutil
+
+    me = psutil.Process()
+    found = []
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            found += [(process.name(), c.laddr.ip, c.laddr.port)
+                      for c in process.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def main(corpus_dir: Path, work: Path) -> None:
     from ray.cluster_utils import Cluster
 
@@ -127,6 +145,9 @@ def main(corpus_dir: Path, work: Path) -> None:
             replacement = cluster.add_node(**node_args(REPLACEMENT))
             result["node_ids"][REPLACEMENT] = replacement.node_id[:12]
         trainer.join(timeout=400)
+        # After training: its process groups (torch's rendezvous store, the documented
+        # exception in docs/architecture.md) are gone; the three nodes are still up.
+        result["listening"] = listening_sockets()
     finally:
         result["seconds"] = time.time() - started
         result["scrapes"] = scrapes

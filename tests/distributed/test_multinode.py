@@ -66,6 +66,25 @@ def test_workers_spread_over_two_loopback_nodes_and_each_node_exports_its_own(
     assert sorted(ranks) == ["0", "1", "2", "3"]  # world ranks across the two nodes
 
 
+def test_no_socket_listens_beyond_loopback_but_rays_own_on_the_other_nodes(
+        scenario: dict) -> None:
+    """Every listening socket of the nodes' processes (GCS, raylets, agents, workers) is on a
+    loopback address, with one exception, Ray's and not memtrain's: on a node whose address is
+    not 127.0.0.1, Ray 2.60's raylet and dashboard agent bind every interface (:: or 0.0.0.0),
+    and nothing in Ray's options narrows them (docs/deploy.md: a multi-node cluster needs a
+    firewall or NetworkPolicy in front of its nodes). Nothing else binds beyond loopback."""
+    listening = [tuple(entry) for entry in scenario["listening"]]
+    names = {name for name, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= names, names
+    loopback = {*NODES, REPLACEMENT} | {f"::ffff:{ip}" for ip in (*NODES, REPLACEMENT)}
+    wildcard = {"::", "0.0.0.0"}
+    assert [entry for entry in listening if entry[1] not in loopback | wildcard] == []
+    exposed = {name for name, ip, _ in listening if ip in wildcard}
+    assert exposed <= {"raylet", "ray::DashboardAgent"}, exposed
+    head = {name for name, ip, _ in listening if ip.removeprefix("::ffff:") == NODES[0]}
+    assert {"gcs_server", "raylet"} <= head  # the head's own on 127.0.0.1
+
+
 def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
         scenario: dict, corpus_dir: Path, tmp_path: Path) -> None:
     """The worker node died one step past the step-4 checkpoint; Ray Train restarted the group
