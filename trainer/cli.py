@@ -197,7 +197,7 @@ def _explain_missing_module(client: Any, job_id: str) -> None:
     if name is not None:
         print(f"memtrain: error: the cluster's Python has no module {name!r}: run the cluster "
               "from memtrain's image, or install memtrain's training dependencies there "
-              "(pip install 'memtrain[train]'; docs/deploy.md)", file=sys.stderr)
+              "(pip install '.[train]' in memtrain's checkout; docs/deploy.md)", file=sys.stderr)
 
 
 @app.command("plan")
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
         if debug or err.name is None or err.name.split(".")[0] not in TRAINING_MODULES:
             raise
         _fail(f"this command needs memtrain's training dependencies (no module {err.name!r}): "
-              "pip install 'memtrain[train]'", 1)
+              "pip install '.[train]' in memtrain's checkout", 1)
     except Exception as err:  # a runtime failure: one line, the details with --debug
         if debug:
             raise

@@ -101,7 +101,7 @@ def test_a_cluster_without_memtrains_dependencies_is_named_in_one_line(
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     [line] = out.stderr.strip().splitlines()
     assert line.startswith("memtrain: error: the cluster's Python has no module '")
-    assert "pip install 'memtrain[train]'" in line
+    assert "pip install '.[train]' in memtrain's checkout" in line
 
 
 def test_a_failing_job_makes_submit_exit_non_zero(jobs_api: str, corpus_dir: Path,
