@@ -25,6 +25,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from datapipe.paths import is_remote
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 # The numeric dtypes a column may hold (numpy names): what Arrow's fixed-size lists and torch
@@ -256,11 +258,6 @@ def write_manifest(directory: Path, manifest: Manifest) -> Path:
     path = directory / MANIFEST_NAME
     atomic_write_bytes(path, manifest.to_json().encode())
     return path
-
-
-def is_remote(path: str | Path) -> bool:
-    """``s3://``, ``gs://`` and other URIs go through pyarrow's filesystems; paths are local."""
-    return "://" in str(path) and not str(path).startswith("file://")
 
 
 def remote_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:

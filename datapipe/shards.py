@@ -27,12 +27,12 @@ from datapipe.manifest import (
     DatasetError,
     Manifest,
     ShardInfo,
-    is_remote,
     read_manifest,
     remote_filesystem,
     sha256_file,
     shard_location,
 )
+from datapipe.paths import is_remote
 from datapipe.split import Range
 from datapipe.writer import arrow_type
 

@@ -59,10 +59,14 @@ check_kuberay() {
     || die "KubeRay is older than $KUBERAY_MIN (its CRDs lack authOptions.secretName, the token Secret the manifests use): $KUBERAY_HELM"
 }
 
+check_image_format() {  # IMAGE names a tag (render and data take it unchecked otherwise)
+  [[ $IMAGE == *:* && ${IMAGE##*:} != */* ]] || die "IMAGE must be REGISTRY/NAME:TAG, got '$IMAGE'"
+}
+
 check_image() {
   [[ -n ${IMAGE:-} ]] || die "IMAGE is not set: build and push the image (make image; docs/deploy.md), then IMAGE=REGISTRY/memtrain:TAG make up"
+  check_image_format
   local tag=${IMAGE##*:}
-  [[ $IMAGE == *:* && $tag != */* ]] || die "IMAGE must be REGISTRY/NAME:TAG, got '$IMAGE'"
   [[ $tag != latest && $tag != "$PLACEHOLDER_TAG" ]] \
     || die "IMAGE tag '$tag' names no build: use the <version>-<git revision> tag that make image printed (nodes keep a reused tag's old image)"
 }
@@ -152,8 +156,8 @@ YAML
 YAML
   fi
   if [[ -n ${IMAGE:-} ]]; then
+    check_image_format
     local name=${IMAGE%:*} tag=${IMAGE##*:}
-    [[ $IMAGE == *:* && $tag != */* ]] || die "IMAGE must be REGISTRY/NAME:TAG, got '$IMAGE'"
     printf 'images:\n  - name: memtrain\n    newName: %s\n    newTag: "%s"\n' "$name" "$tag" >> "$tmp/kustomization.yaml"
   fi
   echo "$tmp"

@@ -378,13 +378,13 @@ HEALTHY: list[list[Any]] = json.loads((FAKE_KUBECTL / "healthy.json").read_text(
 GOOD_IMAGE = {"IMAGE": "registry.example.com/memtrain:0.1.0-0123456789ab"}
 
 
-def answers(**changes: tuple[int, str]) -> list[list[Any]]:
-    """The healthy cluster's recorded outputs, with the answers whose regex contains a key's
-    text (underscores for spaces) replaced by (exit code, stdout)."""
+def answers(changes: dict[str, tuple[int, str]]) -> list[list[Any]]:
+    """The healthy cluster's recorded outputs, with the answers whose regex contains a key
+    replaced by (exit code, stdout)."""
     out = []
     for pattern, code, stdout in HEALTHY:
         for key, (new_code, new_stdout) in changes.items():
-            if key.replace("_", " ") in pattern:
+            if key in pattern:
                 code, stdout = new_code, new_stdout
         out.append([pattern, code, stdout])
     return out
@@ -403,31 +403,31 @@ RJ_SECRET = "get crd rayjobs.ray.io -o jsonpath"
 
 
 @pytest.mark.parametrize("changes, env, message", [
-    ({CRDS.replace(" ", "_"): (1, "")}, GOOD_IMAGE,
+    ({CRDS: (1, "")}, GOOD_IMAGE,
      "KubeRay is not installed (CRDs rayclusters.ray.io, rayjobs.ray.io missing)"),
     # KubeRay 1.5.x: the CRDs exist, without authOptions.secretName (first in 1.6.0)
-    ({RC_SECRET.replace(" ", "_"): (0, ""), RJ_SECRET.replace(" ", "_"): (0, "")}, GOOD_IMAGE,
+    ({RC_SECRET: (0, ""), RJ_SECRET: (0, "")}, GOOD_IMAGE,
      "KubeRay is older than 1.6.0 (its CRDs lack authOptions.secretName"),
-    ({RJ_SECRET.replace(" ", "_"): (0, "")}, GOOD_IMAGE, "KubeRay is older than 1.6.0"),
+    ({RJ_SECRET: (0, "")}, GOOD_IMAGE, "KubeRay is older than 1.6.0"),
     ({}, {}, "IMAGE is not set: build and push the image (make image"),
     ({}, {"IMAGE": "registry.example.com/memtrain:0.1.0"}, "IMAGE tag '0.1.0' names no build"),
     ({}, {"IMAGE": "registry.example.com/memtrain:latest"}, "IMAGE tag 'latest' names no build"),
-    ({"get_storageclass": (0, "standard-rwo pd.csi.storage.gke.io \n")}, GOOD_IMAGE,
+    ({"get storageclass": (0, "standard-rwo pd.csi.storage.gke.io \n")}, GOOD_IMAGE,
      "no default StorageClass for the shared volume: set STORAGE_CLASS"),
-    ({"get_storageclass": (0, "standard-rwo pd.csi.storage.gke.io true\n")}, GOOD_IMAGE,
+    ({"get storageclass": (0, "standard-rwo pd.csi.storage.gke.io true\n")}, GOOD_IMAGE,
      "StorageClass 'standard-rwo' (pd.csi.storage.gke.io) offers ReadWriteOnce only"),
     ({}, {**GOOD_IMAGE, "STORAGE_CLASS": "standard-rwo"},
      "StorageClass 'standard-rwo' (pd.csi.storage.gke.io) offers ReadWriteOnce only"),
     ({}, {**GOOD_IMAGE, "STORAGE_CLASS": "nfs"}, "STORAGE_CLASS 'nfs' does not exist "
                                                  "(classes: standard-rwo filestore-rwx"),
-    ({"get_nodes": (0, "  ")}, GOOD_IMAGE, "no node has allocatable nvidia.com/gpu"),
-    ({"get_prometheus": (0, "observability prom\n")}, GOOD_IMAGE,
+    ({"get nodes": (0, "  ")}, GOOD_IMAGE, "no node has allocatable nvidia.com/gpu"),
+    ({"get prometheus": (0, "observability prom\n")}, GOOD_IMAGE,
      "no Prometheus in namespace 'monitoring' selects PodMonitors labelled "
      "release=kube-prometheus-stack (found: observability prom)"),
 ])
 def test_make_up_names_the_first_missing_prerequisite_and_changes_nothing(
         changes: dict[str, tuple[int, str]], env: dict[str, str], message: str) -> None:
-    out, calls = k8s_script("up", answers(**changes), **env)
+    out, calls = k8s_script("up", answers(changes), **env)
     assert out.returncode == 1
     [line] = out.stderr.strip().splitlines()
     assert line.startswith(f"k8s: {message}"), line
@@ -436,8 +436,8 @@ def test_make_up_names_the_first_missing_prerequisite_and_changes_nothing(
 
 def test_a_bound_volume_and_the_named_monitoring_release_pass() -> None:
     """An existing, bound shared volume needs no class check; MONITORING_* pick the install."""
-    changed = answers(get_storageclass=(0, "standard-rwo pd.csi.storage.gke.io true\n"),
-                      get_prometheus=(0, "observability prom\n"))
+    changed = answers({"get storageclass": (0, "standard-rwo pd.csi.storage.gke.io true\n"),
+                       "get prometheus": (0, "observability prom\n")})
     changed.insert(0, ["^-n memtrain get pvc memtrain-shared", 0, "Bound"])
     out, _ = k8s_script("check", changed, **GOOD_IMAGE, MONITORING_NAMESPACE="observability",
                         MONITORING_RELEASE="prom")

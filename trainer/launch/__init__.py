@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from datapipe.paths import is_remote
 from trainer.config import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ def resolve_auto(cfg: Config) -> Config:
 def prepare_run(cfg: Config) -> tuple[Config, Path]:
     """Validate ``cfg`` for launching and return it with absolute paths, plus the run directory."""
     # Here, not at the top: ``memtrain submit`` imports this package where pyarrow may be absent.
-    from datapipe.manifest import is_remote, read_manifest
+    from datapipe.manifest import read_manifest
 
     def absolute(path: str | None) -> str | None:
         return path if path is None or is_remote(path) else str(Path(path).resolve())

@@ -36,6 +36,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 import datapipe
 import monitoring
 import trainer
+from datapipe.paths import is_remote
 from trainer.compat import ray_server_version
 from trainer.config import Config, ConfigError
 
@@ -98,23 +99,14 @@ def check_versions(cluster_ray: str | None, address: str) -> None:
                           f"{ray.__version__}: memtrain needs the same Ray on both")
 
 
-PATH_FIELDS = ("data.path", "data.val_path", "run.dir")
-
-
-def _is_uri(path: str) -> bool:  # as datapipe.manifest.is_remote, which imports pyarrow
-    return "://" in path and not path.startswith("file://")
-
-
 def cluster_paths(cfg: Config, local_root: Path | None) -> list[str]:
     """``--set`` overrides that make every path of ``cfg`` mean on the cluster what it means
     here: none when all are absolute or URIs; with ``local_root``, relative ones resolved
     against it; else a ``ConfigError`` naming the first relative one."""
-    values = {"data.path": cfg.data.path, "data.val_path": cfg.data.val_path,
-              "run.dir": cfg.run.dir}
     out = []
-    for field in PATH_FIELDS:
-        value = values[field]
-        if value is None or _is_uri(value) or Path(value).is_absolute():
+    for field, value in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path),
+                         ("run.dir", cfg.run.dir)):
+        if value is None or is_remote(value) or Path(value).is_absolute():
             continue
         if local_root is None:
             where = "/mnt/memtrain/runs" if field == "run.dir" else "/mnt/memtrain/data/..."
