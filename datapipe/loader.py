@@ -6,14 +6,16 @@ rank's share of the epoch as shard ranges, read in shuffle windows. This module 
 - **Reading ahead.** Windows are read ``read_ahead`` windows ahead. Remote shards
   (``s3://``...) are fetched on a thread pool, with buffered reads of only the record batches a
   window needs, so reading overlaps compute. Local shards are memory-mapped: a window is views
-  onto the map plus a ``madvise(WILLNEED)`` for pages not yet cached, which starts the kernel's
-  read-ahead and returns, so it is done on the caller's thread (a pool thread cost more in GIL
-  handoffs than it saved). The whole dataset is never loaded: memory is at most
-  ``read_ahead + 1`` remote windows.
-- **Batches.** When a window opens, all its batches are planned (the window's permutation
-  sorted batch by batch, or the unshuffled batches' slices); the next batch is then gathered
-  when asked for, with one ``np.take`` (a slice copy when unshuffled) per record batch it
-  touches, straight into the batch's array: no per-sample Python. Arrow's fixed-size lists
+  onto the map, plus, when shuffled, a ``madvise(WILLNEED)`` for pages not yet cached, which
+  starts the kernel's read-ahead and returns, so it is done on the caller's thread (a pool
+  thread cost more in GIL handoffs than it saved). Unshuffled windows are read in file order,
+  and the kernel reads ahead of sequential faults on its own; advising them cost the
+  unshuffled loader a tenth of its speed (bench/loader.py). The whole dataset is never loaded:
+  memory is at most ``read_ahead + 1`` remote windows.
+- **Batches.** When a shuffled window opens, all its batches are planned (the window's
+  permutation sorted batch by batch); the next batch is then gathered when asked for, with one
+  ``np.take`` (a slice copy when unshuffled) per record batch it touches, straight into the
+  batch's array: no per-sample Python. Arrow's fixed-size lists
   view as ``(rows, *shape)`` arrays with no copy, so that gather is the only copy of a row
   between the page cache and the batch. It runs on the caller's thread on purpose: handing
   each batch over from a gather thread cost more, in GIL handoffs, than the gather itself
@@ -62,7 +64,9 @@ from datapipe.split import (
 )
 
 log = logging.getLogger("memtrain.data")
-_DONE = object()
+# The window of an unshuffled local loader. Opening a window costs about 60 us of Python run
+# with caches cold from the copies: with 16 MiB windows, 2 us of each 40 us batch.
+SEQUENTIAL_WINDOW_BYTES = 256 << 20
 
 
 # Memory-mapped rows are read-only numpy views; torch warns when it wraps one, though the
@@ -78,12 +82,13 @@ class _Window:
 
     def __init__(self, pieces: list[np.ndarray], first: int):
         self.pieces = pieces
-        self.starts = np.cumsum([0] + [len(piece) for piece in pieces])
+        self.starts = [0]  # each piece's first window row, then the window's row count
+        for piece in pieces:
+            self.starts.append(self.starts[-1] + len(piece))
         self.first = first  # span position of the window's first row
-        # Set by plan_shuffle or plan_copy when the loader opens the window.
+        # Set by plan_shuffle when the loader opens a shuffled window.
         self.relative = np.empty((0, 0), dtype=np.int64)
         self.bounds: list[list[int]] = []
-        self.slices: list[list[tuple[int, int, np.ndarray]]] = []
 
     def plan_shuffle(self, order: np.ndarray, batch_size: int) -> None:
         """Every batch of the window at once, from its permutation ``order`` (window-local
@@ -93,8 +98,9 @@ class _Window:
         piece and no other array work (the per-batch sorts and searches cost a third of a
         shuffled batch's time, bench/loader.py)."""
         rows = np.sort(order.reshape(-1, batch_size), axis=1)
-        piece = np.searchsorted(self.starts, rows, side="right") - 1
-        self.relative = rows - self.starts[piece]
+        starts = np.asarray(self.starts)
+        piece = np.searchsorted(starts, rows, side="right") - 1
+        self.relative = rows - starts[piece]
         self.bounds = np.stack([(rows < start).sum(axis=1) for start in self.starts],
                                axis=1).tolist()
 
@@ -107,33 +113,29 @@ class _Window:
             if a < b:  # "clip": the rows are in range, and "raise" would buffer the output
                 np.take(array, relative[a:b], axis=0, out=dst[a:b], mode="clip")
 
-    def plan_copy(self, batch_size: int) -> None:
-        """Every unshuffled batch of the window at once: batch ``k`` is the window's rows
-        ``k*B .. (k+1)*B - 1``, kept as ``(dst_lo, dst_hi, view)`` slices of the pieces, so a
-        batch's gather is one slice copy per piece it touches and nothing else."""
-        starts = self.starts.tolist()  # for bisect: cheaper than numpy on a few items
-        self.slices = []
-        for first in range(0, starts[-1] - batch_size + 1, batch_size):
-            parts, filled = [], 0
-            index = bisect.bisect_right(starts, first) - 1
-            while filled < batch_size:
-                array = self.pieces[index]
-                row = first + filled - starts[index]
-                count = min(batch_size - filled, len(array) - row)
-                parts.append((filled, filled + count, array[row:row + count]))
-                filled, index = filled + count, index + 1
-            self.slices.append(parts)
-
-    def copy(self, batch: int, dst: np.ndarray | None = None) -> np.ndarray:
-        """The window's planned unshuffled batch ``batch`` (``plan_copy``), into ``dst``, or
-        without one into a new array made by one copy in numpy's C code."""
-        parts = self.slices[batch]
+    def copy(self, batch: int, batch_size: int, dst: np.ndarray | None = None) -> np.ndarray:
+        """The window's unshuffled batch ``batch``: its rows ``batch*B .. (batch+1)*B - 1``,
+        into ``dst``, or without one into a new array made by one copy in numpy's C code.
+        Found when asked for (a bisect over the window's few pieces): planning every batch
+        when the window opened cost more, in cold caches, than the batches' own Python."""
+        starts, first = self.starts, batch * batch_size
+        index = bisect.bisect_right(starts, first) - 1
+        row = first - starts[index]
+        if first + batch_size <= starts[index + 1]:  # inside one piece: most batches
+            view = self.pieces[index][row:row + batch_size]
+            if dst is None:
+                return view.copy()
+            dst[...] = view
+            return dst
+        parts, filled = [], 0
+        while filled < batch_size:
+            array = self.pieces[index]
+            count = min(batch_size - filled, len(array) - row)
+            parts.append(array[row:row + count])
+            filled, index, row = filled + count, index + 1, 0
         if dst is None:
-            if len(parts) == 1:
-                return parts[0][2].copy()
-            return np.concatenate([view for _, _, view in parts])
-        for lo, hi, view in parts:
-            dst[lo:hi] = view
+            return np.concatenate(parts)
+        np.concatenate(parts, out=dst)
         return dst
 
 
@@ -163,6 +165,13 @@ class BatchLoader:
         self.device = device or torch.device("cpu")
         self.shuffle_window = shuffle_window  # as asked: a resize re-plans it per batch size
         self.window = window_rows(shuffle_window, batch_size)
+        if not shuffle and not self.source.remote:
+            # Unshuffled local windows are views of the map read in file order: their size
+            # changes neither the order nor the memory held, only how often one is opened.
+            row_bytes = int(np.prod(self.source.spec.shape)) * np.dtype(
+                self.source.spec.dtype).itemsize
+            self.window = window_rows(max(shuffle_window, SEQUENTIAL_WINDOW_BYTES // row_bytes),
+                                      batch_size)
         self._window_batches = self.window // batch_size
         self.read_ahead = max(1, read_ahead)
         self.num_rows = sum(self.source.shard_rows)
@@ -273,6 +282,8 @@ class BatchLoader:
 
     def batches_in(self, epoch: int) -> int:
         """This rank's batches in ``epoch``: fewer in an epoch resumed at another world size."""
+        if self._resumed is None:  # asked twice per batch: the common case first
+            return self.num_batches
         resumed = self._resumed_in(epoch)
         return resumed.batches if resumed is not None else self.num_batches
 
@@ -308,7 +319,7 @@ class BatchLoader:
                 out = np.empty(self.shape, dtype=self.dtype)
             current[2].gather(within, out)
         else:
-            out = current[2].copy(within, out)
+            out = current[2].copy(within, self.batch_size, out)
         batch_index += 1
         self._cursor = ((epoch + 1, 0) if batch_index == self.batches_in(epoch)
                         else (epoch, batch_index))
@@ -323,8 +334,6 @@ class BatchLoader:
             window.plan_shuffle(window_permutation(min(self.window, span - window.first),
                                                    self.seed, epoch, self.rank, index),
                                 self.batch_size)
-        else:
-            window.plan_copy(self.batch_size)
         return window
 
     def _restart(self, epoch: int, batch_index: int) -> None:
@@ -341,15 +350,15 @@ class _Reader:
 
     def __init__(self, loader: BatchLoader, epoch: int, window: int):
         self.loader = loader
-        # Local shards: a window's "read" is views onto the memory map plus a WILLNEED advice,
-        # which starts the kernel's read-ahead and returns; done inline, ``read_ahead`` windows
-        # early. A pool thread there cost the consumer more in GIL handoffs than it saved (up
-        # to 20% of the unshuffled loader's speed, bench/loader.py). Remote shards are fetched
-        # on the pool.
+        # Local shards: a window's "read" is views onto the memory map (plus a WILLNEED advice
+        # when shuffled, which starts the kernel's read-ahead and returns); done inline,
+        # ``read_ahead`` windows early. A pool thread there cost the consumer more in GIL
+        # handoffs than it saved (up to 20% of the unshuffled loader's speed,
+        # bench/loader.py). Remote shards are fetched on the pool.
         self.pool: ThreadPoolExecutor | _Inline = (
             ThreadPoolExecutor(max_workers=loader.read_ahead, thread_name_prefix="memtrain-read")
             if loader.source.remote else _Inline())
-        self.pending: deque[tuple[int, int, Future[_Window]]] = deque()
+        self.pending: deque[tuple[int, int, Future[_Window] | _Done]] = deque()
         self.next_epoch, self.next_window = epoch, window
         self._ranges: tuple[int, list[Range]] | None = None  # (epoch, this rank's ranges)
 
@@ -381,7 +390,7 @@ class _Reader:
         span = loader.batches_in(epoch) * loader.batch_size
         first, last = index * loader.window, min((index + 1) * loader.window, span)
         pieces = [part for piece in span_ranges(ranges, first, last)
-                  for part in loader.source.read(piece, advise=True)]
+                  for part in loader.source.read(piece, advise=loader.shuffle)]
         return _Window(pieces, first)
 
     def close(self) -> None:
@@ -391,16 +400,26 @@ class _Reader:
 class _Inline:
     """The executor interface, run on the caller's thread (local shards)."""
 
-    def submit(self, function: Any, *args: Any) -> Future[_Window]:
-        future: Future[_Window] = Future()
+    def submit(self, function: Any, *args: Any) -> _Done:
         try:
-            future.set_result(function(*args))
+            return _Done(function(*args), None)
         except BaseException as err:  # raised again by result(), where the pool's would be
-            future.set_exception(err)
-        return future
+            return _Done(None, err)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         pass
+
+
+class _Done(NamedTuple):
+    """A finished ``Future``'s ``result()`` without its lock and condition (inline reads)."""
+
+    value: Any
+    error: BaseException | None
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class _Slot:

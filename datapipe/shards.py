@@ -54,19 +54,11 @@ def _load_libc() -> ctypes.CDLL | None:
 _libc = _load_libc()
 
 
-def _probably_resident(address: int, length: int, samples: int = 8) -> bool:
-    """Whether ``samples`` pages spread over the page-aligned range are in the page cache
-    (``mincore``): a cheap guess that the whole range is (the kernel's own fault path reads
-    whatever was missed)."""
+def _resident(page: int) -> bool:
+    """Whether the page at ``page`` (page-aligned) is in the page cache (``mincore``)."""
     assert _libc is not None
     state = ctypes.c_ubyte()  # one per call, so calls from several threads never share it
-    last = address + max(0, length - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    for i in range(samples):
-        page = address + (last - address) * i // max(1, samples - 1)
-        page -= page % mmap.PAGESIZE
-        if _libc.mincore(page, 1, ctypes.byref(state)) != 0 or not state.value & 1:
-            return False
-    return True
+    return _libc.mincore(page, 1, ctypes.byref(state)) == 0 and bool(state.value & 1)
 
 log = logging.getLogger("memtrain.data")
 OnBadShard = Literal["error", "skip"]
@@ -222,18 +214,25 @@ class ShardSource:
                               for chunk in table.column(self.spec.name).chunks]
 
     def _will_need(self, parts: list[np.ndarray]) -> None:
-        """madvise(WILLNEED) over the bytes of ``parts`` that are not in the page cache yet:
-        the kernel reads them ahead. Over pages already cached the call still walks every page
+        """madvise(WILLNEED) over the bytes of ``parts`` unless they look cached already: the
+        kernel reads them ahead. Over pages already cached the call still walks every page
         (160 us for a 16 MiB window here) and slowed the consumer's gathers by 15-20%
-        (bench/loader.py), so a sample of the pages is checked first."""
+        (bench/loader.py), so the middle page of each part is checked first (``mincore``; not
+        its ends, which opening the shard may have read with the record batches' metadata).
+        That is a guess, and cheap on purpose: a system call costs about 3 us on a VM, and the
+        kernel's own fault path reads whatever a wrong guess leaves out."""
         if _libc is None:
             return
+        regions = []
         for part in parts:
-            address = part.ctypes.data
+            address = part.__array_interface__["data"][0]
             aligned = address - address % mmap.PAGESIZE
-            length = address - aligned + part.nbytes
-            if not _probably_resident(aligned, length):
-                _libc.madvise(aligned, length, mmap.MADV_WILLNEED)
+            regions.append((aligned, address - aligned + part.nbytes))
+        if all(_resident(aligned + length // 2 // mmap.PAGESIZE * mmap.PAGESIZE)
+               for aligned, length in regions):
+            return
+        for aligned, length in regions:
+            _libc.madvise(aligned, length, mmap.MADV_WILLNEED)
 
     def _as_rows(self, chunk: pa.Array, zero_copy: bool) -> np.ndarray:
         """A fixed-size-list chunk as ``(rows, *shape)``; a view when ``zero_copy``."""

@@ -207,8 +207,10 @@ def test_the_staged_path_reuses_buffers_allocated_once(uneven: Path) -> None:
     staged.close()
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("staging", ["direct", "staged"])
 def test_ranges_across_record_batches_are_views_onto_the_memory_map(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool, staging: str) -> None:
     monkeypatch.setattr(writer, "BATCH_BYTES", 16 * 10)  # 10 rows of 16 bytes per batch
     path = id_dataset(tmp_path / "ds", [35, 35])
     reader = pa.ipc.open_file(pa.memory_map(str(path / "shard-00000.arrow")))
@@ -218,10 +220,12 @@ def test_ranges_across_record_batches_are_views_onto_the_memory_map(
     assert [len(p) for p in parts] == [3, 10, 10, 3]
     assert all(not p.flags.owndata for p in parts)  # zero-copy
     assert np.concatenate(parts)[:, 0].tolist() == list(range(7, 33))
+    # Batches of 7 from record batches of 10: most batches are copied from two of them.
     loader = BatchLoader(path, "x", rank=0, world_size=1, batch_size=7, seed=0,
-                         shuffle_window=21)
+                         shuffle=shuffle, shuffle_window=21, staging=staging)
     seen = [i for _ in range(len(loader)) for i in ids(next(loader))]
     assert sorted(seen) == list(range(70))
+    assert (seen == sorted(seen)) is not shuffle
     loader.close()
 
 
@@ -253,6 +257,87 @@ def test_reading_ahead_is_bounded_and_crosses_epochs(uneven: Path) -> None:
         assert reader is not None and len(reader.pending) <= 3  # memory: bounded windows
     assert windows_per_epoch == 4 and reader.next_epoch == 3  # already reading epoch 3
     loader.close()
+
+
+def _evict(dataset: Path) -> bool:
+    """Drop the shards' pages from the page cache (clean pages that no process maps); whether
+    the kernel did, checked on a fresh map of the first shard's middle page."""
+    import mmap
+    import os
+
+    from datapipe import shards
+
+    for file in dataset.glob("*.arrow"):
+        fd = os.open(file, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    with open(dataset / "shard-00000.arrow", "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(mapped, dtype=np.uint8)
+    address = view.__array_interface__["data"][0]
+    middle = address + len(mapped) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+    cached = shards._resident(middle)
+    del view
+    mapped.close()
+    return not cached
+
+
+def test_only_a_shuffled_window_outside_the_page_cache_is_advised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shuffled window reads its rows in random order, so the kernel is asked to read it
+    ahead (``madvise(WILLNEED)``) when it is not cached, and not asked when it is (the advice
+    walks every page); an unshuffled loader's sequential faults get the kernel's own read-ahead
+    and are never advised. The real page cache and libc, with the calls recorded."""
+    from datapipe import shards
+
+    if shards._libc is None:
+        pytest.skip("this platform has no madvise/mincore: windows are read without advice")
+    # Two shards of 32 MiB, one record batch each, rows of one page: opening a shard reads
+    # its metadata at both ends, and the kernel reads around those faults (up to read_ahead_kb,
+    # 8 MiB on this project's VM), which never reaches a 16 MiB window's middle page.
+    monkeypatch.setattr(writer, "BATCH_BYTES", 64 << 20)
+    page_rows = np.zeros((8192, 4096), dtype=np.uint8)
+    path = tmp_path / "ds"
+    write_rows(path, [ColumnSpec("x", "uint8", (4096,))], [{"x": page_rows}] * 2,
+               rows_per_shard=8192)
+    advised: list[int] = []
+
+    class Recorded:
+        def __init__(self, libc: object):
+            self.libc = libc
+
+        def mincore(self, *args: object) -> int:
+            return self.libc.mincore(*args)  # type: ignore[attr-defined]
+
+        def madvise(self, address: int, length: int, advice: int) -> int:
+            advised.append(length)
+            return self.libc.madvise(address, length, advice)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(shards, "_libc", Recorded(shards._libc))
+
+    def first_batches(shuffle: bool) -> list[int]:
+        advised.clear()
+        loader = BatchLoader(path, "x", rank=0, world_size=1, batch_size=256, seed=0,
+                             shuffle=shuffle, shuffle_window=4096, read_ahead=2)
+        next(loader)
+        loader.close()
+        return list(advised)
+
+    if not _evict(path):
+        pytest.skip("the kernel kept the shards cached after POSIX_FADV_DONTNEED")
+    assert first_batches(shuffle=False) == []
+    if not _evict(path):
+        pytest.skip("the kernel kept the shards cached after POSIX_FADV_DONTNEED")
+    # Two windows read (the current one and one ahead), 16 MiB each from their first page.
+    advice = first_batches(shuffle=True)
+    assert len(advice) == 2 and all(16 << 20 <= n < (16 << 20) + 4096 for n in advice), advice
+    loader = BatchLoader(path, "x", rank=0, world_size=1, batch_size=256, seed=0,
+                         shuffle_window=4096)
+    for _ in range(len(loader)):  # every page cached
+        next(loader)
+    loader.close()
+    assert first_batches(shuffle=True) == []
 
 
 def test_a_remote_range_reads_only_the_record_batches_it_needs(
