@@ -219,17 +219,20 @@ def plan_command(
     world = cfg.parallel.workers
     accumulation = cfg.train.accumulation_steps(world)
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
-    console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} on "
-                  f"CPU ({len(precisions) * len(AC_MODES)} probes)...")
+    console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} "
+                  f"({len(precisions) * len(AC_MODES)} probes, fake tensors on CPU)...")
+    start = time.perf_counter()
     static, profiles = probe_config(cfg, precisions, AC_MODES)
     gib = 2**30
-    console.print(f"per rank ({cfg.parallel.strategy}, {world} workers): parameters "
-                  f"{static.params / gib:.2f} GiB, gradients {static.grads / gib:.2f} GiB, "
-                  f"AdamW state {static.optimizer / gib:.2f} GiB")
-    current = Table("precision", "act. ckpt", "activations GiB", "transient GiB",
-                    "predicted peak GiB", "peak at", "fits", "recompute",
-                    title=f"configured micro-batch {cfg.train.micro_batch()} x "
-                          f"accumulation {accumulation} x {world} workers")
+    console.print(f"probed in {time.perf_counter() - start:.1f} s")
+    console.print(f"per rank, {cfg.parallel.strategy} x {world} workers: params "
+                  f"{static.params / gib:.2f}, grads {static.grads / gib:.2f}, AdamW state "
+                  f"{static.optimizer / gib:.2f} GiB")
+    # Headers in two lines and no vertical rules: both tables fit an 80-column terminal.
+    current = _plan_table(f"configured micro-batch {cfg.train.micro_batch()} x accumulation "
+                          f"{accumulation} x {world} workers",
+                          "precision", "act.\nckpt", "saved\nGiB", "temp.\nGiB", "peak\nGiB",
+                          "peak at", "fits", "recompute")
     for profile in profiles:
         row = plan_row(static, profile, cfg.train.micro_batch(), accumulation)
         current.add_row(row.precision, row.activation_checkpointing,
@@ -238,17 +241,29 @@ def plan_command(
                         "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
                         f"+{100 * row.recompute_cost:.0f}%")
     console.print(current)
+    console.print("saved: activations kept for backward; temp.: the largest temporaries\n"
+                  "beside them; peak: with parameters and AdamW state, at the moment named")
     rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget)
-    best = Table("precision", "act. ckpt", "micro-batch", "accumulation", "predicted peak GiB",
-                 "recompute", title=f"largest micro-batch that fits {HEADROOM:.0%} of "
-                                    f"{device_memory}, global batch "
-                                    f"{cfg.train.global_batch_size} kept")
+    best = _plan_table(f"largest micro-batch in {HEADROOM:.0%} of {device_memory}, global "
+                       f"batch {cfg.train.global_batch_size} kept",
+                       "precision", "act.\nckpt", "micro-\nbatch", "accumu-\nlation",
+                       "peak\nGiB", "recompute")
     for row in rows:
         best.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
                      str(row.accumulation_steps), f"{row.predicted_peak_bytes / gib:.2f}",
                      f"+{100 * row.recompute_cost:.0f}%")
     console.print(best if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
                                     "sequence or a smaller model")
+
+
+def _plan_table(title: str, *headers: str) -> Table:
+    from rich import box
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
+    for header in headers:
+        table.add_column(header, no_wrap=True,
+                         justify="right" if "GiB" in header or "-" in header else "left")
+    return table
 
 
 @app.command("dashboards")

@@ -52,6 +52,15 @@ def cpu_bf16_support() -> CpuBf16:
     return "emulated"
 
 
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode``: tensors made inside have shapes, dtypes, devices and storages but
+    no data, and operators on them compute only those (torch.compile's tracer, private but
+    stable since torch 2.0)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
 def cpu_capability() -> str:
     """The instruction set ATen's CPU kernels were dispatched to (``AVX512``, ``AVX2``, ...)."""
     import torch

@@ -39,7 +39,9 @@ measures how far the prediction is from the real CUDA peak.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -48,10 +50,11 @@ import torch
 from torch import nn
 
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
-from trainer.compat import cpu_bf16_support, is_checkpoint_wrapper
+from trainer.compat import cpu_bf16_support, fake_tensor_mode, is_checkpoint_wrapper
 from trainer.loss import LossShape, observe_chunked_losses, summed_loss
 from trainer.memory import precision_policy
 
+log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
 AC_MODES = ("none", "selective", "full")
 # Plans fill at most this share of the device: the allocator's rounding and caching, kernel
@@ -149,16 +152,18 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1) -
 @contextlib.contextmanager
 def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
     """Count bytes autograd saves inside the block (deduplicated by storage, no parameters)."""
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Storages are told apart by their C++ object (``_cdata``), not their data pointer, which
+    # fake tensors (``probe_mode="fake"``) do not have.
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: set[int] = set()
     counts: dict[str, Any] = {"bytes": 0, "sizes": []}  # sizes: each storage, in save order
 
     def record(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in param_storages or ptr in seen or ptr == 0:
+        key = storage._cdata
+        if key in param_storages or key in seen or storage.nbytes() == 0:
             return
-        seen.add(ptr)
+        seen.add(key)
         counts["bytes"] += storage.nbytes()
         counts["sizes"].append(storage.nbytes())
 
@@ -244,18 +249,56 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...]) -> 
 
 def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                         vocab_size: int, precision: str, device: torch.device | None = None,
-                        target: str | None = None) -> ActivationProfile:
+                        target: str | None = None, fake: bool | None = None
+                        ) -> ActivationProfile:
     """Probe a model built with ``transforms`` at batch 1 and 2 and fit
     ``fixed + per_sample * batch``.
 
-    ``target`` is the device type the plan is for (default: the probe's device; "none" inside
-    the planner's own nested probe). For a CPU whose bf16 is emulated
-    (``trainer.compat.cpu_bf16_support``) the emulated kernels' workspace is measured too
-    (``emulated_bf16_workspace``).
+    ``target`` is the device type the plan is for (default: the probe's device). For a CPU
+    whose bf16 is emulated (``trainer.compat.cpu_bf16_support``) the emulated kernels'
+    workspace is measured too (``emulated_bf16_workspace``, with real kernels: their buffers
+    are what it measures).
+
+    ``fake`` (default: on CPU) probes with fake tensors (``trainer.compat.fake_tensor_mode``):
+    the same modules, autograd graph and saved tensors, with shapes and no data, so a GPT-2
+    probe takes a fraction of a second instead of minutes of CPU arithmetic (bf16 emulated on
+    most CPUs). The saved bytes are the real probe's to the byte
+    (``tests/unit/test_planner.py``). A model whose forward cannot run on fake tensors (it
+    reads a value, calls numpy) is probed for real, with a log line that says so.
     """
     device = device or torch.device("cpu")
     target = target or device.type
-    model = build_model(factory, transforms, device)
+    profile = block_input = None
+    if device.type == "cpu" if fake is None else fake:
+        try:
+            with fake_tensor_mode():
+                profile, block_input = _profile(factory, transforms, seq_len, vocab_size,
+                                                precision, device)
+        except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
+            log.info("planner: the model cannot be probed with fake tensors (%s: %s); probing "
+                     "with real ones", type(err).__name__, str(err).splitlines()[0][:200])
+            profile = None
+    if profile is None:
+        profile, block_input = _profile(factory, transforms, seq_len, vocab_size, precision,
+                                        device)
+    if (target == "cpu" and device.type == "cpu" and precision == "bf16"
+            and block_input is not None and cpu_bf16_support() != "native"):
+        plain = transforms.replace(activation_checkpointing="none")
+        first_block = build_model(factory, plain).get_submodule("blocks.0")
+        profile = dataclasses.replace(profile, emulation_workspace_per_sample_bytes=(
+            emulated_bf16_workspace(first_block, block_input)))
+    return profile
+
+
+def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
+             vocab_size: int, precision: str, device: torch.device
+             ) -> tuple[ActivationProfile, tuple[int, ...] | None]:
+    """``profile_activations`` without the emulation workspace, on real or fake tensors
+    (whichever mode is active), and one sample's input shape to the first block (None for a
+    model without ``blocks``)."""
+    # Factories build on the CPU; a fake module cannot be moved there again (tied weights
+    # cannot be swapped), and a real one need not be.
+    model = build_model(factory, transforms, None if device.type == "cpu" else device)
     chosen = checkpointed_blocks(model)
     blocks = getattr(model, "blocks", nn.ModuleList())
     num_blocks = len(blocks)
@@ -282,10 +325,9 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
         if len(sizes_1) == len(sizes_2) else [max(sizes_2, default=0) - max(sizes_1, default=0)]
     largest_per_sample = max(growth, default=0)
     recompute_block = recompute_block_fixed = autocast_cache = 0
-    plain_transforms = transforms.replace(activation_checkpointing="none")
     if chosen:
-        plain = profile_activations(factory, plain_transforms, seq_len, vocab_size, precision,
-                                    device, target="none")
+        plain, _ = _profile(factory, transforms.replace(activation_checkpointing="none"),
+                            seq_len, vocab_size, precision, device)
         recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
         autocast_cache = max(0, plain.fixed_bytes - fixed)
         largest_per_sample = plain.largest_tensor_per_sample_bytes  # inside a recomputed block
@@ -301,16 +343,12 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     outside = [p for p in {id(p): p for p in model.parameters()}.values()
                if id(p) not in in_blocks]
     block_params = max((_nbytes(block.parameters()) for block in blocks), default=0)
-    emulation = 0
-    if (target == "cpu" and device.type == "cpu" and precision == "bf16" and block_inputs
-            and cpu_bf16_support() != "native"):
-        first_block = build_model(factory, plain_transforms).get_submodule("blocks.0")
-        emulation = emulated_bf16_workspace(first_block, block_inputs[0][1:])
-    return ActivationProfile(precision, transforms.activation_checkpointing, per_sample, fixed,
-                             largest_per_sample, recompute, recompute_block, autocast_cache,
-                             loss_shapes[0] if loss_shapes else None, seq_len,
-                             _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
-                             block_params, recompute_block_fixed, emulation)
+    profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
+                                fixed, largest_per_sample, recompute, recompute_block,
+                                autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
+                                _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
+                                block_params, recompute_block_fixed)
+    return profile, (block_inputs[0][1:] if block_inputs else None)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,

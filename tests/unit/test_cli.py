@@ -71,6 +71,9 @@ def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
         assert mode in table
     assert "global batch 32 kept" in table
     assert "peak at" in table  # the moment that sets each predicted peak
+    # An 80-column terminal shows every line whole: no header or value cut to "…".
+    assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80, table
+    assert "backward start" in table and "selective" in table
 
 
 def test_plan_rejects_a_bad_device_memory() -> None:

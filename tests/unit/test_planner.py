@@ -239,3 +239,47 @@ def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None
     static = StaticBytes(params=0, grads=0, optimizer=0)
     row, native_row = plan_row(static, emulated, 4, 1), plan_row(static, profile("native"), 4, 1)
     assert row.predicted_peak_bytes - native_row.predicted_peak_bytes == 4 * measured
+
+
+@pytest.mark.parametrize("loss_chunk_tokens", [256, 0])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # fp16 takes bf16's path
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_a_fake_tensor_probe_saves_the_real_probes_bytes_exactly(
+        mode: str, precision: str, loss_chunk_tokens: int) -> None:
+    """The planner probes under fake tensors (shapes, no data: GPT-2 in seconds, not minutes);
+    every field of the profile equals the real probe's, for both loss paths, every precision
+    and checkpointing mode, with bf16 norm inputs on (the shipped default)."""
+    cfg = GPTConfig(vocab_size=1024, seq_len=64, n_layer=3, n_head=2, n_embd=64)
+    transforms = MemoryTransforms(mode, loss_chunk_tokens=loss_chunk_tokens)
+
+    def probe(fake: bool) -> ActivationProfile:
+        return profile_activations(partial(GPT, cfg), transforms, cfg.seq_len, cfg.vocab_size,
+                                   precision, target="cuda", fake=fake)
+
+    fake, real = probe(True), probe(False)
+    assert fake == real
+    assert fake.per_sample_bytes > 0 and (fake.loss_shape is not None)
+
+
+def test_a_model_that_reads_values_is_probed_for_real(caplog: pytest.LogCaptureFixture) -> None:
+    """Fake tensors have no values: a forward that reads one (``.item()``) cannot run on them,
+    so the planner says so in one log line and probes with real tensors."""
+
+    class Reads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(256, 32)
+            self.head = torch.nn.Linear(32, 256)
+
+        def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+            x_BTC = self.emb(idx_BT)
+            if x_BTC.abs().max().item() > 1e6:  # a value read: data-dependent control flow
+                raise AssertionError("never")
+            return self.head(torch.tanh(x_BTC))
+
+    with caplog.at_level("INFO", logger="memtrain.planner"):
+        profile = profile_activations(Reads, plain("none"), 16, 256, "fp32")
+    assert [r.getMessage() for r in caplog.records
+            if "cannot be probed with fake tensors" in r.getMessage()], caplog.text
+    assert profile == profile_activations(Reads, plain("none"), 16, 256, "fp32", fake=False)
+    assert profile.per_sample_bytes > 0

@@ -133,6 +133,7 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     """The planner's inputs for ``cfg``: one rank's static bytes and an activation profile per
     (precision, checkpointing) pair, probed on CPU for the configured device type."""
     from trainer.build import MemoryTransforms, build_model, model_factory
+    from trainer.compat import fake_tensor_mode
     from trainer.planner import profile_all, static_bytes
 
     factory = model_factory(cfg.model)
@@ -140,8 +141,9 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     profiles = profile_all(factory, transforms, cfg.model.seq_len, cfg.model.vocab_size,
                            precisions, ac_modes,
                            target="cuda" if cfg.parallel.use_gpu else "cpu")
-    plain = build_model(factory, transforms.replace(activation_checkpointing="none"))
-    static = static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers)
+    with fake_tensor_mode():  # only sizes are counted: no memory, no initialisation
+        plain = build_model(factory, transforms.replace(activation_checkpointing="none"))
+        static = static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers)
     return static, profiles
 
 
