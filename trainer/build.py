@@ -40,8 +40,9 @@ class MemoryTransforms:
 
     @classmethod
     def of(cls, memory: MemoryConfig) -> MemoryTransforms:
+        # An "auto" not resolved by trainer.launch.resolve_auto: on, the choice that fits more.
         return cls(memory.activation_checkpointing, memory.checkpoint_every_k,
-                   memory.loss_chunk_tokens, memory.bf16_norm_inputs)
+                   memory.loss_chunk_tokens, memory.bf16_norm_inputs is not False)
 
     def replace(self, **changes: Any) -> MemoryTransforms:
         return dataclasses.replace(self, **changes)

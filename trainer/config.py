@@ -116,8 +116,10 @@ class MemoryConfig(_Strict):
     # when the driver has one, or this host's RAM divided by the workers on CPU.
     device_memory: str | None = None
     # Under bf16 autocast, LayerNorms read (and save for backward) a bf16 copy of their input
-    # instead of the fp32 residual stream: the largest fp32 share of bf16's saved activations.
-    bf16_norm_inputs: bool = True
+    # instead of the fp32 residual stream: the largest fp32 share of bf16's saved activations,
+    # for about 5% of an eager step's time (H200, issue #17). "auto": on only when the planner
+    # needs its bytes (trainer.planner.choose_norm_inputs); off without bf16.
+    bf16_norm_inputs: bool | Literal["auto"] = "auto"
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits). "auto":
     # 4096 for a model that computes its own loss (the GPT), the plain loss for any other.
     loss_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"

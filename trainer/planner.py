@@ -465,3 +465,29 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
         return None
     useful = [r for r in rows if r.micro_batch_size >= min(min_micro_batch, per_rank)]
     return useful[0] if useful else max(rows, key=lambda r: r.micro_batch_size)
+
+
+def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank: int,
+                       min_micro_batch: int = 4) -> tuple[bool, str]:
+    """``memory.bf16_norm_inputs: auto``: whether the plan with bf16 norm inputs (``with_``)
+    beats the one without (``without``; each ``choose_plan``'s answer, None: nothing fits),
+    and why, in words for the log.
+
+    The bf16 copies save memory and cost time (5.5% of an eager GPT-2 step on an H200, issue
+    #17), so they are on only when their bytes buy something: a plan that fits at all, less
+    recomputation, or a useful micro-batch (``choose_plan``'s ``min_micro_batch``) where the
+    plan without them has none. Recomputation costs more than they do (a sixth of a step for
+    selective checkpointing)."""
+    if without is None:
+        return True, "needed to fit" if with_ is not None else "nothing fits without them"
+    if with_ is None:
+        return False, "not needed"
+    if with_.recompute_cost < without.recompute_cost:
+        return True, (f"checkpointing {with_.activation_checkpointing} fits with them, "
+                      f"{without.activation_checkpointing} without")
+    useful = min(min_micro_batch, per_rank)
+    if without.micro_batch_size < useful <= with_.micro_batch_size:
+        return True, (f"micro-batch {with_.micro_batch_size} fits with them, "
+                      f"{without.micro_batch_size} without")
+    return False, (f"not needed: checkpointing {without.activation_checkpointing}, micro-batch "
+                   f"{without.micro_batch_size} fits without them")

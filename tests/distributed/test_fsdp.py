@@ -97,7 +97,8 @@ def test_fsdp_in_bf16_with_bf16_norm_inputs_tracks_ddp(corpus_dir: Path, tmp_pat
     parameters are all-gathered for forward and again for backward, where the Function reads
     the norm weights it saved; the losses follow DDP's."""
     common = ("parallel.launcher=local", "memory.precision=bf16", "train.steps=6",
-              "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0")
+              "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+              "memory.bf16_norm_inputs=true")  # "auto" leaves them off where memory is ample
     ddp_cfg, ddp_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=d16"))
     launch_local(ddp_cfg, ddp_dir)
     fsdp_cfg, fsdp_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common,

@@ -13,7 +13,9 @@ from trainer.memory import (
 from trainer.model import GPT, GPTConfig
 from trainer.planner import (
     ActivationProfile,
+    PlanRow,
     StaticBytes,
+    choose_norm_inputs,
     choose_plan,
     feasible_plans,
     measure_saved_bytes,
@@ -283,3 +285,63 @@ def test_a_model_that_reads_values_is_probed_for_real(caplog: pytest.LogCaptureF
             if "cannot be probed with fake tensors" in r.getMessage()], caplog.text
     assert profile == profile_activations(Reads, plain("none"), 16, 256, "fp32", fake=False)
     assert profile.per_sample_bytes > 0
+
+
+def _row(mode: str, micro: int, recompute: float) -> PlanRow:
+    return PlanRow("bf16", mode, micro, 16 // micro, 0, 0, 0, 0, recompute)
+
+
+@pytest.mark.parametrize("without, with_, on, why", [
+    (None, _row("none", 8, 0.0), True, "needed to fit"),
+    (None, None, True, "nothing fits"),
+    (_row("none", 8, 0.0), None, False, "not needed"),
+    (_row("selective", 8, 1 / 6), _row("none", 8, 0.0), True, "checkpointing none fits"),
+    (_row("none", 2, 0.0), _row("none", 8, 0.0), True, "micro-batch 8 fits with them, 2"),
+    (_row("none", 4, 0.0), _row("none", 8, 0.0), False, "not needed: checkpointing none"),
+    (_row("none", 16, 0.0), _row("none", 16, 0.0), False, "not needed"),
+])
+def test_bf16_norm_inputs_are_on_only_when_their_bytes_buy_something(
+        without: PlanRow | None, with_: PlanRow | None, on: bool, why: str) -> None:
+    chosen, reason = choose_norm_inputs(without, with_, per_rank=16)
+    assert chosen is on and why in reason, reason
+
+
+def test_bf16_norm_inputs_auto_resolves_before_launch(corpus_dir, tmp_path, caplog) -> None:
+    """``auto`` on the real planner (fake probes) against device budgets on either side of
+    what the copies save: off when the configured micro-batch fits without them, on when it
+    fits only with them; off without bf16, whatever the budget; on where the budget cannot be
+    known (a GPU run planned on a machine without one)."""
+    from tests.conftest import tiny_config
+    from trainer.build import MemoryTransforms
+    from trainer.config import ConfigError
+    from trainer.launch import device_memory_bytes, probe_config, resolve_auto
+
+    base = ("memory.precision=bf16", "memory.activation_checkpointing=none",
+            "memory.bf16_norm_inputs=auto")
+
+    def peak(norm: bool) -> int:
+        cfg = tiny_config(corpus_dir, tmp_path, *base, f"memory.bf16_norm_inputs={norm}")
+        static, [profile] = probe_config(cfg, ["bf16"], ["none"])
+        return plan_row(static, profile, cfg.train.micro_batch(), 2).predicted_peak_bytes
+
+    with_, without = peak(True), peak(False)
+    assert with_ < without  # the copies save bytes at this micro-batch
+
+    def resolved(*overrides: str) -> object:
+        cfg = resolve_auto(tiny_config(corpus_dir, tmp_path, *base, *overrides))
+        return cfg.memory.bf16_norm_inputs
+
+    between = int((with_ + without) / 2 / 0.9)  # the planner fills 90% of the device
+    with caplog.at_level("INFO", logger="memtrain"):
+        assert resolved(f"memory.device_memory={between}B") is True
+    assert "auto: bf16 norm inputs on (needed to fit)" in caplog.text
+    assert resolved(f"memory.device_memory={without * 4}B") is False
+    assert resolved("memory.precision=fp32", "memory.device_memory=1B") is False
+    gpu = ("parallel.use_gpu=true",)
+    with pytest.raises(ConfigError):  # no GPU here to read its memory from
+        device_memory_bytes(tiny_config(corpus_dir, tmp_path, *gpu))
+    if not torch.cuda.is_available():
+        assert resolved(*gpu) is True
+    # An "auto" that reaches a model unresolved builds it with the copies on.
+    assert MemoryTransforms.of(tiny_config(corpus_dir, tmp_path, *base).memory) \
+        .bf16_norm_inputs is True

@@ -41,7 +41,8 @@ def test_twenty_steps_give_the_recorded_losses_bit_for_bit(precision: str, corpu
     cfg, run_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, f"memory.precision={precision}", "parallel.launcher=local",
         "parallel.workers=1", "train.steps=20", "train.log_every=1", "train.eval_every=0",
-        "train.checkpoint_every=0", f"run.name=rec-{precision}"))
+        "train.checkpoint_every=0", f"run.name=rec-{precision}",
+        "memory.bf16_norm_inputs=true"))  # as recorded, before its default became "auto"
     launch_local(cfg, run_dir)
     rows = [json.loads(line) for line in
             (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()]

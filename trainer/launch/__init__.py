@@ -13,13 +13,13 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from datapipe.paths import is_remote
 from trainer.config import Config, ConfigError
 
 if TYPE_CHECKING:
-    from trainer.planner import ActivationProfile, StaticBytes
+    from trainer.planner import ActivationProfile, PlanRow, StaticBytes
 
 log = logging.getLogger("memtrain")
 ERRORS_DIR = "errors"  # run_dir/errors/rank-<r>.json: a failed worker's own error, one line
@@ -148,36 +148,71 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
 
 
 def resolve_auto(cfg: Config) -> Config:
-    """Replace ``micro_batch_size: auto`` / ``activation_checkpointing: auto`` by the planner's
-    choice (see ``trainer.planner.choose_plan``); configs without ``auto`` pass unchanged."""
+    """Replace ``micro_batch_size: auto``, ``activation_checkpointing: auto`` and
+    ``bf16_norm_inputs: auto`` by the planner's choice (``trainer.planner.choose_plan``,
+    ``choose_norm_inputs``); configs without ``auto`` pass unchanged."""
     micro_auto = cfg.train.micro_batch_size == "auto"
     ac_auto = cfg.memory.activation_checkpointing == "auto"
-    if not (micro_auto or ac_auto):
+    norm_auto = cfg.memory.bf16_norm_inputs == "auto"
+    if not (micro_auto or ac_auto or norm_auto):
         return cfg
-    from trainer.planner import AC_MODES, choose_plan
+    from trainer.planner import AC_MODES, choose_norm_inputs, choose_plan
 
     world = cfg.parallel.workers
     if cfg.train.global_batch_size % world:
         raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
                           f"multiple of the workers ({world})")
-    modes = AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,)
     precision = planned_precision(cfg)
-    static, profiles = probe_config(cfg, [precision], modes)
-    budget = device_memory_bytes(cfg)
+
+    def resolved(plan: PlanRow | None, norm: bool | str) -> Config:
+        memory: dict[str, Any] = {"bf16_norm_inputs": norm}
+        train: dict[str, Any] = {}
+        if plan is not None:
+            memory["activation_checkpointing"] = plan.activation_checkpointing
+            train["micro_batch_size"] = plan.micro_batch_size
+        return cfg.model_copy(update={
+            "train": cfg.train.model_copy(update=train),
+            "memory": cfg.memory.model_copy(update=memory)})
+
+    if norm_auto and precision != "bf16":  # the copies exist only under bf16 autocast
+        cfg, norm_auto = resolved(None, False), False
+        if not (micro_auto or ac_auto):
+            return cfg
+    try:
+        budget = device_memory_bytes(cfg)
+    except ConfigError:
+        if micro_auto or ac_auto:
+            raise
+        log.info("auto: bf16 norm inputs on (this machine cannot read the GPU's memory and "
+                 "memory.device_memory is unset; on fits more)")
+        return resolved(None, True)
+    modes = AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,)
     fixed = None if micro_auto else cfg.train.micro_batch()
-    plan = choose_plan(static, profiles, cfg.train.global_batch_size, world, budget, fixed)
+
+    def plan_with(norm: bool) -> PlanRow | None:
+        static, profiles = probe_config(
+            cfg.model_copy(update={"memory": cfg.memory.model_copy(
+                update={"bf16_norm_inputs": norm})}), [precision], modes)
+        return choose_plan(static, profiles, cfg.train.global_batch_size, world, budget, fixed)
+
+    norm: bool | str = cfg.memory.bf16_norm_inputs
+    if norm_auto:
+        without, with_ = plan_with(False), plan_with(True)
+        norm, why = choose_norm_inputs(without, with_, cfg.train.global_batch_size // world)
+        plan = with_ if norm else without
+        log.info("auto: bf16 norm inputs %s (%s)", "on" if norm else "off", why)
+    else:
+        plan = plan_with(norm is True)
     if plan is None:
-        raise ConfigError(f"nothing fits {budget / 2**30:.1f} GiB per device with precision "
-                          f"{precision} (memory.device_memory); try FSDP, a shorter "
-                          "sequence or a smaller model")
+        if micro_auto or ac_auto:
+            raise ConfigError(f"nothing fits {budget / 2**30:.1f} GiB per device with "
+                              f"precision {precision} (memory.device_memory); try FSDP, a "
+                              "shorter sequence or a smaller model")
+        return resolved(None, norm)  # the run's own OOM handling has the last word
     log.info("auto: activation checkpointing %s, micro-batch %d x accumulation %d; predicted "
              "peak %.2f GiB of %.2f GiB", plan.activation_checkpointing, plan.micro_batch_size,
              plan.accumulation_steps, plan.predicted_peak_bytes / 2**30, budget / 2**30)
-    return cfg.model_copy(update={
-        "train": cfg.train.model_copy(update={"micro_batch_size": plan.micro_batch_size}),
-        "memory": cfg.memory.model_copy(
-            update={"activation_checkpointing": plan.activation_checkpointing}),
-    })
+    return resolved(plan, norm)
 
 
 def prepare_run(cfg: Config) -> tuple[Config, Path]:
