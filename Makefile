@@ -14,6 +14,7 @@ PYTEST_WORKERS ?= 2
 # gpu-check runs on the machine's own torch, from the source tree
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= bench/results
+GPU_CHECK_ARGS ?=
 # k8s/overlays/: cluster (long-lived RayCluster) or job (one RayJob)
 OVERLAY ?= cluster
 CONFIG ?= configs/gpt2-124m-8xgpu.yaml
@@ -114,7 +115,7 @@ gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no 
 		if [ -x $(BIN)/python ]; then py=$(BIN)/python; echo "gpu-check: $(GPU_PYTHON) has no torch, using $$py"; \
 		else echo "error: gpu-check needs torch, pyarrow, numpy and prometheus-client; $(GPU_PYTHON) has no torch and there is no $(VENV) (make setup, or GPU_PYTHON=...)"; exit 2; fi; \
 	fi; \
-	PYTHONPATH=. $$py scripts/gpu_check.py --out $(GPU_CHECK_OUT)
+	PYTHONPATH=. $$py scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 up: ## Kubernetes: check prerequisites, then apply k8s/overlays/$(OVERLAY) (+ monitoring)
 	bash scripts/k8s.sh up $(OVERLAY)

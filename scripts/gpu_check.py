@@ -15,6 +15,8 @@ micro-batch, through the trainer's own ``train_step``:
   the global batch kept, and a memory snapshot that loads with ``pickle``;
 - the peer: a plain nanoGPT-style loop on the same model and micro-batch (eager, and compiled
   with ``--compile``), with memtrain's rows as ratios to it (tokens/s, peak memory);
+- the largest micro-batch under a memory cap (``--memory-cap-gib``, 24): the peer's, found by
+  doubling, against the one memtrain's planner chooses for the cap, each run under it;
 - every CUDA metric family of the contract, published through the standalone exporter;
 - a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests.
 
@@ -54,7 +56,13 @@ from trainer.loop import build_optimizer, step_peak_bytes, train_step
 from trainer.memory import configure_allocator_env, precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
-from trainer.planner import plan_row, profile_activations, static_bytes
+from trainer.planner import (
+    choose_plan,
+    feasible_plans,
+    plan_row,
+    profile_activations,
+    static_bytes,
+)
 
 GPT2_124M = GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_embd=768)
 TINY = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, n_embd=64)
@@ -278,6 +286,66 @@ def peer_ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _under_cap(measure: Any, cap: int, device: torch.device) -> dict[str, Any] | None:
+    """``measure()``'s row if it ran within ``cap`` bytes, else None. On CUDA the cap is
+    enforced (``set_per_process_memory_fraction``: an allocation past it is an OOM); in dry
+    mode on CPU it is checked against the allocator's record of the step's peak."""
+    try:
+        row = measure()
+    except torch.cuda.OutOfMemoryError:
+        row = None
+    if row is None:  # out of the except block: its traceback no longer holds the tensors
+        release_memory(device)
+        return None
+    return row if row["peak_allocated_bytes"] <= cap else None
+
+
+def memory_cap(cfg: GPTConfig, cap: int, device: torch.device, steps: int, warmup: int,
+               loss_chunk_tokens: int, largest: int) -> dict[str, Any]:
+    """Largest micro-batch under a memory cap, bf16: the plain loop's (doubled from 1 until
+    it no longer fits) against memtrain's, chosen by the planner for that cap (CPU probes, as
+    ``memtrain plan`` makes them; any checkpointing mode, least recomputation first), each
+    measured under the cap with tokens/s."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    try:
+        peer, micro = None, 1
+        while micro <= largest:
+            row = _under_cap(partial(measure_peer, cfg, "bf16", micro, device, steps, warmup),
+                             cap, device)
+            if row is None:
+                break
+            peer, micro = row, micro * 2
+        profiles = [profile_activations(partial(GPT, cfg), transforms(ac, loss_chunk_tokens),
+                                        cfg.seq_len, cfg.vocab_size, "bf16", target="cuda")
+                    for ac in AC_MODES]
+        static = static_bytes(GPT(cfg))
+        # What ``auto`` picks (least recomputation with a useful micro-batch), and the largest
+        # micro-batch any checkpointing mode fits (feasible_plans: least recomputation first).
+        fitting = feasible_plans(static, profiles, largest, 1, cap)
+        plans = {"auto": choose_plan(static, profiles, largest, 1, cap),
+                 "largest": max(fitting, key=lambda r: r.micro_batch_size, default=None)}
+        rows: dict[str, Any] = {
+            name: None if plan is None else _under_cap(
+                partial(measure_step, cfg, "bf16", plan.activation_checkpointing,
+                        plan.micro_batch_size, device, steps, warmup, loss_chunk_tokens),
+                cap, device)
+            for name, plan in plans.items()}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    out: dict[str, Any] = {"cap_bytes": cap, "peer": peer, "memtrain": rows,
+                           "plans": {k: p and p.as_dict() for k, p in plans.items()},
+                           "ratios": {}}
+    for name, mine in rows.items():
+        if peer and mine:
+            out["ratios"][name] = {
+                "micro_batch": mine["micro_batch_size"] / peer["micro_batch_size"],
+                "tokens_per_second": mine["tokens_per_second"] / peer["tokens_per_second"]}
+    return out
+
+
 def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
             device: torch.device, loss_chunk_tokens: int) -> dict[str, Any]:
     """The planner's prediction, probing on the same device the step runs on."""
@@ -498,6 +566,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["input_stall"] = stall
     report["oom_recovery"] = section(
         "oom recovery", oom_recovery, cfg, device, 4 if dry else args.oom_micro_batch, dry)
+    # Dry mode: a cap just above the plain loop's peak at micro-batch 4, so it fits 4 and not 8.
+    cap = (int(report["peer"][0]["peak_allocated_bytes"] * 1.2) if dry and report["peer"]
+           else int(args.memory_cap_gib * 2**30))
+    report["memory_cap"] = section("memory cap", memory_cap, cfg, cap, device, steps, warmup,
+                                   args.loss_chunk_tokens, 64 if dry else 512)
     report["summary"] = summarize(report)
     return report
 
@@ -585,6 +658,26 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{oom['recovered_micro_batch']} after {oom['ooms']} OOM(s), accumulation "
                       f"x{oom['accumulation_after']}, global batch kept; snapshot loads with "
                       f"pickle: {oom['snapshot_loads_with_pickle']}"]
+    capped = report.get("memory_cap")
+    if capped:
+        cap = capped["cap_bytes"]
+        shown = f"{cap / 2**30:.1f} GiB" if cap >= 2**30 else f"{cap / 2**20:.2f} MiB"
+        lines += ["", f"Largest micro-batch under a {shown} cap, bf16 (memtrain's chosen by "
+                      "the planner for the cap: auto's choice, and the largest it fits):", "",
+                  "| loop | act. ckpt | micro-batch | peak alloc MiB | tokens/s | micro-batch "
+                  "vs plain | tokens/s vs plain |", "|---|---|---|---|---|---|---|"]
+        entries = [("plain", capped["peer"], None)] + [
+            (f"memtrain ({name})", row, capped["ratios"].get(name))
+            for name, row in capped["memtrain"].items()]
+        for name, row, ratio in entries:
+            if row is None:
+                lines.append(f"| {name} | - | nothing fits | - | - | - | - |")
+                continue
+            lines.append(f"| {name} | {row.get('activation_checkpointing', 'none')} | "
+                         f"{row['micro_batch_size']} | {row['peak_allocated_bytes'] / 2**20:,.1f}"
+                         f" | {row['tokens_per_second']:,.0f} | "
+                         + (f"{ratio['micro_batch']:.1f}x | {ratio['tokens_per_second']:.3f}x |"
+                            if ratio else "- | - |"))
     if report["errors"]:
         lines += ["", "Errors: " + "; ".join(report["errors"])]
     return "\n".join(lines) + "\n"
@@ -600,6 +693,8 @@ def main() -> int:
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--loss-chunk-tokens", type=int, default=4096)
     parser.add_argument("--budget-seconds", type=float, default=270)
+    parser.add_argument("--memory-cap-gib", type=float, default=24,
+                        help="the cap of the largest-micro-batch rows (CUDA)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,16 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     assert set(ratios) == {("none", 4096), ("selective", 4096), ("full", 4096),
                            ("selective", 0)}
     assert ratios[("full", 4096)]["peak_ratio"] < 1  # checkpointing holds less than the peer
+    # Under a memory cap (dry: just above the plain loop's peak at micro-batch 4), the plain
+    # loop's largest micro-batch against memtrain's, chosen by the planner for the cap: every
+    # measured row ran within the cap, and checkpointing fits a larger micro-batch.
+    capped = report["memory_cap"]
+    peer_cap, mine = capped["peer"], capped["memtrain"]
+    assert peer_cap["micro_batch_size"] == 4 and mine["auto"] and mine["largest"]
+    assert all(r["peak_allocated_bytes"] <= capped["cap_bytes"]
+               for r in (peer_cap, mine["auto"], mine["largest"]))
+    assert mine["largest"]["micro_batch_size"] > peer_cap["micro_batch_size"]
+    assert capped["ratios"]["largest"]["micro_batch"] >= 2
     assert report["oom_recovery"]["recovered_micro_batch"] == 2
     assert report["oom_recovery"]["ooms"] == 1
     assert 0 <= report["input_stall"]["input_stall"] < 1
