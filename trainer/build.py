@@ -77,3 +77,18 @@ def checkpointed_blocks(model: nn.Module) -> list[int]:
     """Indices of the blocks in ``model.blocks`` that activation checkpointing wrapped."""
     blocks = getattr(model, "blocks", [])
     return [i for i, block in enumerate(blocks) if is_checkpoint_wrapper(block)]
+
+
+def compile_model(model: nn.Module) -> str:
+    """torch.compile ``model`` in place, block by block where it has ``blocks`` (as torchtitan
+    does: identical blocks share one compiled graph, the loss and embeddings stay eager, and
+    FSDP2 can wrap each compiled block); the whole model otherwise. In place
+    (``nn.Module.compile``), so parameter names and checkpoints are unchanged. Returns what was
+    compiled, for the log."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        for block in blocks:
+            block.compile()
+        return f"each of the {len(blocks)} blocks"
+    model.compile()
+    return "the whole model"

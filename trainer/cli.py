@@ -126,6 +126,9 @@ def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
         (f"peak memory rank 0 ({summary['peak_memory_kind']})",
          format_bytes(summary["peak_memory_bytes"])),
         ("checkpoints written at steps", ", ".join(map(str, summary["checkpoints_written"]))),
+        *([("torch.compile", f"{summary['compile_seconds']:.1f} s, "
+                             f"{summary['recompilations']} recompilations")]
+          if summary.get("compile_seconds") is not None else []),
         ("wall time", f"{wall_seconds:.1f} s"),
         ("run directory", summary["run_dir"]),
     ]

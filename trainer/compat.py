@@ -61,6 +61,18 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode()
 
 
+def compile_counts() -> tuple[int, float]:
+    """(frames torch.compile has compiled, seconds spent compiling) in this process so far:
+    dynamo's own counters (private; every torch.compile user reads them, torchtitan included).
+    A backward graph is compiled lazily, at the first backward, and counted in the seconds."""
+    from torch._dynamo import utils
+
+    metrics = utils.compilation_time_metrics
+    seconds = sum(sum(metrics.get(key, ())) for key in ("_compile.compile_inner",
+                                                         "backward._backward_impl"))
+    return int(utils.counters["frames"]["ok"]), seconds
+
+
 def cpu_capability() -> str:
     """The instruction set ATen's CPU kernels were dispatched to (``AVX512``, ``AVX2``, ...)."""
     import torch

@@ -76,6 +76,10 @@ class TrainConfig(_Strict):
     # H200, GPT-2 124M, issue #17) or torch's default implementation (false). Checkpoints load
     # across the switch.
     fused_optimizer: bool | Literal["auto"] = "auto"
+    # torch.compile each repeated block (the whole model when it has no ``blocks``), after
+    # activation checkpointing and before DDP/FSDP wrap it; "auto": on CUDA. The first step
+    # pays the compile (reported in the summary); later recompilations are counted and warned.
+    compile: bool | Literal["auto"] = "auto"
     # Stop after this many consecutive optimizer steps with a non-finite grad norm (fp16's
     # GradScaler skips a few while it calibrates; a run that keeps skipping is broken).
     max_nonfinite_steps: int = Field(10, ge=1)

@@ -38,8 +38,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from datapipe.loader import BatchLoader
-from trainer.build import MemoryTransforms, build_model, checkpointed_blocks, model_factory
-from trainer.compat import allocator_settings
+from trainer.build import (
+    MemoryTransforms,
+    build_model,
+    checkpointed_blocks,
+    compile_model,
+    model_factory,
+)
+from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.diagnostics import LeakGuard, cpu_peak_bytes, profiler_window, write_memory_summary
 from trainer.faults import maybe_kill, maybe_stall, wanted
@@ -247,6 +253,12 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     policy = precision_policy(precision.name, device)
     recording_history = start_memory_history(device, cfg.memory.record_memory_history)
     sharded = cfg.parallel.strategy == "fsdp" and ctx.world_size > 1
+    watch = None
+    if cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda"):
+        watch = CompileWatch(ctx.rank)  # after checkpointing's wrappers, before DDP/FSDP's
+        compiled = compile_model(model)
+        if ctx.is_main:
+            log.info("torch.compile: %s (the first step compiles)", compiled)
     if sharded:
         shard_model(model)  # before the optimizer: it must see the sharded parameters
     fused = cfg.train.fused_optimizer
@@ -288,15 +300,24 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             state.scheduler.step()
             state.step += 1
             metrics.step_done(result, time.perf_counter() - step_start)
+            if watch is not None and metrics.steps_this_run == 1:
+                watch.settle()  # the first step compiled forward and backward
             check_skips(metrics.consecutive_skips, cfg.train.max_nonfinite_steps, state.step,
                         ctx.rank, result)
             is_last = state.step == stop_at
             if due(state.step, cfg.train.log_every, is_last) or metrics.steps_this_run == 1:
                 metrics.log_step(state, result, plan)
+                if watch is not None:
+                    watch.check(state.step)
             if val_batches is not None and due(state.step, cfg.train.eval_every, is_last):
                 val_batches.rewind()
+                if watch is not None:
+                    watch.check(state.step)
+                first_eval = metrics.eval_loss is None
                 metrics.eval_done(state.step, evaluate(state.model, val_batches,
                                                        cfg.train.eval_batches, policy))
+                if watch is not None and first_eval:
+                    watch.settle()  # evaluation runs without grad: compiled once more
             if due(state.step, cfg.train.checkpoint_every, is_last):
                 checkpoint_start = time.perf_counter()
                 state.save(ctx, {"step": state.step, "loss": metrics.last_loss})
@@ -306,9 +327,41 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             "run": cfg.run.name, "workers": ctx.world_size, "device": device.type,
             "precision": policy.name,
             "activation_checkpointing": cfg.memory.activation_checkpointing,
-            "global_batch_size": cfg.train.global_batch_size}, guard)
+            "global_batch_size": cfg.train.global_batch_size,
+            **(watch.summary() if watch is not None else
+               {"compile_seconds": None, "recompilations": None})}, guard)
     metrics.write_summary(summary)
     return summary
+
+
+class CompileWatch:
+    """What torch.compile costs a run: the seconds it spent compiling, and the frames it
+    compiled after warm-up (the first step, and the first evaluation, which runs without
+    grad). Each of those is a recompilation: a new input shape (an OOM recovery's smaller
+    micro-batch) or a changed guard, paid at a compile's price again, so each is warned."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.frames_at_start, self.seconds_at_start = compile_counts()
+        self.settled: int | None = None
+        self.recompilations = 0
+
+    def settle(self) -> None:
+        self.settled = compile_counts()[0]
+
+    def check(self, step: int) -> None:
+        frames = compile_counts()[0]
+        if self.settled is not None and frames > self.settled:
+            self.recompilations += frames - self.settled
+            log.warning("rank %d: torch.compile recompiled %d frame(s) by step %d (%d in this "
+                        "run): a new input shape or a changed guard, each paid at a compile's "
+                        "price (TORCH_LOGS=recompiles says which)", self.rank,
+                        frames - self.settled, step, self.recompilations)
+            self.settled = frames
+
+    def summary(self) -> dict[str, Any]:
+        return {"compile_seconds": compile_counts()[1] - self.seconds_at_start,
+                "recompilations": self.recompilations}
 
 
 def due(step: int, every: int, is_last: bool) -> bool:
