@@ -49,6 +49,7 @@ from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
 from datapipe.writer import write_rows
 from trainer.build import MemoryTransforms, build_model
+from trainer.build import compile_model as compile_blocks
 from trainer.compat import allocator_settings, record_memory_history
 from trainer.context import LocalContext
 from trainer.diagnostics import cpu_peak_bytes
@@ -95,9 +96,12 @@ def matmul_peak_tflops(device: torch.device, dry: bool) -> float:
 
 def make_model(cfg: GPTConfig, ac: str, device: torch.device, loss_chunk_tokens: int,
                compile_model: bool = False) -> torch.nn.Module:
-    """The GPT with memtrain's defaults (bf16 norm inputs) and this row's choices."""
+    """The GPT with memtrain's defaults (bf16 norm inputs) and this row's choices, compiled
+    as ``train.compile`` compiles it (each block, in place)."""
     model = build_model(partial(GPT, cfg), transforms(ac, loss_chunk_tokens), device)
-    return torch.compile(model) if compile_model else model
+    if compile_model:
+        compile_blocks(model)
+    return model
 
 
 def transforms(ac: str, loss_chunk_tokens: int) -> MemoryTransforms:
