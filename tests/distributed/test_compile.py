@@ -35,6 +35,10 @@ def test_a_compiled_run_follows_the_eager_one_and_counts_its_recompilations(
               "memory.activation_checkpointing=none", "memory.oom_recovery=true",
               "memory.loss_chunk_tokens=64")
     monkeypatch.setenv("MEMTRAIN_FAULTS", "oom@5:0")  # micro-batch 4 -> 2 from step 5
+    # inductor compiles C++ on a pool of one process per core; in the suite that pool starves
+    # the Ray tests beside it, so this test compiles on its own thread.
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
 
     def run(name: str, *overrides: str) -> tuple[dict, Path]:
         cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, *overrides,
