@@ -342,7 +342,7 @@ class CompileWatch:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.frames_at_start, self.seconds_at_start = compile_counts()
+        self.seconds_at_start = compile_counts()[1]
         self.settled: int | None = None
         self.recompilations = 0
 

@@ -57,6 +57,9 @@ from trainer.memory import precision_policy
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
 AC_MODES = ("none", "selective", "full")
+# The smallest micro-batch ``auto`` calls useful: below it, a plan with more recomputation (or
+# bf16 norm copies) that reaches it is preferred.
+MIN_MICRO_BATCH = 4
 # Plans fill at most this share of the device: the allocator's rounding and caching, kernel
 # workspaces and the CUDA context are not modelled.
 HEADROOM = 0.9
@@ -153,7 +156,7 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1) -
 def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
     """Count bytes autograd saves inside the block (deduplicated by storage, no parameters)."""
     # Storages are told apart by their C++ object (``_cdata``), not their data pointer, which
-    # fake tensors (``probe_mode="fake"``) do not have.
+    # fake tensors (``profile_activations``'s default probe) do not have.
     param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: set[int] = set()
     counts: dict[str, Any] = {"bytes": 0, "sizes": []}  # sizes: each storage, in save order
@@ -277,7 +280,6 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
         except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
             log.info("planner: the model cannot be probed with fake tensors (%s: %s); probing "
                      "with real ones", type(err).__name__, str(err).splitlines()[0][:200])
-            profile = None
     if profile is None:
         profile, block_input = _profile(factory, transforms, seq_len, vocab_size, precision,
                                         device)
@@ -444,7 +446,8 @@ def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: in
 
 def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,
                 world_size: int, device_memory_bytes: int, micro_batch_size: int | None = None,
-                min_micro_batch: int = 4, headroom: float = HEADROOM) -> PlanRow | None:
+                min_micro_batch: int = MIN_MICRO_BATCH, headroom: float = HEADROOM
+                ) -> PlanRow | None:
     """The plan for ``auto``: the cheapest checkpointing that fits, with a useful micro-batch.
 
     ``micro_batch_size`` None means auto: each profile gets the largest micro-batch that fits.
@@ -468,7 +471,7 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
 
 
 def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank: int,
-                       min_micro_batch: int = 4) -> tuple[bool, str]:
+                       min_micro_batch: int = MIN_MICRO_BATCH) -> tuple[bool, str]:
     """``memory.bf16_norm_inputs: auto``: whether the plan with bf16 norm inputs (``with_``)
     beats the one without (``without``; each ``choose_plan``'s answer, None: nothing fits),
     and why, in words for the log.
