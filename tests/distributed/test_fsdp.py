@@ -18,7 +18,7 @@ from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
 from trainer.launch import WorkerError, prepare_run
 from trainer.launch.local import free_port, launch_local
-from trainer.loop import step_peak_bytes, train_step
+from trainer.loop import create_optimizer_state, step_peak_bytes
 from trainer.memory import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.planner import plan_row, profile_activations, static_bytes
@@ -122,7 +122,7 @@ def _step_peak(rank: int, port: int, precision: str, out: str) -> None:
         policy = precision_policy(precision, torch.device("cpu"), warn=False)
         scaler = policy.grad_scaler(torch.device("cpu"))
         tokens = torch.randint(0, _WIDE.vocab_size, (2, _WIDE.seq_len + 1))
-        train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
+        create_optimizer_state(optimizer)  # the first measured step also runs FSDP's lazy init
         peak = min(step_peak_bytes(model, optimizer, scaler, tokens, policy) for _ in range(3))
         if rank == 0:
             torch.save({"peak": peak}, out)
