@@ -4,7 +4,9 @@
 parameters, gradients and optimizer state are split across ranks (each holds 1/world of them) and
 a block's parameters are all-gathered only while it runs. Checkpoints are written with
 ``torch.distributed.checkpoint``: every rank writes its own shard files and rank 0 the metadata,
-into the same checkpoint directory, and loading reshards to the current world.
+into the same checkpoint directory, and loading reshards to the current world, whatever the
+world that wrote them. One worker is not wrapped (nothing to shard) but reads and writes the same
+DCP files without a process group, so a run moves between 1 and N workers either way.
 
 Gradient accumulation uses ``set_requires_gradient_sync(False)`` on all but the last micro-batch,
 FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step.
@@ -12,6 +14,9 @@ FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -49,16 +54,29 @@ def local_parameter_bytes(model: nn.Module) -> int:
                for p in model.parameters())
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """One worker, in-process, has no process group: DCP then reads and writes alone, and warns
+    on every call that it assumed so (even when told). That is this case's intent: silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
 def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank writes its model and optimizer shards into ``directory`` (a collective)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
+    with _quiet_single_process():
+        dcp.save({"model": model_state, "optimizer": optimizer_state},
+                 checkpoint_id=str(directory))
 
 
 def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load model and optimizer shards written by ``save_sharded`` (a collective)."""
+    """Load model and optimizer state written by ``save_sharded`` at any world size (a
+    collective): each rank reads the parts of the files that its shards cover."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state},
-             checkpoint_id=str(directory))  # loads into the dicts in place
+    with _quiet_single_process():
+        dcp.load({"model": model_state, "optimizer": optimizer_state},
+                 checkpoint_id=str(directory))  # loads into the dicts in place
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state)

@@ -46,9 +46,16 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     loader: BatchLoader
-    sharded: bool  # FSDP: model and optimizer state are per-rank shards (DCP)
-    strategy: str  # parallel.strategy, for messages
+    sharded: bool  # FSDP-wrapped: model and optimizer state are this rank's shards
+    strategy: str  # parallel.strategy
     step: int = 0
+
+    @property
+    def dcp(self) -> bool:
+        """Model and optimizer go into DCP files (``trainer.sharding``), not ``state.pt``: under
+        FSDP at every world size, one worker included (unwrapped there, nothing to shard), so a
+        run resumes at any size, DCP resharding the files to the new world."""
+        return self.strategy == "fsdp"
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -63,20 +70,21 @@ class TrainState:
                              device_ids=[device.index] if device.type == "cuda" else None)
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's ``state.pt``: model and optimizer too unless they are sharded."""
+        """The checkpoint's ``state.pt``: model and optimizer too unless they go to DCP files
+        (the key ``sharded`` says which)."""
         state: dict[str, Any] = {
             "scaler": self.scaler.state_dict(), "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
-            "sharded": self.sharded,
+            "sharded": self.dcp,
         }
-        if not self.sharded:
+        if not self.dcp:
             state.update(model=self.unwrapped.state_dict(),
                          optimizer=self.optimizer.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any], source: str) -> None:
-        """The inverse of ``state_dict`` (sharded model and optimizer: see ``restore``)."""
-        if not self.sharded:
+        """The inverse of ``state_dict`` (DCP model and optimizer: see ``restore``)."""
+        if not self.dcp:
             load_model_state(self.unwrapped, state["model"], source)
             self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -91,12 +99,12 @@ class TrainState:
             if checkpoint_dir is None:
                 return None
             state = load_checkpoint(checkpoint_dir)
-            if bool(state.get("sharded")) != self.sharded:
+            if bool(state.get("sharded")) != self.dcp:
                 how = "with" if state.get("sharded") else "without"
                 raise CheckpointError(
                     f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run has "
                     f"parallel.strategy {self.strategy!r} on {ctx.world_size} workers")
-            if self.sharded:
+            if self.dcp:  # any world size: DCP reshards to this one
                 load_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
             self.load_state_dict(state, str(checkpoint_dir))
             return self.step
@@ -119,7 +127,7 @@ class TrainState:
                                  "the latest")
         with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
             checkpoint_dir = None
-            if self.sharded:
+            if self.dcp:
                 checkpoint_dir = Path(tmp)
                 save_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
             if ctx.is_main:

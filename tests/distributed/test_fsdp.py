@@ -32,21 +32,35 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
-def test_fsdp_and_ddp_losses_agree_and_sharded_checkpoints_resume(corpus_dir: Path,
-                                                                  tmp_path: Path) -> None:
+def test_fsdp_and_ddp_losses_agree_and_sharded_checkpoints_reshard_across_world_sizes(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    """The same path under DDP and FSDP: 2 workers to the step-4 checkpoint, resumed on 1 worker
+    to step 6, resumed on 2 to step 8 (the global batch kept by the accumulation steps). FSDP's
+    DCP files are resharded 2 -> 1 (one unwrapped worker reads every shard) and 1 -> 2; the
+    losses of every step follow DDP's, which a wrongly loaded weight or moment would not."""
     common = ("parallel.launcher=local", "memory.precision=fp32", "train.steps=8",
-              "train.log_every=1", "train.eval_every=4", "train.checkpoint_every=4")
-    ddp_cfg, ddp_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=ddp"))
-    launch_local(ddp_cfg, ddp_dir)
-    fsdp_cfg, fsdp_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common,
-                                                 "parallel.strategy=fsdp", "run.name=fsdp"))
-    fsdp = launch_local(fsdp_cfg, fsdp_dir, until_step=4)  # stop at the step-4 checkpoint
-    assert fsdp["final_step"] == 4
-    shard_files = sorted(p.name for p in (fsdp_dir / "checkpoint-00000004").iterdir())
-    assert "__0_0.distcp" in shard_files and "__1_0.distcp" in shard_files  # one per rank
-    resumed = launch_local(fsdp_cfg, fsdp_dir)
-    assert resumed["resumed_from_step"] == 4 and resumed["final_step"] == 8
-    assert _losses(fsdp_dir) == pytest.approx(_losses(ddp_dir), rel=1e-4)
+              "train.log_every=1", "train.eval_every=4", "train.checkpoint_every=2")
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        def run(workers: int, until: int | None, strategy: str = strategy) -> tuple[dict, Path]:
+            cfg, run_dir = prepare_run(tiny_config(
+                corpus_dir, tmp_path, *common, f"parallel.strategy={strategy}",
+                f"parallel.workers={workers}", f"run.name={strategy}"))
+            return launch_local(cfg, run_dir, until_step=until), run_dir
+
+        first, run_dir = run(2, 4)
+        assert first["final_step"] == 4
+        one, _ = run(1, 6)
+        two, _ = run(2, None)
+        assert (one["resumed_from_step"], one["accumulation_steps"]) == (4, 4)
+        assert (two["resumed_from_step"], two["final_step"], two["accumulation_steps"]) == (6, 8, 2)
+        runs[strategy] = run_dir
+    fsdp_dir = runs["fsdp"]
+    by_step = {int(p.name.removeprefix("checkpoint-")): sorted(q.name for q in p.iterdir())
+               for p in fsdp_dir.glob("checkpoint-*")}
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(by_step[8])  # one file per rank
+    assert "__1_0.distcp" not in by_step[6]  # written by one worker
+    assert _losses(fsdp_dir) == pytest.approx(_losses(runs["ddp"]), rel=1e-4)
 
 
 def _count_bytes(rank: int, port: int, out: str) -> None:
