@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from datapipe.paths import is_remote
 from trainer.config import ConfigError, load_config
 
 app = typer.Typer(help="memtrain: distributed PyTorch training that minds GPU memory.",
@@ -73,8 +74,10 @@ def train_command(
                       {key: value for key, value in options.items() if value is not None})
     cfg, run_dir = prepare_run(cfg)
     setup_logging()
+    where = (f"{cfg.run.dir.rstrip('/')}/{cfg.run.name} (working copy {run_dir})"
+             if is_remote(cfg.run.dir) else str(run_dir))
     console.print(f"[bold]memtrain[/] run [cyan]{cfg.run.name}[/]: launcher "
-                  f"{cfg.parallel.launcher}, {cfg.parallel.workers} workers, run dir {run_dir}")
+                  f"{cfg.parallel.launcher}, {cfg.parallel.workers} workers, run dir {where}")
     start = time.perf_counter()
     if cfg.parallel.launcher == "ray":
         from trainer.launch.ray import launch_ray

@@ -17,12 +17,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from trainer.faults import maybe_fail_checkpoint
+
+if TYPE_CHECKING:
+    from trainer.runstore import RemoteRun
 
 CHECKPOINT_PREFIX = "checkpoint-"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
@@ -79,9 +82,13 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 @dataclass
 class LocalContext(WorkerContext):
-    """Checkpoints live in ``run_dir/checkpoint-<step>``; published by an atomic rename."""
+    """Checkpoints live in ``run_dir/checkpoint-<step>``; published by an atomic rename. With a
+    run directory on object storage (``remote``, ``trainer.runstore``), ``run_dir`` is its local
+    working copy: rank 0 uploads each checkpoint once published here, and the store's latest
+    is what resumes."""
 
     keep_checkpoints: int = 3
+    remote: RemoteRun | None = field(default=None, kw_only=True)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
         """Every rank's checkpoint files go into one staging directory; rank 0 publishes it.
@@ -113,9 +120,31 @@ class LocalContext(WorkerContext):
             os.replace(staging, final)
             for _, old in complete_checkpoints(self.run_dir)[: -self.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
+            if self.remote is not None:
+                self._upload(final, step)
         self.barrier()  # nobody reads "latest" before rank 0 has published it
+
+    def _upload(self, final: Path, step: int) -> None:
+        assert self.remote is not None
+        try:
+            self.remote.upload_checkpoint(final)
+            self.remote.prune(self.keep_checkpoints)
+            self.remote.upload_logs(self.run_dir)
+        except OSError as err:  # the store's latest complete checkpoint stays the latest
+            raise CheckpointWriteError(
+                f"checkpoint of step {step} could not be uploaded to {self.remote.uri} "
+                f"({str(err).splitlines()[0]}); the previous checkpoint stays the latest") from err
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:
-        checkpoints = complete_checkpoints(self.run_dir)
-        yield checkpoints[-1][1] if checkpoints else None
+        if self.remote is None:
+            checkpoints = complete_checkpoints(self.run_dir)
+            yield checkpoints[-1][1] if checkpoints else None
+            return
+        # The store decides: rank 0 brings its latest into the working copy, the others wait.
+        latest = self.remote.fetch_latest(self.run_dir) if self.is_main else None
+        self.barrier()
+        if not self.is_main:
+            published = self.remote.checkpoints()
+            latest = self.run_dir / published[-1][1] if published else None
+        yield latest

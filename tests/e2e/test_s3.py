@@ -130,3 +130,56 @@ def test_verify_reads_remote_shards_and_names_a_corrupted_one(s3_server, tmp_pat
     bad = subprocess.run(cli, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert f"shard s3://{shard}: checksum" in bad.stderr
+
+
+def _store_files(s3: fs.S3FileSystem, prefix: str) -> set[str]:
+    found = s3.get_file_info(fs.FileSelector(prefix, recursive=True))
+    return {f.path.removeprefix(prefix + "/") for f in found if f.type == fs.FileType.File}
+
+
+def test_a_run_directory_on_s3_resumes_on_another_machine_from_its_fsdp_checkpoint(
+        s3_server, corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run.dir=s3://...``: FSDP on 2 workers stops at its step-4 checkpoint (DCP shards,
+    uploaded with ``meta.json`` last); the same run started from another working copy (another
+    machine: nothing local) resumes from the store and ends with the losses of an uninterrupted
+    local run, its metrics log continued, its summary in the store, nothing written in the
+    current directory."""
+    monkeypatch.chdir(tmp_path)
+    common = ("parallel.launcher=local", "parallel.strategy=fsdp", "memory.precision=fp32",
+              "train.steps=8", "train.checkpoint_every=4", "train.log_every=1",
+              "train.eval_every=0")
+    remote = (f"run.dir=s3://{BUCKET}/runs", "run.name=remote")
+    cfg, first_copy = prepare_run(tiny_config(corpus_dir, tmp_path, *common, *remote,
+                                              f"run.work_dir={tmp_path / 'machine-a'}"))
+    assert first_copy == tmp_path / "machine-a" / "remote"
+    assert launch_local(cfg, first_copy, until_step=4)["final_step"] == 4
+    stored = _store_files(s3_server, f"{BUCKET}/runs/remote")
+    assert {"checkpoint-00000004/meta.json", "checkpoint-00000004/state.pt",
+            "checkpoint-00000004/__0_0.distcp", "checkpoint-00000004/__1_0.distcp",
+            "config.yaml", "metrics/rank-0.jsonl"} <= stored, stored
+
+    cfg, second_copy = prepare_run(tiny_config(corpus_dir, tmp_path, *common, *remote,
+                                               f"run.work_dir={tmp_path / 'machine-b'}"))
+    summary = launch_local(cfg, second_copy)
+    assert (summary["resumed_from_step"], summary["final_step"]) == (4, 8)
+    assert {"checkpoint-00000008/meta.json", "summary.json"} <= _store_files(
+        s3_server, f"{BUCKET}/runs/remote")
+    with s3_server.open_input_stream(f"{BUCKET}/runs/remote/metrics/rank-0.jsonl") as stream:
+        stored_log = [json.loads(line) for line in stream.read().decode().splitlines()]
+    assert [r["step"] for r in stored_log if "loss" in r] == list(range(1, 9))
+
+    local_cfg, local_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common,
+                                                   "run.name=uninterrupted"))
+    launch_local(local_cfg, local_dir)
+    assert [r["loss"] for r in stored_log if "loss" in r] == _losses(local_dir)
+    assert not any(p.name.startswith("s3") for p in tmp_path.iterdir())
+
+
+def test_an_unreachable_run_store_is_one_line_before_training(s3_server, corpus_dir: Path,
+                                                              tmp_path: Path) -> None:
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^run.dir 's3://no-such-bucket/runs': .*") as err:
+        prepare_run(tiny_config(corpus_dir, tmp_path, "run.dir=s3://no-such-bucket/runs",
+                                "parallel.launcher=local"))
+    assert "\n" not in str(err.value)

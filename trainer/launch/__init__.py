@@ -20,6 +20,7 @@ from trainer.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from trainer.planner import ActivationProfile, PlanRow, StaticBytes
+    from trainer.runstore import RemoteRun
 
 log = logging.getLogger("memtrain")
 ERRORS_DIR = "errors"  # run_dir/errors/rank-<r>.json: a failed worker's own error, one line
@@ -225,11 +226,23 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
 
     data = cfg.data.model_copy(update={"path": absolute(cfg.data.path),
                                        "val_path": absolute(cfg.data.val_path)})
-    if is_remote(cfg.run.dir):  # else Path() would make a local directory named "s3:"
-        raise ConfigError(f"run.dir {cfg.run.dir!r}: run directories on object storage are not "
-                          "supported yet; use a directory every node mounts (datasets may be "
-                          "on s3://)")
-    run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
+    remote = remote_run(cfg)
+    if remote is not None:  # the store is the run directory; workers write a local copy
+        if cfg.parallel.launcher == "ray":
+            raise ConfigError(f"run.dir {cfg.run.dir!r}: a run directory on object storage "
+                              "needs parallel.launcher local for now; under Ray use a directory "
+                              "every node mounts (datasets may be on s3://)")
+        try:
+            remote.check()
+        except OSError as err:
+            raise ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}") from err
+        from trainer.runstore import default_work_dir
+
+        work = Path(cfg.run.work_dir).expanduser() if cfg.run.work_dir else \
+            default_work_dir(cfg.run.dir)
+        run = cfg.run.model_copy(update={"work_dir": str(work.resolve())})
+    else:
+        run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
     cfg = cfg.model_copy(update={"data": data, "run": run})
     workers = cfg.parallel.workers
     joins_cluster = cfg.parallel.launcher == "ray" and bool(os.environ.get("RAY_ADDRESS"))
@@ -260,7 +273,33 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         if spec.shape != (cfg.model.seq_len + 1,):
             raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")
-    run_dir = Path(cfg.run.dir) / cfg.run.name
+    run_dir = local_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if remote is not None:
+        try:
+            remote.fetch_logs(run_dir)
+            remote.upload_file(run_dir / "config.yaml", "config.yaml")
+        except OSError as err:
+            raise ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}") from err
     return cfg, run_dir
+
+
+def remote_run(cfg: Config) -> RemoteRun | None:
+    """The run directory on object storage (``run.dir: s3://...``), or None for a local one."""
+    if not is_remote(cfg.run.dir):
+        return None
+    from trainer.runstore import RemoteRun
+
+    try:
+        return RemoteRun(f"{cfg.run.dir.rstrip('/')}/{cfg.run.name}")
+    except (OSError, ValueError) as err:  # pyarrow: an unknown scheme, a malformed URI
+        raise ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}") from err
+
+
+def local_run_dir(cfg: Config) -> Path:
+    """Where the workers write: the run directory, or its working copy when it is remote."""
+    if is_remote(cfg.run.dir):
+        assert cfg.run.work_dir is not None, "prepare_run sets run.work_dir"
+        return Path(cfg.run.work_dir) / cfg.run.name
+    return Path(cfg.run.dir) / cfg.run.name

@@ -24,6 +24,7 @@ from trainer.launch import (
     clear_worker_errors,
     record_worker_error,
     recorded_worker_error,
+    remote_run,
     setup_logging,
 )
 from trainer.loop import train
@@ -72,7 +73,7 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size)
     try:
-        ctx = LocalContext(rank, rank, world_size, device, Path(run_dir))
+        ctx = LocalContext(rank, rank, world_size, device, Path(run_dir), remote=remote_run(cfg))
         attach_metrics(ctx, cfg)
         train(cfg, ctx, until_step)
     except BaseException as err:
@@ -82,16 +83,9 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
         dist.destroy_process_group()
 
 
-def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> dict[str, Any]:
-    """Train with ``cfg.parallel.workers`` local workers; returns rank 0's summary.
-
-    ``until_step`` stops early at that step of the same schedule (see ``trainer.loop.train``).
-    """
-    configure_allocator_env()
-    if cfg.parallel.workers == 1:  # in-process: the worker's error is the user's, as it is
-        ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir)
-        attach_metrics(ctx, cfg)
-        return train(cfg, ctx, until_step)
+def _spawn(cfg: Config, run_dir: Path, until_step: int | None) -> None:
+    """``cfg.parallel.workers`` processes with one process group; a worker's error is raised
+    as its own line (``WorkerError``)."""
     clear_worker_errors(run_dir)
     try:
         mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port(),
@@ -108,4 +102,26 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
         raise RuntimeError(f"rank {err.error_index} exited with code {err.exit_code}"
                            f"{f' (signal {err.signal_name})' if err.signal_name else ''}"
                            ) from err
+
+
+def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> dict[str, Any]:
+    """Train with ``cfg.parallel.workers`` local workers; returns rank 0's summary.
+
+    ``until_step`` stops early at that step of the same schedule (see ``trainer.loop.train``).
+    """
+    configure_allocator_env()
+    remote = remote_run(cfg)
+    try:
+        if cfg.parallel.workers == 1:  # in-process: the worker's error is the user's, as it is
+            ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir, remote=remote)
+            attach_metrics(ctx, cfg)
+            return train(cfg, ctx, until_step)
+        _spawn(cfg, run_dir, until_step)
+    finally:
+        if remote is not None:  # the logs and summary, whether training finished or failed
+            try:
+                remote.upload_logs(run_dir)
+            except OSError as err:  # the checkpoints are there; never hide the run's own error
+                log.warning("could not upload the run's logs to %s: %s", remote.uri,
+                            str(err).splitlines()[0])
     return json.loads((run_dir / "summary.json").read_text())

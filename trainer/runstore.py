@@ -1,0 +1,122 @@
+"""A run directory on object storage: ``run.dir: s3://bucket/prefix`` (any pyarrow URI).
+
+The object store is the run directory: ``<run.dir>/<run.name>/`` holds the checkpoints, the
+resolved ``config.yaml``, the metrics logs and ``summary.json``, so a run resumes from any machine
+that can reach the bucket. The workers write into a local working copy (``run.work_dir``,
+``<work_dir>/<run.name>``) and rank 0 publishes from it:
+
+- a checkpoint right after it is complete locally: every file, then ``meta.json`` last. Object
+  stores have no atomic rename, so a checkpoint counts as complete once its ``meta.json`` exists,
+  and an upload cut short leaves the previous checkpoint the latest;
+- the logs (``config.yaml``, ``metrics/``, ``summary.json``, ``errors/``) with each checkpoint
+  and when the launcher returns, whether training finished or failed.
+
+Resuming reads the store, not the working copy: its latest complete checkpoint is downloaded
+unless the copy already holds it, and a working copy without metrics logs gets the store's, so
+they continue rather than restart. Endpoints and credentials come from the usual environment
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as for datasets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from pyarrow import fs as pafs
+
+from trainer.checkpoint import META_FILE
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors")
+
+
+def default_work_dir(uri: str) -> Path:
+    """``~/.cache/memtrain/runs/<scheme>/<bucket>/<prefix>``: one working copy per remote run
+    directory, so two buckets' runs of one name never share it."""
+    return Path.home() / ".cache" / "memtrain" / "runs" / uri.replace("://", "/", 1).rstrip("/")
+
+
+class RemoteRun:
+    """One run's directory on object storage, ``<run.dir>/<run.name>``."""
+
+    def __init__(self, uri: str):
+        self.uri = uri.rstrip("/")
+        self.fs, self.root = pafs.FileSystem.from_uri(self.uri)
+        self._local = pafs.LocalFileSystem()
+
+    def check(self) -> None:
+        """Reach the store now (bucket, endpoint, credentials), not at the first checkpoint;
+        raises OSError naming what failed."""
+        bucket = self.root.split("/", 1)[0]
+        if self.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist or is not visible with "
+                                    "these credentials")
+        self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+
+    def _path(self, relative: str) -> str:
+        return f"{self.root}/{relative}"
+
+    def upload_file(self, local: Path, relative: str) -> None:
+        with local.open("rb") as source, self.fs.open_output_stream(self._path(relative)) as out:
+            shutil.copyfileobj(source, out, length=8 << 20)
+
+    def upload_checkpoint(self, local_dir: Path) -> None:
+        """Every file of ``local_dir`` under its name, ``meta.json`` last: complete from then."""
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        for path in sorted(files, key=lambda p: p.name == META_FILE):  # False sorts first
+            self.upload_file(path, f"{local_dir.name}/{path.relative_to(local_dir).as_posix()}")
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, name) of the complete checkpoints in the store, oldest first."""
+        found = []
+        for info in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
+            match = _CHECKPOINT_RE.match(info.base_name)
+            if match and info.type == pafs.FileType.Directory and self.fs.get_file_info(
+                    f"{info.path}/{META_FILE}").type == pafs.FileType.File:
+                found.append((int(match.group(1)), info.base_name))
+        return sorted(found)
+
+    def prune(self, keep: int) -> None:
+        for _step, name in self.checkpoints()[:-keep]:
+            self.fs.delete_dir(self._path(name))
+
+    def download_dir(self, relative: str, local: Path) -> None:
+        """The store's ``relative`` directory into ``local`` (replaced whole, never half)."""
+        staging = local.with_name(f".download-{local.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        pafs.copy_files(self._path(relative), str(staging), source_filesystem=self.fs,
+                        destination_filesystem=self._local)
+        shutil.rmtree(local, ignore_errors=True)
+        os.replace(staging, local)
+
+    def fetch_latest(self, run_dir: Path) -> Path | None:
+        """The store's latest complete checkpoint in the working copy (downloaded unless there
+        already, complete); None when the store has none."""
+        checkpoints = self.checkpoints()
+        if not checkpoints:
+            return None
+        name = checkpoints[-1][1]
+        local = run_dir / name
+        if not (local / META_FILE).is_file():
+            self.download_dir(name, local)
+        return local
+
+    def fetch_logs(self, run_dir: Path) -> None:
+        """A working copy without metrics logs (another machine, a cleared cache) continues the
+        store's."""
+        if (run_dir / "metrics").is_dir():
+            return
+        if self.fs.get_file_info(self._path("metrics")).type == pafs.FileType.Directory:
+            self.download_dir("metrics", run_dir / "metrics")
+
+    def upload_logs(self, run_dir: Path) -> None:
+        for entry in LOG_ENTRIES:
+            path = run_dir / entry
+            if path.is_file():
+                self.upload_file(path, entry)
+            elif path.is_dir():
+                for file in sorted(p for p in path.rglob("*") if p.is_file()):
+                    self.upload_file(file, file.relative_to(run_dir).as_posix())
