@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from pyarrow import fs as pafs
 
@@ -38,12 +39,30 @@ def default_work_dir(uri: str) -> Path:
     return Path.home() / ".cache" / "memtrain" / "runs" / uri.replace("://", "/", 1).rstrip("/")
 
 
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for ``uri``. S3 keys in this process's environment are written into
+    it, so that a worker that receives it (Ray's workers, as Ray Train's own
+    ``storage_filesystem``) reaches the store with them whatever its own environment; without
+    keys here (node or pod roles), every process resolves its own credentials."""
+    env = os.environ
+    if not (uri.startswith("s3://") and env.get("AWS_ACCESS_KEY_ID")):
+        return pafs.FileSystem.from_uri(uri)
+    scheme, _, host = env.get("AWS_ENDPOINT_URL", "").partition("://")
+    options: dict[str, Any] = {
+        "access_key": env["AWS_ACCESS_KEY_ID"], "secret_key": env.get("AWS_SECRET_ACCESS_KEY"),
+        "session_token": env.get("AWS_SESSION_TOKEN"),
+        "region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")}
+    if host:
+        options.update(endpoint_override=host, scheme=scheme)
+    return pafs.S3FileSystem(**{k: v for k, v in options.items() if v}), uri.removeprefix("s3://")
+
+
 class RemoteRun:
     """One run's directory on object storage, ``<run.dir>/<run.name>``."""
 
     def __init__(self, uri: str):
         self.uri = uri.rstrip("/")
-        self.fs, self.root = pafs.FileSystem.from_uri(self.uri)
+        self.fs, self.root = _filesystem(self.uri)
         self._local = pafs.LocalFileSystem()
 
     def check(self) -> None:
@@ -62,6 +81,10 @@ class RemoteRun:
         with local.open("rb") as source, self.fs.open_output_stream(self._path(relative)) as out:
             shutil.copyfileobj(source, out, length=8 << 20)
 
+    def read_text(self, relative: str) -> str:
+        with self.fs.open_input_stream(self._path(relative)) as stream:
+            return stream.read().decode()
+
     def upload_checkpoint(self, local_dir: Path) -> None:
         """Every file of ``local_dir`` under its name, ``meta.json`` last: complete from then."""
         files = sorted(p for p in local_dir.rglob("*") if p.is_file())
@@ -77,6 +100,10 @@ class RemoteRun:
                     f"{info.path}/{META_FILE}").type == pafs.FileType.File:
                 found.append((int(match.group(1)), info.base_name))
         return sorted(found)
+
+    def clear_errors(self) -> None:
+        """A new attempt's failures are its own: the store forgets the last one's error lines."""
+        self.fs.delete_dir_contents(self._path("errors"), missing_dir_ok=True)
 
     def prune(self, keep: int) -> None:
         for _step, name in self.checkpoints()[:-keep]:

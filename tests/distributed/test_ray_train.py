@@ -1,19 +1,25 @@
-"""A real Ray cluster on 127.0.0.1 with 2 Ray Train workers (gloo): AC and accumulation on.
+"""A real Ray cluster on 127.0.0.1 with 2 Ray Train workers (gloo): AC and accumulation on, the
+run directory on an S3-compatible store (moto on 127.0.0.1).
 
 One run (``ray_run``, module scope) serves three tests, and a worker of it is killed: rank 1 is
 SIGKILLed at step 9, three steps after the step-6 checkpoint, so Ray restarts the group and the
-loop resumes from step 6. It must still learn and checkpoint, its workers must export the
-metrics contract, and its final weights must equal, bit for bit, those of an uninterrupted run
-of the same config under the local launcher (2 spawned processes, gloo): the loop is
-deterministic on CPU whichever launcher runs it. Each Ray Train run costs its worker group's
-start; on a 2-core CI machine the module takes three group starts, not five.
+loop resumes from step 6, restored from the store. It must still learn and checkpoint, its
+workers must export the metrics contract, and its final weights must equal, bit for bit, those
+of an uninterrupted run of the same config under the local launcher (2 spawned processes, gloo,
+a local run directory): the loop is deterministic on CPU whichever launcher runs it. The run is
+then continued from another working copy (another machine: nothing local), from the store. Each
+Ray Train run costs its worker group's start; on a 2-core CI machine the module takes three
+group starts, not five.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -25,6 +31,7 @@ import torch
 
 from tests.conftest import tiny_config
 from trainer.launch import prepare_run
+from trainer.runstore import RemoteRun
 
 # One Ray cluster for the session: every test on it runs in one xdist worker.
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
@@ -32,6 +39,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
 # 12 steps, checkpoints at 6 and 12, a loss logged every step, one restart allowed.
 SETTINGS = ("train.steps=12", "train.checkpoint_every=6", "train.eval_every=6",
             "train.log_every=1", "parallel.max_failures=1")
+REMOTE = ("run.dir=s3://memtrain-runs/runs", "run.name=ray")
 
 
 @dataclass
@@ -58,22 +66,62 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
+def _stored_weights(store: RemoteRun, step: int) -> dict[str, torch.Tensor]:
+    data = io.BytesIO(store.fs.open_input_file(f"{store.root}/checkpoint-{step:08d}/state.pt")
+                      .read())
+    return torch.load(data, weights_only=True)["model"]
+
+
 @pytest.fixture(scope="module")
-def ray_run(ray_cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> RayRun:
+def store(tmp_path_factory: pytest.TempPathFactory):
+    """The run directory's store: moto's S3 server on 127.0.0.1, a bucket, the AWS environment
+    that points the driver at it (Ray's workers get the driver's filesystem object)."""
+    from pyarrow import fs
+
+    from tests.conftest import wait_for_http
+    from trainer.launch.local import free_port
+    from trainer.runstore import RemoteRun
+
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H",
+                               "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            wait_for_http(f"http://127.0.0.1:{port}/", "moto's S3 server")
+            for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+                               "AWS_ACCESS_KEY_ID": "memtrain-test",
+                               "AWS_SECRET_ACCESS_KEY": "memtrain-test",
+                               "AWS_REGION": "us-east-1"}.items():
+                patch.setenv(key, value)
+            fs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http",
+                            access_key="memtrain-test", secret_key="memtrain-test",
+                            region="us-east-1", allow_bucket_creation=True
+                            ).create_dir("memtrain-runs")
+            yield RemoteRun("s3://memtrain-runs/runs/ray")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ray_run(ray_cluster, store: RemoteRun, corpus_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> RayRun:
     from trainer.launch.ray import launch_ray
 
-    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path_factory.mktemp("ray"),
-                                           *SETTINGS, "run.name=ray"))
+    work = tmp_path_factory.mktemp("ray")
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, work, *SETTINGS, *REMOTE,
+                                           f"run.work_dir={work / 'machine-a'}"))
     os.environ["MEMTRAIN_FAULTS"] = "kill@9:1"  # the launcher hands it to Ray's workers
     try:
         summary = launch_ray(cfg, run_dir)
     finally:
         del os.environ["MEMTRAIN_FAULTS"]
-    return RayRun(run_dir, summary, _weights(run_dir, 12), _losses(run_dir),
+    return RayRun(run_dir, summary, _stored_weights(store, 12), _losses(run_dir),
                   _losses(run_dir, first=True))
 
 
-def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun,
+def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun, store: RemoteRun,
                                                            corpus_dir: Path) -> None:
     from trainer.launch.ray import launch_ray
 
@@ -81,19 +129,24 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun,
     assert summary["workers"] == 2 and summary["accumulation_steps"] == 2
     assert summary["activation_checkpointing"] == "full"
     assert ray_run.losses[12] < ray_run.first_losses[1] - 0.5
-    checkpoints = sorted(p.name for p in ray_run.run_dir.glob("checkpoint-*"))
-    assert checkpoints == ["checkpoint-00000006", "checkpoint-00000012"]
+    assert [name for _, name in store.checkpoints()] == ["checkpoint-00000006",
+                                                         "checkpoint-00000012"]
+    assert json.loads(store.read_text("summary.json"))["final_step"] == 12
+    assert not list(ray_run.run_dir.glob("checkpoint-*"))  # in the store only
 
-    # The resume runs as an elastic group, workers [1, 2] (Train V2's ScalingConfig(num_workers=
-    # (1, 2))): it starts with as many as the cluster holds, both here.
-    more, _ = prepare_run(tiny_config(corpus_dir, ray_run.run_dir.parent, *SETTINGS,
-                                      "run.name=ray", "train.steps=15", "parallel.workers=[1, 2]"))
-    resumed = launch_ray(more, ray_run.run_dir)
+    # The resume runs from another working copy, as on another machine, and as an elastic
+    # group, workers [1, 2] (Train V2's ScalingConfig(num_workers=(1, 2))): it starts with as
+    # many as the cluster holds, both here.
+    work = ray_run.run_dir.parent.parent / "machine-b"
+    more, run_dir = prepare_run(tiny_config(corpus_dir, work, *SETTINGS, *REMOTE,
+                                            f"run.work_dir={work}", "train.steps=15",
+                                            "parallel.workers=[1, 2]"))
+    resumed = launch_ray(more, run_dir)
     assert resumed["resumed_from_step"] == 12 and resumed["workers"] == 2
     assert resumed["final_step"] == 15 and resumed["steps_this_run"] == 3
-    ranks = {json.loads(line)["step"] for line in
-             (ray_run.run_dir / "metrics" / "rank-1.jsonl").read_text().splitlines()}
-    assert 15 in ranks
+    steps = [json.loads(line)["step"] for line in
+             store.read_text("metrics/rank-1.jsonl").splitlines()]
+    assert steps[0] == 1 and steps[-1] == 15  # the store's log continued, not restarted
 
 
 def test_ray_workers_export_the_contract_on_the_nodes_metrics_endpoint(

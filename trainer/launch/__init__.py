@@ -228,10 +228,6 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
                                        "val_path": absolute(cfg.data.val_path)})
     remote = remote_run(cfg)
     if remote is not None:  # the store is the run directory; workers write a local copy
-        if cfg.parallel.launcher == "ray":
-            raise ConfigError(f"run.dir {cfg.run.dir!r}: a run directory on object storage "
-                              "needs parallel.launcher local for now; under Ray use a directory "
-                              "every node mounts (datasets may be on s3://)")
         try:
             remote.check()
         except OSError as err:

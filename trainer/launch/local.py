@@ -111,6 +111,8 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
     """
     configure_allocator_env()
     remote = remote_run(cfg)
+    if remote is not None:
+        remote.clear_errors()
     try:
         if cfg.parallel.workers == 1:  # in-process: the worker's error is the user's, as it is
             ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir, remote=remote)

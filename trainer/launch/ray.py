@@ -50,6 +50,7 @@ from trainer.launch import (  # noqa: E402
     is_user_error,
     record_worker_error,
     recorded_worker_error,
+    remote_run,
     setup_logging,
 )
 from trainer.loop import train  # noqa: E402
@@ -140,11 +141,23 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
     ctx.metrics_sink = RaySink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
                                              ray.get_runtime_context().get_node_id()[:12],
                                              device))
+    # The driver's filesystem object: a worker's own environment may not reach the store (a
+    # cluster started before AWS_ENDPOINT_URL was set), and Ray's storage_filesystem is the same.
+    remote = loop_config.get("remote")
+    if remote is not None and ctx.local_rank == 0:  # this node's copy continues the store's logs
+        remote.fetch_logs(ctx.run_dir)
     try:
         train(cfg, ctx)
     except BaseException as err:
         record_worker_error(ctx.run_dir, ctx.rank, err)
+        if remote is not None:  # its error line, where the driver looks for it
+            with contextlib.suppress(OSError):
+                remote.upload_logs(ctx.run_dir)
         raise
+    if remote is not None:  # each node's ranks' logs; rank 0's node has the summary
+        ctx.barrier()  # every rank's last line is written
+        if ctx.local_rank == 0:
+            remote.upload_logs(ctx.run_dir)
 
 
 def shipped_model_code(model_name: str) -> list[str]:
@@ -205,6 +218,12 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     runtime_env: dict[str, Any] = {"py_modules": shipped} if shipped else {}
     init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers),
              runtime_env=runtime_env)
+    # Checkpoints: Ray Train writes and restores them in the run directory, on object storage
+    # through the same pyarrow filesystem (trainer.runstore) when run.dir is a URI.
+    remote = remote_run(cfg)
+    storage: dict[str, Any] = (
+        {"storage_path": f"{remote.root.rsplit('/', 1)[0]}", "storage_filesystem": remote.fs}
+        if remote is not None else {"storage_path": str(Path(cfg.run.dir).resolve())})
     low, high = cfg.parallel.worker_range
     # (min, max): Train V2's elastic group, sized by what the cluster holds. V2's ScalingConfig
     # takes it; the stubs describe V1's, which takes an int only.
@@ -212,12 +231,13 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     trainer = TorchTrainer(
         _worker_loop,
         train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
-                           "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs},
+                           "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
+                           "remote": remote},
         scaling_config=ScalingConfig(num_workers=num_workers,
                                      use_gpu=cfg.parallel.use_gpu,
                                      resources_per_worker={"CPU": 1}),
         run_config=RunConfig(
-            name=cfg.run.name, storage_path=str(Path(cfg.run.dir).resolve()),
+            name=cfg.run.name, **storage,
             checkpoint_config=CheckpointConfig(num_to_keep=3),
             failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
             # Train V2's RunConfig (RAY_TRAIN_V2_ENABLED); the stubs describe V1's, which lacks it
@@ -226,10 +246,17 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
         ),
     )
     clear_worker_errors(run_dir)
+    if remote is not None:
+        remote.clear_errors()
     try:
         trainer.fit()
     except ray.train.TrainingFailedError as err:
+        if remote is not None:  # rank errors recorded on other nodes
+            with contextlib.suppress(OSError):
+                remote.download_dir("errors", run_dir / "errors")
         raise worker_error(run_dir, err) from err
+    if remote is not None:  # rank 0 may have run on another node
+        return json.loads(remote.read_text("summary.json"))
     return json.loads((run_dir / "summary.json").read_text())
 
 

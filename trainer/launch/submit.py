@@ -110,7 +110,7 @@ def cluster_paths(cfg: Config, local_root: Path | None) -> list[str]:
             continue
         if local_root is None:
             where = "/mnt/memtrain/runs" if field == "run.dir" else "/mnt/memtrain/data/..."
-            remote = "" if field == "run.dir" else " or s3://BUCKET/PREFIX"
+            remote = " or s3://BUCKET/PREFIX"
             raise ConfigError(
                 f"{field}: {value!r} is relative, and the job would resolve it inside Ray's "
                 f"temporary working directory (lost with the session): give an absolute path on "
