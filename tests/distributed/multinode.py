@@ -1,13 +1,14 @@
 """Two Ray nodes on loopback, 2 workers each, and one node lost mid-run: the scenario of
 ``test_multinode.py``, run in a fresh interpreter so its cluster never meets the test session's.
 
-``python -m tests.distributed.multinode CORPUS_DIR WORK_DIR``: starts a head node on 127.0.0.1
-and a worker node on 127.0.0.2 (``ray.cluster_utils.Cluster``, every port chosen here, so it
-coexists with the session's cluster), trains the tiny config on 4 workers through memtrain's Ray
-launcher, scrapes both nodes' metrics endpoints while it runs, SIGKILLs the worker node (its
-raylet and its workers) one step past a checkpoint, adds a replacement node on 127.0.0.3, lists
-every listening socket of the cluster's processes after training, and writes what it saw to
-``WORK_DIR/result.json``.
+``python -m tests.distributed.multinode CORPUS_DIR WORK_DIR PROMETHEUS``: starts a head node on
+127.0.0.1 and a worker node on 127.0.0.2 (``ray.cluster_utils.Cluster``, every port chosen here,
+so it coexists with the session's cluster), trains the tiny config on 4 workers through
+memtrain's Ray launcher, scrapes both nodes' metrics endpoints while it runs (and a real
+Prometheus scrapes every node's), SIGKILLs the worker node (its raylet and its workers) one step
+past a checkpoint, adds a replacement node on 127.0.0.3, runs every dashboard panel that selects
+by node for each node after training, lists every listening socket of the cluster's processes,
+and writes what it saw to ``WORK_DIR/result.json``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -70,6 +73,43 @@ def scrape(port: int) -> str:
         return ""
 
 
+def start_prometheus(binary: str, work: Path, targets: list[int]) -> tuple[subprocess.Popen, int]:
+    """Prometheus on 127.0.0.1 scraping the nodes' metrics endpoints every second."""
+    port = free_port()
+    listed = ", ".join(f"'127.0.0.1:{p}'" for p in targets)
+    config = work / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: ray\n"
+                      f"    static_configs: [{{targets: [{listed}]}}]\n")
+    process = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return process, port
+
+
+def query(port: int, promql: str, at: float) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode(
+        {"query": promql, "time": at})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())["data"]["result"]
+
+
+def per_node_panels(port: int, nodes: dict[str, str], at: float) -> dict[str, list[str]]:
+    """For each node, the dashboard panels that select ``node`` (CUDA's aside) and returned
+    nothing with that node chosen, queried at ``at`` (while every node was up: a killed node's
+    series are stale afterwards, as Prometheus marks a target that stops answering)."""
+    from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, panel_queries, render
+
+    empty: dict[str, list[str]] = {}
+    for ip, node in nodes.items():
+        empty[ip] = [f"{name}: {title}" for name in DASHBOARDS
+                     for title, expr in panel_queries(render(name))
+                     if "$node" in expr and title not in CUDA_PANELS and not query(
+                         port, expr.replace("$run", "multinode").replace("$rank", ".*")
+                         .replace("$node", node).replace("$__rate_interval", "1m"), at)]
+    return empty
+
+
 def listening_sockets() -> list[tuple[str, str, int]]:
     """(process name, address, port) of every TCP socket in LISTEN state owned by this process
     or its descendants: the cluster's GCS, raylets, agents and workers."""
@@ -87,11 +127,14 @@ def listening_sockets() -> list[tuple[str, str, int]]:
     return found
 
 
-def main(corpus_dir: Path, work: Path) -> None:
+def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
     from ray.cluster_utils import Cluster
 
     ray = ray_launch.ray
     head_args, worker_args = node_args(NODES[0]), node_args(NODES[1])
+    spare_args = node_args(REPLACEMENT)
+    prometheus, prometheus_port = start_prometheus(prometheus_binary, work, [
+        args["metrics_export_port"] for args in (head_args, worker_args, spare_args)])
     # A dead node is declared after 3 missed 0.5 s health checks (Ray's default: about 15 s).
     # (With no replacement, a fixed-size group would wait for one; an elastic one restarts
     # smaller after Train's worker-group start timeout, 60 s: tests/distributed/test_local_ddp.py
@@ -134,6 +177,7 @@ def main(corpus_dir: Path, work: Path) -> None:
         # Once step 5 is logged (rank 0 is held there by the stall fault, the others wait in
         # the next all-reduce), a random moment later: kill the worker node, one step past the
         # checkpoint of step 4, and add a replacement.
+        killed_at = time.time()  # (when training ended before the kill: panels as they are)
         log = run_dir / "metrics" / "rank-0.jsonl"
         while trainer.is_alive() and not (log.exists() and '"step": 5,' in log.read_text()):
             time.sleep(0.1)
@@ -141,10 +185,16 @@ def main(corpus_dir: Path, work: Path) -> None:
         if trainer.is_alive():
             result["killed_after_checkpoints"] = sorted(
                 p.name for p in run_dir.glob("checkpoint-*"))
+            killed_at = time.time()
             cluster.remove_node(worker_node, allow_graceful=False)  # SIGKILL raylet + workers
-            replacement = cluster.add_node(**node_args(REPLACEMENT))
+            replacement = cluster.add_node(**spare_args)
             result["node_ids"][REPLACEMENT] = replacement.node_id[:12]
         trainer.join(timeout=400)
+        nodes = {ip: result["node_ids"][ip] for ip in NODES}
+        result["node_variable"] = sorted(r["metric"]["node"] for r in query(
+            prometheus_port, 'count by (node) (ray_memtrain_train_tokens_total{run="multinode"})',
+            killed_at - 0.5))
+        result["empty_panels"] = per_node_panels(prometheus_port, nodes, killed_at - 0.5)
         # After training: its process groups (torch's rendezvous store, the documented
         # exception in docs/architecture.md) are gone; the three nodes are still up.
         result["listening"] = listening_sockets()
@@ -153,10 +203,12 @@ def main(corpus_dir: Path, work: Path) -> None:
         result["scrapes"] = scrapes
         result["ports"] = ports
         (work / "result.json").write_text(json.dumps(result))
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(TEMP_DIR, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

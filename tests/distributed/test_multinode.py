@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, require_tool, tiny_config
 from tests.distributed.multinode import NODES, REPLACEMENT, SETTINGS
 from trainer.launch import prepare_run
 
@@ -41,8 +41,11 @@ def _series(text: str, name: str, run: str) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def scenario(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("multinode")
+    prometheus = require_tool("prometheus", " (Debian's prometheus package; `make test` "
+                              "installs it)")
     done = subprocess.run([sys.executable, "-m", "tests.distributed.multinode", str(corpus_dir),
-                           str(work)], cwd=REPO, capture_output=True, text=True, timeout=480)
+                           str(work), prometheus], cwd=REPO, capture_output=True, text=True,
+                          timeout=480)
     assert (work / "result.json").exists(), done.stderr[-3000:]
     result = json.loads((work / "result.json").read_text())
     assert done.returncode == 0 and "error" not in result, (result.get("error"),
@@ -64,6 +67,15 @@ def test_workers_spread_over_two_loopback_nodes_and_each_node_exports_its_own(
         assert sorted(s["local_rank"] for s in series) == ["0", "1"], ip
         ranks.update({s["rank"]: ip for s in series})
     assert sorted(ranks) == ["0", "1", "2", "3"]  # world ranks across the two nodes
+
+
+def test_a_prometheus_scraping_every_node_fills_each_nodes_dashboard_panels(
+        scenario: dict) -> None:
+    """Prometheus scraped each node's own endpoint: the dashboards' node variable lists both
+    nodes, and every panel that selects by node (CUDA's aside) returns data for each, queried
+    while both were up."""
+    assert scenario["node_variable"] == sorted(scenario["node_ids"][ip] for ip in NODES)
+    assert scenario["empty_panels"] == {ip: [] for ip in NODES}
 
 
 def test_no_socket_listens_beyond_loopback_but_rays_own_on_the_other_nodes(
