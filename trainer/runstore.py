@@ -3,13 +3,17 @@
 The object store is the run directory: ``<run.dir>/<run.name>/`` holds the checkpoints, the
 resolved ``config.yaml``, the metrics logs and ``summary.json``, so a run resumes from any machine
 that can reach the bucket. The workers write into a local working copy (``run.work_dir``,
-``<work_dir>/<run.name>``) and rank 0 publishes from it:
+``<work_dir>/<run.name>``) and publish from it:
 
-- a checkpoint right after it is complete locally: every file, then ``meta.json`` last. Object
-  stores have no atomic rename, so a checkpoint counts as complete once its ``meta.json`` exists,
-  and an upload cut short leaves the previous checkpoint the latest;
+- under the local launcher, rank 0 uploads a checkpoint right after it is complete locally:
+  every file, then ``meta.json`` last. Object stores have no atomic rename, so a checkpoint
+  counts as complete once its ``meta.json`` exists, and an upload cut short leaves the previous
+  checkpoint the latest. Under Ray, Ray Train writes and restores the checkpoints in the store
+  itself (``storage_filesystem``), in the same layout;
 - the logs (``config.yaml``, ``metrics/``, ``summary.json``, ``errors/``) with each checkpoint
-  and when the launcher returns, whether training finished or failed.
+  and when training ends, finished or failed (under Ray, from each node's copy). OOM reports,
+  memory snapshots and profiler traces (``memory/``) stay in the working copy: they can be
+  large, and the logs are uploaded whole each time.
 
 Resuming reads the store, not the working copy: its latest complete checkpoint is downloaded
 unless the copy already holds it, and a working copy without metrics logs gets the store's, so
