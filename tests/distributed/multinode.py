@@ -182,6 +182,14 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
         while trainer.is_alive() and not (log.exists() and '"step": 5,' in log.read_text()):
             time.sleep(0.1)
         time.sleep(random.uniform(0.5, 2.0))
+        # Within the stall (6 s), until Prometheus holds two samples of each node's checkpoint
+        # counter: its series first appears at the step-4 checkpoint (Ray exports a counter from
+        # its first increment), and the checkpoint-time panel's increase() needs two.
+        deadline = time.time() + 2.5
+        while time.time() < deadline and len(query(prometheus_port, (
+                'min by (node) (count_over_time(ray_memtrain_checkpoint_seconds_total'
+                '{run="multinode"}[1m])) >= 2'), time.time())) < 2:
+            time.sleep(0.25)
         if trainer.is_alive():
             result["killed_after_checkpoints"] = sorted(
                 p.name for p in run_dir.glob("checkpoint-*"))
@@ -193,8 +201,8 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
         nodes = {ip: result["node_ids"][ip] for ip in NODES}
         result["node_variable"] = sorted(r["metric"]["node"] for r in query(
             prometheus_port, 'count by (node) (ray_memtrain_train_tokens_total{run="multinode"})',
-            killed_at - 0.5))
-        result["empty_panels"] = per_node_panels(prometheus_port, nodes, killed_at - 0.5)
+            killed_at))
+        result["empty_panels"] = per_node_panels(prometheus_port, nodes, killed_at)
         # After training: its process groups (torch's rendezvous store, the documented
         # exception in docs/architecture.md) are gone; the three nodes are still up.
         result["listening"] = listening_sockets()
