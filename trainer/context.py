@@ -68,16 +68,19 @@ class WorkerContext(ABC):
             dist.barrier()
 
 
+def checkpoint_step(name: str) -> int | None:
+    """The step of a published checkpoint directory's name; None for any other name (staging
+    and download directories never match)."""
+    match = _CHECKPOINT_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
 def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Published checkpoints in ``run_dir``, oldest first. Staging dirs never match the pattern."""
+    """Published checkpoints in ``run_dir``, oldest first."""
     if not run_dir.is_dir():
         return []
-    found = []
-    for child in run_dir.iterdir():
-        match = _CHECKPOINT_RE.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+    return sorted((step, child) for child in run_dir.iterdir()
+                  if (step := checkpoint_step(child.name)) is not None and child.is_dir())
 
 
 @dataclass

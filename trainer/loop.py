@@ -282,7 +282,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
             policy.grad_scaler(device, cfg.memory.grad_scaler_init_scale),
             resources.enter_context(build_loader(cfg.data, ctx, plan.micro_batch_size,
                                                  cfg.run.seed)),
-            sharded, cfg.parallel.strategy)
+            cfg.parallel.strategy)
         resumed_from = state.restore(ctx)
         state.wrap_ddp(ctx)
         _log_start(cfg, ctx, state, plan, precision, resumed_from, recording_history)

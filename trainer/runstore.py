@@ -24,7 +24,6 @@ they continue rather than restart. Endpoints and credentials come from the usual
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,8 @@ from typing import Any
 from pyarrow import fs as pafs
 
 from trainer.checkpoint import META_FILE
+from trainer.context import checkpoint_step
 
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors")
 
 
@@ -89,20 +88,25 @@ class RemoteRun:
         with self.fs.open_input_stream(self._path(relative)) as stream:
             return stream.read().decode()
 
+    def _upload_tree(self, root: Path, directory: Path) -> None:
+        """Every file under ``directory``, named as it is relative to ``root``, in name order
+        but ``meta.json`` last (False sorts first)."""
+        files = sorted(p for p in directory.rglob("*") if p.is_file())
+        for path in sorted(files, key=lambda p: p.name == META_FILE):
+            self.upload_file(path, path.relative_to(root).as_posix())
+
     def upload_checkpoint(self, local_dir: Path) -> None:
         """Every file of ``local_dir`` under its name, ``meta.json`` last: complete from then."""
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-        for path in sorted(files, key=lambda p: p.name == META_FILE):  # False sorts first
-            self.upload_file(path, f"{local_dir.name}/{path.relative_to(local_dir).as_posix()}")
+        self._upload_tree(local_dir.parent, local_dir)
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """(step, name) of the complete checkpoints in the store, oldest first."""
         found = []
         for info in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
-            match = _CHECKPOINT_RE.match(info.base_name)
-            if match and info.type == pafs.FileType.Directory and self.fs.get_file_info(
+            step = checkpoint_step(info.base_name)
+            if step is not None and info.type == pafs.FileType.Directory and self.fs.get_file_info(
                     f"{info.path}/{META_FILE}").type == pafs.FileType.File:
-                found.append((int(match.group(1)), info.base_name))
+                found.append((step, info.base_name))
         return sorted(found)
 
     def clear_errors(self) -> None:
@@ -149,5 +153,4 @@ class RemoteRun:
             if path.is_file():
                 self.upload_file(path, entry)
             elif path.is_dir():
-                for file in sorted(p for p in path.rglob("*") if p.is_file()):
-                    self.upload_file(file, file.relative_to(run_dir).as_posix())
+                self._upload_tree(run_dir, path)

@@ -32,7 +32,7 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.context import WorkerContext
-from trainer.sharding import load_sharded, local_tensor, save_sharded
+from trainer.sharding import is_sharded, load_sharded, local_tensor, save_sharded
 
 
 class NonFiniteError(RuntimeError):
@@ -46,9 +46,13 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     loader: BatchLoader
-    sharded: bool  # FSDP-wrapped: model and optimizer state are this rank's shards
     strategy: str  # parallel.strategy
     step: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP-wrapped: model and optimizer state are this rank's shards."""
+        return is_sharded(self.model)
 
     @property
     def dcp(self) -> bool:

@@ -76,7 +76,7 @@ def test_a_model_with_nan_weights_is_never_checkpointed(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match=r"refusing to checkpoint step 7 on rank 0: "
                                              r"non-finite weights in \['blocks.0.mlp.fc.weight'\]"):
         TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
-                   None, sharded=False, strategy="ddp", step=7).save(ctx, {})  # type: ignore[arg-type]
+                   None, strategy="ddp", step=7).save(ctx, {})  # type: ignore[arg-type]
     assert complete_checkpoints(tmp_path) == []
 
 

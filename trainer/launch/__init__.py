@@ -231,7 +231,7 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         try:
             remote.check()
         except OSError as err:
-            raise ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}") from err
+            raise _store_error(cfg, err) from err
         from trainer.runstore import default_work_dir
 
         work = Path(cfg.run.work_dir).expanduser() if cfg.run.work_dir else \
@@ -277,7 +277,7 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
             remote.fetch_logs(run_dir)
             remote.upload_file(run_dir / "config.yaml", "config.yaml")
         except OSError as err:
-            raise ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}") from err
+            raise _store_error(cfg, err) from err
     return cfg, run_dir
 
 
@@ -290,7 +290,12 @@ def remote_run(cfg: Config) -> RemoteRun | None:
     try:
         return RemoteRun(f"{cfg.run.dir.rstrip('/')}/{cfg.run.name}")
     except (OSError, ValueError) as err:  # pyarrow: an unknown scheme, a malformed URI
-        raise ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}") from err
+        raise _store_error(cfg, err) from err
+
+
+def _store_error(cfg: Config, err: Exception) -> ConfigError:
+    """The store behind ``run.dir`` cannot be used: one line naming it (exit 2)."""
+    return ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}")
 
 
 def local_run_dir(cfg: Config) -> Path:

@@ -222,7 +222,7 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     # through the same pyarrow filesystem (trainer.runstore) when run.dir is a URI.
     remote = remote_run(cfg)
     storage: dict[str, Any] = (
-        {"storage_path": f"{remote.root.rsplit('/', 1)[0]}", "storage_filesystem": remote.fs}
+        {"storage_path": remote.root.rsplit("/", 1)[0], "storage_filesystem": remote.fs}
         if remote is not None else {"storage_path": str(Path(cfg.run.dir).resolve())})
     low, high = cfg.parallel.worker_range
     # (min, max): Train V2's elastic group, sized by what the cluster holds. V2's ScalingConfig
