@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +84,39 @@ def wait_for_http(url: str, what: str, timeout_seconds: float = 30,
             time.sleep(0.3)
     tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
     pytest.fail(f"{what} did not answer at {url} within {timeout_seconds:.0f} s. {tail}")
+
+
+@contextlib.contextmanager
+def running_s3_server(patch: pytest.MonkeyPatch, bucket: str) -> Iterator[Any]:
+    """moto's S3 server on 127.0.0.1 with ``bucket`` created; ``patch`` sets the AWS environment
+    that points this process (pyarrow's ``FileSystem.from_uri``) at it. Yields an admin
+    ``pyarrow.fs.S3FileSystem`` on the same endpoint, given explicitly: a bare
+    ``S3FileSystem()`` ignores ``AWS_ENDPOINT_URL`` and would look for AWS."""
+    import subprocess
+
+    from pyarrow import fs
+
+    from trainer.launch.local import free_port
+
+    port = free_port()
+    process = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H",
+                                "127.0.0.1", "-p", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/", "moto's S3 server")
+        for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+                           "AWS_ACCESS_KEY_ID": "memtrain-test",
+                           "AWS_SECRET_ACCESS_KEY": "memtrain-test",
+                           "AWS_REGION": "us-east-1"}.items():
+            patch.setenv(key, value)
+        admin = fs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http",
+                                access_key="memtrain-test", secret_key="memtrain-test",
+                                region="us-east-1", allow_bucket_creation=True)
+        admin.create_dir(bucket)
+        yield admin
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:

@@ -18,8 +18,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import tiny_config
+from tests.conftest import running_s3_server, tiny_config
 from trainer.launch import prepare_run
 from trainer.runstore import RemoteRun
 
@@ -73,35 +71,11 @@ def _stored_weights(store: RemoteRun, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory):
+def store():
     """The run directory's store: moto's S3 server on 127.0.0.1, a bucket, the AWS environment
     that points the driver at it (Ray's workers get the driver's filesystem object)."""
-    from pyarrow import fs
-
-    from tests.conftest import wait_for_http
-    from trainer.launch.local import free_port
-    from trainer.runstore import RemoteRun
-
-    port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H",
-                               "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            wait_for_http(f"http://127.0.0.1:{port}/", "moto's S3 server")
-            for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-                               "AWS_ACCESS_KEY_ID": "memtrain-test",
-                               "AWS_SECRET_ACCESS_KEY": "memtrain-test",
-                               "AWS_REGION": "us-east-1"}.items():
-                patch.setenv(key, value)
-            fs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http",
-                            access_key="memtrain-test", secret_key="memtrain-test",
-                            region="us-east-1", allow_bucket_creation=True
-                            ).create_dir("memtrain-runs")
-            yield RemoteRun("s3://memtrain-runs/runs/ray")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with pytest.MonkeyPatch.context() as patch, running_s3_server(patch, "memtrain-runs"):
+        yield RemoteRun("s3://memtrain-runs/runs/ray")
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from pyarrow import fs
 
-from tests.conftest import tiny_config, wait_for_http
+from tests.conftest import running_s3_server, tiny_config
 from trainer.launch import prepare_run
-from trainer.launch.local import free_port, launch_local
+from trainer.launch.local import launch_local
 
 pytestmark = pytest.mark.e2e
 BUCKET = "memtrain-data"
@@ -25,25 +25,9 @@ BUCKET = "memtrain-data"
 
 @pytest.fixture
 def s3_server(monkeypatch: pytest.MonkeyPatch):
-    """moto's S3 server on 127.0.0.1, and the environment that points pyarrow at it."""
-    port = free_port()
-    binary = Path(sys.executable).with_name("moto_server")
-    process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_http(f"http://127.0.0.1:{port}/", "moto's S3 server")
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "memtrain-test")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "memtrain-test")
-        monkeypatch.setenv("AWS_REGION", "us-east-1")
-        admin = fs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http",
-                                access_key="memtrain-test", secret_key="memtrain-test",
-                                region="us-east-1", allow_bucket_creation=True)
-        admin.create_dir(BUCKET)
+    """moto's S3 server on 127.0.0.1, a bucket, and the environment that points pyarrow at it."""
+    with running_s3_server(monkeypatch, BUCKET) as admin:
         yield admin
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def _losses(run_dir: Path) -> list[float]:
