@@ -42,8 +42,16 @@ def ray_cluster():
     ray_launch.ray.metrics_port = port  # for the tests below
     assert ray_launch.ray.util.get_node_ip_address() == "127.0.0.1"
     assert {n["NodeManagerAddress"] for n in ray_launch.ray.nodes()} == {"127.0.0.1"}
+    # A job's supervisor finds "its" cluster in /tmp/ray/ray_current_cluster, else takes any
+    # GCS running on the machine: with the multi-node test's cluster up beside this one, a job
+    # submitted here ran there. `ray start` records the address; ray.init() does not: do it.
+    from ray._common.utils import reset_ray_address
+    from ray._private.utils import write_ray_address
+
+    write_ray_address(ray_launch.ray.get_runtime_context().gcs_address)
     yield ray_launch.ray
     ray_launch.ray.shutdown()
+    reset_ray_address()
 
 
 def require_tool(name: str, why: str = "") -> str:
@@ -191,6 +199,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Ray Train's controller polls its workers every 2 s by default; each test run waits for a few
 # polls (start, reports, end). Tests only: production keeps Ray's default.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Ray Train 2.60 starts a preemption watcher actor (a process of its own, about 2.5 s of CPU to
+# start) with every worker group; it watches for node drain notices, which no test sends (a
+# killed node is a node failure, which Train handles without it). Off in tests only.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.
 # trainer.launch.ray sets it too; setting it here covers any test that imports ray first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -15,15 +15,16 @@ FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
+
+# FSDP and DCP are imported where they are used: they bring in DTensor (about 1.5 s of CPU per
+# process), which every DDP worker, CLI call and Ray worker would otherwise pay for nothing.
 
 
 def shard_model(model: nn.Module) -> nn.Module:
@@ -32,6 +33,8 @@ def shard_model(model: nn.Module) -> nn.Module:
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"parallel.strategy 'fsdp' needs the model to expose its blocks as "
                          f"`model.blocks` (an nn.ModuleList); {type(model).__name__} does not")
+    from torch.distributed.fsdp import fully_shard
+
     for block in blocks:
         fully_shard(block)
     fully_shard(model)
@@ -39,7 +42,8 @@ def shard_model(model: nn.Module) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing was sharded
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,6 +69,9 @@ def _quiet_single_process() -> Iterator[None]:
 
 def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank writes its model and optimizer shards into ``directory`` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
     with _quiet_single_process():
         dcp.save({"model": model_state, "optimizer": optimizer_state},
@@ -74,6 +81,9 @@ def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
 def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load model and optimizer state written by ``save_sharded`` at any world size (a
     collective): each rank reads the parts of the files that its shards cover."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
     with _quiet_single_process():
         dcp.load({"model": model_state, "optimizer": optimizer_state},

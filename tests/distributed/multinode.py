@@ -3,7 +3,8 @@
 
 ``python -m tests.distributed.multinode CORPUS_DIR WORK_DIR PROMETHEUS``: starts a head node on
 127.0.0.1 and a worker node on 127.0.0.2 (``ray.cluster_utils.Cluster``, every port chosen here,
-so it coexists with the session's cluster), trains the tiny config on 4 workers through
+so it coexists with the session's cluster; token authentication on, and a driver with another
+token refused), trains the tiny config on 4 workers through
 memtrain's Ray launcher, scrapes both nodes' metrics endpoints while it runs (and a real
 Prometheus scrapes every node's), SIGKILLs the worker node (its raylet and its workers) one step
 past a checkpoint, adds a replacement node on 127.0.0.3, runs every dashboard panel that selects
@@ -13,10 +14,12 @@ and writes what it saw to ``WORK_DIR/result.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -26,14 +29,6 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-
-from tests.conftest import tiny_config  # noqa: E402
-from trainer.launch import prepare_run  # noqa: E402
-from trainer.launch import ray as ray_launch  # noqa: E402  (sets Ray's loopback environment)
-from trainer.launch.local import free_port  # noqa: E402
 
 NODES = ("127.0.0.1", "127.0.0.2")
 REPLACEMENT = "127.0.0.3"
@@ -52,14 +47,35 @@ SETTINGS = ("run.name=multinode", "parallel.workers=4", "parallel.max_failures=1
 WORKER_PORTS = {NODES[0]: 20000, NODES[1]: 20500, REPLACEMENT: 21000}
 
 
-# Its own temporary directory: Ray writes the address of "the current cluster" and the
-# session_latest link there, which the session's cluster (and the jobs it runs) read in /tmp/ray.
-TEMP_DIR = tempfile.mkdtemp(prefix="mtray-", dir="/tmp")  # short: unix socket paths live here
 
 
-def node_args(ip: str) -> dict:
+def prepare_environment() -> str:
+    """This process's environment for its cluster, before ray is imported (Ray reads it then
+    and when each node starts); returns the cluster's own temporary directory. Only the
+    scenario's process: the tests import this module for its constants."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Token authentication on, with a token of this cluster's own, as KubeRay configures it
+    # (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN on every node): every node started here, the driver
+    # and the replacement node read it from this environment.
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    # Its own temporary directory (short: unix socket paths live there): Ray writes the
+    # session_latest link there, which the session's cluster and its jobs read in /tmp/ray.
+    temp_dir = tempfile.mkdtemp(prefix="mtray-", dir="/tmp")
+    # ray.cluster_utils.Cluster also records its address as the machine's current cluster in
+    # the default temporary directory (<RAY_TMPDIR>/ray/ray_current_cluster), where a job
+    # supervisor of the session's cluster, or a ray.init() starting one, would read it.
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"))
+    return temp_dir
+
+
+def node_args(ip: str, temp_dir: str) -> dict:
+    from trainer.launch.local import free_port
+
     return {"num_cpus": 2, "node_ip_address": ip, "include_dashboard": False,
-            "temp_dir": TEMP_DIR,
+            "temp_dir": temp_dir,
             "metrics_export_port": free_port(), "dashboard_agent_listen_port": free_port(),
             "runtime_env_agent_port": free_port(), "metrics_agent_port": free_port(),
             "min_worker_port": WORKER_PORTS[ip], "max_worker_port": WORKER_PORTS[ip] + 499}
@@ -75,6 +91,8 @@ def scrape(port: int) -> str:
 
 def start_prometheus(binary: str, work: Path, targets: list[int]) -> tuple[subprocess.Popen, int]:
     """Prometheus on 127.0.0.1 scraping the nodes' metrics endpoints every second."""
+    from trainer.launch.local import free_port
+
     port = free_port()
     listed = ", ".join(f"'127.0.0.1:{p}'" for p in targets)
     config = work / "prometheus.yml"
@@ -110,6 +128,21 @@ def per_node_panels(port: int, nodes: dict[str, str], at: float) -> dict[str, li
     return empty
 
 
+def wait_for_no_process(name: str, timeout: float) -> None:
+    """Until no descendant of this process is called ``name`` (at most ``timeout`` s)."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        names = []
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                names.append(process.name())
+        if name not in names:
+            return
+        time.sleep(0.25)
+
+
 def listening_sockets() -> list[tuple[str, str, int]]:
     """(process name, address, port) of every TCP socket in LISTEN state owned by this process
     or its descendants: the cluster's GCS, raylets, agents and workers."""
@@ -127,12 +160,25 @@ def listening_sockets() -> list[tuple[str, str, int]]:
     return found
 
 
+def connect_with_another_token(address: str, log: Path) -> subprocess.Popen:
+    """A driver with the wrong token joining the cluster: Ray's GCS refuses it (after its
+    connection retries, about 20 s: it runs beside the training)."""
+    return subprocess.Popen([sys.executable, "-c", f"import ray; ray.init(address={address!r})"],
+                            env={**os.environ, "RAY_AUTH_TOKEN": "not-the-clusters-token"},
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+
+
 def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
+    temp_dir = prepare_environment()
     from ray.cluster_utils import Cluster
 
+    from tests.conftest import tiny_config
+    from trainer.launch import prepare_run
+    from trainer.launch import ray as ray_launch
+
     ray = ray_launch.ray
-    head_args, worker_args = node_args(NODES[0]), node_args(NODES[1])
-    spare_args = node_args(REPLACEMENT)
+    head_args, worker_args, spare_args = (node_args(ip, temp_dir)
+                                          for ip in (*NODES, REPLACEMENT))
     prometheus, prometheus_port = start_prometheus(prometheus_binary, work, [
         args["metrics_export_port"] for args in (head_args, worker_args, spare_args)])
     # A dead node is declared after 3 missed 0.5 s health checks (Ray's default: about 15 s).
@@ -144,6 +190,7 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
         "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}})
     worker_node = cluster.add_node(**worker_args)
     ray.init(address=cluster.address)
+    intruder = connect_with_another_token(cluster.address, work / "wrong-token.log")
     result: dict = {"nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]),
                     "address": cluster.address,
                     "node_ids": {NODES[0]: cluster.head_node.node_id[:12],
@@ -204,8 +251,13 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
             killed_at))
         result["empty_panels"] = per_node_panels(prometheus_port, nodes, killed_at)
         # After training: its process groups (torch's rendezvous store, the documented
-        # exception in docs/architecture.md) are gone; the three nodes are still up.
+        # exception in docs/architecture.md) are gone once Ray has ended the group's worker
+        # processes (seen: one still listening just after the run returned); the three nodes
+        # are still up.
+        wait_for_no_process("ray::RayTrainWo", timeout=30)  # (15 characters: the kernel's)
         result["listening"] = listening_sockets()
+        result["wrong_token"] = {"returncode": intruder.wait(timeout=120),
+                                 "stderr": (work / "wrong-token.log").read_text()[-3000:]}
     finally:
         result["seconds"] = time.time() - started
         result["scrapes"] = scrapes
@@ -215,7 +267,7 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
         prometheus.wait(timeout=30)
         ray.shutdown()
         cluster.shutdown()
-        shutil.rmtree(TEMP_DIR, ignore_errors=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ from tests.conftest import REPO, require_tool, tiny_config
 from tests.distributed.multinode import NODES, REPLACEMENT, SETTINGS
 from trainer.launch import prepare_run
 
-# In the session cluster's xdist group, though it never uses that cluster: Ray's job supervisor
-# resolves its cluster by scanning this machine for GCS processes and takes the newest, so a
-# job submitted while this test's cluster is up would run on it (seen: test_submit failed).
-pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
+# Its own xdist group, so it runs beside the session cluster's tests: its cluster has its own
+# ports, temporary directory and "current cluster" record (multinode.py), and the session
+# cluster records its own address for its job supervisor (tests/conftest.py's ray_cluster).
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("multinode")]
 
 
 def _series(text: str, name: str, run: str) -> list[dict[str, str]]:
@@ -95,6 +95,16 @@ def test_no_socket_listens_beyond_loopback_but_rays_own_on_the_other_nodes(
     assert exposed <= {"raylet", "ray::DashboardAgent"}, exposed
     head = {name for name, ip, _ in listening if ip.removeprefix("::ffff:") == NODES[0]}
     assert {"gcs_server", "raylet"} <= head  # the head's own on 127.0.0.1
+
+
+def test_the_cluster_runs_with_token_auth_and_refuses_another_token(scenario: dict) -> None:
+    """Every node, the driver, Ray Train's workers and the replacement node ran with the
+    cluster's token (the run finished on them); a driver with another token was refused by the
+    GCS, naming the token as the reason."""
+    assert scenario["summary"]["final_step"] == 8
+    refused = scenario["wrong_token"]
+    assert refused["returncode"] != 0
+    assert "InvalidAuthToken: Authentication token is missing or incorrect" in refused["stderr"]
 
 
 def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(

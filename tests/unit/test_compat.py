@@ -4,10 +4,13 @@ versions: when torch or Ray moves one, this fails with a line naming the install
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.conftest import REPO
 from trainer import compat
 
 pytestmark = pytest.mark.unit
@@ -97,7 +100,12 @@ def test_ray_metrics_export_interval_is_readable() -> None:
     import ray._private.telemetry.open_telemetry_metric_recorder as recorder
 
     version = importlib.metadata.version("ray")
-    assert compat.ray_metrics_export_seconds() == 10.0, f"Ray {version}'s default moved"
+    # Ray's default, read in a fresh interpreter: in a test process whose Ray session set
+    # another interval (the session cluster's 1 s), the config reads that one.
+    read = subprocess.run([sys.executable, "-c", "from trainer import compat; "
+                           "print(compat.ray_metrics_export_seconds())"],
+                          capture_output=True, text=True, check=True, cwd=REPO)
+    assert float(read.stdout) == 10.0, f"Ray {version}'s default moved"
     # The agent's gauge expiry that memtrain's publisher stays inside: two export intervals.
     source = inspect.getsource(recorder.OpenTelemetryMetricRecorder._resolve_gauge_ttl_seconds)
     assert "2 * effective_report_interval_ms" in source, \
