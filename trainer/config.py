@@ -61,6 +61,11 @@ class DataConfig(_Strict):
     # stops with a message naming it; "skip" leaves it out (logged, and counted in
     # memtrain_data_skipped_shards_total). Every rank decides the same way before training.
     on_bad_shard: Literal["error", "skip"] = "error"
+    # An audit of the data order: each rank appends, per step, a fingerprint of every row it
+    # trained on (trainer.run_metrics.row_fingerprint) to metrics/rows-rank-<rank>.jsonl, so a
+    # run that restarted or resized can be checked against its dataset for rows repeated or
+    # skipped. Off by default: it copies every batch to the host.
+    record_rows: bool = False
 
 
 class TrainConfig(_Strict):

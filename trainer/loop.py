@@ -65,7 +65,7 @@ from trainer.oom import (
     start_memory_history,
     write_oom_report,
 )
-from trainer.run_metrics import RunMetrics
+from trainer.run_metrics import RowRecord, RunMetrics
 from trainer.sharding import is_sharded, shard_model
 from trainer.state import NonFiniteError, TrainState
 
@@ -297,6 +297,10 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         resources.callback(metrics.close)
         metrics.start_publishing(state.loader)
         batches = TimedBatches(state.loader)
+        rows = None
+        if cfg.data.record_rows:
+            rows = RowRecord(ctx.run_dir, ctx.rank)
+            resources.callback(rows.close)
         guard = LeakGuard() if cfg.memory.leak_check_every else None
         profiler = resources.enter_context(profiler_window(
             cfg.memory.profile_steps, state.step + 1, ctx.run_dir, ctx.rank, device))
@@ -306,6 +310,8 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         while state.step < stop_at:
             step_start = time.perf_counter()
             micro_batches, data_wait = batches.take(plan.accumulation_steps)
+            if rows is not None:
+                rows.record(state.step + 1, micro_batches)
             result, plan = step_with_oom_recovery(ctx, state, micro_batches, plan, policy, cfg)
             del micro_batches
             result.data_wait_seconds = data_wait

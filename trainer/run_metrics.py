@@ -230,3 +230,33 @@ class RunMetrics:
         path = self.ctx.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2, sort_keys=True))
         return path
+
+
+def row_fingerprint(row: Any) -> str:
+    """A row's fingerprint in ``data.record_rows``' log: 8 bytes of blake2b, in hex, over its
+    token ids as little-endian int64 (whatever the dataset's integer type): computed the same
+    from a CPU tensor the loop trained on or from a row read from the dataset."""
+    import hashlib
+
+    import numpy as np
+
+    data = np.asarray(row.numpy() if isinstance(row, torch.Tensor) else row, dtype="<i8")
+    return hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()
+
+
+class RowRecord:
+    """``data.record_rows``: one JSON line per step, ``{"step": N, "rows": [fingerprint, ...]}``
+    in the order this rank trained them. A step redone after a restart is recorded again: the
+    last line of a step is the one its checkpointed weights saw."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        path = run_dir / "metrics" / f"rows-rank-{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def record(self, step: int, micro_batches: list[Any]) -> None:
+        rows = [row_fingerprint(row) for batch in micro_batches for row in batch.cpu()]
+        self._file.write(json.dumps({"step": step, "rows": rows}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,22 @@ def test_resume_is_exact_for_a_single_worker(corpus_dir: Path, tmp_path: Path) -
     assert resumed["final_loss"] == straight["final_loss"]
 
 
+def corpus_fingerprints(dataset: Path, rows: list[tuple[int, int]]) -> list[str]:
+    """``row_fingerprint`` of each (shard, row) of ``dataset``, read from its shard files."""
+    import numpy as np
+    import pyarrow as pa
+
+    from datapipe.shards import ShardSource
+    from trainer.run_metrics import row_fingerprint
+
+    files = ShardSource(dataset, "tokens").files
+    columns = {}
+    for shard in {shard for shard, _ in rows}:
+        with pa.memory_map(files[shard]) as source:
+            columns[shard] = pa.ipc.open_file(source).read_all().column("tokens")
+    return [row_fingerprint(np.asarray(columns[shard][row].values)) for shard, row in rows]
+
+
 def rows_trained(dataset: Path, sizes: list[tuple[int, int, int]], seed: int,
                  window: int) -> list[tuple[int, int]]:
     """(shard, row) of every row read in epoch 0 by ``(world, batch, batches)`` in turn, each
@@ -75,63 +92,85 @@ def rows_trained(dataset: Path, sizes: list[tuple[int, int, int]], seed: int,
 
 def test_resuming_at_other_worker_counts_keeps_the_global_batch_schedule_and_data(
         corpus_dir: Path, tmp_path: Path) -> None:
-    """2 workers to step 4, 1 worker to step 8, 2 workers to step 12 (the local launcher's
+    """4 workers to step 4, 2 to step 8, 1 to step 12, 2 to step 16 (the local launcher's
     --workers changed between runs): the global batch is kept by the accumulation steps, the
-    step count and LR schedule continue, and each checkpoint's loader state names the sizes
-    that read its epoch so far (datapipe/split.py turns that into exactly-once rows, tested
-    there and in tests/unit/test_loader.py)."""
+    step count and LR schedule continue, each checkpoint's loader state names the sizes that
+    read its epoch so far, and the rows every rank recorded training on (data.record_rows) are
+    the rows datapipe/split.py plans for those sizes, none twice (its properties:
+    tests/unit/test_split.py)."""
     import torch
 
+    settings = ("parallel.launcher=local", "run.name=resize", "train.steps=16",
+                "train.eval_every=0", "train.checkpoint_every=4", "data.record_rows=true")
+
     def run(workers: int, until: int) -> dict:
-        cfg, run_dir = prepare_run(tiny_config(
-            corpus_dir, tmp_path, "parallel.launcher=local", f"parallel.workers={workers}",
-            "run.name=resize", "train.eval_every=0", "train.checkpoint_every=4"))
+        cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *settings,
+                                               "parallel.workers=2"))
+        # prepare_run refuses more local workers than CPUs (a user's machine); 4 processes on
+        # 2 cores are wanted here, for the 4-rank split.
+        cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+            update={"workers": workers})})
         return launch_local(cfg, run_dir, until_step=until)
 
-    first = run(2, 4)
-    assert (first["workers"], first["accumulation_steps"], first["final_step"]) == (2, 2, 4)
-    # The middle run in this process, as the local launcher runs one worker, with an exporter
-    # to read the resize from.
+    first = run(4, 4)
+    assert (first["workers"], first["accumulation_steps"], first["final_step"]) == (4, 1, 4)
+    assert run(2, 8)["accumulation_steps"] == 2
+    # The 1-worker run in this process, as the local launcher runs one worker, with an
+    # exporter to read the resize from.
     from monitoring.memory import worker_labels
     from monitoring.sinks import PrometheusSink
     from trainer.context import LocalContext
     from trainer.loop import train
 
-    cfg, run_dir = prepare_run(tiny_config(
-        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
-        "run.name=resize", "train.eval_every=0", "train.checkpoint_every=4"))
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *settings,
+                                           "parallel.workers=1"))
     ctx = LocalContext(0, 0, 1, torch.device("cpu"), run_dir)
     ctx.metrics_sink = sink = PrometheusSink(worker_labels("resize", 0, 0, "n", ctx.device))
-    second = train(cfg, ctx, until_step=8)
+    third = train(cfg, ctx, until_step=12)
     labels = dict(sink.labels)
     assert sink.registry.get_sample_value("ray_memtrain_train_world_size", labels) == 1
     assert sink.registry.get_sample_value("ray_memtrain_train_world_size_changes_total",
                                           labels) == 1
-    assert (second["workers"], second["accumulation_steps"]) == (1, 4)  # 16 = 1 x 4 x 4
-    assert (second["resumed_from_step"], second["final_step"]) == (4, 8)
-    third = run(2, 12)
+    assert (third["workers"], third["accumulation_steps"]) == (1, 4)  # 16 = 1 x 4 x 4
     assert (third["resumed_from_step"], third["final_step"]) == (8, 12)
-    assert third["final_loss"] < first["first_loss"] - 0.5
+    fourth = run(2, 16)
+    assert (fourth["resumed_from_step"], fourth["final_step"]) == (12, 16)
+    assert fourth["final_loss"] < first["first_loss"] - 0.5
 
     run_dir = tmp_path / "resize"
     states = {step: torch.load(path / "state.pt", weights_only=True)
               for step, path in complete_checkpoints(run_dir)}
-    assert sorted(states) == [4, 8, 12]
-    loader_4, loader_8, loader_12 = (states[s]["loader"] for s in (4, 8, 12))
-    # One epoch: 2 ranks read 8 micro-batches each, then 1 rank 16, then 2 ranks 8 each.
-    assert loader_4["segments"] == [] and (loader_4["epoch"], loader_4["batch_index"]) == (0, 8)
-    assert loader_8["segments"] == [[2, 4, 8]] and loader_8["batch_index"] == 16
-    assert loader_12["segments"] == [[2, 4, 8], [1, 4, 16]] and loader_12["batch_index"] == 8
-    # The rows those reads were, from the shard layout: none twice.
-    rows = rows_trained(corpus_dir / "train", [(2, 4, 8), (1, 4, 16), (2, 4, 8)],
-                        seed=loader_4["seed"], window=loader_4["shuffle_window"])
-    assert len(rows) == len(set(rows)) == 3 * 64
-    # The schedule is the uninterrupted run's: LambdaLR's step count and the LR at step 12.
+    assert sorted(states) == [8, 12, 16]  # the three latest kept
+    loaders = {step: states[step]["loader"] for step in states}
+    # One epoch: 4 ranks read 4 micro-batches each, 2 ranks 8, 1 rank 16, then 2 ranks 8.
+    assert loaders[8]["segments"] == [[4, 4, 4]]
+    assert (loaders[8]["epoch"], loaders[8]["batch_index"]) == (0, 8)
+    assert loaders[12]["segments"] == [[4, 4, 4], [2, 4, 8]]
+    assert loaders[12]["batch_index"] == 16
+    assert loaders[16]["segments"] == [[4, 4, 4], [2, 4, 8], [1, 4, 16]]
+    assert loaders[16]["batch_index"] == 8
+    # The rows those reads plan, from the shard layout: none twice.
+    planned = rows_trained(corpus_dir / "train", [(4, 4, 4), (2, 4, 8), (1, 4, 16), (2, 4, 8)],
+                           seed=loaders[8]["seed"], window=loaders[8]["shuffle_window"])
+    assert len(planned) == len(set(planned)) == 4 * 64
+    # The rows the ranks trained on, as each recorded them: 16 a step, across the ranks of
+    # the run that trained that step, and exactly the planned ones.
+    recorded: dict[int, list[str]] = {}
+    for log in sorted((run_dir / "metrics").glob("rows-rank-*.jsonl")):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            recorded.setdefault(entry["step"], []).extend(entry["rows"])
+    assert sorted(recorded) == list(range(1, 17))
+    assert all(len(rows) == 16 for rows in recorded.values())
+    assert Counter(row for rows in recorded.values() for row in rows) == \
+        Counter(corpus_fingerprints(corpus_dir / "train", planned))
+    # The schedule is the uninterrupted run's: LambdaLR's step count and the LR at step 16.
     straight_cfg, straight_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
-        "run.name=straight", "train.eval_every=0", "train.checkpoint_every=12"))
+        "run.name=straight", "train.eval_every=0", "train.checkpoint_every=16",
+        "train.steps=16"))
     launch_local(straight_cfg, straight_dir)
     [(_, straight_ckpt)] = complete_checkpoints(straight_dir)
     straight = torch.load(straight_ckpt / "state.pt", weights_only=True)
-    assert states[12]["scheduler"] == straight["scheduler"]
-    assert states[12]["step"] == straight["step"] == 12
+    assert states[16]["scheduler"] == straight["scheduler"]
+    assert states[16]["step"] == straight["step"] == 16
