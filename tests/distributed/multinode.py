@@ -39,7 +39,7 @@ REPLACEMENT = "127.0.0.3"
 SETTINGS = ("run.name=multinode", "parallel.workers=4", "parallel.max_failures=1",
             "train.steps=8", "train.checkpoint_every=4", "train.global_batch_size=24",
             "train.micro_batch_size=2", "train.eval_every=0", "train.log_every=1",
-            "memory.oom_recovery=true")
+            "memory.oom_recovery=true", "data.record_rows=true")
 
 
 # Worker processes listen on ports of their node's range; the session's cluster uses Ray's

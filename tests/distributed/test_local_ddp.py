@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_config
+from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
 from trainer.context import complete_checkpoints
 from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
@@ -50,44 +51,6 @@ def test_resume_is_exact_for_a_single_worker(corpus_dir: Path, tmp_path: Path) -
     resumed = launch_local(first_cfg, split_dir)
     assert resumed["resumed_from_step"] == 6
     assert resumed["final_loss"] == straight["final_loss"]
-
-
-def corpus_fingerprints(dataset: Path, rows: list[tuple[int, int]]) -> list[str]:
-    """``row_fingerprint`` of each (shard, row) of ``dataset``, read from its shard files."""
-    import numpy as np
-    import pyarrow as pa
-
-    from datapipe.shards import ShardSource
-    from trainer.run_metrics import row_fingerprint
-
-    files = ShardSource(dataset, "tokens").files
-    columns = {}
-    for shard in {shard for shard, _ in rows}:
-        with pa.memory_map(files[shard]) as source:
-            columns[shard] = pa.ipc.open_file(source).read_all().column("tokens")
-    return [row_fingerprint(np.asarray(columns[shard][row].values)) for shard, row in rows]
-
-
-def rows_trained(dataset: Path, sizes: list[tuple[int, int, int]], seed: int,
-                 window: int) -> list[tuple[int, int]]:
-    """(shard, row) of every row read in epoch 0 by ``(world, batch, batches)`` in turn, each
-    rank reading its first ``batches`` batches, through the loader's own planning functions."""
-    from datapipe.shards import ShardSource
-    from datapipe.split import Segment, batch_positions, resumed_ranges, span_ranges
-
-    shard_rows = ShardSource(dataset, "tokens").shard_rows
-    segments: list[Segment] = []
-    read = []
-    for world, batch, batches in sizes:
-        spans = resumed_ranges(shard_rows, segments, world, batch, seed, 0, True, window)
-        for rank, ranges in enumerate(spans):
-            span = sum(r.rows for r in ranges)
-            for k in range(batches):
-                for position in batch_positions(span, batch, window, k, seed, 0, rank, True):
-                    [piece] = span_ranges(ranges, int(position), int(position) + 1)
-                    read.append((piece.shard, piece.start))
-        segments.append(Segment(world, batch, batches))
-    return read
 
 
 def test_resuming_at_other_worker_counts_keeps_the_global_batch_schedule_and_data(
@@ -155,15 +118,11 @@ def test_resuming_at_other_worker_counts_keeps_the_global_batch_schedule_and_dat
     assert len(planned) == len(set(planned)) == 4 * 64
     # The rows the ranks trained on, as each recorded them: 16 a step, across the ranks of
     # the run that trained that step, and exactly the planned ones.
-    recorded: dict[int, list[str]] = {}
-    for log in sorted((run_dir / "metrics").glob("rows-rank-*.jsonl")):
-        for line in log.read_text().splitlines():
-            entry = json.loads(line)
-            recorded.setdefault(entry["step"], []).extend(entry["rows"])
+    recorded = recorded_rows(run_dir)
     assert sorted(recorded) == list(range(1, 17))
     assert all(len(rows) == 16 for rows in recorded.values())
     assert Counter(row for rows in recorded.values() for row in rows) == \
-        Counter(corpus_fingerprints(corpus_dir / "train", planned))
+        Counter(stored_fingerprints(corpus_dir / "train", planned))
     # The schedule is the uninterrupted run's: LambdaLR's step count and the LR at step 16.
     straight_cfg, straight_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 
 from tests.conftest import REPO, require_tool, tiny_config
 from tests.distributed.multinode import NODES, REPLACEMENT, SETTINGS
+from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
 from trainer.launch import prepare_run
 
 # Its own xdist group, so it runs beside the session cluster's tests: its cluster has its own
@@ -110,8 +112,9 @@ def test_the_cluster_runs_with_token_auth_and_refuses_another_token(scenario: di
 def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
         scenario: dict, corpus_dir: Path, tmp_path: Path) -> None:
     """The worker node died one step past the step-4 checkpoint; Ray Train restarted the group
-    of 4 on the head and the replacement node, it resumed from step 4, and the final weights
-    equal an uninterrupted 4-process run's under the local launcher, bit for bit."""
+    of 4 on the head and the replacement node, it resumed from step 4, the final weights equal
+    an uninterrupted 4-process run's under the local launcher, bit for bit, and every row was
+    trained on once."""
     from trainer.launch.local import launch_local
 
     summary = scenario["summary"]
@@ -133,3 +136,16 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
     assert ray_weights.keys() == local_weights.keys()
     different = [k for k in ray_weights if not torch.equal(ray_weights[k], local_weights[k])]
     assert not different, different
+
+    # The rows each rank recorded training on (data.record_rows; steps 5-8 again after the
+    # restart, whose records are the ones kept): 24 a step, and exactly the rows the split
+    # plans for 4 ranks reading 8 x 3 micro-batches of 2, none twice.
+    recorded = recorded_rows(Path(scenario["run_dir"]))
+    assert sorted(recorded) == list(range(1, 9))
+    assert all(len(rows) == 24 for rows in recorded.values())
+    loader = torch.load(ray_checkpoint, weights_only=True)["loader"]
+    planned = rows_trained(corpus_dir / "train", [(4, 2, 24)], loader["seed"],
+                           loader["shuffle_window"])
+    assert len(set(planned)) == 8 * 24
+    assert Counter(row for rows in recorded.values() for row in rows) == \
+        Counter(stored_fingerprints(corpus_dir / "train", planned))
