@@ -299,7 +299,7 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
         batches = TimedBatches(state.loader)
         rows = None
         if cfg.data.record_rows:
-            rows = RowRecord(ctx.run_dir, ctx.rank)
+            rows = RowRecord(ctx.run_dir, ctx.rank, ctx.world_size)
             resources.callback(rows.close)
         guard = LeakGuard() if cfg.memory.leak_check_every else None
         profiler = resources.enter_context(profiler_window(

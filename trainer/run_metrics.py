@@ -245,18 +245,21 @@ def row_fingerprint(row: Any) -> str:
 
 
 class RowRecord:
-    """``data.record_rows``: one JSON line per step, ``{"step": N, "rows": [fingerprint, ...]}``
-    in the order this rank trained them. A step redone after a restart is recorded again: the
-    last line of a step is the one its checkpointed weights saw."""
+    """``data.record_rows``: one JSON line per step, ``{"step", "rows": [fingerprint, ...],
+    "world_size", "time"}``, the rows in the order this rank trained them. A step redone after a
+    restart is recorded again, by the ranks of the group that redid it: a step's rows are those
+    of the last group to train it (its latest lines, at that group's world size)."""
 
-    def __init__(self, run_dir: Path, rank: int):
+    def __init__(self, run_dir: Path, rank: int, world_size: int):
         path = run_dir / "metrics" / f"rows-rank-{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self.world_size = world_size
 
     def record(self, step: int, micro_batches: list[Any]) -> None:
         rows = [row_fingerprint(row) for batch in micro_batches for row in batch.cpu()]
-        self._file.write(json.dumps({"step": step, "rows": rows}) + "\n")
+        self._file.write(json.dumps({"step": step, "rows": rows, "world_size": self.world_size,
+                                     "time": time.time()}) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -9,7 +9,9 @@ memtrain's Ray launcher, scrapes both nodes' metrics endpoints while it runs (an
 Prometheus scrapes every node's), SIGKILLs the worker node (its raylet and its workers) one step
 past a checkpoint, adds a replacement node on 127.0.0.3, runs every dashboard panel that selects
 by node for each node after training, lists every listening socket of the cluster's processes,
-and writes what it saw to ``WORK_DIR/result.json``.
+then trains an elastic group of [2, 4] workers on the head and the replacement node and kills
+the replacement (none joins: the group goes on with 2), and writes what it saw to
+``WORK_DIR/result.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 NODES = ("127.0.0.1", "127.0.0.2")
 REPLACEMENT = "127.0.0.3"
@@ -168,6 +171,44 @@ def connect_with_another_token(address: str, log: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
+# The elastic run: workers [2, 4] over the head and the replacement node; the replacement is
+# killed one step past the step-4 checkpoint and none joins, so the group restarts at 2.
+ELASTIC_SETTINGS = (*(s for s in SETTINGS if not s.startswith(("run.name", "parallel.workers"))),
+                    "run.name=elastic", "parallel.workers=[2, 4]")
+
+
+def shrink(cluster: Any, node: Any, ray_launch: Any, corpus_dir: Path, work: Path) -> dict:
+    """Train ``ELASTIC_SETTINGS`` on the cluster, kill ``node`` once step 5 is logged (rank 0
+    stalled there), add nothing; returns the run's summary (or its error) and run directory.
+
+    Ray Train first retries the group at its old size until its worker-group start timeout
+    (60 s by default, 10 s here), then starts it with what the cluster holds."""
+    from tests.conftest import tiny_config
+    from trainer.launch import prepare_run
+
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"  # read by this run's controller
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, work, *ELASTIC_SETTINGS))
+    outcome: dict = {"run_dir": str(run_dir)}
+
+    def train() -> None:
+        try:
+            outcome["summary"] = ray_launch.launch_ray(cfg, run_dir, address=cluster.address)
+        except BaseException as err:  # reported in result.json
+            outcome["error"] = f"{type(err).__name__}: {err}"
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    log = run_dir / "metrics" / "rank-0.jsonl"
+    while trainer.is_alive() and not (log.exists() and '"step": 5,' in log.read_text()):
+        time.sleep(0.1)
+    time.sleep(random.uniform(0.5, 2.0))
+    if trainer.is_alive():
+        cluster.remove_node(node, allow_graceful=False)
+        outcome["killed"] = True
+    trainer.join(timeout=300)
+    return outcome
+
+
 def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
     temp_dir = prepare_environment()
     from ray.cluster_utils import Cluster
@@ -183,8 +224,7 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
         args["metrics_export_port"] for args in (head_args, worker_args, spare_args)])
     # A dead node is declared after 3 missed 0.5 s health checks (Ray's default: about 15 s).
     # (With no replacement, a fixed-size group would wait for one; an elastic one restarts
-    # smaller after Train's worker-group start timeout, 60 s: tests/distributed/test_local_ddp.py
-    # tests that resize's data path without the wait.)
+    # smaller after Train's worker-group start timeout: ``shrink`` below.)
     cluster = Cluster(initialize_head=True, head_node_args={**head_args, "_system_config": {
         "metrics_report_interval_ms": 1000, "health_check_period_ms": 500,
         "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}})
@@ -212,6 +252,7 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
     started = time.time()
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
+    replacement = None
     try:
         # Scrape both nodes until each shows its two ranks' token counters.
         while trainer.is_alive() and len(scrapes) < 2:
@@ -258,6 +299,8 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
         result["listening"] = listening_sockets()
         result["wrong_token"] = {"returncode": intruder.wait(timeout=120),
                                  "stderr": (work / "wrong-token.log").read_text()[-3000:]}
+        if replacement is not None:
+            result["elastic"] = shrink(cluster, replacement, ray_launch, corpus_dir, work)
     finally:
         result["seconds"] = time.time() - started
         result["scrapes"] = scrapes

@@ -8,16 +8,23 @@ from pathlib import Path
 
 
 def recorded_rows(run_dir: Path) -> dict[int, list[str]]:
-    """Step -> the fingerprints every rank recorded for it; of a step recorded more than once
-    by a rank (redone after a restart), the last record, the one the weights saw."""
-    steps: dict[int, list[str]] = {}
-    for log in sorted((run_dir / "metrics").glob("rows-rank-*.jsonl")):
-        last: dict[int, list[str]] = {}
+    """Step -> the fingerprints the ranks recorded for it (``data.record_rows``). A step trained
+    more than once (redone after a restart) counts as its last group trained it: the latest
+    record of that step gives the group's world size, and each of its ranks' latest record at
+    that size is taken (records of ranks a smaller group no longer has are left out)."""
+    latest: dict[int, dict[int, dict]] = {}  # step -> rank -> its latest record
+    for log in (run_dir / "metrics").glob("rows-rank-*.jsonl"):
+        rank = int(log.stem.removeprefix("rows-rank-"))
         for line in log.read_text().splitlines():
             entry = json.loads(line)
-            last[entry["step"]] = entry["rows"]
-        for step, rows in last.items():
-            steps.setdefault(step, []).extend(rows)
+            mine = latest.setdefault(entry["step"], {})
+            if rank not in mine or entry["time"] >= mine[rank]["time"]:
+                mine[rank] = entry
+    steps: dict[int, list[str]] = {}
+    for step, by_rank in latest.items():
+        world = max(by_rank.values(), key=lambda entry: entry["time"])["world_size"]
+        steps[step] = [row for rank in range(world) for row in by_rank[rank]["rows"]
+                       if by_rank[rank]["world_size"] == world]
     return steps
 
 

@@ -47,7 +47,7 @@ def scenario(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                               "installs it)")
     done = subprocess.run([sys.executable, "-m", "tests.distributed.multinode", str(corpus_dir),
                            str(work), prometheus], cwd=REPO, capture_output=True, text=True,
-                          timeout=480)
+                          timeout=600)
     assert (work / "result.json").exists(), done.stderr[-3000:]
     result = json.loads((work / "result.json").read_text())
     assert done.returncode == 0 and "error" not in result, (result.get("error"),
@@ -145,6 +145,32 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
     assert all(len(rows) == 24 for rows in recorded.values())
     loader = torch.load(ray_checkpoint, weights_only=True)["loader"]
     planned = rows_trained(corpus_dir / "train", [(4, 2, 24)], loader["seed"],
+                           loader["shuffle_window"])
+    assert len(set(planned)) == 8 * 24
+    assert Counter(row for rows in recorded.values() for row in rows) == \
+        Counter(stored_fingerprints(corpus_dir / "train", planned))
+
+
+def test_an_elastic_group_that_loses_a_node_goes_on_smaller_and_trains_every_row_once(
+        scenario: dict, corpus_dir: Path) -> None:
+    """Workers [2, 4] (Train V2's ``ScalingConfig(num_workers=(2, 4))``) on the head and the
+    replacement node; the replacement killed one step past the step-4 checkpoint and none
+    joining: Ray Train restarted the group with the 2 workers the head holds, the loop resumed
+    from step 4 with twice the accumulation steps (the global batch of 24 kept) and went on to
+    step 8, and the rows the ranks recorded training on are the split's plan for 4 ranks, then
+    2 reading the rest of the epoch, none twice."""
+    elastic = scenario["elastic"]
+    assert elastic.get("killed") and "error" not in elastic, elastic.get("error")
+    summary = elastic["summary"]
+    assert (summary["workers"], summary["accumulation_steps"]) == (2, 6)
+    assert (summary["resumed_from_step"], summary["final_step"]) == (4, 8)
+    run_dir = Path(elastic["run_dir"])
+    loader = torch.load(run_dir / "checkpoint-00000008" / "state.pt", weights_only=True)["loader"]
+    assert loader["segments"] == [[4, 2, 12]]  # 4 ranks read 12 micro-batches each, then 2
+    recorded = recorded_rows(run_dir)
+    assert sorted(recorded) == list(range(1, 9))
+    assert all(len(rows) == 24 for rows in recorded.values())
+    planned = rows_trained(corpus_dir / "train", [(4, 2, 12), (2, 2, 24)], loader["seed"],
                            loader["shuffle_window"])
     assert len(set(planned)) == 8 * 24
     assert Counter(row for rows in recorded.values() for row in rows) == \
