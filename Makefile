@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 DATA := data/stdlib
 RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
 PYTEST_ARGS ?=
-# Test processes: the Ray tests share one (xdist_group "ray"), the rest spread over both.
+# Test processes: the session Ray cluster's tests share one (xdist_group "ray"), the multi-node
+# scenario (its own cluster) keeps to one (xdist_group "multinode"), the rest spread over both.
 PYTEST_WORKERS ?= 2
 # gpu-check runs on the machine's own torch, from the source tree
 GPU_PYTHON ?= python3
