@@ -64,7 +64,8 @@ class DataConfig(_Strict):
     # An audit of the data order: each rank appends, per step, a fingerprint of every row it
     # trained on (trainer.run_metrics.row_fingerprint) to metrics/rows-rank-<rank>.jsonl, so a
     # run that restarted or resized can be checked against its dataset for rows repeated or
-    # skipped. Off by default: it copies every batch to the host.
+    # skipped (a step GradScaler skipped counts: its rows were consumed). Off by default: it
+    # copies every batch to the host.
     record_rows: bool = False
 
 
