@@ -50,8 +50,6 @@ SETTINGS = ("run.name=multinode", "parallel.workers=4", "parallel.max_failures=1
 WORKER_PORTS = {NODES[0]: 20000, NODES[1]: 20500, REPLACEMENT: 21000}
 
 
-
-
 def prepare_environment() -> str:
     """This process's environment for its cluster, before ray is imported (Ray reads it then
     and when each node starts); returns the cluster's own temporary directory. Only the
