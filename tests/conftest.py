@@ -137,6 +137,18 @@ def tiny_config(corpus_dir: Path, run_dir: Path, *overrides: str) -> Config:
                        tiny_overrides(corpus_dir, run_dir, *overrides))
 
 
+def prepared_local_run(cfg: Config, workers: int) -> tuple[Config, Path]:
+    """``prepare_run(cfg)`` for the local launcher with ``workers`` processes, more than this
+    machine's CPUs if asked: ``prepare_run`` refuses that to protect a user's machine, and the
+    tests that compare 4-rank arithmetic want 4 processes on 2 cores. ``cfg`` must ask for a
+    worker count ``prepare_run`` accepts."""
+    from trainer.launch import prepare_run
+
+    cfg, run_dir = prepare_run(cfg)
+    return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+        update={"workers": workers})}), run_dir
+
+
 def tiny_overrides(corpus_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """``tiny_config``'s changes to configs/demo-cpu.yaml, as ``--set`` values."""
     return [

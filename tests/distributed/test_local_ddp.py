@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import prepared_local_run, tiny_config
 from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
 from trainer.context import complete_checkpoints
 from trainer.launch import prepare_run
@@ -67,12 +67,8 @@ def test_resuming_at_other_worker_counts_keeps_the_global_batch_schedule_and_dat
                 "train.eval_every=0", "train.checkpoint_every=4", "data.record_rows=true")
 
     def run(workers: int, until: int) -> dict:
-        cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *settings,
-                                               "parallel.workers=2"))
-        # prepare_run refuses more local workers than CPUs (a user's machine); 4 processes on
-        # 2 cores are wanted here, for the 4-rank split.
-        cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
-            update={"workers": workers})})
+        cfg, run_dir = prepared_local_run(tiny_config(corpus_dir, tmp_path, *settings,
+                                                      "parallel.workers=2"), workers)
         return launch_local(cfg, run_dir, until_step=until)
 
     first = run(4, 4)

@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, require_tool, tiny_config
+from tests.conftest import REPO, prepared_local_run, require_tool, tiny_config
 from tests.distributed.multinode import NODES, REPLACEMENT, SETTINGS
 from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
-from trainer.launch import prepare_run
 
 # Its own xdist group, so it runs beside the session cluster's tests: its cluster has its own
 # ports, temporary directory and "current cluster" record (multinode.py), and the session
@@ -123,11 +122,9 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
     assert (summary["workers"], summary["resumed_from_step"], summary["final_step"]) == (4, 4, 8)
     assert summary["accumulation_steps"] == 3  # global batch 24 = 2 x 3 x 4
 
-    # prepare_run refuses more local workers than CPUs, to protect a user's machine; here 4
-    # processes on 2 cores are wanted, to compare the same 4-rank arithmetic.
-    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *SETTINGS,
-                                           "parallel.launcher=local", "parallel.workers=2"))
-    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"workers": 4})})
+    cfg, run_dir = prepared_local_run(tiny_config(corpus_dir, tmp_path, *SETTINGS,
+                                                  "parallel.launcher=local",
+                                                  "parallel.workers=2"), 4)
     launch_local(cfg, run_dir)
     ray_checkpoint = Path(scenario["run_dir"]) / "checkpoint-00000008" / "state.pt"
     ray_weights = torch.load(ray_checkpoint, weights_only=True)["model"]
