@@ -169,6 +169,30 @@ def connect_with_another_token(address: str, log: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
 
 
+def start_training(ray_launch: Any, cfg: Any, run_dir: Path, address: str,
+                   into: dict) -> threading.Thread:
+    """``launch_ray`` on a thread (Ray starts a node, the replacement, from the main thread
+    only); its summary, or its error, goes into ``into``."""
+    def train() -> None:
+        try:
+            into["summary"] = ray_launch.launch_ray(cfg, run_dir, address=address)
+        except BaseException as err:  # reported in result.json
+            into["error"] = f"{type(err).__name__}: {err}"
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    return trainer
+
+
+def wait_past_step(trainer: threading.Thread, run_dir: Path, step: int) -> None:
+    """Until rank 0 has logged ``step`` (the stall fault holds it there, the other ranks wait in
+    the next all-reduce), then a random moment more: a kill not right after a checkpoint."""
+    log = run_dir / "metrics" / "rank-0.jsonl"
+    while trainer.is_alive() and not (log.exists() and f'"step": {step},' in log.read_text()):
+        time.sleep(0.1)
+    time.sleep(random.uniform(0.5, 2.0))
+
+
 # The elastic run: workers [2, 4] over the head and the replacement node; the replacement is
 # killed one step past the step-4 checkpoint and none joins, so the group restarts at 2.
 ELASTIC_SETTINGS = (*(s for s in SETTINGS if not s.startswith(("run.name", "parallel.workers"))),
@@ -187,19 +211,8 @@ def shrink(cluster: Any, node: Any, ray_launch: Any, corpus_dir: Path, work: Pat
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"  # read by this run's controller
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, work, *ELASTIC_SETTINGS))
     outcome: dict = {"run_dir": str(run_dir)}
-
-    def train() -> None:
-        try:
-            outcome["summary"] = ray_launch.launch_ray(cfg, run_dir, address=cluster.address)
-        except BaseException as err:  # reported in result.json
-            outcome["error"] = f"{type(err).__name__}: {err}"
-
-    trainer = threading.Thread(target=train, daemon=True)
-    trainer.start()
-    log = run_dir / "metrics" / "rank-0.jsonl"
-    while trainer.is_alive() and not (log.exists() and '"step": 5,' in log.read_text()):
-        time.sleep(0.1)
-    time.sleep(random.uniform(0.5, 2.0))
+    trainer = start_training(ray_launch, cfg, run_dir, cluster.address, outcome)
+    wait_past_step(trainer, run_dir, 5)
     if trainer.is_alive():
         cluster.remove_node(node, allow_graceful=False)
         outcome["killed"] = True
@@ -240,16 +253,8 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
     scrapes: dict[str, str] = {}
     os.environ["MEMTRAIN_FAULTS"] = "stall@5:0"  # the launcher hands it to the workers
 
-    def train() -> None:
-        try:
-            result["summary"] = ray_launch.launch_ray(cfg, run_dir, address=cluster.address)
-        except BaseException as err:  # reported in result.json
-            result["error"] = f"{type(err).__name__}: {err}"
-
-    # Training runs on a thread: Ray starts a node (the replacement) from the main thread only.
     started = time.time()
-    trainer = threading.Thread(target=train, daemon=True)
-    trainer.start()
+    trainer = start_training(ray_launch, cfg, run_dir, cluster.address, result)
     replacement = None
     try:
         # Scrape both nodes until each shows its two ranks' token counters.
@@ -264,10 +269,7 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
         # the next all-reduce), a random moment later: kill the worker node, one step past the
         # checkpoint of step 4, and add a replacement.
         killed_at = time.time()  # (when training ended before the kill: panels as they are)
-        log = run_dir / "metrics" / "rank-0.jsonl"
-        while trainer.is_alive() and not (log.exists() and '"step": 5,' in log.read_text()):
-            time.sleep(0.1)
-        time.sleep(random.uniform(0.5, 2.0))
+        wait_past_step(trainer, run_dir, 5)
         # Within the stall (6 s), until Prometheus holds two samples of each node's checkpoint
         # counter: its series first appears at the step-4 checkpoint (Ray exports a counter from
         # its first increment), and the checkpoint-time panel's increase() needs two.
