@@ -13,6 +13,7 @@ record's peak covers its interval, the published one a sliding window, the summa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from monitoring.memory import read_cuda_allocator, read_device_memory, read_host
@@ -235,12 +237,8 @@ class RunMetrics:
 def row_fingerprint(row: Any) -> str:
     """A row's fingerprint in ``data.record_rows``' log: 8 bytes of blake2b, in hex, over its
     token ids as little-endian int64 (whatever the dataset's integer type): computed the same
-    from a CPU tensor the loop trained on or from a row read from the dataset."""
-    import hashlib
-
-    import numpy as np
-
-    data = np.asarray(row.numpy() if isinstance(row, torch.Tensor) else row, dtype="<i8")
+    from a batch the loop trained on or from a row read from the dataset."""
+    data = np.asarray(row, dtype="<i8")
     return hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest()
 
 
@@ -257,7 +255,8 @@ class RowRecord:
         self.world_size = world_size
 
     def record(self, step: int, micro_batches: list[Any]) -> None:
-        rows = [row_fingerprint(row) for batch in micro_batches for row in batch.cpu()]
+        rows = [row_fingerprint(row) for batch in micro_batches
+                for row in np.asarray(batch.cpu().numpy(), dtype="<i8")]  # one copy a batch
         self._file.write(json.dumps({"step": step, "rows": rows, "world_size": self.world_size,
                                      "time": time.time()}) + "\n")
 
