@@ -149,9 +149,13 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_exact(
     per-step reseeding, the loader's position and the optimizer state in the checkpoint, gloo's
     fixed reduction order)."""
     from trainer.launch.local import launch_local
+    from trainer.launch.ray import RESTORE_DIR
 
     assert (ray_run.run_dir / ".faults-fired" / "kill@9-1").exists()  # the kill happened
     assert ray_run.summary["resumed_from_step"] == 6 and ray_run.summary["final_step"] == 12
+    # The restore came from the store through the node's one copy, removed once read.
+    restore = ray_run.run_dir / RESTORE_DIR
+    assert restore.is_dir() and not any(restore.iterdir())
     cfg, local_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *SETTINGS,
                                              "run.name=uninterrupted",
                                              "parallel.launcher=local"))

@@ -167,3 +167,63 @@ def test_an_unreachable_run_store_is_one_line_before_training(s3_server, corpus_
         prepare_run(tiny_config(corpus_dir, tmp_path, "run.dir=s3://no-such-bucket/runs",
                                 "parallel.launcher=local"))
     assert "\n" not in str(err.value)
+
+
+def test_a_nodes_workers_read_one_download_of_a_remote_checkpoint(s3_server, tmp_path: Path
+                                                                   ) -> None:
+    """Ray's own per-node sharing downloads again when a worker comes late, over the files
+    another is reading (ray-project/ray#48726). Two workers of one node (threads, a barrier as
+    their process group's): the second comes late and reads slowly; the one download is
+    complete for both, replaces a killed attempt's leftovers, and goes once both have read."""
+    import threading
+    import time
+
+    import ray.train
+
+    from trainer.launch.ray import node_copy
+
+    source = tmp_path / "checkpoint-00000006"
+    source.mkdir()
+    (source / "state.pt").write_bytes(bytes(range(256)) * 32768)  # 8 MiB
+    (source / "meta.json").write_text('{"step": 6}')
+    fs.copy_files(str(source), f"{BUCKET}/runs/a/{source.name}",
+                  source_filesystem=fs.LocalFileSystem(), destination_filesystem=s3_server)
+    directory = tmp_path / "copy" / ".restore" / f"node-{source.name}"
+    directory.mkdir(parents=True)
+    (directory / "state.pt").write_bytes(b"truncated")  # an earlier attempt, killed mid-copy
+    (directory / "left-over").write_text("")
+
+    downloads = []
+
+    class Counted(ray.train.Checkpoint):
+        def to_directory(self, path=None):
+            downloads.append(path)
+            return super().to_directory(path)
+
+    checkpoint = Counted(f"{BUCKET}/runs/a/{source.name}", filesystem=s3_server)
+    barrier = threading.Barrier(2, timeout=60)
+    seen: dict[int, dict[str, bytes]] = {}
+    errors: list[BaseException] = []
+
+    def worker(local_rank: int) -> None:
+        try:
+            if local_rank == 1:
+                time.sleep(0.5)  # comes after the download has finished
+            with node_copy(checkpoint, directory, local_rank == 0, barrier.wait) as copy:
+                if local_rank == 1:
+                    time.sleep(0.5)  # still reading when the other has finished
+                seen[local_rank] = {p.name: p.read_bytes() for p in sorted(copy.iterdir())}
+        except BaseException as err:  # noqa: BLE001 - reported by the test thread
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    expected = {p.name: p.read_bytes() for p in sorted(source.iterdir())}
+    assert seen == {0: expected, 1: expected}
+    assert downloads == [str(directory)]
+    assert not directory.exists()

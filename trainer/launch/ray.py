@@ -14,9 +14,10 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 # Must be set before ray is imported: with it, Ray on Linux reports 127.0.0.1 as the node IP,
@@ -24,6 +25,7 @@ from typing import Any
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
+import pyarrow.fs  # noqa: E402
 import ray  # noqa: E402
 import ray.train  # noqa: E402
 import torch  # noqa: E402
@@ -57,6 +59,8 @@ from trainer.loop import train  # noqa: E402
 from trainer.memory import configure_allocator_env  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
+# Under the run's working copy: where a node's workers read a checkpoint from remote storage.
+RESTORE_DIR = ".restore"
 
 
 class RaySink(Sink):
@@ -99,14 +103,44 @@ class RayContext(WorkerContext):
         ray.train.report(metrics, checkpoint=checkpoint,
                          checkpoint_dir_name=checkpoint_dir_name(step))
 
+    node_id: str = field(default="", kw_only=True)
+
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             yield None
             return
-        with checkpoint.as_directory() as directory:
-            yield Path(directory)
+        if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+            yield Path(checkpoint.path)
+            return
+        directory = (self.run_dir / RESTORE_DIR
+                     / f"{self.node_id}-{PurePosixPath(checkpoint.path).name}")
+        with node_copy(checkpoint, directory, self.local_rank == 0, self.barrier) as copy:
+            yield copy
+
+
+@contextlib.contextmanager
+def node_copy(checkpoint: ray.train.Checkpoint, directory: Path, downloads: bool,
+              barrier: Callable[[], None]) -> Iterator[Path]:
+    """A remote checkpoint's files in ``directory``, downloaded once for the node's workers.
+
+    Every worker of the node calls, with the same ``directory``; the one that ``downloads``
+    writes it, the others wait at ``barrier``, and it is removed once all have read it. Ray's
+    ``Checkpoint.as_directory`` shares one download per node too, but a worker that comes after
+    the download has finished downloads it again over the files another worker is reading
+    (ray-project/ray#48726: a truncated ``state.pt`` seen in this project's CI).
+    """
+    if downloads:
+        shutil.rmtree(directory, ignore_errors=True)  # a killed attempt's partial copy
+        checkpoint.to_directory(str(directory))
+    barrier()
+    try:
+        yield directory
+    finally:
+        barrier()  # every worker of the node has read it
+        if downloads:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 class _RayInfoFilter(logging.Filter):
@@ -137,10 +171,10 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     ctx = RayContext(rank=context.get_world_rank(), local_rank=context.get_local_rank(),
                      world_size=context.get_world_size(), device=device,
-                     run_dir=Path(loop_config["run_dir"]))
+                     run_dir=Path(loop_config["run_dir"]),
+                     node_id=ray.get_runtime_context().get_node_id()[:12])
     ctx.metrics_sink = RaySink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
-                                             ray.get_runtime_context().get_node_id()[:12],
-                                             device))
+                                             ctx.node_id, device))
     # The driver's filesystem object: a worker's own environment may not reach the store (a
     # cluster started before AWS_ENDPOINT_URL was set), and Ray's storage_filesystem is the same.
     remote = loop_config.get("remote")
