@@ -117,22 +117,40 @@ def test_a_failing_job_makes_submit_exit_non_zero(jobs_api: str, corpus_dir: Pat
 def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Path,
                                                    tmp_path: Path, ray_cluster) -> None:
     """The job is still starting or training when ``submit --no-follow`` returns, and it is a
-    real job of the cluster's: stopping it ends it. (That such a job trains to the end is the
-    followed job's test above: the same submission.)"""
+    real job of the cluster's: stopped while training, it ends, and its workers free the
+    cluster's CPUs. (That such a job trains to the end is the followed job's test above: the
+    same submission.) Stopped while still PENDING, Ray 2.60 reported STOPPED and then ran the
+    job anyway (ray-project/ray#28221), which is why it is stopped once training."""
+    import time
+
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     from trainer.launch.submit import wait
 
     overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=200", "train.eval_every=0",
-                               "train.checkpoint_every=0", "parallel.workers=1")
+                               "train.checkpoint_every=0", "train.log_every=1",
+                               "parallel.workers=1", "run.name=no-follow")
     out = submit("--address", jobs_api, *set_args(overrides), "--no-follow",
                  "--job-id", "memtrain-no-follow")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "memtrain-no-follow" in out.stdout
     client = JobSubmissionClient(jobs_api)  # this process has Ray's auth env: token sent
     assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING, JobStatus.RUNNING)
+    deadline = time.monotonic() + 120
+    while "step     1 |" not in client.get_job_logs("memtrain-no-follow"):
+        assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING,
+                                                               JobStatus.RUNNING)
+        assert time.monotonic() < deadline, client.get_job_logs("memtrain-no-follow")[-2000:]
+        time.sleep(0.5)
     assert client.stop_job("memtrain-no-follow")
     assert wait(client, "memtrain-no-follow", timeout_seconds=120) == JobStatus.STOPPED
+    total = ray_cluster.cluster_resources()["CPU"]
+    deadline = time.monotonic() + 60
+    while ray_cluster.available_resources().get("CPU", 0) < total:
+        assert time.monotonic() < deadline, "the stopped job's workers still hold CPUs"
+        time.sleep(0.5)
+    assert (tmp_path / "no-follow").is_dir()
+    assert not (tmp_path / "no-follow" / "summary.json").exists()  # it did not train on
 
 
 def test_a_wrong_token_is_one_clear_line(jobs_api: str) -> None:
