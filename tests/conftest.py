@@ -178,9 +178,14 @@ TIERS = ("unit", "distributed", "e2e", "deploy")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under xdist (``make test``), each test process computes on one thread: two processes
-    on two cores, and the Ray group's workers, are not slowed by oversubscription."""
+    """Under xdist (``make test``), each test process computes on one thread, and so does every
+    process it starts (a ``memtrain train`` subprocess, a job's driver; Ray's workers already
+    default to their one CPU): two xdist processes keep both cores busy, and a process with
+    more threads than free cores spins in OpenMP waiting for them. Measured on 2 cores beside
+    one busy process: 20 steps of ``memtrain train --workers 1`` took 62-64 s on torch's
+    default 2 threads, 32-34 s on one."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
 
         torch.set_num_threads(1)

@@ -22,7 +22,9 @@ PRELUDE = ("import sys, runpy\n"
 def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", PRELUDE, str(tmp_path)], cwd=REPO,
                             capture_output=True, text=True, timeout=300,
-                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                 **{k: v for k, v in os.environ.items()
+                                    if k == "OMP_NUM_THREADS"}})  # (tests/conftest.py)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     [report_file] = tmp_path.glob("gpu-check-*-dry.json")
     report = json.loads(report_file.read_text())
