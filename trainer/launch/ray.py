@@ -97,13 +97,13 @@ class RaySink(Sink):
 
 @dataclass
 class RayContext(WorkerContext):
+    node_id: str = field(default="", kw_only=True)  # Ray's node id, 12 characters (labels)
+
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
         checkpoint = (ray.train.Checkpoint.from_directory(str(checkpoint_dir))
                       if checkpoint_dir is not None else None)
         ray.train.report(metrics, checkpoint=checkpoint,
                          checkpoint_dir_name=checkpoint_dir_name(step))
-
-    node_id: str = field(default="", kw_only=True)
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:
