@@ -119,8 +119,9 @@ def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Pa
     """The job is still starting or training when ``submit --no-follow`` returns, and it is a
     real job of the cluster's: stopped while training, it ends, and its workers free the
     cluster's CPUs. (That such a job trains to the end is the followed job's test above: the
-    same submission.) Stopped while still PENDING, Ray 2.60 reported STOPPED and then ran the
-    job anyway (ray-project/ray#28221), which is why it is stopped once training."""
+    same submission.) It is stopped once training: stopped while still PENDING, Ray 2.60
+    reported it STOPPED and then ran it to the end (seen here once; ray-project/ray#28221 is
+    about stopping during a job's runtime env setup)."""
     import time
 
     from ray.job_submission import JobStatus, JobSubmissionClient
