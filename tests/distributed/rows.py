@@ -64,5 +64,3 @@ def rows_trained(dataset: Path, sizes: list[tuple[int, int, int]], seed: int,
                     read.append((piece.shard, piece.start))
         segments.append(Segment(world, batch, batches))
     return read
-
-

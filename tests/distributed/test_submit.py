@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -122,8 +123,6 @@ def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Pa
     same submission.) It is stopped once training: stopped while still PENDING, Ray 2.60
     reported it STOPPED and then ran it to the end (seen here once; ray-project/ray#28221 is
     about stopping during a job's runtime env setup)."""
-    import time
-
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     from trainer.launch.submit import wait

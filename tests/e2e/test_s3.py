@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -175,9 +177,6 @@ def test_a_nodes_workers_read_one_download_of_a_remote_checkpoint(s3_server, tmp
     another is reading (ray-project/ray#48726). Two workers of one node (threads, a barrier as
     their process group's): the second comes late and reads slowly; the one download is
     complete for both, replaces a killed attempt's leftovers, and goes once both have read."""
-    import threading
-    import time
-
     import ray.train
 
     from trainer.launch.ray import node_copy
