@@ -12,7 +12,8 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
   slow checkpoint or a stuck peer would hold it (the other ranks wait in the next collective);
   once per run directory, as ``kill``.
 
-Both launchers carry the variable to their workers (spawned processes inherit it; the Ray
+Both launchers carry the variable to their workers (the local one hands each worker the
+launcher's environment; the Ray
 launcher passes it in the loop config, since Ray's workers start before a test could set it).
 Unset, every check is a dictionary lookup. Production code has no other test hooks.
 """

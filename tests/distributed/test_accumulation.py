@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.launch.local import free_port
+from trainer.launch.local import free_port, start_workers
 from trainer.loop import train_step
 from trainer.memory import apply_activation_checkpointing, precision_policy
 from trainer.model import GPT, GPTConfig
@@ -80,8 +79,7 @@ def _worker(rank: int, world_size: int, port: int, micro_batch: int, oom_agreeme
 
 def _run_two_ranks(tmp_path: Path, micro_batch: int, oom_agreement: bool, steps: int = 1):
     out = tmp_path / f"result-{micro_batch}-{oom_agreement}-{steps}.pt"
-    mp.start_processes(_worker, args=(2, free_port(), micro_batch, oom_agreement, steps,
-                                      str(out)), nprocs=2, start_method="spawn")
+    start_workers(_worker, (2, free_port(), micro_batch, oom_agreement, steps, str(out)), 2)
     result = torch.load(out, weights_only=True)
     return result["params"], result["calls"]
 

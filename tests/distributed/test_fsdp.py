@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.conftest import tiny_config
 from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
 from trainer.launch import WorkerError, prepare_run
-from trainer.launch.local import free_port, launch_local
+from trainer.launch.local import free_port, launch_local, start_workers
 from trainer.loop import create_optimizer_state, step_peak_bytes
 from trainer.memory import precision_policy
 from trainer.model import GPT, GPTConfig
@@ -79,8 +78,7 @@ def _count_bytes(rank: int, port: int, out: str) -> None:
 
 def test_parameter_bytes_per_rank_halve_at_world_size_2(tmp_path: Path) -> None:
     out = tmp_path / "bytes.pt"
-    mp.start_processes(_count_bytes, args=(free_port(), str(out)), nprocs=2,
-                       start_method="spawn")
+    start_workers(_count_bytes, (free_port(), str(out)), 2)
     result = torch.load(out, weights_only=True)
     assert result["sharded"] == pytest.approx(result["full"] / 2, rel=0.01)
 
@@ -154,8 +152,7 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, precision: str) -> N
     six runs): the least of three steps is compared.
     """
     out = tmp_path / "peak.pt"
-    mp.start_processes(_step_peak, args=(free_port(), precision, str(out)), nprocs=2,
-                       start_method="spawn")
+    start_workers(_step_peak, (free_port(), precision, str(out)), 2)
     measured = torch.load(out, weights_only=True)["peak"]
     profile = profile_activations(partial(GPT, _WIDE), MemoryTransforms(bf16_norm_inputs=False),
                                   _WIDE.seq_len, _WIDE.vocab_size, precision)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.unit.test_loader import id_dataset
-from trainer.launch.local import free_port
+from trainer.launch.local import free_port, start_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -40,8 +40,7 @@ def _epoch(rank: int, world: int, port: int, path: str, out: str) -> None:
 
 def test_two_ranks_get_equal_batches_and_disjoint_rows(tmp_path: Path) -> None:
     path = id_dataset(tmp_path / "ds", [101, 101, 101, 13])  # 316 rows, uneven shards
-    mp.spawn(_epoch, args=(2, free_port(), str(path), str(tmp_path)), nprocs=2,
-             start_method="spawn")
+    start_workers(_epoch, (2, free_port(), str(path), str(tmp_path)), 2)
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["counts"] == ranks[1]["counts"] == [316 // 14, 316 // 14]
     a, b = set(ranks[0]["seen"]), set(ranks[1]["seen"])
@@ -63,6 +62,5 @@ def test_a_rank_whose_data_fails_brings_the_group_down_fast(tmp_path: Path) -> N
     good = id_dataset(tmp_path / "good", [50, 50])
     start = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match="does not exist"):
-        mp.spawn(_one_rank_fails, args=(2, free_port(), str(good), str(tmp_path / "missing")),
-                 nprocs=2, start_method="spawn")
+        start_workers(_one_rank_fails, (2, free_port(), str(good), str(tmp_path / "missing")), 2)
     assert time.monotonic() - start < 60  # not gloo's 30-minute collective timeout

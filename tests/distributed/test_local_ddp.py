@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from tests.conftest import prepared_local_run, tiny_config
 from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
 from trainer.context import complete_checkpoints
 from trainer.launch import prepare_run
-from trainer.launch.local import launch_local
+from trainer.launch.local import launch_local, start_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -129,3 +130,23 @@ def test_resuming_at_other_worker_counts_keeps_the_global_batch_schedule_and_dat
     straight = torch.load(straight_ckpt / "state.pt", weights_only=True)
     assert states[16]["scheduler"] == straight["scheduler"]
     assert states[16]["step"] == straight["step"] == 16
+
+
+def _write_environ(rank: int, out: str) -> None:
+    Path(out, f"rank-{rank}").write_text(os.environ.get("MEMTRAIN_TEST_VALUE", "unset"))
+
+
+def test_workers_get_the_environment_of_their_own_launch(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local launcher's workers fork from a server started by an earlier launch (this one's
+    first call, if no test before started it): they still see what the caller set since, as
+    spawned workers would (a fault to inject, the allocator setting)."""
+    monkeypatch.delenv("MEMTRAIN_TEST_VALUE", raising=False)
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    start_workers(_write_environ, (str(tmp_path / "first"),), 2)
+    monkeypatch.setenv("MEMTRAIN_TEST_VALUE", "set after the server started")
+    start_workers(_write_environ, (str(tmp_path / "second"),), 2)
+    assert [(tmp_path / "first" / f"rank-{r}").read_text() for r in range(2)] == ["unset"] * 2
+    assert [(tmp_path / "second" / f"rank-{r}").read_text() for r in range(2)] == \
+        ["set after the server started"] * 2

@@ -5,7 +5,7 @@ One run (``ray_run``, module scope) serves three tests, and a worker of it is ki
 SIGKILLed at step 9, three steps after the step-6 checkpoint, so Ray restarts the group and the
 loop resumes from step 6, restored from the store. It must still learn and checkpoint, its
 workers must export the metrics contract, and its final weights must equal, bit for bit, those
-of an uninterrupted run of the same config under the local launcher (2 spawned processes, gloo,
+of an uninterrupted run of the same config under the local launcher (2 worker processes, gloo,
 a local run directory): the loop is deterministic on CPU whichever launcher runs it. The run is
 then continued from another working copy (another machine: nothing local), from the store. Each
 Ray Train run costs its worker group's start; on a 2-core CI machine the module takes three

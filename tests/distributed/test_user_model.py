@@ -4,7 +4,7 @@ user sees when a worker fails: one line, the rank and the worker's own message.
 The model module lives outside the repository, on ``PYTHONPATH`` as a user's would; the demo
 config turns on activation checkpointing and leaves the loss to ``auto``, which such a model
 (no ``model.blocks``, no loss of its own) must train with. Both launchers: the local one (2
-spawned processes) and Ray (the session's cluster, which receives the module's code through
+worker processes) and Ray (the session's cluster, which receives the module's code through
 ``runtime_env``).
 """
 
@@ -99,7 +99,7 @@ def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user
 
 
 def test_a_worker_side_error_is_one_line_naming_the_rank(user_dir: Path) -> None:
-    """Local launcher, 2 spawned processes: the model's entry point raises in the workers only
+    """Local launcher, 2 worker processes: the model's entry point raises in the workers only
     (the driver never builds it)."""
     out = memtrain_train(user_dir, "local", "usermodel:broken", "broken-local")
     errors = [line for line in out.stderr.splitlines() if line.startswith("memtrain: error:")]

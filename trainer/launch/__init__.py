@@ -4,7 +4,7 @@
 checks what would otherwise fail late inside a worker (dataset present, batch arithmetic, worker
 count against CPUs), resolves ``auto`` choices with the memory planner, and writes the resolved
 config into the run directory. The launchers
-themselves live in ``local.py`` (in-process or spawned processes, no Ray) and ``ray.py``.
+themselves live in ``local.py`` (in-process or worker processes, no Ray) and ``ray.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,13 @@
-"""The local launcher: no Ray. One worker in-process, or N spawned processes with a process group.
+"""The local launcher: no Ray. One worker in-process, or N worker processes with a process group.
 
 This is how memtrain runs on a GPU box without Ray, and how tests run real process groups (gloo
 on CPU) cheaply. All rendezvous traffic stays on 127.0.0.1.
+
+Workers start from a fork server (``multiprocessing``'s "forkserver"), not by "spawn": the server
+imports torch and the trainer once, before any CUDA context exists, and each worker is a fork of
+it, so N workers cost one import instead of N (on 2 CPU cores: a 2-worker launch of the tests'
+tiny config took 15 CPU-seconds spawned, 6.5 forked from a warm server). Each worker still
+starts clean: the server has only imported modules, never trained or touched a GPU.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +90,32 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
         dist.destroy_process_group()
 
 
+def _with_environ(rank: int, environ: dict[str, str], fn: Callable[..., None],
+                  *args: Any) -> None:
+    # The fork server kept the environment of the launch that started it; a worker gets this
+    # launch's (MEMTRAIN_FAULTS, the allocator setting, anything the caller set since), as a
+    # spawned one would.
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
+
+
+def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from the fork server, with this
+    process's environment, joined; a worker's exception is raised as torch's
+    ``ProcessRaisedException``, a killed worker as ``ProcessExitedException``."""
+    mp.set_forkserver_preload([__name__])  # read when the server starts: once per process
+    mp.start_processes(_with_environ, args=(dict(os.environ), fn, *args), nprocs=nprocs,
+                       start_method="forkserver")
+
+
 def _spawn(cfg: Config, run_dir: Path, until_step: int | None) -> None:
     """``cfg.parallel.workers`` processes with one process group; a worker's error is raised
     as its own line (``WorkerError``)."""
     clear_worker_errors(run_dir)
     try:
-        mp.start_processes(_worker, args=(cfg.model_dump_json(), str(run_dir), free_port(),
-                                          until_step),
-                           nprocs=cfg.parallel.workers, start_method="spawn")
+        start_workers(_worker, (cfg.model_dump_json(), str(run_dir), free_port(), until_step),
+                      cfg.parallel.workers)
     except mp.ProcessRaisedException as err:
         # torch's message is the worker's whole traceback; the worker recorded its own line.
         recorded = recorded_worker_error(run_dir, err.error_index) \
