@@ -4,8 +4,9 @@
 
 Every process on the machine is sampled from /proc twice a second; each is named by what it is
 (a Ray actor by its class, a Ray node's daemons, a ``memtrain`` subcommand, a local launcher
-worker, an xdist worker) and its CPU seconds while the command ran are summed per name. A
-process that lives less than half a second is missed. This is how the test suite's time was
+worker, an xdist worker) and its CPU seconds while the command ran are summed per name. What
+a process spends after the last sample before it exits (up to half a second) is missed, and so
+is a process that lives less than that. This is how the test suite's time was
 split between Ray, the local launcher's workers and the tests' own processes (issue #13).
 """
 
