@@ -13,9 +13,9 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
   once per run directory, as ``kill``.
 
 Both launchers carry the variable to their workers (the local one hands each worker the
-launcher's environment; the Ray
-launcher passes it in the loop config, since Ray's workers start before a test could set it).
-Unset, every check is a dictionary lookup. Production code has no other test hooks.
+launcher's environment; the Ray launcher passes it in the loop config, since Ray's workers start
+before a test could set it). Unset, every check is a dictionary lookup. Production code has no
+other test hooks.
 """
 
 from __future__ import annotations

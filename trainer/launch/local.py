@@ -109,7 +109,7 @@ def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -
                        start_method="forkserver")
 
 
-def _spawn(cfg: Config, run_dir: Path, until_step: int | None) -> None:
+def _run_workers(cfg: Config, run_dir: Path, until_step: int | None) -> None:
     """``cfg.parallel.workers`` processes with one process group; a worker's error is raised
     as its own line (``WorkerError``)."""
     clear_worker_errors(run_dir)
@@ -143,7 +143,7 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
             ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir, remote=remote)
             attach_metrics(ctx, cfg)
             return train(cfg, ctx, until_step)
-        _spawn(cfg, run_dir, until_step)
+        _run_workers(cfg, run_dir, until_step)
     finally:
         if remote is not None:  # the logs and summary, whether training finished or failed
             try:
