@@ -150,3 +150,21 @@ def test_workers_get_the_environment_of_their_own_launch(tmp_path: Path,
     assert [(tmp_path / "first" / f"rank-{r}").read_text() for r in range(2)] == ["unset"] * 2
     assert [(tmp_path / "second" / f"rank-{r}").read_text() for r in range(2)] == \
         ["set after the server started"] * 2
+
+
+def test_a_worker_killed_by_a_signal_is_one_line_naming_its_rank(
+        corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the kernel's OOM killer would: rank 1 SIGKILLed at step 5, past the step-4
+    checkpoint. The workers are children of the fork server, not of the launcher; their exit
+    still reaches it, the other rank is stopped, and the error names the rank and the signal.
+    The same run, started again, resumes from the checkpoint (a kill fires once per run)."""
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "kill@5:1")
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "parallel.launcher=local",
+                                           "parallel.workers=2", "train.steps=8",
+                                           "train.checkpoint_every=4", "train.eval_every=4"))
+    with pytest.raises(RuntimeError, match=r"^rank 1 exited with code -9 \(signal SIGKILL\)$"):
+        launch_local(cfg, run_dir)
+    assert (run_dir / ".faults-fired" / "kill@5-1").exists()
+    assert not (run_dir / "summary.json").exists()
+    summary = launch_local(cfg, run_dir)
+    assert (summary["resumed_from_step"], summary["final_step"]) == (4, 8)
