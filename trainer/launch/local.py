@@ -94,7 +94,8 @@ def _with_environ(rank: int, environ: dict[str, str], fn: Callable[..., None],
                   *args: Any) -> None:
     # The fork server kept the environment of the launch that started it; a worker gets this
     # launch's (MEMTRAIN_FAULTS, the allocator setting, anything the caller set since), as a
-    # spawned one would.
+    # spawned one would. What a library read when the server imported it stays the server's
+    # (OpenMP's thread count: _worker sets torch's own).
     os.environ.clear()
     os.environ.update(environ)
     fn(rank, *args)
