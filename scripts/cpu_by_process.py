@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -91,17 +92,16 @@ def main() -> int:
         sample()
         time.sleep(0.5)
     wall = time.monotonic() - started
-    totals: dict[str, list[float]] = {}
+    cpu: Counter[str] = Counter()
+    processes: Counter[str] = Counter()
     for key, (name, seconds) in seen.items():
-        total = totals.setdefault(name, [0.0, 0])
-        total[0] += seconds - before.get(key, 0.0)
-        total[1] += 1
-    rows = sorted(totals.items(), key=lambda item: -item[1][0])
+        cpu[name] += seconds - before.get(key, 0.0)
+        processes[name] += 1
     print(f"\n{'CPU s':>9} {'procs':>6}  kind (wall {wall:.0f} s, {os.cpu_count()} CPUs)",
           file=sys.stderr)
-    for name, (seconds, count) in rows[:args.top]:
-        print(f"{seconds:9.1f} {int(count):6d}  {name}", file=sys.stderr)
-    print(f"{sum(t[0] for _, t in rows):9.1f} {'':6}  all", file=sys.stderr)
+    for name, seconds in cpu.most_common(args.top):
+        print(f"{seconds:9.1f} {processes[name]:6d}  {name}", file=sys.stderr)
+    print(f"{cpu.total():9.1f} {'':6}  all", file=sys.stderr)
     return process.returncode
 
 
