@@ -32,12 +32,52 @@ def checkpoint_wrapper_api() -> ModuleType:
     return checkpoint_wrapper
 
 
-def cpu_bf16_support() -> CpuBf16:
-    """How this CPU runs bf16 matrix products.
+# oneDNN's names for the instruction sets ``ONEDNN_MAX_CPU_ISA`` may cap it at (its "CPU
+# dispatcher control" guide), by what they give bf16 matrix products on an AVX-512 CPU.
+ONEDNN_NATIVE_BF16_ISAS = frozenset({
+    "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
+    "AVX10_2_512_AMX_2"})
+ONEDNN_EMULATED_BF16_ISAS = frozenset({"AVX512_CORE", "AVX512_CORE_VNNI"})
+ONEDNN_BELOW_AVX512_ISAS = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"})
+
+
+def onednn_max_cpu_isa(environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """The instruction set oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``, or its older name
+    ``DNNL_MAX_CPU_ISA``), upper-cased; None where unset, ``ALL`` or ``DEFAULT``, or a value
+    oneDNN does not know (it ignores those too). oneDNN reads the variable once, at its first
+    kernel, so a process sets it before it starts."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = environ.get(name, "").strip().upper()
+        if value:
+            known = ONEDNN_NATIVE_BF16_ISAS | ONEDNN_EMULATED_BF16_ISAS | ONEDNN_BELOW_AVX512_ISAS
+            return value if value in known else None
+    return None
+
+
+def bf16_kind(cpu_native: bool, cpu_avx512: bool, max_isa: str | None) -> CpuBf16:
+    """What oneDNN runs bf16 matrix products with, from what the CPU has (``cpu_native``:
+    AVX512_BF16 or AMX; ``cpu_avx512``: AVX-512 BW/VL/DQ, oneDNN's bf16 emulation) and the
+    instruction set it is capped at (``onednn_max_cpu_isa``). A cap below AVX-512 leaves no
+    oneDNN bf16 kernel: ``emulated``."""
+    native_allowed = max_isa is None or max_isa in ONEDNN_NATIVE_BF16_ISAS
+    avx512_allowed = native_allowed or max_isa in ONEDNN_EMULATED_BF16_ISAS
+    if cpu_native and native_allowed:
+        return "native"
+    if (cpu_native or cpu_avx512) and avx512_allowed:
+        return "onednn-emulated"
+    return "emulated"
+
+
+def cpu_bf16_support(environ: dict[str, str] | os._Environ[str] = os.environ) -> CpuBf16:
+    """How this process's bf16 matrix products run on the CPU: what the CPU has, under the cap
+    ``ONEDNN_MAX_CPU_ISA`` puts on oneDNN (``bf16_kind``; ``environ``: the environment of the
+    process asked about, this one's by default).
 
     - ``native``: AVX512_BF16 or AMX instructions; oneDNN runs bf16 kernels directly.
-    - ``onednn-emulated``: AVX-512 without them; oneDNN takes bf16 and emulates it with fp32
-      instructions (its own conversions and buffers).
+    - ``onednn-emulated``: AVX-512 without them (or with them, and oneDNN capped at
+      ``AVX512_CORE``); oneDNN takes bf16 and emulates it with fp32 instructions (its own
+      conversions and buffers).
     - ``emulated``: no oneDNN bf16 at all (for example AVX2 only); ATen's fallback kernels
       convert around fp32 arithmetic.
     The two emulated kinds are about 2-3x slower than fp32 and allocate temporaries the native
@@ -45,11 +85,9 @@ def cpu_bf16_support() -> CpuBf16:
     """
     import torch
 
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        return "native"
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "onednn-emulated"
-    return "emulated"
+    cpu_native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bf16_kind(cpu_native, torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                     onednn_max_cpu_isa(environ))
 
 
 def fake_tensor_mode() -> Any:

@@ -133,8 +133,33 @@ def gpt(**kwargs: object) -> GPT:
 MODEL_REGISTRY: dict[str, Callable[..., nn.Module]] = {"gpt": gpt}
 
 
+class ModelError(Exception):
+    """A user's model entry point raised while building the model: one line naming the entry
+    point and its error, wherever it was built (the driver's planner, or a worker, whose line
+    adds the rank). Exit 2 for an error the user fixes (a ValueError, a missing file), else 1."""
+
+    one_line = True
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> tuple[type[ModelError], tuple[str, int]]:
+        return type(self), (str(self), self.exit_code)  # Ray sends a worker's error pickled
+
+    @classmethod
+    def raised_by(cls, name: str, err: Exception) -> ModelError:
+        lines = str(err).strip().splitlines()
+        detail = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+        return cls(f"model.name {name!r}: {detail}",
+                   2 if isinstance(err, ValueError | FileNotFoundError) else 1)
+
+
 def create_model(name: str, **kwargs: object) -> nn.Module:
-    """Build a registered model or call a ``module:function`` entry point with ``kwargs``."""
+    """Build a registered model or call a ``module:function`` entry point with ``kwargs``.
+
+    Raises ValueError for a name that does not resolve, and ``ModelError`` for an entry point
+    that raised."""
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -147,7 +172,13 @@ def create_model(name: str, **kwargs: object) -> nn.Module:
         valid = ", ".join(sorted(MODEL_REGISTRY))
         raise ValueError(f"model.name {name!r} is not registered (registered: {valid}; "
                          "or give module:function)")
-    model = factory(**kwargs)
+    if ":" in name:
+        try:
+            model = factory(**kwargs)
+        except Exception as err:
+            raise ModelError.raised_by(name, err) from err
+    else:
+        model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model.name {name!r} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -67,11 +68,13 @@ def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def memtrain_train(user_dir: Path, launcher: str, model: str, run: str,
-                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+                   env: dict[str, str] | None = None, extra: list[str] | None = None
+                   ) -> subprocess.CompletedProcess[str]:
+    sets = [f"model.name={model}", "train.steps=2", *(extra or [])]
     return subprocess.run(
         [sys.executable, "-m", "trainer.cli", "train", "--config",
          str(REPO / "configs" / "demo-cpu.yaml"), "--launcher", launcher, "--run-name", run,
-         "--set", f"model.name={model}", "--set", "train.steps=2"],
+         *[arg for value in sets for arg in ("--set", value)]],
         cwd=user_dir, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": f"{user_dir / 'code'}{os.pathsep}{REPO}",
              **(env or {})})
@@ -98,15 +101,26 @@ def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user
             in out.stderr
 
 
-def test_a_worker_side_error_is_one_line_naming_the_rank(user_dir: Path) -> None:
-    """Local launcher, 2 worker processes: the model's entry point raises in the workers only
-    (the driver never builds it)."""
-    out = memtrain_train(user_dir, "local", "usermodel:broken", "broken-local")
+@pytest.mark.parametrize("precision, where", [("fp32", "worker"), ("bf16", "driver")])
+def test_a_model_error_is_one_line_naming_the_entry_point(user_dir: Path, precision: str,
+                                                          where: str) -> None:
+    """Local launcher, 2 worker processes; the model's entry point raises. In fp32 the driver
+    never builds the model and the workers meet the error: the line names the rank. Under bf16
+    the driver probes the model first (``bf16_norm_inputs: auto`` asks the planner), so the
+    error comes from there, before any worker starts. Either way the line names the entry
+    point, and the exit code is 2 (a model the user must change)."""
+    out = memtrain_train(user_dir, "local", "usermodel:broken", f"broken-{precision}",
+                         extra=[f"memory.precision={precision}"])
     errors = [line for line in out.stderr.splitlines() if line.startswith("memtrain: error:")]
     assert errors, out.stderr[-3000:]
-    assert errors[-1].startswith("memtrain: error: rank ")
-    assert errors[-1].endswith(": ValueError: this model needs model.n_embd >= 4096"), errors
-    assert out.returncode == 2  # a model the user must change: exit 2, as in the driver
+    expected = "model.name 'usermodel:broken': ValueError: this model needs model.n_embd >= 4096"
+    if where == "worker":
+        assert re.fullmatch(rf"memtrain: error: rank [01]: {re.escape(expected)}", errors[-1]), \
+            errors
+    else:
+        assert errors[-1] == f"memtrain: error: {expected}", errors
+        assert not (user_dir / "runs" / "broken-bf16").exists()  # no worker ever started
+    assert out.returncode == 2, out.stderr[-2000:]
 
 
 @pytest.mark.xdist_group("ray")

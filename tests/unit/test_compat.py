@@ -32,6 +32,44 @@ def test_cpu_bf16_support_reads_the_cpu() -> None:
         assert torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@pytest.mark.parametrize("cpu, max_isa, kind", [
+    ("native", None, "native"),
+    ("native", "AVX512_CORE_AMX", "native"),
+    ("native", "AVX512_CORE_BF16", "native"),
+    ("native", "AVX512_CORE", "onednn-emulated"),  # the cap that emulates on a native CPU
+    ("native", "AVX512_CORE_VNNI", "onednn-emulated"),
+    ("native", "AVX2", "emulated"),
+    ("avx512", None, "onednn-emulated"),
+    ("avx512", "AVX512_CORE_AMX", "onednn-emulated"),  # a cap never adds instructions
+    ("avx512", "AVX2_VNNI", "emulated"),
+    ("avx2", None, "emulated"),
+    ("avx2", "AVX512_CORE_BF16", "emulated"),
+])
+def test_the_bf16_kind_follows_the_cpu_under_onednns_cap(cpu: str, max_isa: str | None,
+                                                         kind: str) -> None:
+    assert compat.bf16_kind(cpu == "native", cpu in ("native", "avx512"), max_isa) == kind
+
+
+@pytest.mark.parametrize("environ, max_isa", [
+    ({}, None),
+    ({"ONEDNN_MAX_CPU_ISA": "avx512_core"}, "AVX512_CORE"),  # oneDNN upper-cases the value
+    ({"DNNL_MAX_CPU_ISA": "AVX2"}, "AVX2"),  # the older name
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "DNNL_MAX_CPU_ISA": "AVX2"}, "AVX512_CORE"),
+    ({"ONEDNN_MAX_CPU_ISA": "ALL"}, None),
+    ({"ONEDNN_MAX_CPU_ISA": "DEFAULT"}, None),
+    ({"ONEDNN_MAX_CPU_ISA": "PENTIUM"}, None),  # unknown: oneDNN ignores it too
+])
+def test_onednns_cap_is_read_from_the_environment(environ: dict[str, str],
+                                                  max_isa: str | None) -> None:
+    assert compat.onednn_max_cpu_isa(environ) == max_isa
+
+
+def test_a_cap_below_avx512_leaves_this_cpu_no_onednn_bf16() -> None:
+    """No stub: this machine's own CPU, with and without a cap."""
+    assert compat.cpu_bf16_support({"ONEDNN_MAX_CPU_ISA": "AVX2"}) == "emulated"
+    assert compat.cpu_bf16_support({}) in ("native", "onednn-emulated", "emulated")
+
+
 def test_checkpoint_wrapper_is_recognised() -> None:
     block = torch.nn.Linear(4, 4)
     try:

@@ -1,4 +1,5 @@
-"""``train()`` as a whole: its losses pinned against a recording, and cleanup on failure."""
+"""``train()`` as a whole: its losses pinned against a recording and against a plain reference
+loop, and cleanup on failure."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from datapipe.loader import BatchLoader
 from tests.conftest import REPO, tiny_config
+from trainer.build import MemoryTransforms, build_model, model_factory
+from trainer.checkpoint import STATE_FILE, load_checkpoint
 from trainer.compat import cpu_capability
+from trainer.config import Config
 from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
+from trainer.loop import build_optimizer, lr_lambda
+from trainer.loss import summed_loss
+from trainer.memory import precision_policy
 
 pytestmark = pytest.mark.unit
 RECORDED = json.loads((REPO / "tests" / "fixtures" / "losses_before_refactor.json").read_text())
@@ -32,7 +40,8 @@ def test_twenty_steps_give_the_recorded_losses_bit_for_bit(precision: str, corpu
     """The losses of 20 steps, recorded with the loop as it was before ``train()`` was split
     into state, metrics and batch plan: any change to the order of seeding, data, steps or
     schedule changes a bit. Kernels differ between CPU instruction sets and the corpus between
-    Python versions, so the recording holds where it was made (and on CI machines like it)."""
+    Python versions, so the recording holds where it was made (and on machines like it);
+    ``test_train_is_a_plain_loop_bit_for_bit`` holds the loop to a reference on every CPU."""
     here = {"cpu_capability": cpu_capability(), "torch": torch.__version__,
             "python": platform.python_version()}  # the corpus is this Python's stdlib
     if any(RECORDED[key] != value for key, value in here.items()):
@@ -47,6 +56,66 @@ def test_twenty_steps_give_the_recorded_losses_bit_for_bit(precision: str, corpu
     rows = [json.loads(line) for line in
             (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()]
     assert [r["loss"].hex() for r in rows if "loss" in r] == RECORDED["losses"][precision]
+
+
+def reference_run(cfg: Config) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    """What ``train()`` computes for one CPU worker, written out as a plain loop (nanoGPT's
+    shape) from the building blocks: the same seeded model, AdamW, schedule and loader, each
+    step reseeded, its micro-batches' summed losses over the step's tokens, clipping, step.
+    Returns each step's (loss, grad norm) and the final weights."""
+    device = torch.device("cpu")
+    model = build_model(model_factory(cfg.model), MemoryTransforms.of(cfg.memory), device,
+                        seed=cfg.run.seed)
+    policy = precision_policy(cfg.memory.precision, device, warn=False)
+    optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.betas)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    accumulation = cfg.train.accumulation_steps(1)
+    data = cfg.data
+    records = []
+    with BatchLoader(data.path, data.column, rank=0, world_size=1,
+                     batch_size=cfg.train.micro_batch(), seed=cfg.run.seed, shuffle=data.shuffle,
+                     device=device, shuffle_window=data.shuffle_window) as batches:
+        model.train()
+        for step in range(cfg.train.steps):
+            # dropout's masks: a seed of (run seed, rank, step), so a resumed step redraws them
+            torch.manual_seed((cfg.run.seed * 1_000_003 + step) % 2**63)
+            micro_batches = [next(batches) for _ in range(accumulation)]
+            tokens = sum(tokens_BT[:, 1:].numel() for tokens_BT in micro_batches)
+            loss_sum = torch.zeros(())
+            for tokens_BT in micro_batches:
+                loss = summed_loss(model, tokens_BT, policy)
+                (loss / tokens).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            records.append(((loss_sum / tokens).item(), grad_norm.item()))
+    return records, model.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_is_a_plain_loop_bit_for_bit(precision: str, corpus_dir: Path, tmp_path: Path,
+                                           one_thread) -> None:
+    """On any CPU: ``train()`` with every cadence on (logging each step, evaluation,
+    checkpoints, activation checkpointing, accumulation, dropout) gives the plain reference
+    loop's losses, gradient norms and final weights to the last bit. Evaluation, checkpoints
+    and metrics must change nothing the step computes."""
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, f"memory.precision={precision}", "parallel.launcher=local",
+        "parallel.workers=1", "train.steps=8", "train.log_every=1", "train.eval_every=3",
+        "train.checkpoint_every=4", "model.dropout=0.1", f"run.name=ref-{precision}"))
+    launch_local(cfg, run_dir)
+    rows = [json.loads(line) for line in
+            (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()]
+    trained = [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+    expected, weights = reference_run(cfg)
+    assert [(loss.hex(), norm.hex()) for loss, norm in trained] == \
+        [(loss.hex(), norm.hex()) for loss, norm in expected]
+    final = max(run_dir.rglob(STATE_FILE), key=lambda path: load_checkpoint(path.parent)["step"])
+    state = load_checkpoint(final.parent)
+    assert state["step"] == 8
+    assert all(torch.equal(state["model"][name], tensor) for name, tensor in weights.items())
 
 
 def test_a_run_that_fails_midway_restores_gc_and_stops_the_loader_threads(

@@ -34,14 +34,22 @@ class WorkerError(RuntimeError):
     one_line = True
 
     def __init__(self, rank: int, kind: str, message: str, user_error: bool):
-        super().__init__(f"rank {rank}: {kind}: {message}" if message else f"rank {rank}: {kind}")
+        # kind "": the worker's message was written for the user and names what failed itself
+        super().__init__(f"rank {rank}: " + ": ".join(part for part in (kind, message) if part))
         self.rank, self.kind = rank, kind
         self.exit_code = 2 if user_error else 1
 
 
 def is_user_error(err: BaseException) -> bool:
-    """An error the user fixes (config, data, checkpoint): exit 2, as in the driver."""
-    return isinstance(err, ValueError | FileNotFoundError)
+    """An error the user fixes (config, data, checkpoint, their model's entry point): exit 2,
+    as in the driver."""
+    return isinstance(err, ValueError | FileNotFoundError) or getattr(err, "exit_code", 1) == 2
+
+
+def error_kind(err: BaseException) -> str:
+    """How a worker's error line names its type: not at all for an error whose message was
+    written for the user (``one_line``, e.g. ``trainer.model.ModelError``)."""
+    return "" if getattr(err, "one_line", False) else type(err).__name__
 
 
 def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
@@ -50,7 +58,7 @@ def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
     import json
 
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    record = {"kind": type(err).__name__, "message": first_line,
+    record = {"kind": error_kind(err), "message": first_line,
               "user_error": is_user_error(err)}
     try:
         path = run_dir / ERRORS_DIR / f"rank-{rank}.json"

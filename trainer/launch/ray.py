@@ -49,6 +49,7 @@ from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
 from trainer.launch import (  # noqa: E402
     WorkerError,
     clear_worker_errors,
+    error_kind,
     is_user_error,
     record_worker_error,
     recorded_worker_error,
@@ -306,7 +307,7 @@ def worker_error(run_dir: Path, err: Exception) -> Exception:
         cause = failures[rank]
         cause = getattr(cause, "cause", None) or cause  # a RayTaskError wraps the user's error
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-        return WorkerError(rank, type(cause).__name__, lines[-1] if lines else "",
+        return WorkerError(rank, error_kind(cause), lines[-1] if lines else "",
                            is_user_error(cause))
     lines = str(err).strip().splitlines()
     return RuntimeError(lines[-1] if lines else type(err).__name__)
