@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.errors import first_line
+
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 
@@ -56,8 +58,7 @@ def load_checkpoint(directory: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:  # refused objects land here under weights_only
-        first_line = str(err).strip().splitlines()[0]
-        raise CheckpointError(f"checkpoint {path} was refused: {first_line}") from err
+        raise CheckpointError(f"checkpoint {path} was refused: {first_line(err)}") from err
     except (RuntimeError, EOFError, OSError) as err:
         raise CheckpointError(f"checkpoint {path} is corrupted or truncated ({err})") from err
 

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from datapipe.paths import is_remote
 from trainer.config import ConfigError, load_config
+from trainer.errors import first_line
 
 app = typer.Typer(help="memtrain: distributed PyTorch training that minds GPU memory.",
                   no_args_is_help=True, pretty_exceptions_enable=False,
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         if debug:
             raise
-        _fail(str(err).splitlines()[0] if str(err) else type(err).__name__, 2)
+        _fail(first_line(err), 2)
     except ModuleNotFoundError as err:
         if debug or err.name is None or err.name.split(".")[0] not in TRAINING_MODULES:
             raise
@@ -494,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("memtrain").debug("failure", exc_info=True)
         if getattr(err, "one_line", False):  # a message written for the user, e.g. SubmitError
             _fail(str(err), getattr(err, "exit_code", 1))
-        _fail(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}", 1)
+        message = first_line(err, "")
+        _fail(f"{type(err).__name__}: {message}" if message else type(err).__name__, 1)
     sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from trainer.errors import first_line
 from trainer.faults import maybe_fail_checkpoint
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class LocalContext(WorkerContext):
                 shutil.copytree(checkpoint_dir, staging, dirs_exist_ok=True)
             except OSError as err:  # disk full, read-only storage: the run stops here
                 shutil.rmtree(staging, ignore_errors=True)
-                reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+                reason = getattr(err, "strerror", None) or first_line(err)
                 raise CheckpointWriteError(
                     f"checkpoint of step {step} could not be written to {staging.parent} "
                     f"({reason}); the previous checkpoint stays the latest") from err
@@ -136,7 +137,7 @@ class LocalContext(WorkerContext):
         except OSError as err:  # the store's latest complete checkpoint stays the latest
             raise CheckpointWriteError(
                 f"checkpoint of step {step} could not be uploaded to {self.remote.uri} "
-                f"({str(err).splitlines()[0]}); the previous checkpoint stays the latest") from err
+                f"({first_line(err)}); the previous checkpoint stays the latest") from err
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:

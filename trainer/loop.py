@@ -48,6 +48,7 @@ from trainer.build import (
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.diagnostics import LeakGuard, cpu_peak_bytes, profiler_window, write_memory_summary
+from trainer.errors import first_line
 from trainer.faults import maybe_kill, maybe_stall, wanted
 from trainer.loss import summed_loss
 from trainer.memory import (
@@ -147,7 +148,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     except torch.OutOfMemoryError as err:
         if agreement is None:
             raise
-        oom_message = str(err).strip().splitlines()[0] if str(err) else "out of memory"
+        oom_message = first_line(err, "out of memory")
     # Outside the handler: the OOM's traceback, and the activations its frames hold, are gone.
     del chunks
     if agreement is not None:  # (an OOM without an agreement was re-raised above)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.errors import first_line
 from trainer.loss import linear_cross_entropy_sum
 
 
@@ -149,8 +150,8 @@ class ModelError(Exception):
 
     @classmethod
     def raised_by(cls, name: str, err: Exception) -> ModelError:
-        lines = str(err).strip().splitlines()
-        detail = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+        message = first_line(err, "")
+        detail = f"{type(err).__name__}: {message}" if message else type(err).__name__
         return cls(f"model.name {name!r}: {detail}",
                    2 if isinstance(err, ValueError | FileNotFoundError) else 1)
 

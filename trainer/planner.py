@@ -51,6 +51,7 @@ from torch import nn
 
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import cpu_bf16_support, fake_tensor_mode, is_checkpoint_wrapper
+from trainer.errors import first_line
 from trainer.loss import LossShape, observe_chunked_losses, summed_loss
 from trainer.memory import precision_policy
 
@@ -279,7 +280,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
                                                 precision, device)
         except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
             log.info("planner: the model cannot be probed with fake tensors (%s: %s); probing "
-                     "with real ones", type(err).__name__, str(err).splitlines()[0][:200])
+                     "with real ones", type(err).__name__, first_line(err)[:200])
     if profile is None:
         profile, block_input = _profile(factory, transforms, seq_len, vocab_size, precision,
                                         device)

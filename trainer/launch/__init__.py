@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from datapipe.paths import is_remote
 from trainer.config import Config, ConfigError
+from trainer.errors import error_kind, first_line, is_user_error
 
 if TYPE_CHECKING:
     from trainer.planner import ActivationProfile, PlanRow, StaticBytes
@@ -40,25 +41,12 @@ class WorkerError(RuntimeError):
         self.exit_code = 2 if user_error else 1
 
 
-def is_user_error(err: BaseException) -> bool:
-    """An error the user fixes (config, data, checkpoint, their model's entry point): exit 2,
-    as in the driver."""
-    return isinstance(err, ValueError | FileNotFoundError) or getattr(err, "exit_code", 1) == 2
-
-
-def error_kind(err: BaseException) -> str:
-    """How a worker's error line names its type: not at all for an error whose message was
-    written for the user (``one_line``, e.g. ``trainer.model.ModelError``)."""
-    return "" if getattr(err, "one_line", False) else type(err).__name__
-
-
 def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
     """In a failing worker: keep its error where the launcher finds it (best effort: a run
     directory the driver cannot see, on another node, just leaves the launcher's fallback)."""
     import json
 
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    record = {"kind": error_kind(err), "message": first_line,
+    record = {"kind": error_kind(err), "message": first_line(err, ""),
               "user_error": is_user_error(err)}
     try:
         path = run_dir / ERRORS_DIR / f"rank-{rank}.json"
@@ -303,7 +291,7 @@ def remote_run(cfg: Config) -> RemoteRun | None:
 
 def _store_error(cfg: Config, err: Exception) -> ConfigError:
     """The store behind ``run.dir`` cannot be used: one line naming it (exit 2)."""
-    return ConfigError(f"run.dir {cfg.run.dir!r}: {str(err).splitlines()[0]}")
+    return ConfigError(f"run.dir {cfg.run.dir!r}: {first_line(err)}")
 
 
 def local_run_dir(cfg: Config) -> Path:

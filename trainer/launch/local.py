@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from trainer.config import Config
 from trainer.context import LocalContext
+from trainer.errors import first_line
 from trainer.launch import (
     available_cpus,
     clear_worker_errors,
@@ -152,5 +153,5 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
                 remote.upload_logs(run_dir)
             except OSError as err:  # the checkpoints are there; never hide the run's own error
                 log.warning("could not upload the run's logs to %s: %s", remote.uri,
-                            str(err).splitlines()[0])
+                            first_line(err))
     return json.loads((run_dir / "summary.json").read_text())

@@ -46,11 +46,10 @@ from trainer import faults  # noqa: E402
 from trainer.compat import ray_loopback_init_kwargs, ray_metrics_export_seconds  # noqa: E402
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
+from trainer.errors import error_kind, is_user_error  # noqa: E402
 from trainer.launch import (  # noqa: E402
     WorkerError,
     clear_worker_errors,
-    error_kind,
-    is_user_error,
     record_worker_error,
     recorded_worker_error,
     remote_run,
