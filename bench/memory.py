@@ -30,10 +30,10 @@ import torch
 
 from bench.results import describe_cpu, result_path, write_json
 from trainer.build import MemoryTransforms, build_model
-from trainer.loop import build_optimizer, step_peak_bytes, train_step
-from trainer.memory import precision_policy
+from trainer.memory.planner import measure_saved_bytes, plan_row, profile_activations, static_bytes
+from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
-from trainer.planner import measure_saved_bytes, plan_row, profile_activations, static_bytes
+from trainer.step import build_optimizer, step_peak_bytes, train_step
 
 SIZES = {
     "gpt-small (4x128, seq 256)": GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128),

@@ -24,10 +24,10 @@ from monitoring.memory import gpu_uuid, worker_labels
 from monitoring.publisher import Publisher
 from monitoring.sinks import PrometheusSink
 from trainer.build import MemoryTransforms, build_model
-from trainer.loop import build_optimizer, train_step
-from trainer.memory import precision_policy, resolve_precision
+from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.model import GPT, GPTConfig
 from trainer.run_metrics import device_values, peak_tracker
+from trainer.step import build_optimizer, train_step
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -31,6 +31,7 @@ import contextlib
 import datetime as dt
 import gc
 import json
+import os
 import pickle
 import platform
 import socket
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,17 +55,19 @@ from trainer.build import compile_model as compile_blocks
 from trainer.compat import allocator_settings, record_memory_history
 from trainer.context import LocalContext
 from trainer.diagnostics import cpu_peak_bytes
-from trainer.loop import build_optimizer, step_peak_bytes, train_step
-from trainer.memory import configure_allocator_env, precision_policy
-from trainer.model import GPT, GPTConfig
-from trainer.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
-from trainer.planner import (
+from trainer.memory.allocator import configure_allocator_env
+from trainer.memory.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
+from trainer.memory.planner import (
     choose_plan,
     feasible_plans,
     plan_row,
     profile_activations,
     static_bytes,
 )
+from trainer.memory.precision import precision_policy
+from trainer.model import GPT, GPTConfig
+from trainer.state import StepResult
+from trainer.step import build_optimizer, step_peak_bytes, train_step
 
 GPT2_124M = GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_embd=768)
 TINY = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, n_embd=64)
@@ -121,7 +125,7 @@ def phase_peaks(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler, policy: Any, tokens: torch.Tensor,
                 device: torch.device) -> dict[str, int]:
     """One more step, phase by phase: the allocator peak of forward, backward, optimizer."""
-    from trainer.loss import summed_loss
+    from trainer.memory.loss import summed_loss
 
     peaks = {}
     torch.cuda.reset_peak_memory_stats(device)
@@ -373,10 +377,27 @@ def write_token_shards(directory: Path, cfg: GPTConfig, rows: int) -> None:
     write_rows(directory, spec, blocks, rows_per_shard=2048)
 
 
+@contextlib.contextmanager
+def patched_environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set for the block, as it was after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bool
                  ) -> dict[str, Any]:
-    """A micro-batch too large for the device: real OOM, recovery by halving, snapshot."""
-    from trainer.loop import recover_from_oom
+    """A micro-batch too large for the device: real OOM, recovery by halving, snapshot; the
+    loop's own policy (``step_with_oom_recovery``). ``dry`` injects the OOM instead."""
+    from trainer import faults
+    from trainer.memory.oom import step_with_oom_recovery
 
     release_memory(device)
     run_dir = Path(tempfile.mkdtemp(prefix="memtrain-oom-"))  # snapshots can be large
@@ -387,16 +408,20 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, lr=3e-4)
     batch = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
-    plan, attempt, events = BatchPlan(micro_batch, 1), 0, []
-    while True:
+    events: list[str] = []
+
+    def attempt(splits: int, agreement: OOMAgreement | None, model: torch.nn.Module = model,
+                optimizer: torch.optim.Optimizer = optimizer, batch: torch.Tensor = batch
+                ) -> StepResult:
         try:
-            result = train_step(model, optimizer, scaler, [batch], plan.splits, policy, 1.0,
-                                OOMAgreement(device), inject_oom=dry and attempt == 0)
-            break
+            return train_step(model, optimizer, scaler, [batch], splits, policy, 1.0, agreement)
         except StepOutOfMemory as err:
-            attempt += 1
             events.append(str(err)[:200])
-            plan = recover_from_oom(ctx, 1, plan, attempt, 4, str(err))
+            raise
+
+    with patched_environ({faults.ENV: "oom@1:0"} if dry else {}):
+        result, plan = step_with_oom_recovery(attempt, BatchPlan(micro_batch, 1), ctx, 1,
+                                              agree=True, max_retries=4)
     sync(device)
     snapshots = sorted((run_dir / "memory").glob("*.pickle"))
     snapshot_ok = None
@@ -408,12 +433,12 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
         record_memory_history(enabled=False)
     row = {"first_micro_batch": micro_batch, "recovered_micro_batch": plan.running_micro_batch,
            "accumulation_after": plan.running_accumulation, "global_batch_kept": True,
-           "ooms": attempt,
+           "ooms": len(events),
            "events": events, "loss_after_recovery": float(result.loss),
            "snapshot_files": {p.name: p.stat().st_size for p in snapshots},
            "snapshot_loads_with_pickle": snapshot_ok,
            "reports": sorted(p.name for p in (run_dir / "memory").glob("*"))}
-    del model, optimizer, batch, result
+    del model, optimizer, batch, result, attempt  # attempt's defaults hold them too
     release_memory(device)
     return row
 

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from trainer.compat import is_checkpoint_wrapper
-from trainer.memory import apply_activation_checkpointing, bf16_norm_inputs, set_loss_chunking
+from trainer.memory.activation_checkpointing import apply_activation_checkpointing
+from trainer.memory.loss import set_loss_chunking
+from trainer.memory.norms import bf16_norm_inputs
 from trainer.model import create_model
 
 if TYPE_CHECKING:

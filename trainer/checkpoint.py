@@ -1,16 +1,38 @@
-"""What a checkpoint holds and how it is written and read back safely.
+"""Checkpoints, in one place: what one holds on disk, its name, how it is written, published
+(in the run directory and to a run store on object storage), found and read back.
 
-One ``state.pt`` per checkpoint directory with the model, optimizer, GradScaler and LR-schedule
-state, the step, the data loader's position and the RNG state, plus a small ``meta.json``.
-Everything in it is tensors and plain containers, so it loads with ``torch.load(...,
-weights_only=True)``: a checkpoint can never run code. A checkpoint whose shapes do not fit the
-model raises a ``CheckpointError`` naming the parameter, not an error deep inside torch.
+A checkpoint is a directory ``checkpoint-<step:08d>`` in the run directory. It holds
+``state.pt`` (model, optimizer, GradScaler and LR-schedule state, the step, the data loader's
+position and the RNG state: ``trainer.state.TrainState.state_dict``), a small ``meta.json``, and
+under FSDP every rank's model and optimizer shards as DCP files (``torch.distributed.checkpoint``:
+each rank writes its own shard files and rank 0 the metadata; loading reshards to the current
+world, whatever the world that wrote them).
+
+- **Writing**: into a staging directory (``write_checkpoint``), which the worker context
+  publishes: the local launcher by an atomic rename in the run directory (``publish_checkpoint``)
+  and, for a run directory on object storage, an upload with ``meta.json`` last
+  (``upload_checkpoint``: object stores have no rename, so a checkpoint is complete once its
+  ``meta.json`` exists); Ray Train through ``ray.train.report``, under the same names.
+- **Finding**: the latest complete checkpoint of a run directory (``complete_checkpoints``) or
+  of its store (``stored_checkpoints``, ``fetch_latest``); staging and download directories
+  never match a checkpoint's name.
+- **Reading**: ``torch.load(..., weights_only=True)``: everything in ``state.pt`` is tensors and
+  plain containers, so a checkpoint can never run code. A checkpoint that cannot be used raises
+  ``CheckpointReadError`` (exit 2) naming the file and the problem, not an error deep inside
+  torch; storage that refuses a checkpoint raises ``CheckpointWriteError`` (exit 1), and the
+  previous checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pickle
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +40,49 @@ import torch
 from torch import nn
 
 from trainer.errors import first_line
+from trainer.faults import maybe_fail_checkpoint
+from trainer.runstore import RemoteRun
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+CHECKPOINT_PREFIX = "checkpoint-"
+_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and the problem."""
+class CheckpointError(Exception):
+    """A checkpoint could not be read or written; the message names it and the problem."""
 
+
+class CheckpointReadError(CheckpointError, ValueError):
+    """A checkpoint that cannot be used (missing, corrupted, refused, not this model's)."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Storage refused a checkpoint; nothing was published."""
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a published checkpoint directory's name; None for any other name (staging
+    and download directories never match)."""
+    match = _CHECKPOINT_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Published checkpoints in ``run_dir``, oldest first."""
+    if not run_dir.is_dir():
+        return []
+    return sorted((step, child) for child in run_dir.iterdir()
+                  if (step := checkpoint_step(child.name)) is not None and child.is_dir())
+
+
+# -- writing -------------------------------------------------------------------------------------
 
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
@@ -50,17 +107,131 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     return path
 
 
+def write_checkpoint(directory: Path, state: dict[str, Any] | None,
+                     shards: tuple[nn.Module, torch.optim.Optimizer] | None) -> Path | None:
+    """One rank's part of a checkpoint, into ``directory``: the model's and optimizer's DCP
+    shards where ``shards`` is given (every rank, a collective), and ``state.pt`` where
+    ``state`` is (rank 0). Returns ``directory``, or None when this rank wrote nothing."""
+    if shards is not None:
+        save_sharded(directory, *shards)
+    if state is not None:
+        save_checkpoint(directory, state)
+    return directory if shards is not None or state is not None else None
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """One worker, in-process, has no process group: DCP then reads and writes alone, and warns
+    on every call that it assumed so (even when told). That is this case's intent: silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its model and optimizer shards into ``directory`` (a collective)."""
+    # DCP is imported here: it brings in DTensor (about 1.5 s of CPU per process), which every
+    # DDP worker, CLI call and Ray worker would otherwise pay for nothing.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    with _quiet_single_process():
+        dcp.save({"model": model_state, "optimizer": optimizer_state},
+                 checkpoint_id=str(directory))
+
+
+# -- publishing ----------------------------------------------------------------------------------
+
+def publish_checkpoint(run_dir: Path, step: int, files: Path | None, is_main: bool,
+                       barrier: Callable[[], None], keep: int) -> Path:
+    """Publish one step's checkpoint in ``run_dir`` from every rank's ``files`` (its
+    ``write_checkpoint`` directory, or None); every rank calls. Returns the checkpoint.
+
+    The barriers order the phases: clean staging, copy (each rank its own files: rank 0 only
+    under DDP, every rank's shards under FSDP), rename (atomic: a checkpoint is there whole or
+    not at all), prune to the ``keep`` newest.
+    """
+    final = run_dir / checkpoint_dir_name(step)
+    staging = run_dir / f".staging-{checkpoint_dir_name(step)}"
+    barrier()
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crash mid-write
+        staging.mkdir(parents=True)
+    barrier()
+    if files is not None:
+        try:
+            shutil.copytree(files, staging, dirs_exist_ok=True)
+        except OSError as err:  # disk full, read-only storage: the run stops here
+            shutil.rmtree(staging, ignore_errors=True)
+            reason = getattr(err, "strerror", None) or first_line(err)
+            raise CheckpointWriteError(
+                f"checkpoint of step {step} could not be written to {staging.parent} "
+                f"({reason}); the previous checkpoint stays the latest") from err
+    maybe_fail_checkpoint(step)  # MEMTRAIN_FAULTS=checkpoint@STEP (trainer.faults)
+    barrier()
+    if is_main:
+        if final.exists():  # a rerun reached the same step: replace it whole
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        for _, old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def upload_checkpoint(remote: RemoteRun, checkpoint: Path, keep: int) -> None:
+    """A checkpoint published in the working copy, to the run store: every file under its
+    name, ``meta.json`` last (complete from then); then the store keeps its ``keep`` newest, and
+    gets the run's logs as they are at this checkpoint."""
+    step = checkpoint_step(checkpoint.name)
+    try:
+        files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+        remote.upload_files(checkpoint.parent, sorted(files, key=lambda p: p.name == META_FILE))
+        for _step, name in stored_checkpoints(remote)[:-keep]:
+            remote.delete_dir(name)
+        remote.upload_logs(checkpoint.parent)
+    except OSError as err:  # the store's latest complete checkpoint stays the latest
+        raise CheckpointWriteError(
+            f"checkpoint of step {step} could not be uploaded to {remote.uri} "
+            f"({first_line(err)}); the previous checkpoint stays the latest") from err
+
+
+# -- finding -------------------------------------------------------------------------------------
+
+def stored_checkpoints(remote: RemoteRun) -> list[tuple[int, str]]:
+    """(step, name) of the complete checkpoints in the run store, oldest first."""
+    return sorted((step, name) for name in remote.directories()
+                  if (step := checkpoint_step(name)) is not None
+                  and remote.is_file(f"{name}/{META_FILE}"))
+
+
+def fetch_latest(remote: RemoteRun, run_dir: Path) -> Path | None:
+    """The store's latest complete checkpoint in the working copy ``run_dir`` (downloaded
+    unless there already, complete); None when the store has none."""
+    checkpoints = stored_checkpoints(remote)
+    if not checkpoints:
+        return None
+    name = checkpoints[-1][1]
+    local = run_dir / name
+    if not (local / META_FILE).is_file():
+        remote.download_dir(name, local)
+    return local
+
+
+# -- reading -------------------------------------------------------------------------------------
+
 def load_checkpoint(directory: Path) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``; raises CheckpointError when unusable."""
+    """Read a checkpoint's ``state.pt`` with ``weights_only=True``; raises CheckpointReadError
+    when unusable."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise CheckpointReadError(f"checkpoint {path} does not exist")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:  # refused objects land here under weights_only
-        raise CheckpointError(f"checkpoint {path} was refused: {first_line(err)}") from err
+        raise CheckpointReadError(f"checkpoint {path} was refused: {first_line(err)}") from err
     except (RuntimeError, EOFError, OSError) as err:
-        raise CheckpointError(f"checkpoint {path} is corrupted or truncated ({err})") from err
+        raise CheckpointReadError(f"checkpoint {path} is corrupted or truncated ({err})") from err
 
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
@@ -69,11 +240,25 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {source} does not fit the model: missing "
-                              f"{missing[:3]}, unexpected {unexpected[:3]}")
+        raise CheckpointReadError(f"checkpoint {source} does not fit the model: missing "
+                                  f"{missing[:3]}, unexpected {unexpected[:3]}")
     for name, tensor in state_dict.items():
         if tensor.shape != own[name].shape:
-            raise CheckpointError(
+            raise CheckpointReadError(
                 f"checkpoint {source} does not fit the model: {name} has shape "
                 f"{list(tensor.shape)} in the checkpoint, {list(own[name].shape)} in the model")
     model.load_state_dict(state_dict)
+
+
+def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load model and optimizer state written by ``save_sharded`` at any world size (a
+    collective): each rank reads the parts of the files that its shards cover."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    with _quiet_single_process():
+        dcp.load({"model": model_state, "optimizer": optimizer_state},
+                 checkpoint_id=str(directory))  # loads into the dicts in place
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict=optimizer_state)

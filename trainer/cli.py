@@ -103,7 +103,7 @@ def _step_list(text: str | None, option: str) -> list[int] | None:
 
 
 def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
-    from trainer.run_metrics import format_bytes
+    from monitoring.units import format_bytes
 
     table = Table(title=f"run {summary['run']}", show_header=False)
     table.add_column("", style="bold")
@@ -217,12 +217,13 @@ def plan_command(
         "--set", help="Override a config value (repeatable).")] = None,
 ) -> None:
     """Predict memory per rank before training: what fits, at which micro-batch and cost."""
+    from monitoring.units import parse_bytes
     from trainer.launch import probe_config
-    from trainer.planner import AC_MODES, HEADROOM, feasible_plans, parse_bytes, plan_row
+    from trainer.memory.planner import AC_MODES, HEADROOM, feasible_plans, plan_row
 
     cfg = load_config(config, list(overrides or []),
                       {"parallel.workers": workers} if workers else None)
-    budget = parse_bytes(device_memory)
+    budget = parse_bytes(device_memory, "--device-memory")
     world = cfg.parallel.workers
     accumulation = cfg.train.accumulation_steps(world)
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
@@ -364,14 +365,11 @@ def data_write(
     from rich.progress import DownloadColumn, TransferSpeedColumn
 
     from datapipe.convert import expand_sources, write_dataset
-    from trainer.planner import parse_bytes
+    from monitoring.units import parse_bytes
 
     if fmt not in ("auto", "parquet", "jsonl", "text", "numpy"):
         raise ConfigError(f"--format {fmt!r} is not one of auto, parquet, jsonl, text, numpy")
-    try:
-        shard_bytes = parse_bytes(shard_size)
-    except ValueError as err:
-        raise ConfigError(f"--shard-size {shard_size!r} is not a size like 64MiB") from err
+    shard_bytes = parse_bytes(shard_size, "--shard-size")
     if tokenizer is not None:  # progress in input bytes, with their rate
         total = sum(f.stat().st_size for f in expand_sources(list(sources)))
         columns_shown = [TextColumn("tokenizing"), BarColumn(), DownloadColumn(),

@@ -118,7 +118,7 @@ class TrainConfig(_Strict):
 
 class MemoryConfig(_Strict):
     # "auto": bf16 on GPUs with native bf16, else fp16 (GradScaler); on CPU bf16 only where
-    # it is native (AVX512_BF16/AMX), else fp32 (trainer.memory.resolve_precision).
+    # it is native (AVX512_BF16/AMX), else fp32 (trainer.memory.precision.resolve_precision).
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # fp16: the GradScaler's starting scale (it halves on overflow, grows after stable steps).
     grad_scaler_init_scale: float = Field(2.0**16, gt=0)

@@ -3,7 +3,8 @@
 A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left out), steps
 1-based optimizer steps:
 - ``oom@3:1``: rank 1 raises ``torch.OutOfMemoryError`` halfway through step 3's micro-batches,
-  on the step's first attempt only (OOM recovery then retries it);
+  on the step's first attempt only (OOM recovery then retries it): ``oom_armed`` around an
+  attempt, ``maybe_oom`` before each micro-batch;
 - ``checkpoint@4``: the checkpoint of step 4 fails after its files are written, before it is
   published (every rank raises);
 - ``kill@5:1``: rank 1 SIGKILLs itself at the end of step 5, once per run directory (a marker
@@ -15,15 +16,18 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
 Both launchers carry the variable to their workers (the local one hands each worker the
 launcher's environment; the Ray launcher passes it in the loop config, since Ray's workers start
 before a test could set it). Unset, every check is a dictionary lookup. Production code has no
-other test hooks.
+other test hooks: no function takes a parameter for tests.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +70,29 @@ def wanted(kind: str, step: int, rank: int) -> bool:
     return Fault(kind, step, rank) in active()
 
 
+_OOM_ARMED: contextvars.ContextVar[bool] = contextvars.ContextVar("memtrain_oom_armed",
+                                                                  default=False)
+
+
+@contextlib.contextmanager
+def oom_armed(step: int, rank: int, first_attempt: bool) -> Iterator[None]:
+    """Around one attempt of a step: arm ``maybe_oom`` where ``oom@STEP:RANK`` asks for this
+    step and rank and the attempt is the step's first."""
+    token = _OOM_ARMED.set(first_attempt and wanted("oom", step, rank))
+    try:
+        yield
+    finally:
+        _OOM_ARMED.reset(token)
+
+
+def maybe_oom(index: int, count: int) -> None:
+    """Before micro-batch ``index`` of ``count``: raise the armed OOM at the middle one."""
+    if _OOM_ARMED.get() and index == count // 2:
+        import torch  # only where an OOM is injected: this module needs no torch otherwise
+
+        raise torch.OutOfMemoryError(f"out of memory (injected by {ENV})")
+
+
 def maybe_fail_checkpoint(step: int) -> None:
     """``checkpoint@STEP``: fail this step's checkpoint write (on every rank)."""
     if any(f.kind == "checkpoint" and f.step == step for f in active()):
@@ -91,6 +118,12 @@ def _first_time(run_dir: Path, fault: Fault) -> bool:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     return True
+
+
+def at_step_end(run_dir: Path, step: int, rank: int) -> None:
+    """The faults that fire at the end of a step: ``stall``, then ``kill``."""
+    maybe_stall(run_dir, step, rank)
+    maybe_kill(run_dir, step, rank)
 
 
 def maybe_kill(run_dir: Path, step: int, rank: int) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.errors import first_line
-from trainer.loss import linear_cross_entropy_sum
+from trainer.memory.loss import linear_cross_entropy_sum
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.loss_chunk_tokens = 0  # set by trainer.memory.set_loss_chunking; 0: plain loss
+        self.loss_chunk_tokens = 0  # set by trainer.memory.loss.set_loss_chunking; 0: plain loss
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)

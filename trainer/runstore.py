@@ -5,11 +5,9 @@ resolved ``config.yaml``, the metrics logs and ``summary.json``, so a run resume
 that can reach the bucket. The workers write into a local working copy (``run.work_dir``,
 ``<work_dir>/<run.name>``) and publish from it:
 
-- under the local launcher, rank 0 uploads a checkpoint right after it is complete locally:
-  every file, then ``meta.json`` last. Object stores have no atomic rename, so a checkpoint
-  counts as complete once its ``meta.json`` exists, and an upload cut short leaves the previous
-  checkpoint the latest. Under Ray, Ray Train writes and restores the checkpoints in the store
-  itself (``storage_filesystem``), in the same layout;
+- checkpoints as ``trainer.checkpoint`` publishes them (under the local launcher rank 0 uploads
+  each one once complete locally, ``meta.json`` last; under Ray, Ray Train writes and restores
+  them in the store itself, ``storage_filesystem``, in the same layout);
 - the logs (``config.yaml``, ``metrics/``, ``summary.json``, ``errors/``) with each checkpoint
   and when training ends, finished or failed (under Ray, from each node's copy). OOM reports,
   memory snapshots and profiler traces (``memory/``) stay in the working copy: they can be
@@ -18,7 +16,8 @@ that can reach the bucket. The workers write into a local working copy (``run.wo
 Resuming reads the store, not the working copy: its latest complete checkpoint is downloaded
 unless the copy already holds it, and a working copy without metrics logs gets the store's, so
 they continue rather than restart. Endpoints and credentials come from the usual environment
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as for datasets.
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as for datasets. ``RemoteRun`` is the store's
+file operations; what a checkpoint is lives in ``trainer.checkpoint``.
 """
 
 from __future__ import annotations
@@ -29,9 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from pyarrow import fs as pafs
-
-from trainer.checkpoint import META_FILE
-from trainer.context import checkpoint_step
 
 LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors")
 
@@ -88,34 +84,27 @@ class RemoteRun:
         with self.fs.open_input_stream(self._path(relative)) as stream:
             return stream.read().decode()
 
-    def _upload_tree(self, root: Path, directory: Path) -> None:
-        """Every file under ``directory``, named as it is relative to ``root``, in name order
-        but ``meta.json`` last (False sorts first)."""
-        files = sorted(p for p in directory.rglob("*") if p.is_file())
-        for path in sorted(files, key=lambda p: p.name == META_FILE):
+    def upload_files(self, root: Path, files: list[Path]) -> None:
+        """``files``, in this order, each under its name relative to ``root``."""
+        for path in files:
             self.upload_file(path, path.relative_to(root).as_posix())
 
-    def upload_checkpoint(self, local_dir: Path) -> None:
-        """Every file of ``local_dir`` under its name, ``meta.json`` last: complete from then."""
-        self._upload_tree(local_dir.parent, local_dir)
+    def directories(self) -> list[str]:
+        """The names of the directories directly under the run's root."""
+        return [info.base_name
+                for info in self.fs.get_file_info(pafs.FileSelector(self.root,
+                                                                    allow_not_found=True))
+                if info.type == pafs.FileType.Directory]
 
-    def checkpoints(self) -> list[tuple[int, str]]:
-        """(step, name) of the complete checkpoints in the store, oldest first."""
-        found = []
-        for info in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
-            step = checkpoint_step(info.base_name)
-            if step is not None and info.type == pafs.FileType.Directory and self.fs.get_file_info(
-                    f"{info.path}/{META_FILE}").type == pafs.FileType.File:
-                found.append((step, info.base_name))
-        return sorted(found)
+    def is_file(self, relative: str) -> bool:
+        return self.fs.get_file_info(self._path(relative)).type == pafs.FileType.File
+
+    def delete_dir(self, relative: str) -> None:
+        self.fs.delete_dir(self._path(relative))
 
     def clear_errors(self) -> None:
         """A new attempt's failures are its own: the store forgets the last one's error lines."""
         self.fs.delete_dir_contents(self._path("errors"), missing_dir_ok=True)
-
-    def prune(self, keep: int) -> None:
-        for _step, name in self.checkpoints()[:-keep]:
-            self.fs.delete_dir(self._path(name))
 
     def download_dir(self, relative: str, local: Path) -> None:
         """The store's ``relative`` directory into ``local`` (replaced whole, never half)."""
@@ -126,18 +115,6 @@ class RemoteRun:
                         destination_filesystem=self._local)
         shutil.rmtree(local, ignore_errors=True)
         os.replace(staging, local)
-
-    def fetch_latest(self, run_dir: Path) -> Path | None:
-        """The store's latest complete checkpoint in the working copy (downloaded unless there
-        already, complete); None when the store has none."""
-        checkpoints = self.checkpoints()
-        if not checkpoints:
-            return None
-        name = checkpoints[-1][1]
-        local = run_dir / name
-        if not (local / META_FILE).is_file():
-            self.download_dir(name, local)
-        return local
 
     def fetch_logs(self, run_dir: Path) -> None:
         """A working copy without metrics logs (another machine, a cleared cache) continues the
@@ -153,4 +130,4 @@ class RemoteRun:
             if path.is_file():
                 self.upload_file(path, entry)
             elif path.is_dir():
-                self._upload_tree(run_dir, path)
+                self.upload_files(run_dir, sorted(p for p in path.rglob("*") if p.is_file()))

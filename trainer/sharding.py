@@ -1,12 +1,11 @@
-"""Sharded data parallelism with FSDP2 (``fully_shard``) and sharded checkpoints (DCP).
+"""Sharded data parallelism with FSDP2 (``fully_shard``).
 
 ``parallel.strategy: fsdp`` shards every block of ``model.blocks`` and then the root module, so
 parameters, gradients and optimizer state are split across ranks (each holds 1/world of them) and
-a block's parameters are all-gathered only while it runs. Checkpoints are written with
-``torch.distributed.checkpoint``: every rank writes its own shard files and rank 0 the metadata,
-into the same checkpoint directory, and loading reshards to the current world, whatever the
-world that wrote them. One worker is not wrapped (nothing to shard) but reads and writes the same
-DCP files without a process group, so a run moves between 1 and N workers either way.
+a block's parameters are all-gathered only while it runs. Its checkpoints are DCP files
+(``trainer.checkpoint``), which reshard on load: one worker is not wrapped (nothing to shard) but
+reads and writes the same files without a process group, so a run moves between 1 and N workers
+either way.
 
 Gradient accumulation uses ``set_requires_gradient_sync(False)`` on all but the last micro-batch,
 FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step.
@@ -14,17 +13,13 @@ FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import warnings
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
 
-# FSDP and DCP are imported where they are used: they bring in DTensor (about 1.5 s of CPU per
-# process), which every DDP worker, CLI call and Ray worker would otherwise pay for nothing.
+# FSDP is imported where it is used: it brings in DTensor (about 1.5 s of CPU per process), which
+# every DDP worker, CLI call and Ray worker would otherwise pay for nothing.
 
 
 def shard_model(model: nn.Module) -> nn.Module:
@@ -56,37 +51,3 @@ def local_parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds (its shards under FSDP, everything otherwise)."""
     return sum(local_tensor(p).numel() * local_tensor(p).element_size()
                for p in model.parameters())
-
-
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """One worker, in-process, has no process group: DCP then reads and writes alone, and warns
-    on every call that it assumed so (even when told). That is this case's intent: silenced."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
-
-
-def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its model and optimizer shards into ``directory`` (a collective)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    with _quiet_single_process():
-        dcp.save({"model": model_state, "optimizer": optimizer_state},
-                 checkpoint_id=str(directory))
-
-
-def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load model and optimizer state written by ``save_sharded`` at any world size (a
-    collective): each rank reads the parts of the files that its shards cover."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    with _quiet_single_process():
-        dcp.load({"model": model_state, "optimizer": optimizer_state},
-                 checkpoint_id=str(directory))  # loads into the dicts in place
-    set_state_dict(model, optimizer, model_state_dict=model_state,
-                   optim_state_dict=optimizer_state)

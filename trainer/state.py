@@ -1,10 +1,11 @@
-"""``TrainState``: everything a checkpoint holds, and how it is written and restored.
+"""``TrainState``: everything a checkpoint holds; and ``StepResult``, what one step gives back.
 
 The state owns the model (DDP-wrapped once the process group needs it), the optimizer, the LR
 schedule, the GradScaler, the loader's position, the step and, in every checkpoint, the RNG.
 ``state_dict()`` / ``load_state_dict()`` carry the plain part; under FSDP the model and optimizer
-shards go through DCP (``trainer.sharding``) beside it. ``save`` refuses non-finite weights and
-hands a complete directory to the worker context; ``restore`` loads the context's latest one.
+shards go through DCP beside it. ``save`` refuses non-finite weights and writes this rank's part
+for the worker context to publish; ``restore`` loads the context's latest checkpoint. How
+checkpoints are written, named, published and read is ``trainer.checkpoint``.
 
 DDP: rank 0 writes everything into ``state.pt``. FSDP: every rank writes its model and optimizer
 shards, rank 0 adds ``state.pt`` with the rest.
@@ -24,19 +25,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from datapipe.loader import BatchLoader
 from trainer.checkpoint import (
-    CheckpointError,
+    CheckpointReadError,
     load_checkpoint,
     load_model_state,
+    load_sharded,
     rng_state,
-    save_checkpoint,
     set_rng_state,
+    write_checkpoint,
 )
 from trainer.context import WorkerContext
-from trainer.sharding import is_sharded, load_sharded, local_tensor, save_sharded
+from trainer.sharding import is_sharded, local_tensor
 
 
 class NonFiniteError(RuntimeError):
     """Training produced non-finite numbers that it cannot step over."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step gives back, on the device (no host sync until read)."""
+
+    loss: torch.Tensor  # detached mean token loss over this rank's micro-batches
+    grad_norm: torch.Tensor
+    skipped: bool  # non-finite gradients: the optimizer did not step
 
 
 @dataclass
@@ -105,7 +116,7 @@ class TrainState:
             state = load_checkpoint(checkpoint_dir)
             if bool(state.get("sharded")) != self.dcp:
                 how = "with" if state.get("sharded") else "without"
-                raise CheckpointError(
+                raise CheckpointReadError(
                     f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run has "
                     f"parallel.strategy {self.strategy!r} on {ctx.world_size} workers")
             if self.dcp:  # any world size: DCP reshards to this one
@@ -130,11 +141,6 @@ class TrainState:
                                  f"non-finite weights {where}; the last good checkpoint stays "
                                  "the latest")
         with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
-            checkpoint_dir = None
-            if self.dcp:
-                checkpoint_dir = Path(tmp)
-                save_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
-            if ctx.is_main:
-                checkpoint_dir = Path(tmp)
-                save_checkpoint(checkpoint_dir, self.state_dict())
-            ctx.report(metrics, checkpoint_dir, self.step)
+            files = write_checkpoint(Path(tmp), self.state_dict() if ctx.is_main else None,
+                                     (self.unwrapped, self.optimizer) if self.dcp else None)
+            ctx.report(metrics, files, self.step)

@@ -33,8 +33,8 @@ def stored_fingerprints(dataset: Path, rows: list[tuple[int, int]]) -> list[str]
     import numpy as np
     import pyarrow as pa
 
+    from datapipe.audit import row_fingerprint
     from datapipe.shards import ShardSource
-    from trainer.run_metrics import row_fingerprint
 
     files = ShardSource(dataset, "tokens").files
     columns = {}

@@ -20,10 +20,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.launch.local import free_port, start_workers
-from trainer.loop import train_step
-from trainer.memory import apply_activation_checkpointing, precision_policy
+from trainer.memory.activation_checkpointing import apply_activation_checkpointing
+from trainer.memory.oom import OOMAgreement
+from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
-from trainer.oom import OOMAgreement
+from trainer.step import train_step
 
 pytestmark = pytest.mark.distributed
 

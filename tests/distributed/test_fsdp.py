@@ -17,11 +17,11 @@ from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
 from trainer.launch import WorkerError, prepare_run
 from trainer.launch.local import free_port, launch_local, start_workers
-from trainer.loop import create_optimizer_state, step_peak_bytes
-from trainer.memory import precision_policy
+from trainer.memory.planner import plan_row, profile_activations, static_bytes
+from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
-from trainer.planner import plan_row, profile_activations, static_bytes
 from trainer.sharding import local_parameter_bytes, shard_model
+from trainer.step import create_optimizer_state, step_peak_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -97,7 +97,7 @@ def test_resuming_a_ddp_checkpoint_under_fsdp_names_both(corpus_dir: Path,
     fsdp_cfg, _ = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=4",
                                           "parallel.strategy=fsdp"))
     with pytest.raises(WorkerError,
-                       match=r"^rank \d: CheckpointError: checkpoint .*checkpoint-00000002 was "
+                       match=r"^rank \d: CheckpointReadError: checkpoint .*checkpoint-00000002 was "
                              r"written without FSDP sharding; this run has parallel.strategy "
                              r"'fsdp' on 2 workers$") as failed:
         launch_local(fsdp_cfg, run_dir)

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.conftest import running_s3_server, tiny_config
+from trainer.checkpoint import stored_checkpoints
 from trainer.launch import prepare_run
 from trainer.runstore import RemoteRun
 
@@ -103,7 +104,7 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun, stor
     assert summary["workers"] == 2 and summary["accumulation_steps"] == 2
     assert summary["activation_checkpointing"] == "full"
     assert ray_run.losses[12] < ray_run.first_losses[1] - 0.5
-    assert [name for _, name in store.checkpoints()] == ["checkpoint-00000006",
+    assert [name for _, name in stored_checkpoints(store)] == ["checkpoint-00000006",
                                                          "checkpoint-00000012"]
     assert json.loads(store.read_text("summary.json"))["final_step"] == 12
     assert not list(ray_run.run_dir.glob("checkpoint-*"))  # in the store only

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_root_mount, tiny_config
-from trainer.context import complete_checkpoints
+from trainer.checkpoint import complete_checkpoints
 from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
-from trainer.loop import NonFiniteError
+from trainer.state import NonFiniteError
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_a_full_disk_at_checkpoint_time_stops_the_run_and_keeps_the_previous_one
     """The run directory on a tmpfs that holds one checkpoint but not two."""
     import subprocess
 
-    from trainer.context import CheckpointWriteError
+    from trainer.checkpoint import CheckpointWriteError
 
     require_root_mount()
     probe_cfg, probe_dir = prepare_run(tiny_config(

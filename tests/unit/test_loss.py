@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.diagnostics import cpu_peak_bytes
-from trainer.loss import linear_cross_entropy_sum, observe_chunked_losses
-from trainer.memory import set_loss_chunking
+from trainer.memory.loss import linear_cross_entropy_sum, observe_chunked_losses, set_loss_chunking
 from trainer.model import GPT, GPTConfig
 
 

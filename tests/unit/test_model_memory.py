@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from trainer.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
-from trainer.memory import (
+from trainer.memory.activation_checkpointing import (
     apply_activation_checkpointing,
-    bf16_norm_inputs,
     checkpointed_block_indices,
-    precision_policy,
 )
+from trainer.memory.norms import bf16_norm_inputs
+from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig, create_model
 
 
@@ -47,7 +47,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode: str) -
 
 
 def test_bf16_norm_inputs_save_bytes_and_keep_the_numerics() -> None:
-    from trainer.planner import measure_saved_bytes
+    from trainer.memory.planner import measure_saved_bytes
 
     torch.manual_seed(0)
     # bench/memory.py's small GPT at its micro-batch (the bf16 weight copies autocast saves are
@@ -141,7 +141,7 @@ def test_fused_adamw_is_chosen_on_cuda_only_and_checkpoints_load_across_the_swit
     """``train.fused_optimizer: auto`` is the fused kernel for CUDA parameters and torch's default
     here; an optimizer checkpoint of either kind loads into the other (weights_only) and the
     next step matches the one the saving kind takes."""
-    from trainer.loop import build_optimizer
+    from trainer.step import build_optimizer
 
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
     tokens = torch.randint(0, 64, (4, 17))

@@ -6,12 +6,7 @@ import pytest
 import torch
 
 from trainer.build import MemoryTransforms, build_model, compile_model
-from trainer.loop import create_optimizer_state, step_peak_bytes, train_step
-from trainer.memory import (
-    precision_policy,
-)
-from trainer.model import GPT, GPTConfig
-from trainer.planner import (
+from trainer.memory.planner import (
     ActivationProfile,
     PlanRow,
     StaticBytes,
@@ -23,6 +18,9 @@ from trainer.planner import (
     profile_activations,
     static_bytes,
 )
+from trainer.memory.precision import precision_policy
+from trainer.model import GPT, GPTConfig
+from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 CFG = GPTConfig(seq_len=64, n_layer=4, n_head=2, n_embd=64)
 
@@ -264,7 +262,7 @@ class _ConvertingBlock(torch.nn.Module):
 
 
 def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None:
-    from trainer import planner
+    from trainer.memory import planner
 
     block = _ConvertingBlock(32)
     measured = planner.emulated_bf16_workspace(block, (16, 32))

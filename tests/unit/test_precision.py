@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.conftest import tiny_config
-from trainer import memory
 from trainer.compat import cpu_bf16_support
 from trainer.config import load_config
 from trainer.launch import planned_precision
-from trainer.memory import resolve_precision
+from trainer.memory import precision as precision_module
+from trainer.memory.precision import resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
     ("native", "bf16"), ("onednn-emulated", "fp32"), ("emulated", "fp32")])
 def test_auto_on_cpu_takes_bf16_only_where_it_is_native(monkeypatch: pytest.MonkeyPatch,
                                                         support: str, expected: str) -> None:
-    monkeypatch.setattr(memory, "cpu_bf16_support", lambda: support)
+    monkeypatch.setattr(precision_module, "cpu_bf16_support", lambda: support)
     choice = resolve_precision("auto", CPU)
     assert choice.name == expected
     assert choice.warning is None
@@ -35,12 +35,12 @@ def test_auto_on_cpu_takes_bf16_only_where_it_is_native(monkeypatch: pytest.Monk
 
 def test_explicit_bf16_on_a_cpu_without_it_runs_with_a_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "cpu_bf16_support", lambda: "emulated")
+    monkeypatch.setattr(precision_module, "cpu_bf16_support", lambda: "emulated")
     choice = resolve_precision("bf16", CPU)
     assert choice.name == "bf16"
     assert choice.warning is not None and "emulated" in choice.warning
     assert "\n" not in choice.warning
-    monkeypatch.setattr(memory, "cpu_bf16_support", lambda: "native")
+    monkeypatch.setattr(precision_module, "cpu_bf16_support", lambda: "native")
     assert resolve_precision("bf16", CPU).warning is None
     assert resolve_precision("fp32", CPU).warning is None
 
@@ -79,7 +79,7 @@ def test_the_planner_plans_the_precision_auto_resolves_to(
         monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo-cpu.yaml")
     for support, expected in (("native", "bf16"), ("emulated", "fp32")):
-        monkeypatch.setattr(memory, "cpu_bf16_support", lambda support=support: support)
+        monkeypatch.setattr(precision_module, "cpu_bf16_support", lambda support=support: support)
         assert planned_precision(cfg) == expected
     gpu = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"use_gpu": True})})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -94,7 +94,7 @@ def test_a_run_logs_the_choice_and_its_reason(corpus_dir: Path, tmp_path: Path,
     from trainer.launch import prepare_run
     from trainer.launch.local import launch_local
 
-    monkeypatch.setattr(memory, "cpu_bf16_support", lambda: "emulated")
+    monkeypatch.setattr(precision_module, "cpu_bf16_support", lambda: "emulated")
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "memory.precision=auto",
                                            "parallel.launcher=local", "parallel.workers=1",
                                            "train.steps=1", "train.eval_every=0",

@@ -18,9 +18,9 @@ from trainer.compat import cpu_capability
 from trainer.config import Config
 from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
-from trainer.loop import build_optimizer, lr_lambda
-from trainer.loss import summed_loss
-from trainer.memory import precision_policy
+from trainer.memory.loss import summed_loss
+from trainer.memory.precision import precision_policy
+from trainer.step import build_optimizer, lr_lambda
 
 pytestmark = pytest.mark.unit
 RECORDED = json.loads((REPO / "tests" / "fixtures" / "losses_before_refactor.json").read_text())

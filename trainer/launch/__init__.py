@@ -20,7 +20,7 @@ from trainer.config import Config, ConfigError
 from trainer.errors import error_kind, first_line, is_user_error
 
 if TYPE_CHECKING:
-    from trainer.planner import ActivationProfile, PlanRow, StaticBytes
+    from trainer.memory.planner import ActivationProfile, PlanRow, StaticBytes
     from trainer.runstore import RemoteRun
 
 log = logging.getLogger("memtrain")
@@ -90,14 +90,13 @@ def available_cpus() -> int:
 
 def device_memory_bytes(cfg: Config) -> int:
     """Memory of one device for the planner's ``auto`` choices."""
-    from trainer.planner import parse_bytes
+    from monitoring.units import parse_bytes
 
     if cfg.memory.device_memory:
         try:
-            return parse_bytes(cfg.memory.device_memory)
+            return parse_bytes(cfg.memory.device_memory, "memory.device_memory")
         except ValueError as err:
-            raise ConfigError(f"memory.device_memory {cfg.memory.device_memory!r} is not a size "
-                              "like 80GiB") from err
+            raise ConfigError(str(err)) from err
     if cfg.parallel.use_gpu:
         import torch
 
@@ -117,7 +116,7 @@ def planned_precision(cfg: Config) -> str:
         return cfg.memory.precision
     import torch
 
-    from trainer.memory import resolve_precision
+    from trainer.memory.precision import resolve_precision
 
     if cfg.parallel.use_gpu and not torch.cuda.is_available():
         return "bf16"
@@ -131,7 +130,7 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     (precision, checkpointing) pair, probed on CPU for the configured device type."""
     from trainer.build import MemoryTransforms, build_model, model_factory
     from trainer.compat import fake_tensor_mode
-    from trainer.planner import profile_all, static_bytes
+    from trainer.memory.planner import profile_all, static_bytes
 
     factory = model_factory(cfg.model)
     transforms = MemoryTransforms.of(cfg.memory)
@@ -153,7 +152,7 @@ def resolve_auto(cfg: Config) -> Config:
     norm_auto = cfg.memory.bf16_norm_inputs == "auto"
     if not (micro_auto or ac_auto or norm_auto):
         return cfg
-    from trainer.planner import AC_MODES, choose_norm_inputs, choose_plan
+    from trainer.memory.planner import AC_MODES, choose_norm_inputs, choose_plan
 
     world = cfg.parallel.workers
     if cfg.train.global_batch_size % world:

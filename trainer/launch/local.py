@@ -37,7 +37,7 @@ from trainer.launch import (
     setup_logging,
 )
 from trainer.loop import train
-from trainer.memory import configure_allocator_env
+from trainer.memory.allocator import configure_allocator_env
 
 log = logging.getLogger("memtrain")
 

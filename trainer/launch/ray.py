@@ -43,9 +43,10 @@ from monitoring.memory import worker_labels  # noqa: E402
 from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E402
 from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
+from trainer.checkpoint import checkpoint_dir_name  # noqa: E402
 from trainer.compat import ray_loopback_init_kwargs, ray_metrics_export_seconds  # noqa: E402
 from trainer.config import Config, ConfigError  # noqa: E402
-from trainer.context import WorkerContext, checkpoint_dir_name  # noqa: E402
+from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, is_user_error  # noqa: E402
 from trainer.launch import (  # noqa: E402
     WorkerError,
@@ -56,7 +57,7 @@ from trainer.launch import (  # noqa: E402
     setup_logging,
 )
 from trainer.loop import train  # noqa: E402
-from trainer.memory import configure_allocator_env  # noqa: E402
+from trainer.memory.allocator import configure_allocator_env  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 # Under the run's working copy: where a node's workers read a checkpoint from remote storage.

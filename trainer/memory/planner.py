@@ -52,8 +52,8 @@ from torch import nn
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import cpu_bf16_support, fake_tensor_mode, is_checkpoint_wrapper
 from trainer.errors import first_line
-from trainer.loss import LossShape, observe_chunked_losses, summed_loss
-from trainer.memory import precision_policy
+from trainer.memory.loss import LossShape, observe_chunked_losses, summed_loss
+from trainer.memory.precision import precision_policy
 
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -417,22 +417,6 @@ def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
                 rows.append(row)
                 break
     return sorted(rows, key=lambda r: (r.recompute_cost, r.predicted_peak_bytes))
-
-
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``141GB``, ``512MiB`` or a plain number of bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    cleaned = text.strip().upper().replace(" ", "")
-    number = cleaned.rstrip("KMGTIB")
-    unit = cleaned[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise ValueError(f"--device-memory {text!r} is not a size like 80GiB, 141GB or 512MiB")
-    return int(value * units[unit])
 
 
 def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,

@@ -1,4 +1,4 @@
-"""Cross-entropy over a large vocabulary without materialising the logits.
+"""The chunked loss: cross-entropy over a large vocabulary without materialising the logits.
 
 For GPT-2's vocabulary (50,304) the logits of a 16 x 1024 micro-batch take 1.6 GB in bf16, and
 the fp32 copy that the loss needs, the softmax and their gradients take several times that: on an
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 if TYPE_CHECKING:
-    from trainer.memory import PrecisionPolicy
+    from trainer.memory.precision import PrecisionPolicy
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -196,3 +196,26 @@ def summed_loss(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPoli
     _observe_plain(logits_BTV)
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
                            reduction="sum")
+
+
+AUTO_LOSS_CHUNK_TOKENS = 4096  # one chunk's fp32 logits: 0.77 GiB at GPT-2's vocabulary
+
+
+def computes_own_loss(model: nn.Module) -> bool:
+    """Whether ``model(idx, targets)`` returns its summed loss, so the loss can be chunked."""
+    return hasattr(model, "loss_chunk_tokens")
+
+
+def set_loss_chunking(model: nn.Module, chunk_tokens: int | str) -> int:
+    """Compute the loss in chunks of ``chunk_tokens`` tokens (0: the plain loss; "auto": 4096
+    for a model that computes its own loss, else the plain loss). Returns the chunk size set."""
+    if chunk_tokens == "auto":
+        chunk_tokens = AUTO_LOSS_CHUNK_TOKENS if computes_own_loss(model) else 0
+    assert isinstance(chunk_tokens, int), chunk_tokens
+    if chunk_tokens and not computes_own_loss(model):
+        raise ValueError(f"memory.loss_chunk_tokens {chunk_tokens} needs a model that computes "
+                         f"its own loss (`loss_chunk_tokens` attribute); {type(model).__name__} "
+                         "does not; set it to 0")
+    if computes_own_loss(model):
+        setattr(model, "loss_chunk_tokens", chunk_tokens)  # noqa: B010 - any model class
+    return chunk_tokens

@@ -10,28 +10,37 @@ then writes a memory snapshot, cuts each micro-batch in two (accumulation double
 and the global batch are unchanged), empties the CUDA cache and retries the same step.
 
 Under FSDP the reduce-scatter runs inside backward and cannot wait for an agreement, so there
-recovery is per rank only (world size 1; ``trainer.loop.step_with_oom_recovery``).
+recovery is per rank only (world size 1; the loop does not agree across FSDP ranks).
 
 The price: the gradient all-reduce no longer overlaps the last micro-batch's backward (with
 ``memory.oom_recovery: false`` DDP's own overlapped all-reduce is used). An OOM inside the
 gradient all-reduce itself, after the agreement, is re-raised and fails the run.
 
 The micro-batch a step runs at is a ``BatchPlan``: the configured micro-batch and accumulation
-and how many pieces each loaded micro-batch is cut into. Tests inject an OOM on CPU with
-``MEMTRAIN_FAULTS=oom@STEP:RANK`` (``trainer.faults``).
+and how many pieces each loaded micro-batch is cut into. ``step_with_oom_recovery`` is the one
+call that runs a step under this policy (the loop and ``make gpu-check`` both use it). Tests
+inject an OOM on CPU with ``MEMTRAIN_FAULTS=oom@STEP:RANK`` (``trainer.faults``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from trainer import faults
 from trainer.compat import dump_memory_snapshot, record_memory_history
+from trainer.context import WorkerContext
+
+log = logging.getLogger("memtrain")
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -149,3 +158,53 @@ def write_oom_report(run_dir: Path, step: int, rank: int, device: torch.device,
     path = out / f"{stem}.json"
     path.write_text(json.dumps(report, indent=2, sort_keys=True))
     return path
+
+
+def oom_recovery_on(setting: bool | str, device: torch.device) -> bool:
+    """``memory.oom_recovery``, with ``auto`` resolved: on for CUDA, off on CPU."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def step_with_oom_recovery(step: Callable[[int, OOMAgreement | None], Result], plan: BatchPlan,
+                           ctx: WorkerContext, step_number: int, agree: bool, max_retries: int
+                           ) -> tuple[Result, BatchPlan]:
+    """``step(splits, agreement)``, retried with the micro-batches cut in two after each OOM
+    that the ranks agreed on (``agree``: one ``OOMAgreement`` per attempt; without it an OOM
+    fails the run). ``step_number`` is the 1-based optimizer step, for reports and faults.
+
+    Returns the step's result and the plan it took (the caller keeps it for later steps).
+    """
+    attempt = 0
+    while True:
+        agreement = OOMAgreement(ctx.device) if agree else None
+        try:
+            with faults.oom_armed(step_number, ctx.rank, first_attempt=attempt == 0):
+                return step(plan.splits, agreement), plan
+        except StepOutOfMemory as err:
+            attempt += 1
+            plan = recover_from_oom(ctx, step_number, plan, attempt, max_retries, str(err))
+
+
+def recover_from_oom(ctx: WorkerContext, step: int, plan: BatchPlan, attempt: int,
+                     max_retries: int, detail: str) -> BatchPlan:
+    """Snapshot, then halve the micro-batch (double the splits); returns the new plan.
+
+    Raises RuntimeError when retries are used up or the micro-batch cannot be halved further.
+    """
+    report = write_oom_report(ctx.run_dir, step, ctx.rank, ctx.device, detail,
+                              plan.running_micro_batch)
+    if attempt > max_retries or not plan.can_halve():
+        raise RuntimeError(
+            f"out of memory at step {step} on rank {ctx.rank} with micro-batch "
+            f"{plan.running_micro_batch} after {attempt - 1} recoveries "
+            f"(memory.max_oom_retries={max_retries}); report at {report}")
+    halved = plan.halved()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # documented point: return the failed step's blocks
+    log.warning("OOM at step %d (rank %d): micro-batch %d -> %d, accumulation %d -> %d, "
+                "global batch unchanged; memory report %s", step, ctx.rank,
+                plan.running_micro_batch, halved.running_micro_batch,
+                plan.running_accumulation, halved.running_accumulation, report)
+    return halved

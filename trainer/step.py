@@ -1,0 +1,186 @@
+"""One optimizer step in plain torch, and what it steps with.
+
+- ``forward_backward``: one micro-batch under autocast, loss scaled for accumulation, backward.
+- ``train_step``: one optimizer step over its micro-batches; DDP's ``no_sync()`` on all but the
+  last so gradients are all-reduced once per step, then unscale, clip, non-finite check, step,
+  ``zero_grad(set_to_none=True)``.
+- ``evaluate``: the mean token loss over validation batches, under ``no_grad``.
+- ``build_optimizer`` and ``lr_lambda``: AdamW and its schedule; ``step_seed``: the RNG seed of
+  one rank's step.
+
+Loss normalisation: each rank divides its summed token loss by the tokens it sees in the whole
+optimizer step (micro-batch x accumulation x sequence length); DDP then averages over ranks, so
+the gradient is that of the mean loss over the global batch, whatever the split into micro-batches
+and ranks. Every rank sees the same number of tokens per step (fixed-length rows), which this
+needs.
+
+Host syncs: one per optimizer step (the finite check of the grad norm, which GradScaler needs
+anyway). Nothing holds a graph across steps: the loss is accumulated detached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer import faults
+from trainer.diagnostics import cpu_peak_bytes
+from trainer.errors import first_line
+from trainer.memory.loss import summed_loss
+from trainer.memory.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
+from trainer.memory.precision import PrecisionPolicy
+from trainer.sharding import is_sharded
+from trainer.state import StepResult
+
+if TYPE_CHECKING:  # the step runs without pydantic too (scripts/gpu_check.py)
+    from trainer.config import TrainConfig
+
+
+def forward_backward(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy,
+                     scaler: torch.amp.GradScaler, tokens_per_step: int) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its summed token loss, detached."""
+    loss_sum = summed_loss(model, tokens_BT, policy)
+    scaler.scale(loss_sum / tokens_per_step).backward()
+    return loss_sum.detach()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               micro_batches: list[torch.Tensor], splits: int, policy: PrecisionPolicy,
+               grad_clip: float, agreement: OOMAgreement | None = None) -> StepResult:
+    """One optimizer step over ``micro_batches``, each cut into ``splits`` chunks.
+
+    ``splits`` > 1 after an OOM: the same samples in smaller pieces, so the update is the same.
+    With an ``agreement``, an OOM on any rank raises ``StepOutOfMemory`` on every rank.
+    """
+    chunks = [chunk for mb in micro_batches for chunk in mb.chunk(splits)]  # views, no copies
+    tokens_per_step = sum(chunk[:, 1:].numel() for chunk in chunks)
+    loss_sum = torch.zeros((), device=chunks[0].device)
+    # With OOM agreement across ranks, DDP must not all-reduce inside backward (a peer may have
+    # failed): every micro-batch runs under no_sync and gradients are reduced after the check.
+    reduce_after_check = isinstance(model, DDP) and agreement is not None \
+        and agreement.distributed
+    oom_message = None
+    try:
+        for i, tokens_BT in enumerate(chunks):
+            is_last = i == len(chunks) - 1
+            faults.maybe_oom(i, len(chunks))  # MEMTRAIN_FAULTS=oom@STEP:RANK (trainer.faults)
+            # Gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on the last
+            # micro-batch of the step.
+            sync = model.no_sync() if isinstance(model, DDP) and \
+                (reduce_after_check or not is_last) else contextlib.nullcontext()
+            if is_sharded(model):
+                model.set_requires_gradient_sync(is_last)  # type: ignore[operator]
+            with sync:
+                loss_sum += forward_backward(model, tokens_BT, policy, scaler, tokens_per_step)
+    except torch.OutOfMemoryError as err:
+        if agreement is None:
+            raise
+        oom_message = first_line(err, "out of memory")
+    # Outside the handler: the OOM's traceback, and the activations its frames hold, are gone.
+    del chunks
+    if agreement is not None:  # (an OOM without an agreement was re-raised above)
+        try:
+            agreement.check(local_oom=oom_message)
+        except StepOutOfMemory:
+            optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
+            raise
+    if reduce_after_check:
+        all_reduce_gradients(list(model.parameters()), dist.get_world_size())
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm is a DTensor
+        grad_norm = grad_norm.full_tensor()
+    finite = bool(torch.isfinite(grad_norm))  # host sync: once per optimizer step
+    if finite or scaler.is_enabled():
+        scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum / tokens_per_step, grad_norm.detach(), not finite)
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """The RNG seed of ``rank``'s step ``step`` (0-based): dropout's masks depend on the run's
+    seed, the rank and the step only, so a resumed or retried step draws the same ones."""
+    return (seed * 1_000_003 + rank * 7919 + step) % (2**63)
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter the state a first optimizer step creates (AdamW's moments) without a
+    forward or backward: a step on zero gradients, whose Adam update is zero (weight decay alone
+    moves the weights). ``step_peak_bytes`` counts that state as held before the step it
+    measures; this readies it at none of a training step's cost."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, tokens_BT: torch.Tensor,
+                    policy: PrecisionPolicy, grad_clip: float = 1.0) -> int:
+    """CPU: the allocator's peak over one ``train_step`` on ``tokens_BT``, counting the
+    parameters, optimizer state and tokens alive before it (``diagnostics.cpu_peak_bytes``)."""
+    state = [value for per_param in optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor)]
+    return cpu_peak_bytes(
+        lambda: train_step(model, optimizer, scaler, [tokens_BT], 1, policy, grad_clip),
+        held=[*model.parameters(), *state, tokens_BT])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterator[torch.Tensor], num_batches: int,
+             policy: PrecisionPolicy) -> float:
+    """Mean token loss over ``num_batches`` batches on every rank, under ``no_grad``."""
+    was_training = model.training
+    model.eval()
+    total = None  # [summed loss, token count], on the device so NCCL can reduce it
+    for _ in range(num_batches):
+        tokens_BT = next(batches)
+        loss = summed_loss(model, tokens_BT, policy)
+        targets_BT = tokens_BT[:, 1:]
+        count = torch.tensor(targets_BT.numel(), dtype=torch.float64, device=loss.device)
+        batch_total = torch.stack([loss.double(), count])
+        total = batch_total if total is None else total + batch_total
+    assert total is not None, "evaluate needs num_batches >= 1"
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+    return factor
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95),
+                    fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms, biases).
+
+    ``fused``: torch's fused kernel, one launch per parameter group and no temporary of a
+    moment's size (None: on CUDA parameters, as ``train.fused_optimizer: auto``); else torch's
+    default (foreach on CUDA, a per-parameter loop on CPU). Both keep the same state, so a
+    checkpoint of one loads into the other.
+    """
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if fused is None:
+        fused = any(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if fused else None)
