@@ -3,12 +3,13 @@
 For the GPT at two sizes, every combination of precision (fp32, bf16) and activation
 checkpointing (none, selective, full) is measured against fp32 without checkpointing:
 - saved-activation bytes of one training forward, counted with ``saved_tensors_hooks`` at the
-  benchmark micro-batch (``trainer.planner.measure_saved_bytes``);
+  benchmark micro-batch (``trainer.memory.planner.measure_saved_bytes``);
 - the planner's prediction for the same micro-batch, from probes at micro-batch 1 and 2;
 - the median step time of the trainer's own ``train_step`` (forward, backward, AdamW);
 - the peak of one more step as the CPU allocator recorded it (``trainer.diagnostics.
-  cpu_peak_bytes``) beside the planner's predicted step peak (``trainer.planner.plan_row``): the
-  check of the whole prediction, transients included, not only of the saved bytes.
+  cpu_peak_bytes``) beside the planner's predicted step peak
+  (``trainer.memory.planner.plan_row``): the check of the whole prediction, transients included,
+  not only of the saved bytes.
 
 Targets (issue #4): full checkpointing >= 60% fewer activation bytes for <= 35% more step time;
 bf16 <= 55% of fp32's activation bytes. Run: ``make bench-memory`` (writes

@@ -23,8 +23,8 @@ from bench.results import write_json
 from datapipe.corpus import build_stdlib_corpus
 from trainer.config import load_config
 from trainer.context import LocalContext
-from trainer.launch import prepare_run
 from trainer.launch.local import attach_metrics
+from trainer.launch.prepare import prepare_run
 from trainer.loop import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -142,7 +142,7 @@ def prepared_local_run(cfg: Config, workers: int) -> tuple[Config, Path]:
     machine's CPUs if asked: ``prepare_run`` refuses that to protect a user's machine, and the
     tests that compare 4-rank arithmetic want 4 processes on 2 cores. ``cfg`` must ask for a
     worker count ``prepare_run`` accepts."""
-    from trainer.launch import prepare_run
+    from trainer.launch.prepare import prepare_run
 
     cfg, run_dir = prepare_run(cfg)
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(

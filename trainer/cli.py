@@ -64,7 +64,7 @@ def train_command(
                             ] = None,
 ) -> None:
     """Train a model; rerunning with the same --run-name resumes from its latest checkpoint."""
-    from trainer.launch import prepare_run, setup_logging
+    from trainer.launch.prepare import prepare_run, setup_logging
 
     options: dict[str, Any] = {
         "parallel.launcher": launcher, "parallel.workers": workers, "run.name": run_name,
@@ -218,7 +218,7 @@ def plan_command(
 ) -> None:
     """Predict memory per rank before training: what fits, at which micro-batch and cost."""
     from monitoring.units import parse_bytes
-    from trainer.launch import probe_config
+    from trainer.launch.auto import probe_config
     from trainer.memory.planner import AC_MODES, HEADROOM, feasible_plans, plan_row
 
     cfg = load_config(config, list(overrides or []),

@@ -62,7 +62,7 @@ class DataConfig(_Strict):
     # memtrain_data_skipped_shards_total). Every rank decides the same way before training.
     on_bad_shard: Literal["error", "skip"] = "error"
     # An audit of the data order: each rank appends, per step, a fingerprint of every row it
-    # trained on (trainer.run_metrics.row_fingerprint) to metrics/rows-rank-<rank>.jsonl, so a
+    # trained on (datapipe.audit.row_fingerprint) to metrics/rows-rank-<rank>.jsonl, so a
     # run that restarted or resized can be checked against its dataset for rows repeated or
     # skipped (a step GradScaler skipped counts: its rows were consumed). Off by default: it
     # copies every batch to the host.
@@ -98,7 +98,8 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(50, ge=0)  # 0: only the final checkpoint
 
     def micro_batch(self) -> int:
-        """The micro-batch size; "auto" must have been resolved (trainer.launch.resolve_auto)."""
+        """The micro-batch size; "auto" must have been resolved first
+        (trainer.launch.auto.resolve_auto)."""
         if self.micro_batch_size == "auto":
             raise ConfigError("train.micro_batch_size is 'auto' and has not been resolved")
         return self.micro_batch_size
@@ -131,7 +132,7 @@ class MemoryConfig(_Strict):
     # Under bf16 autocast, LayerNorms read (and save for backward) a bf16 copy of their input
     # instead of the fp32 residual stream: the largest fp32 share of bf16's saved activations,
     # for about 5% of an eager step's time (H200, issue #17). "auto": on only when the planner
-    # needs its bytes (trainer.planner.choose_norm_inputs); off without bf16.
+    # needs its bytes (trainer.memory.planner.choose_norm_inputs); off without bf16.
     bf16_norm_inputs: bool | Literal["auto"] = "auto"
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits). "auto":
     # 4096 for a model that computes its own loss (the GPT), the plain loss for any other.

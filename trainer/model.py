@@ -5,7 +5,7 @@ The GPT follows GPT-2's shape (pre-norm blocks, learned positions, tied embeddin
 maps token ids ``(B, T)`` to logits ``(B, T, V)``; one that wants activation checkpointing exposes
 its repeated units as ``model.blocks`` (an ``nn.ModuleList``). A model may also compute its own
 summed loss when called as ``model(idx, targets)`` and say so with ``computes_loss = True``: the
-GPT does, so that its output projection and loss run chunked (``trainer.loss``) and the full
+GPT does, so that its output projection and loss run chunked (``trainer.memory.loss``) and the full
 logits never exist.
 
 ``create_model("gpt", **kwargs)`` looks up the registry; ``create_model("pkg.mod:fn", **kwargs)``

@@ -206,7 +206,7 @@ def shrink(cluster: Any, node: Any, ray_launch: Any, corpus_dir: Path, work: Pat
     Ray Train first retries the group at its old size until its worker-group start timeout
     (60 s by default, 10 s here), then starts it with what the cluster holds."""
     from tests.conftest import tiny_config
-    from trainer.launch import prepare_run
+    from trainer.launch.prepare import prepare_run
 
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"  # read by this run's controller
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, work, *ELASTIC_SETTINGS))
@@ -225,8 +225,8 @@ def main(corpus_dir: Path, work: Path, prometheus_binary: str) -> None:
     from ray.cluster_utils import Cluster
 
     from tests.conftest import tiny_config
-    from trainer.launch import prepare_run
     from trainer.launch import ray as ray_launch
+    from trainer.launch.prepare import prepare_run
 
     ray = ray_launch.ray
     head_args, worker_args, spare_args = (node_args(ip, temp_dir)

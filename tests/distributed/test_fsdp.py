@@ -15,8 +15,9 @@ import torch.distributed as dist
 from tests.conftest import tiny_config
 from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
-from trainer.launch import WorkerError, prepare_run
 from trainer.launch.local import free_port, launch_local, start_workers
+from trainer.launch.prepare import prepare_run
+from trainer.launch.worker_errors import WorkerError
 from trainer.memory.planner import plan_row, profile_activations, static_bytes
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig

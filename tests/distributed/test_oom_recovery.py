@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_config
-from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
 
 pytestmark = pytest.mark.distributed
 

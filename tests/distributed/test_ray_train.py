@@ -29,7 +29,7 @@ import torch
 
 from tests.conftest import running_s3_server, tiny_config
 from trainer.checkpoint import stored_checkpoints
-from trainer.launch import prepare_run
+from trainer.launch.prepare import prepare_run
 from trainer.runstore import RemoteRun
 
 # One Ray cluster for the session: every test on it runs in one xdist worker.

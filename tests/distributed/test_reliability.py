@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import require_root_mount, tiny_config
 from trainer.checkpoint import complete_checkpoints
-from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
 from trainer.state import NonFiniteError
 
 pytestmark = pytest.mark.distributed

@@ -23,8 +23,8 @@ import pytest
 
 from monitoring.metrics import METRICS
 from tests.conftest import require_tool, tiny_config, wait_for_http
-from trainer.launch import prepare_run
 from trainer.launch.local import free_port
+from trainer.launch.prepare import prepare_run
 
 # One Ray cluster for the session: every test on it runs in one xdist worker.
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray")]

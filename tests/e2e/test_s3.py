@@ -18,8 +18,8 @@ import pytest
 from pyarrow import fs
 
 from tests.conftest import running_s3_server, tiny_config
-from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
 
 pytestmark = pytest.mark.e2e
 BUCKET = "memtrain-data"

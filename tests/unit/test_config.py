@@ -65,7 +65,7 @@ def test_a_run_directory_uri_pyarrow_cannot_open_is_one_line_not_a_local_directo
     local path: one that pyarrow cannot open is refused before launch, and no directory named
     after its scheme appears (``Path("s3://b")`` would make one)."""
     from tests.conftest import tiny_config
-    from trainer.launch import prepare_run
+    from trainer.launch.prepare import prepare_run
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"^run.dir 'nosuch://bucket/runs': .*") as err:
@@ -77,7 +77,7 @@ def test_a_run_directory_uri_pyarrow_cannot_open_is_one_line_not_a_local_directo
 def test_an_elastic_range_is_min_and_max_and_every_size_must_keep_the_batch(
         corpus_dir: Path, tmp_path: Path) -> None:
     from tests.conftest import tiny_config
-    from trainer.launch import prepare_run
+    from trainer.launch.prepare import prepare_run
 
     parallel = load_config(None, ["parallel.workers=[1, 4]"]).parallel
     assert (parallel.min_workers, parallel.workers, parallel.worker_range) == (1, 4, (1, 4))

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from tests.conftest import tiny_config
 from trainer.diagnostics import LeakGuard, parse_step_range
-from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
 from trainer.model import GPT, GPTConfig
 
 

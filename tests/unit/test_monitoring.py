@@ -14,7 +14,7 @@ from monitoring.metrics import LABELS, METRICS
 from monitoring.sinks import PrometheusSink
 from tests.conftest import tiny_config
 from trainer.context import LocalContext
-from trainer.launch import prepare_run
+from trainer.launch.prepare import prepare_run
 from trainer.loop import train
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "memory_stats_h200.json"

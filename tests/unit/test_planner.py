@@ -229,7 +229,7 @@ def test_choose_plan_with_a_fixed_micro_batch_picks_the_mode() -> None:
 
 def test_auto_config_resolves_before_launch(corpus_dir, tmp_path) -> None:
     from tests.conftest import tiny_config
-    from trainer.launch import prepare_run
+    from trainer.launch.prepare import prepare_run
 
     cfg, run_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "train.micro_batch_size=auto",
@@ -371,7 +371,7 @@ def test_bf16_norm_inputs_auto_resolves_before_launch(corpus_dir, tmp_path, capl
     from tests.conftest import tiny_config
     from trainer.build import MemoryTransforms
     from trainer.config import ConfigError
-    from trainer.launch import device_memory_bytes, probe_config, resolve_auto
+    from trainer.launch.auto import device_memory_bytes, probe_config, resolve_auto
 
     base = ("memory.precision=bf16", "memory.activation_checkpointing=none",
             "memory.bf16_norm_inputs=auto")

@@ -15,7 +15,7 @@ import torch
 from tests.conftest import tiny_config
 from trainer.compat import cpu_bf16_support
 from trainer.config import load_config
-from trainer.launch import planned_precision
+from trainer.launch.auto import planned_precision
 from trainer.memory import precision as precision_module
 from trainer.memory.precision import resolve_precision
 
@@ -91,8 +91,8 @@ def test_a_run_logs_the_choice_and_its_reason(corpus_dir: Path, tmp_path: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
     """A one-step local run with ``auto`` on a stubbed CPU without bf16 trains in fp32 and
     says why in its start line."""
-    from trainer.launch import prepare_run
     from trainer.launch.local import launch_local
+    from trainer.launch.prepare import prepare_run
 
     monkeypatch.setattr(precision_module, "cpu_bf16_support", lambda: "emulated")
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "memory.precision=auto",

@@ -8,8 +8,8 @@ from matplotlib.image import imread
 
 from monitoring.report import render_report
 from tests.conftest import tiny_config
-from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
 
 
 def test_report_png_has_the_size_and_content_of_three_plots(corpus_dir: Path,

@@ -16,8 +16,8 @@ from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.checkpoint import STATE_FILE, load_checkpoint
 from trainer.compat import cpu_capability
 from trainer.config import Config
-from trainer.launch import prepare_run
 from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
 from trainer.memory.loss import summed_loss
 from trainer.memory.precision import precision_policy
 from trainer.step import build_optimizer, lr_lambda

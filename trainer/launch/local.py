@@ -28,13 +28,11 @@ import torch.multiprocessing as mp
 from trainer.config import Config
 from trainer.context import LocalContext
 from trainer.errors import first_line
-from trainer.launch import (
-    available_cpus,
+from trainer.launch.prepare import available_cpus, remote_run, setup_logging
+from trainer.launch.worker_errors import (
     clear_worker_errors,
     record_worker_error,
     recorded_worker_error,
-    remote_run,
-    setup_logging,
 )
 from trainer.loop import train
 from trainer.memory.allocator import configure_allocator_env

@@ -48,13 +48,12 @@ from trainer.compat import ray_loopback_init_kwargs, ray_metrics_export_seconds 
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, is_user_error  # noqa: E402
-from trainer.launch import (  # noqa: E402
+from trainer.launch.prepare import remote_run, setup_logging
+from trainer.launch.worker_errors import (
     WorkerError,
     clear_worker_errors,
     record_worker_error,
     recorded_worker_error,
-    remote_run,
-    setup_logging,
 )
 from trainer.loop import train  # noqa: E402
 from trainer.memory.allocator import configure_allocator_env  # noqa: E402
@@ -247,7 +246,7 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     worker group's start) go to the session's log files only, unless ``ray_logs``
     (``memtrain --debug train``); its warnings and errors always reach the console.
     """
-    from trainer.launch import available_cpus
+    from trainer.launch.prepare import available_cpus
 
     shipped = shipped_model_code(cfg.model.name)
     runtime_env: dict[str, Any] = {"py_modules": shipped} if shipped else {}

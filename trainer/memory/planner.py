@@ -11,14 +11,14 @@ keeps alive for recomputation. Two probe sizes separate the per-sample bytes fro
 The predicted step peak is the largest of these moments (``PlanRow.peak_moment``), each on top
 of the parameters and AdamW's state:
 - the end of the forward pass: the saved activations, the chunked loss's temporaries
-  (``trainer.loss.ChunkedLossShape.transient_bytes``: one chunk's fp32 logits and softmax, the
-  weight's copy in the autocast dtype; the probe records the loss's shapes) and, with activation
-  checkpointing under autocast, autocast's cache of low-precision weight copies for the
-  checkpointed blocks, kept until autocast exits but not saved (measured as the fixed saved
+  (``trainer.memory.loss.ChunkedLossShape.transient_bytes``: one chunk's fp32 logits and
+  softmax, the weight's copy in the autocast dtype; the probe records the loss's shapes) and,
+  with activation checkpointing under autocast, autocast's cache of low-precision weight copies
+  for the checkpointed blocks, kept until autocast exits but not saved (measured as the fixed saved
   bytes a probe without checkpointing has in excess);
 - with the plain loss (``memory.loss_chunk_tokens: 0``), the loss's own backward, first: the
   saved activations (the fp32 log-probabilities among them) and the fp32 gradients of the
-  log-probabilities and of the logits (``trainer.loss.PlainLossShape``);
+  log-probabilities and of the logits (``trainer.memory.loss.PlainLossShape``);
 - the start of backward: the saved activations, the gradients of the parameters outside the
   repeated blocks (the output head's come first), the gradient of the largest tensor a block
   saves and, when the last block is checkpointed, that block's recomputed activations (measured

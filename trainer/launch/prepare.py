@@ -1,0 +1,111 @@
+"""Run preparation: what the driver does before any worker starts.
+
+``prepare_run`` turns a loaded config into one the workers can use anywhere (absolute paths),
+checks what would otherwise fail late inside a worker (dataset present, batch arithmetic, worker
+count against CPUs, the run store reachable), resolves ``auto`` choices
+(``trainer.launch.auto``), and writes the resolved config into the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from datapipe.manifest import read_manifest
+from datapipe.paths import is_remote
+from trainer.config import Config, ConfigError
+from trainer.errors import first_line
+from trainer.launch.auto import resolve_auto
+from trainer.runstore import RemoteRun, default_work_dir
+
+
+def setup_logging() -> None:
+    logging.basicConfig(format="%(message)s", level=logging.INFO, force=True)
+
+
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def prepare_run(cfg: Config) -> tuple[Config, Path]:
+    """Validate ``cfg`` for launching and return it with absolute paths, plus the run directory."""
+    def absolute(path: str | None) -> str | None:
+        return path if path is None or is_remote(path) else str(Path(path).resolve())
+
+    data = cfg.data.model_copy(update={"path": absolute(cfg.data.path),
+                                       "val_path": absolute(cfg.data.val_path)})
+    remote = remote_run(cfg)
+    if remote is not None:  # the store is the run directory; workers write a local copy
+        try:
+            remote.check()
+        except OSError as err:
+            raise _store_error(cfg, err) from err
+        work = Path(cfg.run.work_dir).expanduser() if cfg.run.work_dir else \
+            default_work_dir(cfg.run.dir)
+        run = cfg.run.model_copy(update={"work_dir": str(work.resolve())})
+    else:
+        run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
+    cfg = cfg.model_copy(update={"data": data, "run": run})
+    workers = cfg.parallel.workers
+    joins_cluster = cfg.parallel.launcher == "ray" and bool(os.environ.get("RAY_ADDRESS"))
+    if not cfg.parallel.use_gpu and not joins_cluster and workers > available_cpus():
+        raise ConfigError(f"parallel.workers ({workers}) is more than the {available_cpus()} "
+                          "CPUs of this machine and parallel.use_gpu is false")
+    cfg = resolve_auto(cfg)
+    low, high = cfg.parallel.worker_range
+    if low < high and cfg.parallel.launcher != "ray":
+        raise ConfigError(f"parallel.workers [{low}, {high}]: an elastic range needs the Ray "
+                          "launcher; the local launcher takes one number")
+    for world in range(low, high + 1):  # an elastic group may run at any size in the range
+        cfg.train.accumulation_steps(world)  # ConfigError naming the sizes that fit
+    for field, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if path is None:
+            continue
+        try:
+            manifest = read_manifest(path)
+        except ValueError as err:
+            raise ConfigError(f"{field}: {err}") from err
+        spec = manifest.column(cfg.data.column)
+        vocab = manifest.metadata.get("vocab_size")
+        if vocab is not None and vocab.isdigit() and int(vocab) > cfg.model.vocab_size:
+            written = manifest.metadata.get("tokenizer", "byte tokens")
+            raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the "
+                              f"vocabulary of {field} ({vocab}, {written}): set model.vocab_size "
+                              f"to at least {vocab}")
+        if spec.shape != (cfg.model.seq_len + 1,):
+            raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
+                              f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")
+    run_dir = local_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if remote is not None:
+        try:
+            remote.fetch_logs(run_dir)
+            remote.upload_file(run_dir / "config.yaml", "config.yaml")
+        except OSError as err:
+            raise _store_error(cfg, err) from err
+    return cfg, run_dir
+
+
+def remote_run(cfg: Config) -> RemoteRun | None:
+    """The run directory on object storage (``run.dir: s3://...``), or None for a local one."""
+    if not is_remote(cfg.run.dir):
+        return None
+    try:
+        return RemoteRun(f"{cfg.run.dir.rstrip('/')}/{cfg.run.name}")
+    except (OSError, ValueError) as err:  # pyarrow: an unknown scheme, a malformed URI
+        raise _store_error(cfg, err) from err
+
+
+def _store_error(cfg: Config, err: Exception) -> ConfigError:
+    """The store behind ``run.dir`` cannot be used: one line naming it (exit 2)."""
+    return ConfigError(f"run.dir {cfg.run.dir!r}: {first_line(err)}")
+
+
+def local_run_dir(cfg: Config) -> Path:
+    """Where the workers write: the run directory, or its working copy when it is remote."""
+    if is_remote(cfg.run.dir):
+        assert cfg.run.work_dir is not None, "prepare_run sets run.work_dir"
+        return Path(cfg.run.work_dir) / cfg.run.name
+    return Path(cfg.run.dir) / cfg.run.name

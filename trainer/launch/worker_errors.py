@@ -1,0 +1,65 @@
+"""A failed worker's error, as the user reads it: one line, the rank and the worker's own error.
+
+Each failing worker records its error in ``run_dir/errors/rank-<r>.json`` (best effort: a run
+directory on another node leaves the launcher's fallback, the process's exit or Ray's own
+exception); the launcher reads the lowest rank's and raises it as a ``WorkerError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from trainer.errors import error_kind, first_line, is_user_error
+
+log = logging.getLogger("memtrain")
+ERRORS_DIR = "errors"  # run_dir/errors/rank-<r>.json: a failed worker's own error, one line
+
+
+class WorkerError(RuntimeError):
+    """A worker failed: the message is one line, the rank and the worker's own error. Exit 2
+    when the worker's error is one a user fixes (config, data, checkpoint: a ValueError), else
+    1, as for the same error in the driver."""
+
+    one_line = True
+
+    def __init__(self, rank: int, kind: str, message: str, user_error: bool):
+        # kind "": the worker's message was written for the user and names what failed itself
+        super().__init__(f"rank {rank}: " + ": ".join(part for part in (kind, message) if part))
+        self.rank, self.kind = rank, kind
+        self.exit_code = 2 if user_error else 1
+
+
+def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
+    """In a failing worker: keep its error where the launcher finds it (best effort: a run
+    directory the driver cannot see, on another node, just leaves the launcher's fallback)."""
+    record = {"kind": error_kind(err), "message": first_line(err, ""),
+              "user_error": is_user_error(err)}
+    try:
+        path = run_dir / ERRORS_DIR / f"rank-{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    except OSError:
+        log.debug("could not record rank %d's error in %s", rank, run_dir, exc_info=True)
+
+
+def recorded_worker_error(run_dir: Path, rank: int | None = None) -> WorkerError | None:
+    """The error a failed worker recorded (``rank``, or the lowest rank that recorded one)."""
+    paths = sorted((run_dir / ERRORS_DIR).glob("rank-*.json"),
+                   key=lambda p: int(p.stem.removeprefix("rank-")))
+    if rank is not None:
+        paths = [p for p in paths if p.stem == f"rank-{rank}"]
+    for path in paths:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return WorkerError(int(path.stem.removeprefix("rank-")), record["kind"],
+                           record["message"], record["user_error"])
+    return None
+
+
+def clear_worker_errors(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / ERRORS_DIR, ignore_errors=True)
