@@ -23,7 +23,7 @@ loaders and the raw limits take their passes in alternating rounds (``measure_al
 - (e) Ray Data ``read_parquet(...).iter_torch_batches()`` on a local Ray (127.0.0.1).
 
 Targets: (b) >= 0.9 x (g) and (f) >= 0.9 x (a), each against the raw limit of its own access
-pattern (issue #18); (b) >= 10 x (c) (issue #3).
+pattern; (b) >= 10 x (c).
 Run: ``make bench-data`` (writes ``bench/results/loader-<date>-<host>.json``).
 """
 

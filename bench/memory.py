@@ -11,7 +11,7 @@ checkpointing (none, selective, full) is measured against fp32 without checkpoin
   (``trainer.memory.planner.plan_row``): the check of the whole prediction, transients included,
   not only of the saved bytes.
 
-Targets (issue #4): full checkpointing >= 60% fewer activation bytes for <= 35% more step time;
+Targets: full checkpointing >= 60% fewer activation bytes for <= 35% more step time;
 bf16 <= 55% of fp32's activation bytes. Run: ``make bench-memory`` (writes
 ``bench/results/memory-<date>-<host>.json`` and ``.md``).
 """

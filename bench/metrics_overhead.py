@@ -3,8 +3,8 @@
 Per optimizer step the loop observes one step time; every ``monitoring.publish_seconds`` a thread
 publishes the whole contract (host, train and, on CUDA, allocator and NVML readings) to the sink.
 This measures both with the standalone exporter's sink on the demo's model and reports
-``observe / step time + publish / publish_seconds``: the share of the worker's time. Target
-(issue #5): <= 1%.
+``observe / step time + publish / publish_seconds``: the share of the worker's time. Target:
+<= 1%.
 Run: ``make bench-metrics`` (writes ``bench/results/metrics-overhead-<date>-<host>.json``).
 """
 

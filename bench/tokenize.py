@@ -10,7 +10,7 @@ trained once on the same files (``datapipe.tokenize.train_tokenizer``; not timed
 - (m) memtrain: ``datapipe.convert.write_dataset`` with the tokenizer: the same reading and
   encoding, plus packing into rows of 1025 tokens, Arrow shards, checksums and the manifest.
 
-Each is run ``--repeats`` times, alternating, best of each. Target (issue #20): (m) >= 0.8 x (t).
+Each is run ``--repeats`` times, alternating, best of each. Target: (m) >= 0.8 x (t).
 Run: ``python -m bench.tokenize`` (writes ``bench/results/tokenize-<date>-<host>.json``).
 """
 

@@ -7,7 +7,7 @@ Every process on the machine is sampled from /proc twice a second; each is named
 worker, an xdist worker) and its CPU seconds while the command ran are summed per name. What
 a process spends after the last sample before it exits (up to half a second) is missed, and so
 is a process that lives less than that. This is how the test suite's time was
-split between Ray, the local launcher's workers and the tests' own processes (issue #13).
+split between Ray, the local launcher's workers and the tests' own processes.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class TrainConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)
     # AdamW's fused kernel ("auto": on CUDA; measured 3.7% faster a step than foreach on an
-    # H200, GPT-2 124M, issue #17) or torch's default implementation (false). Checkpoints load
+    # H200, GPT-2 124M) or torch's default implementation (false). Checkpoints load
     # across the switch.
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after
@@ -131,7 +131,7 @@ class MemoryConfig(_Strict):
     device_memory: str | None = None
     # Under bf16 autocast, LayerNorms read (and save for backward) a bf16 copy of their input
     # instead of the fp32 residual stream: the largest fp32 share of bf16's saved activations,
-    # for about 5% of an eager step's time (H200, issue #17). "auto": on only when the planner
+    # for about 5% of an eager step's time (H200, GPT-2 124M). "auto": on only when the planner
     # needs its bytes (trainer.memory.planner.choose_norm_inputs); off without bf16.
     bf16_norm_inputs: bool | Literal["auto"] = "auto"
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits). "auto":

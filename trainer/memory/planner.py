@@ -461,8 +461,8 @@ def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank:
     beats the one without (``without``; each ``choose_plan``'s answer, None: nothing fits),
     and why, in words for the log.
 
-    The bf16 copies save memory and cost time (5.5% of an eager GPT-2 step on an H200, issue
-    #17), so they are on only when their bytes buy something: a plan that fits at all, less
+    The bf16 copies save memory and cost time (5.5% of an eager GPT-2 step, measured on an
+    H200), so they are on only when their bytes buy something: a plan that fits at all, less
     recomputation, or a useful micro-batch (``choose_plan``'s ``min_micro_batch``) where the
     plan without them has none. Recomputation costs more than they do (a sixth of a step for
     selective checkpointing)."""
