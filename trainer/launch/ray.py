@@ -48,8 +48,8 @@ from trainer.compat import ray_loopback_init_kwargs, ray_metrics_export_seconds 
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, is_user_error  # noqa: E402
-from trainer.launch.prepare import remote_run, setup_logging
-from trainer.launch.worker_errors import (
+from trainer.launch.prepare import available_cpus, remote_run, setup_logging  # noqa: E402
+from trainer.launch.worker_errors import (  # noqa: E402
     WorkerError,
     clear_worker_errors,
     record_worker_error,
@@ -246,8 +246,6 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     worker group's start) go to the session's log files only, unless ``ray_logs``
     (``memtrain --debug train``); its warnings and errors always reach the console.
     """
-    from trainer.launch.prepare import available_cpus
-
     shipped = shipped_model_code(cfg.model.name)
     runtime_env: dict[str, Any] = {"py_modules": shipped} if shipped else {}
     init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers),
