@@ -236,6 +236,7 @@ def plan_command(
     console.print(f"per rank, {cfg.parallel.strategy} x {world} workers: params "
                   f"{static.params / gib:.2f}, grads {static.grads / gib:.2f}, AdamW state "
                   f"{static.optimizer / gib:.2f} GiB")
+    console.print(_loss_line(profiles[0].loss_shape, cfg.memory.loss_chunk_tokens))
     # Headers in two lines and no vertical rules: both tables fit an 80-column terminal.
     current = _plan_table(f"configured micro-batch {cfg.train.micro_batch()} x accumulation "
                           f"{accumulation} x {world} workers",
@@ -262,6 +263,18 @@ def plan_command(
                      f"+{100 * row.recompute_cost:.0f}%")
     console.print(best if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
                                     "sequence or a smaller model")
+
+
+def _loss_line(shape: Any, setting: int | str) -> str:
+    """What the planned loss is: chunked (how many tokens a chunk, its fp32 logits) or plain."""
+    from trainer.memory.loss import ChunkedLossShape
+
+    if isinstance(shape, ChunkedLossShape):
+        logits = shape.chunk_tokens * shape.vocab_size * 4
+        return (f"loss: chunks of {shape.chunk_tokens} tokens (memory.loss_chunk_tokens "
+                f"{setting}), each {logits / 2**30:.2f} GiB\n      of fp32 logits at vocabulary "
+                f"{shape.vocab_size:,}")
+    return f"loss: full logits, then cross-entropy (memory.loss_chunk_tokens {setting})"
 
 
 def _plan_table(title: str, *headers: str) -> Table:

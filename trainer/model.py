@@ -118,6 +118,11 @@ class GPT(nn.Module):
         return linear_cross_entropy_sum(x.flatten(0, 1), self.lm_head.weight,
                                         targets_BT.flatten(), self.loss_chunk_tokens)
 
+    @property
+    def vocab_size(self) -> int:
+        """The output vocabulary (``memory.loss_chunk_tokens: auto`` sizes its chunks by it)."""
+        return self.cfg.vocab_size
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

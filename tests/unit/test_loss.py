@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from trainer.diagnostics import cpu_peak_bytes
-from trainer.memory.loss import linear_cross_entropy_sum, observe_chunked_losses, set_loss_chunking
+from trainer.memory.loss import (
+    AUTO_LOSS_CHUNK_BYTES,
+    auto_loss_chunk_tokens,
+    linear_cross_entropy_sum,
+    observe_chunked_losses,
+    set_loss_chunking,
+)
 from trainer.model import GPT, GPTConfig
 
 
@@ -53,6 +59,30 @@ def test_gpt_loss_path_matches_its_logits_path() -> None:
     set_loss_chunking(model, 10)
     chunked = model(tokens[:, :-1], tokens[:, 1:])
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("vocab_size, tokens", [
+    (50_304, 1024),  # GPT-2: 0.19 GiB of fp32 logits a chunk
+    (128_256, 512),  # Llama 3
+    (256, 262_144),  # a byte vocabulary: any micro-batch is one chunk
+    (10**7, 128),  # never thinner than the floor
+])
+def test_auto_loss_chunks_are_sized_by_the_vocabulary(vocab_size: int, tokens: int) -> None:
+    assert auto_loss_chunk_tokens(vocab_size) == tokens
+    assert tokens == 128 or tokens * vocab_size * 4 <= AUTO_LOSS_CHUNK_BYTES < \
+        2 * tokens * vocab_size * 4
+
+
+def test_auto_sets_the_gpts_chunk_from_its_vocabulary() -> None:
+    model = GPT(GPTConfig(vocab_size=128_256, seq_len=8, n_layer=1, n_head=1, n_embd=8))
+    assert set_loss_chunking(model, "auto") == 512 and model.loss_chunk_tokens == 512
+
+    class OwnLossWithoutVocabulary(torch.nn.Module):
+        loss_chunk_tokens = 0
+
+    with pytest.raises(ValueError, match="needs OwnLossWithoutVocabulary to say its vocabulary"):
+        set_loss_chunking(OwnLossWithoutVocabulary(), "auto")
+    assert set_loss_chunking(torch.nn.Linear(2, 2), "auto") == 0  # no loss of its own: plain
 
 
 def test_loss_chunking_needs_a_model_that_computes_its_loss() -> None:

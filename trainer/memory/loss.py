@@ -198,7 +198,20 @@ def summed_loss(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPoli
                            reduction="sum")
 
 
-AUTO_LOSS_CHUNK_TOKENS = 4096  # one chunk's fp32 logits: 0.77 GiB at GPT-2's vocabulary
+# "auto": one chunk's fp32 logits within this many bytes. The chunk's other temporaries (the
+# softmax, the logits in the compute dtype) are of the same order, so a chunk costs a few times
+# this at the loss's moment, whatever the vocabulary.
+AUTO_LOSS_CHUNK_BYTES = 256 << 20
+MIN_AUTO_LOSS_CHUNK_TOKENS = 128  # below it the matrix products get too thin to run well
+
+
+def auto_loss_chunk_tokens(vocab_size: int, budget_bytes: int = AUTO_LOSS_CHUNK_BYTES) -> int:
+    """``memory.loss_chunk_tokens: auto``: the largest power of two of tokens whose fp32 logits
+    (tokens x ``vocab_size`` x 4 bytes) fit ``budget_bytes``, at least
+    ``MIN_AUTO_LOSS_CHUNK_TOKENS``. GPT-2's 50,304 tokens: 1,024 (0.19 GiB); Llama 3's
+    128,256: 512 (0.24 GiB); a 256-token vocabulary: 262,144 (a micro-batch is one chunk)."""
+    tokens = max(1, budget_bytes // (4 * vocab_size))
+    return max(MIN_AUTO_LOSS_CHUNK_TOKENS, 1 << (tokens.bit_length() - 1))
 
 
 def computes_own_loss(model: nn.Module) -> bool:
@@ -207,10 +220,18 @@ def computes_own_loss(model: nn.Module) -> bool:
 
 
 def set_loss_chunking(model: nn.Module, chunk_tokens: int | str) -> int:
-    """Compute the loss in chunks of ``chunk_tokens`` tokens (0: the plain loss; "auto": 4096
-    for a model that computes its own loss, else the plain loss). Returns the chunk size set."""
+    """Compute the loss in chunks of ``chunk_tokens`` tokens (0: the plain loss; "auto": sized
+    by the vocabulary, ``auto_loss_chunk_tokens``, for a model that computes its own loss and
+    says its ``vocab_size``; else the plain loss). Returns the chunk size set."""
     if chunk_tokens == "auto":
-        chunk_tokens = AUTO_LOSS_CHUNK_TOKENS if computes_own_loss(model) else 0
+        chunk_tokens = 0
+        if computes_own_loss(model):
+            vocab_size = getattr(model, "vocab_size", None)
+            if not isinstance(vocab_size, int):
+                raise ValueError(f"memory.loss_chunk_tokens 'auto' needs {type(model).__name__} "
+                                 "to say its vocabulary (a `vocab_size` attribute); set a number "
+                                 "of tokens instead")
+            chunk_tokens = auto_loss_chunk_tokens(vocab_size)
     assert isinstance(chunk_tokens, int), chunk_tokens
     if chunk_tokens and not computes_own_loss(model):
         raise ValueError(f"memory.loss_chunk_tokens {chunk_tokens} needs a model that computes "
