@@ -33,7 +33,9 @@ class RunConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    # A registered name ("gpt") or a "module:function" entry point returning an nn.Module.
+    # A registered name ("gpt"), a "module:function" entry point returning an nn.Module, or
+    # "hf:<directory or config.json>": a Hugging Face causal LM (trainer/hf.py), whose own config
+    # decides its shape (n_layer, n_head, n_embd are then ignored).
     name: str = "gpt"
     vocab_size: int = Field(256, ge=2)
     seq_len: int = Field(256, ge=1)

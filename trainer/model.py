@@ -9,7 +9,9 @@ GPT does, so that its output projection and loss run chunked (``trainer.memory.l
 logits never exist.
 
 ``create_model("gpt", **kwargs)`` looks up the registry; ``create_model("pkg.mod:fn", **kwargs)``
-imports ``fn`` and calls it with the same keyword arguments (the model config's fields).
+imports ``fn`` and calls it with the same keyword arguments (the model config's fields);
+``create_model("hf:<dir>", **kwargs)`` builds a Hugging Face causal LM (``trainer.hf``), as it
+does for an entry point that returns one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.errors import first_line
+from trainer.hf import PREFIX, HFCausalLM, build_hf_model, is_hf_causal_lm
 from trainer.memory.loss import linear_cross_entropy_sum
 
 
@@ -166,6 +169,8 @@ def create_model(name: str, **kwargs: object) -> nn.Module:
 
     Raises ValueError for a name that does not resolve, and ``ModelError`` for an entry point
     that raised."""
+    if name.startswith(PREFIX):
+        return build_hf_model(name.removeprefix(PREFIX), **kwargs)  # type: ignore[arg-type]
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -187,4 +192,4 @@ def create_model(name: str, **kwargs: object) -> nn.Module:
         model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model.name {name!r} returned {type(model).__name__}, not an nn.Module")
-    return model
+    return HFCausalLM(model) if is_hf_causal_lm(model) else model

@@ -48,6 +48,7 @@ from trainer.compat import ray_loopback_init_kwargs, ray_metrics_export_seconds 
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, is_user_error  # noqa: E402
+from trainer.hf import PREFIX as HF_PREFIX  # noqa: E402
 from trainer.launch.prepare import available_cpus, remote_run, setup_logging  # noqa: E402
 from trainer.launch.worker_errors import (  # noqa: E402
     WorkerError,
@@ -197,8 +198,9 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
 def shipped_model_code(model_name: str) -> list[str]:
     """Where the code of a ``module:function`` model lives, for Ray's workers to receive it
     (``runtime_env`` ``py_modules``): the module's top-level package directory or file. Nothing
-    for registered models, memtrain's own packages or installed ones (site-packages)."""
-    if ":" not in model_name:
+    for registered models, Hugging Face model directories (``hf:``: read from a path every node
+    must see, as a dataset is), memtrain's own packages or installed ones (site-packages)."""
+    if ":" not in model_name or model_name.startswith(HF_PREFIX):
         return []
     import importlib
 

@@ -1,0 +1,169 @@
+"""Hugging Face causal LMs as memtrain models (``trainer/hf.py``): tiny models built from their
+config classes (nothing downloaded), given by directory (``hf:<dir>``) or by an entry point."""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from tests.conftest import tiny_train_command
+from trainer.build import MemoryTransforms, build_model, checkpointed_blocks
+from trainer.hf import HFCausalLM
+from trainer.memory.loss import auto_loss_chunk_tokens
+from trainer.memory.planner import profile_activations
+from trainer.model import create_model
+
+pytestmark = pytest.mark.unit
+
+# memtrain's model fields as the demo config sets them (the GPT's): ignored by a HF model.
+FIELDS = {"vocab_size": 256, "seq_len": 64, "n_layer": 4, "n_head": 4, "n_embd": 128,
+          "dropout": 0.0}
+CONFIGS = {  # each family's decoder layers live elsewhere: model.layers, transformer.h
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+    "mistral": lambda: transformers.MistralConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+    "gpt2": lambda: transformers.GPT2Config(  # its dropouts off: the comparisons are exact
+        vocab_size=300, n_embd=32, n_layer=3, n_head=4, n_positions=128, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+}
+
+
+def tiny_llama(**fields: object) -> torch.nn.Module:
+    """An entry point that returns a transformers model itself, as a user's might."""
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp(request.param)
+    CONFIGS[request.param]().save_pretrained(directory)  # config.json only: no weights
+    return directory
+
+
+def build(spec: str, mode: str = "none", chunk: int | str = 16) -> HFCausalLM:
+    model = build_model(partial(create_model, spec, **FIELDS), MemoryTransforms(mode, 2, chunk))
+    assert isinstance(model, HFCausalLM)
+    return model
+
+
+def loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    # Named as in the state dict: a checkpointed layer's parameters sit inside its wrapper.
+    return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                           for n, p in model.named_parameters()}
+
+
+def test_a_directorys_model_takes_every_memory_strategy(model_dir: Path) -> None:
+    """Selective checkpointing wraps its decoder layers; the chunked loss equals
+    cross-entropy over the model's own logits; checkpointing changes neither loss nor
+    gradients."""
+    with pytest.warns(UserWarning, match="its own config is the truth; ignored: model.n_layer 4"):
+        plain = build(f"hf:{model_dir}")
+    assert len(plain.blocks) == 3 and plain.vocab_size == 300
+    checkpointed = build(f"hf:{model_dir / 'config.json'}", "selective")
+    assert checkpointed_blocks(checkpointed) == [0, 2]
+    tokens = torch.randint(0, 256, (2, 33))
+    logits = plain(tokens[:, :-1])
+    expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    loss, grads = loss_and_grads(plain, tokens)  # 64 tokens in chunks of 16
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed, tokens)
+    torch.testing.assert_close(loss_ckpt, loss)
+    assert grads.keys() == grads_ckpt.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tied_embeddings_get_the_output_layers_gradient(tmp_path: Path) -> None:
+    config = CONFIGS["llama"]()
+    config.tie_word_embeddings = True
+    config.save_pretrained(tmp_path)
+    model = build(f"hf:{tmp_path}")
+    assert model.hf.get_output_embeddings().weight is model.hf.get_input_embeddings().weight
+    tokens = torch.randint(0, 256, (2, 17))
+    _, grads = loss_and_grads(model, tokens)
+    reference = build(f"hf:{tmp_path}", chunk=0)  # the plain loss: full logits
+    _, expected = loss_and_grads(reference, tokens)
+    torch.testing.assert_close(grads["hf.model.embed_tokens.weight"],
+                               expected["hf.model.embed_tokens.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_weights_in_the_directory_are_loaded(tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    saved = tiny_llama()
+    saved.save_pretrained(tmp_path)  # config.json and model.safetensors
+    model = build(f"hf:{tmp_path}")  # build_model seeds 0: other weights unless loaded
+    for name, tensor in saved.state_dict().items():
+        torch.testing.assert_close(model.hf.state_dict()[name], tensor, msg=name)
+
+
+def test_an_entry_point_returning_a_transformers_model_needs_no_wrapper() -> None:
+    model = build("tests.unit.test_hf:tiny_llama", "full", "auto")
+    assert checkpointed_blocks(model) == [0, 1, 2]
+    # auto, sized by the model's own vocabulary (300), not memtrain's model.vocab_size (256)
+    assert model.loss_chunk_tokens == auto_loss_chunk_tokens(300) != auto_loss_chunk_tokens(256)
+
+
+def test_bad_hf_models_are_one_line_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="no config.json in"):
+        create_model(f"hf:{tmp_path}", **FIELDS)
+    CONFIGS["llama"]().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model.vocab_size 512 is larger than the vocabulary"):
+        create_model(f"hf:{tmp_path}", **{**FIELDS, "vocab_size": 512})
+    with pytest.raises(ValueError, match="model.seq_len 1024 is longer than"):
+        create_model(f"hf:{tmp_path}", **{**FIELDS, "seq_len": 1024})
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
+    with pytest.raises(ValueError, match=r"needs the transformers package: pip install "
+                                         r"'memtrain\[hf\]'"):
+        create_model(f"hf:{tmp_path}", **FIELDS)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planner_probes_a_hf_model(precision: str, tmp_path: Path) -> None:
+    """On fake tensors where the model allows it (else for real, with a log line): either way
+    the profile holds the chunked loss's shape and saved activations."""
+    CONFIGS["llama"]().save_pretrained(tmp_path)
+    factory = partial(create_model, f"hf:{tmp_path}", **FIELDS)
+    profile = profile_activations(factory, MemoryTransforms("selective", 2, "auto"), 64, 256,
+                                  precision, target="cuda")
+    assert profile.per_sample_bytes > 0 and profile.loss_shape is not None
+    assert profile.loss_shape.vocab_size == 300
+
+
+def test_memtrain_trains_a_hf_model_from_a_directory(corpus_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
+    out = subprocess.run(tiny_train_command(
+        corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'llama'}", "train.steps=2",
+        "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64",
+        "run.name=hf"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "activation checkpointing selective (blocks [0, 2])" in out.stderr
+    assert "in chunks of 64 tokens" in out.stderr
+    summary = json.loads((tmp_path / "hf" / "summary.json").read_text())
+    assert summary["final_step"] == 2 and summary["final_loss"] is not None
+
+
+def test_under_ray_a_hf_directory_is_not_shipped_as_code(tmp_path: Path) -> None:
+    """Ray's workers get a ``module:function`` model's code; a model directory is read where it
+    is, as a dataset is."""
+    from trainer.launch.ray import shipped_model_code
+
+    assert shipped_model_code(f"hf:{tmp_path}") == []
+    assert shipped_model_code("tests.unit.test_hf:tiny_llama") != []  # the tests' own package

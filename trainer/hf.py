@@ -1,0 +1,142 @@
+"""Hugging Face causal language models as memtrain models.
+
+``model.name: hf:<directory or its config.json>`` builds the model from its own config with
+``AutoModelForCausalLM.from_config`` (nothing is downloaded) and, where the directory holds
+weights (safetensors), loads them. A ``module:function`` entry point that returns a
+``transformers`` causal LM is taken the same way (``trainer.model.create_model``). Either is
+wrapped in ``HFCausalLM``, which answers what the memory transforms ask of a model:
+
+- ``blocks``: its decoder layers (the ``nn.ModuleList`` of the modules its class names in
+  ``_no_split_modules``), so activation checkpointing and FSDP apply per layer;
+- ``model(idx, targets)``: the summed loss through the model's own final hidden states (its
+  base model applies the final norm) and output embedding, chunked
+  (``trainer.memory.loss.linear_cross_entropy_sum``), tied embeddings included; ``model(idx)``:
+  the logits, as the model computes them;
+- ``vocab_size``: its config's, which sizes ``memory.loss_chunk_tokens: auto``.
+
+The model's own config is the truth: memtrain's ``model.n_layer``, ``n_head`` and ``n_embd`` are
+ignored, with a warning where they differ from it; ``model.vocab_size`` (the data's vocabulary)
+and ``model.seq_len`` must fit it. ``transformers`` comes with the ``hf`` extra
+(``pip install 'memtrain[hf]'``) and is imported only when such a model is built.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.memory.loss import linear_cross_entropy_sum
+
+PREFIX = "hf:"
+# memtrain's GPT fields and the Hugging Face config attributes they would mean.
+_IGNORED_FIELDS = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                   "n_embd": "hidden_size"}
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    """A ``transformers`` model with an output embedding (by its classes' names: checking needs
+    no import of ``transformers``)."""
+    names = {cls.__name__ for cls in type(model).__mro__}
+    return "PreTrainedModel" in names and hasattr(model, "get_output_embeddings")
+
+
+def decoder_layers_path(model: nn.Module) -> str:
+    """The dotted name of the ``nn.ModuleList`` holding a transformers model's decoder layers:
+    the one whose modules' class its ``_no_split_modules`` names (``model.layers`` in Llama,
+    ``transformer.h`` in GPT-2)."""
+    wanted = set(getattr(model, "_no_split_modules", None) or ())
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and \
+                all(type(layer).__name__ in wanted for layer in module):
+            return name
+    raise ValueError(f"{type(model).__name__}: no list of decoder layers found (none of its "
+                     f"module lists holds only {sorted(wanted) or 'the _no_split_modules'})")
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM behind memtrain's model contract (the module docstring)."""
+
+    computes_loss = True
+    hf: Any  # the transformers model (a PreTrainedModel: typed loosely, imported lazily)
+
+    def __init__(self, model: Any):
+        super().__init__()
+        output = model.get_output_embeddings()
+        config = model.config
+        if getattr(output, "bias", None) is not None:
+            raise ValueError(f"{type(model).__name__}: its output layer has a bias, which "
+                             "memtrain's chunked loss does not take")
+        for attribute in ("final_logit_softcapping", "logit_scale"):
+            if getattr(config, attribute, None):
+                raise ValueError(f"{type(model).__name__}: config.{attribute} changes the logits "
+                                 "before the loss, which memtrain's chunked loss does not do")
+        self.hf = model
+        self.loss_chunk_tokens = 0  # set by trainer.memory.loss.set_loss_chunking
+        self._layers = "hf." + decoder_layers_path(model)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers (not registered twice: they stay the transformers model's)."""
+        layers = self.get_submodule(self._layers)
+        assert isinstance(layers, nn.ModuleList)
+        return layers
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf.config.vocab_size)
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar)."""
+        if targets_BT is None:
+            return self.hf(input_ids=idx_BT, use_cache=False).logits
+        hidden_BTC = self.hf.base_model(input_ids=idx_BT, use_cache=False).last_hidden_state
+        weight_VC = self.hf.get_output_embeddings().weight
+        return linear_cross_entropy_sum(hidden_BTC.flatten(0, 1), weight_VC,
+                                        targets_BT.flatten(), self.loss_chunk_tokens)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise ValueError("a Hugging Face model needs the transformers package: pip install "
+                         "'memtrain[hf]' (or '.[hf]' in memtrain's checkout)") from err
+    return transformers
+
+
+def build_hf_model(spec: str, vocab_size: int, seq_len: int, **fields: Any) -> HFCausalLM:
+    """``hf:<spec>``: the model of a directory (or its ``config.json``), with its weights where
+    the directory has them. ``vocab_size`` and ``seq_len`` are the data's, checked against the
+    model's config; the other GPT ``fields`` are ignored (warned where they differ)."""
+    path = Path(spec).expanduser()
+    directory = path.parent if path.is_file() else path
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"model.name 'hf:{spec}': no config.json in {directory}")
+    transformers = _transformers()
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    if vocab_size > config.vocab_size:
+        raise ValueError(f"model.vocab_size {vocab_size} is larger than the vocabulary of "
+                         f"hf:{spec} ({config.vocab_size}): the data holds tokens it cannot embed")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"model.seq_len {seq_len} is longer than hf:{spec} takes "
+                         f"(max_position_embeddings {positions})")
+    differing = [f"model.{field} {fields[field]} (its {attribute} is "
+                 f"{getattr(config, attribute, None)})"
+                 for field, attribute in _IGNORED_FIELDS.items()
+                 if field in fields and fields[field] != getattr(config, attribute, None)]
+    if differing:
+        warnings.warn(f"hf:{spec}: its own config is the truth; ignored: {', '.join(differing)}",
+                      stacklevel=2)
+    auto = transformers.AutoModelForCausalLM
+    if any((directory / name).is_file() for name in _WEIGHT_FILES):
+        model = auto.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+    else:
+        model = auto.from_config(config, dtype=torch.float32)
+    return HFCausalLM(model)
