@@ -250,6 +250,17 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
     model.load_state_dict(state_dict)
 
 
+def load_sharded_model(directory: Path, model: nn.Module) -> None:
+    """Only the model's part of DCP files written by ``save_sharded`` (one process: export)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model_state = get_model_state_dict(model)
+    with _quiet_single_process():
+        dcp.load({"model": model_state}, checkpoint_id=str(directory))
+    set_model_state_dict(model, model_state)
+
+
 def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load model and optimizer state written by ``save_sharded`` at any world size (a
     collective): each rank reads the parts of the files that its shards cover."""

@@ -323,6 +323,22 @@ def report_command(
     console.print(f"wrote {render_report(run_dir, out)}")
 
 
+@app.command("export")
+def export_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory, e.g. runs/demo.")],
+    hf: Annotated[Path, typer.Option("--hf", help="Write a Hugging Face save_pretrained "
+                                                  "directory here.")],
+    step: Annotated[int | None, typer.Option(help="Checkpoint step (default: the latest).")
+                    ] = None,
+) -> None:
+    """Write a run's trained weights in the model's own format (a Hugging Face model's
+    save_pretrained directory)."""
+    from trainer.export import export_hf
+
+    out, exported = export_hf(run_dir, hf, step)
+    console.print(f"wrote {out} (checkpoint of step {exported})")
+
+
 @data_app.command("corpus")
 def data_corpus(
     out: Annotated[Path, typer.Argument(help="Output directory (gets train/ and val/).")],

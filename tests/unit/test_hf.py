@@ -145,19 +145,61 @@ def test_the_planner_probes_a_hf_model(precision: str, tmp_path: Path) -> None:
     assert profile.loss_shape.vocab_size == 300
 
 
-def test_memtrain_trains_a_hf_model_from_a_directory(corpus_dir: Path, tmp_path: Path) -> None:
+def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """``memtrain train`` of ``hf:<dir>`` (local launcher) with selective checkpointing and the
+    chunked loss, under DDP (``state.pt``) and FSDP (DCP shards); ``memtrain export --hf`` of
+    each gives ``from_pretrained`` the trained model: the logits of the weights in ``state.pt``,
+    and the same from both runs (one worker: the same arithmetic)."""
     import subprocess
 
+    from trainer.checkpoint import complete_checkpoints, load_checkpoint, load_model_state
+    from trainer.export import export_hf
+
     CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
-    out = subprocess.run(tiny_train_command(
-        corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'llama'}", "train.steps=2",
-        "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64",
-        "run.name=hf"), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "activation checkpointing selective (blocks [0, 2])" in out.stderr
-    assert "in chunks of 64 tokens" in out.stderr
-    summary = json.loads((tmp_path / "hf" / "summary.json").read_text())
-    assert summary["final_step"] == 2 and summary["final_loss"] is not None
+    for strategy in ("ddp", "fsdp"):
+        out = subprocess.run(tiny_train_command(
+            corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'llama'}", "train.steps=2",
+            "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64",
+            f"parallel.strategy={strategy}", f"run.name={strategy}"),
+            capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "activation checkpointing selective (blocks [0, 2])" in out.stderr
+        assert "in chunks of 64 tokens" in out.stderr
+        summary = json.loads((tmp_path / strategy / "summary.json").read_text())
+        assert summary["final_step"] == 2 and summary["final_loss"] is not None
+    exported = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "export", str(tmp_path / "ddp"), "--hf",
+         str(tmp_path / "out-ddp")], capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "(checkpoint of step 2)" in exported.stdout
+    export_hf(tmp_path / "fsdp", tmp_path / "out-fsdp")
+    assert (tmp_path / "out-fsdp" / "model.safetensors").is_file()
+    assert load_checkpoint(complete_checkpoints(tmp_path / "fsdp")[-1][1])["sharded"]
+
+    tokens = torch.randint(0, 256, (2, 32))
+    [(_, checkpoint)] = complete_checkpoints(tmp_path / "ddp")[-1:]
+    trained = build(f"hf:{tmp_path / 'llama'}")
+    load_model_state(trained, load_checkpoint(checkpoint)["model"], str(checkpoint))
+    with torch.no_grad():
+        expected = trained(tokens)
+        initial = build(f"hf:{tmp_path / 'llama'}")(tokens)
+        for out_dir in ("out-ddp", "out-fsdp"):
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out_dir)
+            logits = model(input_ids=tokens).logits
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=out_dir)
+    assert not torch.allclose(initial, expected)  # two steps of training moved the weights
+
+
+def test_export_refuses_what_it_cannot_write(tmp_path: Path) -> None:
+    from trainer.config import ConfigError
+    from trainer.export import export_hf
+
+    with pytest.raises(ConfigError, match="no config.yaml"):
+        export_hf(tmp_path, tmp_path / "out")
+    (tmp_path / "config.yaml").write_text("model:\n  name: gpt\n")
+    with pytest.raises(ConfigError, match="needs a run of a Hugging Face model"):
+        export_hf(tmp_path, tmp_path / "out")
 
 
 def test_under_ray_a_hf_directory_is_not_shipped_as_code(tmp_path: Path) -> None:
