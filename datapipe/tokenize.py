@@ -70,10 +70,15 @@ def _require_tokenizers() -> None:
 
 
 def load_tokenizer(path: Path, eot_token: str = EOT_TOKEN) -> tuple[Tokenizer, TokenizerInfo]:
-    """A ``tokenizer.json`` and what the manifest records of it."""
+    """A ``tokenizer.json`` (or a model directory's, as Hugging Face saves one beside its
+    ``config.json``) and what the manifest records of it."""
     _require_tokenizers()
     from tokenizers import Tokenizer
 
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise DatasetError(f"tokenizer {path}: a directory without a tokenizer.json")
+        path = path / "tokenizer.json"
     try:
         raw = path.read_bytes()
     except OSError as err:

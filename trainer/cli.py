@@ -380,7 +380,8 @@ def data_write(
     overwrite: Annotated[bool, typer.Option(help="Replace a dataset already at --out.")
                          ] = False,
     tokenizer: Annotated[Path | None, typer.Option(
-        help="A tokenizers tokenizer.json: text, JSON lines or Parquet text become tokens.")
+        help="A tokenizers tokenizer.json, or a model directory holding one: text, JSON lines "
+             "or Parquet text become tokens.")
                          ] = None,
     text_field: Annotated[str, typer.Option(
         help="With --tokenizer: the JSON field or Parquet column holding the text.")] = "text",

@@ -22,6 +22,7 @@ and ``model.seq_len`` must fit it. ``transformers`` comes with the ``hf`` extra
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,25 @@ class HFCausalLM(nn.Module):
                                         targets_BT.flatten(), self.loss_chunk_tokens)
 
 
+def _config_json(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    return path if path.is_file() else path / "config.json"
+
+
+def config_vocab_size(model_name: str) -> int | None:
+    """The vocabulary in an ``hf:`` model's ``config.json``, read without ``transformers``
+    (``prepare_run`` checks the dataset's against it); None for other models, or where the
+    file does not say (building the model then says what is wrong)."""
+    if not model_name.startswith(PREFIX):
+        return None
+    try:
+        vocab_size = json.loads(_config_json(model_name.removeprefix(PREFIX)).read_text()).get(
+            "vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab_size if isinstance(vocab_size, int) else None
+
+
 def _transformers() -> Any:
     try:
         import transformers
@@ -114,8 +134,7 @@ def build_hf_model(spec: str, vocab_size: int, seq_len: int, **fields: Any) -> H
     """``hf:<spec>``: the model of a directory (or its ``config.json``), with its weights where
     the directory has them. ``vocab_size`` and ``seq_len`` are the data's, checked against the
     model's config; the other GPT ``fields`` are ignored (warned where they differ)."""
-    path = Path(spec).expanduser()
-    directory = path.parent if path.is_file() else path
+    directory = _config_json(spec).parent
     if not (directory / "config.json").is_file():
         raise ValueError(f"model.name 'hf:{spec}': no config.json in {directory}")
     transformers = _transformers()

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.conftest import tiny_train_command
+from tests.conftest import tiny_config, tiny_train_command
 from trainer.build import MemoryTransforms, build_model, checkpointed_blocks
 from trainer.hf import HFCausalLM
+from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
 from trainer.memory.loss import auto_loss_chunk_tokens
 from trainer.memory.planner import profile_activations
 from trainer.model import create_model
@@ -157,17 +159,18 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     from trainer.export import export_hf
 
     CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
-    for strategy in ("ddp", "fsdp"):
-        out = subprocess.run(tiny_train_command(
-            corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'llama'}", "train.steps=2",
-            "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64",
-            f"parallel.strategy={strategy}", f"run.name={strategy}"),
-            capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert "activation checkpointing selective (blocks [0, 2])" in out.stderr
-        assert "in chunks of 64 tokens" in out.stderr
-        summary = json.loads((tmp_path / strategy / "summary.json").read_text())
-        assert summary["final_step"] == 2 and summary["final_loss"] is not None
+    overrides = (f"model.name=hf:{tmp_path / 'llama'}", "train.steps=2",
+                 "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64")
+    out = subprocess.run(tiny_train_command(corpus_dir, tmp_path, *overrides, "run.name=ddp"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "activation checkpointing selective (blocks [0, 2])" in out.stderr
+    assert "in chunks of 64 tokens" in out.stderr
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["final_step"] == 2 and summary["final_loss"] is not None
+    launch_local(*prepare_run(tiny_config(corpus_dir, tmp_path, *overrides,  # in-process
+                                          "parallel.launcher=local", "parallel.workers=1",
+                                          "parallel.strategy=fsdp", "run.name=fsdp")))
     exported = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "export", str(tmp_path / "ddp"), "--hf",
          str(tmp_path / "out-ddp")], capture_output=True, text=True, timeout=300)
@@ -209,3 +212,18 @@ def test_under_ray_a_hf_directory_is_not_shipped_as_code(tmp_path: Path) -> None
 
     assert shipped_model_code(f"hf:{tmp_path}") == []
     assert shipped_model_code("tests.unit.test_hf:tiny_llama") != []  # the tests' own package
+
+
+def test_a_dataset_with_more_tokens_than_the_model_embeds_is_refused(corpus_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """Before any worker starts: the dataset's vocabulary (256 byte tokens) against the one in
+    the model's config.json."""
+    from trainer.config import ConfigError
+
+    config = CONFIGS["llama"]()
+    config.vocab_size = 200
+    config.save_pretrained(tmp_path / "small")
+    with pytest.raises(ConfigError, match=r"data.path: its vocabulary \(256, byte tokens\) is "
+                                          r"larger than that of model.name 'hf:.*small' \(200\)"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'small'}",
+                                "parallel.launcher=local", "parallel.workers=1"))

@@ -5,6 +5,7 @@ manifest)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,14 @@ def test_text_becomes_packed_rows_that_decode_to_the_documents(
     again = write_dataset([texts], tmp_path / "again", tokenizer=tokenizer, seq_len=63,
                           shard_bytes=8 << 10)
     assert [s.sha256 for s in again.shards] == [s.sha256 for s in manifest.shards]
+    model_dir = tmp_path / "model"  # a Hugging Face model directory: its tokenizer.json inside
+    model_dir.mkdir()
+    shutil.copy(tokenizer, model_dir / "tokenizer.json")
+    from_dir = write_dataset([texts], tmp_path / "from-dir", tokenizer=model_dir, seq_len=63,
+                             shard_bytes=8 << 10)
+    assert [s.sha256 for s in from_dir.shards] == [s.sha256 for s in manifest.shards]
+    with pytest.raises(DatasetError, match="a directory without a tokenizer.json"):
+        load_tokenizer(tmp_path / "ds")
 
 
 def test_jsonl_and_parquet_give_the_same_rows_as_text(texts: Path, tokenizer: Path,

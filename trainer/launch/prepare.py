@@ -16,6 +16,7 @@ from datapipe.manifest import read_manifest
 from datapipe.paths import is_remote
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
+from trainer.hf import config_vocab_size
 from trainer.launch.auto import resolve_auto
 from trainer.runstore import RemoteRun, default_work_dir
 
@@ -73,6 +74,12 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
             raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the "
                               f"vocabulary of {field} ({vocab}, {written}): set model.vocab_size "
                               f"to at least {vocab}")
+        model_vocab = config_vocab_size(cfg.model.name)
+        if vocab is not None and vocab.isdigit() and model_vocab is not None \
+                and int(vocab) > model_vocab:
+            raise ConfigError(f"{field}: its vocabulary ({vocab}, "
+                              f"{manifest.metadata.get('tokenizer', 'byte tokens')}) is larger "
+                              f"than that of model.name {cfg.model.name!r} ({model_vocab})")
         if spec.shape != (cfg.model.seq_len + 1,):
             raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")

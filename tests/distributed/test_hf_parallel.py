@@ -1,0 +1,49 @@
+"""A Hugging Face model on 2 gloo ranks: DDP resumes bit for bit, and FSDP (sharded per
+decoder layer, DCP checkpoints) follows DDP's losses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from tests.conftest import tiny_config
+from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
+
+pytestmark = pytest.mark.distributed
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_a_hf_model_on_two_ranks_resumes_exactly_under_ddp_and_follows_it_under_fsdp(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    ).save_pretrained(tmp_path / "llama")
+    common = (f"model.name=hf:{tmp_path / 'llama'}", "parallel.launcher=local",
+              "parallel.workers=2", "memory.precision=fp32", "train.steps=4",
+              "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=2",
+              "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64")
+
+    def run(name: str, until: int | None, *overrides: str) -> tuple[dict, Path]:
+        cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, *overrides,
+                                               f"run.name={name}"))
+        return launch_local(cfg, run_dir, until_step=until), run_dir
+
+    _, straight = run("straight", None)
+    for name, strategy in (("ddp", "ddp"), ("fsdp", "fsdp")):
+        first, _ = run(name, 2, f"parallel.strategy={strategy}")
+        resumed, _ = run(name, None, f"parallel.strategy={strategy}")
+        assert (first["final_step"], resumed["resumed_from_step"], resumed["final_step"]) == \
+            (2, 2, 4)
+    assert _losses(tmp_path / "ddp") == _losses(straight)  # to the bit
+    assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(straight), rel=1e-4)
+    checkpoint = tmp_path / "fsdp" / "checkpoint-00000004"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in checkpoint.iterdir()}
