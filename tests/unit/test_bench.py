@@ -44,3 +44,16 @@ def test_the_summary_table_marks_missed_targets() -> None:
            "| <= 1.03x | **no** |" in text
     assert "| metrics overhead (published every 5 s) | 2.0000% of a step | <= 1% | **no** |" in text
     assert "memtrain 1 round, 1.0 MB; naive 4 rounds, 4.0 MB | 1 vs k | yes |" in text
+
+
+def test_the_hf_bench_runs_and_the_chunked_loss_holds_less(tmp_path: Path) -> None:
+    """A small vocabulary and sequence: the full logits still outweigh one chunk's."""
+    out = subprocess.run([sys.executable, "-m", "bench.hf", "--out", str(tmp_path),
+                          "--vocab-size", "16384", "--seq-len", "128", "--micro-batch", "4",
+                          "--steps", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [result] = tmp_path.glob("hf-*.json")
+    report = json.loads(result.read_text())
+    assert report["loss_chunk_tokens"] == 4096  # auto at 16,384 tokens: 256 MiB of fp32 logits
+    assert report["peak_bytes"]["peer"] > report["peak_bytes"]["memtrain"] > 0
+    assert report["tokens_per_second"]["memtrain"] > 0
