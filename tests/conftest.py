@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -160,6 +161,12 @@ def tiny_overrides(corpus_dir: Path, run_dir: Path, *overrides: str) -> list[str
         "train.lr=0.005", "memory.precision=fp32", "memory.activation_checkpointing=full",
         *overrides,
     ]
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    """Rank 0's logged training losses of a run, in step order (its metrics log)."""
+    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def set_args(overrides: list[str]) -> list[str]:

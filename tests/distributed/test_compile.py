@@ -4,21 +4,15 @@ recovery and resuming, on CPU (inductor's C++ backend). Compiled checkpointed bl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import logged_losses, tiny_config
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
 pytestmark = pytest.mark.distributed
-
-
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_a_compiled_run_follows_the_eager_one_and_counts_its_recompilations(
@@ -48,8 +42,8 @@ def test_a_compiled_run_follows_the_eager_one_and_counts_its_recompilations(
     eager, eager_dir = run("eager", "train.compile=false")
     with caplog.at_level("INFO", logger="memtrain"):
         compiled, compiled_dir = run("compiled", "train.compile=true")
-    assert _losses(compiled_dir) == pytest.approx(_losses(eager_dir), rel=1e-4)
-    assert len(_losses(compiled_dir)) == 6
+    assert logged_losses(compiled_dir) == pytest.approx(logged_losses(eager_dir), rel=1e-4)
+    assert len(logged_losses(compiled_dir)) == 6
     assert eager["compile_seconds"] is None and compiled["compile_seconds"] > 0
     assert compiled["oom_recoveries"] == 1 and compiled["recompilations"] >= 1
     warned = [r.getMessage() for r in caplog.records if "recompiled" in r.getMessage()]

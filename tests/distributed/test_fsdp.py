@@ -3,7 +3,6 @@ and sharded checkpoints that resume."""
 
 from __future__ import annotations
 
-import json
 import os
 from functools import partial
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import tiny_config
+from tests.conftest import logged_losses, tiny_config
 from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
 from trainer.launch.local import free_port, launch_local, start_workers
@@ -25,11 +24,6 @@ from trainer.sharding import local_parameter_bytes, shard_model
 from trainer.step import create_optimizer_state, step_peak_bytes
 
 pytestmark = pytest.mark.distributed
-
-
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_fsdp_and_ddp_losses_agree_and_sharded_checkpoints_reshard_across_world_sizes(
@@ -60,7 +54,7 @@ def test_fsdp_and_ddp_losses_agree_and_sharded_checkpoints_reshard_across_world_
                for p in fsdp_dir.glob("checkpoint-*")}
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(by_step[8])  # one file per rank
     assert "__0_0.distcp" in by_step[6] and "__1_0.distcp" not in by_step[6]  # one worker's
-    assert _losses(fsdp_dir) == pytest.approx(_losses(runs["ddp"]), rel=1e-4)
+    assert logged_losses(fsdp_dir) == pytest.approx(logged_losses(runs["ddp"]), rel=1e-4)
 
 
 def _count_bytes(rank: int, port: int, out: str) -> None:
@@ -117,7 +111,7 @@ def test_fsdp_in_bf16_with_bf16_norm_inputs_tracks_ddp(corpus_dir: Path, tmp_pat
     fsdp_cfg, fsdp_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common,
                                                  "parallel.strategy=fsdp", "run.name=f16"))
     launch_local(fsdp_cfg, fsdp_dir)
-    assert _losses(fsdp_dir) == pytest.approx(_losses(ddp_dir), rel=1e-3)  # seen: 1e-5
+    assert logged_losses(fsdp_dir) == pytest.approx(logged_losses(ddp_dir), rel=1e-3)  # seen: 1e-5
 
 
 # Wide blocks and few activations, so FSDP's whole parameters and gradients matter.

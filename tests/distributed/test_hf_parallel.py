@@ -3,22 +3,16 @@ decoder layer, DCP checkpoints) follows DDP's losses."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import transformers
 
-from tests.conftest import tiny_config
+from tests.conftest import logged_losses, tiny_config
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
 pytestmark = pytest.mark.distributed
-
-
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_a_hf_model_on_two_ranks_resumes_exactly_under_ddp_and_follows_it_under_fsdp(
@@ -43,7 +37,7 @@ def test_a_hf_model_on_two_ranks_resumes_exactly_under_ddp_and_follows_it_under_
         resumed, _ = run(name, None, f"parallel.strategy={strategy}")
         assert (first["final_step"], resumed["resumed_from_step"], resumed["final_step"]) == \
             (2, 2, 4)
-    assert _losses(tmp_path / "ddp") == _losses(straight)  # to the bit
-    assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(straight), rel=1e-4)
+    assert logged_losses(tmp_path / "ddp") == logged_losses(straight)  # to the bit
+    assert logged_losses(tmp_path / "fsdp") == pytest.approx(logged_losses(straight), rel=1e-4)
     checkpoint = tmp_path / "fsdp" / "checkpoint-00000004"
     assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in checkpoint.iterdir()}

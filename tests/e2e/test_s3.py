@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pyarrow import fs
 
-from tests.conftest import running_s3_server, tiny_config
+from tests.conftest import logged_losses, running_s3_server, tiny_config
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
@@ -30,11 +30,6 @@ def s3_server(monkeypatch: pytest.MonkeyPatch):
     """moto's S3 server on 127.0.0.1, a bucket, and the environment that points pyarrow at it."""
     with running_s3_server(monkeypatch, BUCKET) as admin:
         yield admin
-
-
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_training_from_s3_matches_training_from_local_disk(s3_server, corpus_dir: Path,
@@ -52,7 +47,7 @@ def test_training_from_s3_matches_training_from_local_disk(s3_server, corpus_dir
         f"data.path=s3://{BUCKET}/stdlib/train", f"data.val_path=s3://{BUCKET}/stdlib/val"))
     assert s3_cfg.data.path == f"s3://{BUCKET}/stdlib/train"  # not mangled into a local path
     summary = launch_local(s3_cfg, s3_dir)
-    assert _losses(s3_dir) == _losses(local_dir)
+    assert logged_losses(s3_dir) == logged_losses(local_dir)
     assert summary["eval_loss"] is not None
 
 
@@ -157,7 +152,7 @@ def test_a_run_directory_on_s3_resumes_on_another_machine_from_its_fsdp_checkpoi
     local_cfg, local_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common,
                                                    "run.name=uninterrupted"))
     launch_local(local_cfg, local_dir)
-    assert [r["loss"] for r in stored_log if "loss" in r] == _losses(local_dir)
+    assert [r["loss"] for r in stored_log if "loss" in r] == logged_losses(local_dir)
     assert not any(p.name.startswith("s3") for p in tmp_path.iterdir())
 
 
