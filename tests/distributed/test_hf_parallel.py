@@ -1,23 +1,32 @@
 """A Hugging Face model on 2 gloo ranks: DDP resumes bit for bit, and FSDP (sharded per
-decoder layer, DCP checkpoints) follows DDP's losses."""
+decoder layer, DCP checkpoints) follows DDP's losses. In the "hf" xdist group with the other
+tests that import transformers, so that one test process pays for its import."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import transformers
 
 from tests.conftest import logged_losses, tiny_config
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
-pytestmark = pytest.mark.distributed
+
+def _transformers():
+    """Imported when a test runs, not when the tests are collected: both test processes
+    collect every module, and importing transformers costs seconds of CPU."""
+    import transformers
+
+    return transformers
+
+
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("hf")]
 
 
 def test_a_hf_model_on_two_ranks_resumes_exactly_under_ddp_and_follows_it_under_fsdp(
         corpus_dir: Path, tmp_path: Path) -> None:
-    transformers.LlamaConfig(
+    _transformers().LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
     ).save_pretrained(tmp_path / "llama")
@@ -32,12 +41,12 @@ def test_a_hf_model_on_two_ranks_resumes_exactly_under_ddp_and_follows_it_under_
         return launch_local(cfg, run_dir, until_step=until), run_dir
 
     _, straight = run("straight", None)
-    for name, strategy in (("ddp", "ddp"), ("fsdp", "fsdp")):
-        first, _ = run(name, 2, f"parallel.strategy={strategy}")
-        resumed, _ = run(name, None, f"parallel.strategy={strategy}")
-        assert (first["final_step"], resumed["resumed_from_step"], resumed["final_step"]) == \
-            (2, 2, 4)
+    first, _ = run("ddp", 2)
+    resumed, _ = run("ddp", None)
+    assert (first["final_step"], resumed["resumed_from_step"], resumed["final_step"]) == (2, 2, 4)
     assert logged_losses(tmp_path / "ddp") == logged_losses(straight)  # to the bit
+    # FSDP's own resume (DCP, resharded) is tests/distributed/test_fsdp.py's, model-independent.
+    run("fsdp", None, "parallel.strategy=fsdp")
     assert logged_losses(tmp_path / "fsdp") == pytest.approx(logged_losses(straight), rel=1e-4)
     checkpoint = tmp_path / "fsdp" / "checkpoint-00000004"
     assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in checkpoint.iterdir()}

@@ -46,6 +46,7 @@ def test_the_summary_table_marks_missed_targets() -> None:
     assert "memtrain 1 round, 1.0 MB; naive 4 rounds, 4.0 MB | 1 vs k | yes |" in text
 
 
+@pytest.mark.xdist_group("hf")
 def test_the_hf_bench_runs_and_the_chunked_loss_holds_less(tmp_path: Path) -> None:
     """A small vocabulary and sequence: the full logits still outweigh one chunk's."""
     out = subprocess.run([sys.executable, "-m", "bench.hf", "--out", str(tmp_path),

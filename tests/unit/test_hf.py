@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 from tests.conftest import tiny_config, tiny_train_command
 from trainer.build import MemoryTransforms, build_model, checkpointed_blocks
@@ -22,22 +21,32 @@ from trainer.memory.loss import auto_loss_chunk_tokens
 from trainer.memory.planner import profile_activations
 from trainer.model import create_model
 
-pytestmark = pytest.mark.unit
+
+# One test process imports transformers (several seconds of CPU), not both.
+def _transformers():
+    """Imported when a test runs, not when the tests are collected: both test processes
+    collect every module, and importing transformers costs seconds of CPU."""
+    import transformers
+
+    return transformers
+
+
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("hf")]
 
 # memtrain's model fields as the demo config sets them (the GPT's): ignored by a HF model.
 FIELDS = {"vocab_size": 256, "seq_len": 64, "n_layer": 4, "n_head": 4, "n_embd": 128,
           "dropout": 0.0}
 CONFIGS = {  # each family's decoder layers live elsewhere: model.layers, transformer.h
-    "llama": lambda: transformers.LlamaConfig(
+    "llama": lambda: _transformers().LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
-    "qwen2": lambda: transformers.Qwen2Config(
+    "qwen2": lambda: _transformers().Qwen2Config(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
-    "mistral": lambda: transformers.MistralConfig(
+    "mistral": lambda: _transformers().MistralConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
-    "gpt2": lambda: transformers.GPT2Config(  # its dropouts off: the comparisons are exact
+    "gpt2": lambda: _transformers().GPT2Config(  # its dropouts off: the comparisons are exact
         vocab_size=300, n_embd=32, n_layer=3, n_head=4, n_positions=128, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }
@@ -45,7 +54,7 @@ CONFIGS = {  # each family's decoder layers live elsewhere: model.layers, transf
 
 def tiny_llama(**fields: object) -> torch.nn.Module:
     """An entry point that returns a transformers model itself, as a user's might."""
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    return _transformers().AutoModelForCausalLM.from_config(CONFIGS["llama"]())
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -188,7 +197,7 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
         expected = trained(tokens)
         initial = build(f"hf:{tmp_path / 'llama'}")(tokens)
         for out_dir in ("out-ddp", "out-fsdp"):
-            model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out_dir)
+            model = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / out_dir)
             logits = model(input_ids=tokens).logits
             torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=out_dir)
     assert not torch.allclose(initial, expected)  # two steps of training moved the weights
