@@ -60,6 +60,7 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
                           "launcher; the local launcher takes one number")
     for world in range(low, high + 1):  # an elastic group may run at any size in the range
         cfg.train.accumulation_steps(world)  # ConfigError naming the sizes that fit
+    model_vocab = config_vocab_size(cfg.model.name)  # an hf: model's config.json, else None
     for field, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
         if path is None:
             continue
@@ -69,17 +70,15 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
             raise ConfigError(f"{field}: {err}") from err
         spec = manifest.column(cfg.data.column)
         vocab = manifest.metadata.get("vocab_size")
-        if vocab is not None and vocab.isdigit() and int(vocab) > cfg.model.vocab_size:
-            written = manifest.metadata.get("tokenizer", "byte tokens")
+        data_vocab = int(vocab) if vocab is not None and vocab.isdigit() else None
+        written = manifest.metadata.get("tokenizer", "byte tokens")
+        if data_vocab is not None and data_vocab > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the "
                               f"vocabulary of {field} ({vocab}, {written}): set model.vocab_size "
                               f"to at least {vocab}")
-        model_vocab = config_vocab_size(cfg.model.name)
-        if vocab is not None and vocab.isdigit() and model_vocab is not None \
-                and int(vocab) > model_vocab:
-            raise ConfigError(f"{field}: its vocabulary ({vocab}, "
-                              f"{manifest.metadata.get('tokenizer', 'byte tokens')}) is larger "
-                              f"than that of model.name {cfg.model.name!r} ({model_vocab})")
+        if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+            raise ConfigError(f"{field}: its vocabulary ({vocab}, {written}) is larger than "
+                              f"that of model.name {cfg.model.name!r} ({model_vocab})")
         if spec.shape != (cfg.model.seq_len + 1,):
             raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")
