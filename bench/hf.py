@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,10 +50,6 @@ def peer_step(model: Any, optimizer: torch.optim.Optimizer, tokens_BT: torch.Ten
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def measure(step: Callable[[], object], held: list[torch.Tensor]) -> int:
-    return cpu_peak_bytes(step, held=held)
 
 
 def main() -> None:
@@ -89,8 +84,8 @@ def main() -> None:
                  if isinstance(v, torch.Tensor)]
         return [*model.parameters(), *state, tokens_BT]
 
-    peaks = {"peer": measure(run_peer, held(peer, peer_opt)),
-             "memtrain": measure(run_ours, held(ours, ours_opt))}
+    peaks = {"peer": cpu_peak_bytes(run_peer, held=held(peer, peer_opt)),
+             "memtrain": cpu_peak_bytes(run_ours, held=held(ours, ours_opt))}
     seconds: dict[str, list[float]] = {"peer": [], "memtrain": []}
     for _ in range(args.steps):  # alternating, so a slow moment of the VM hits both
         for name, run in (("peer", run_peer), ("memtrain", run_ours)):
