@@ -28,9 +28,16 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from datapipe.corpus import token_rows
-from datapipe.manifest import MANIFEST_NAME, ColumnSpec, DatasetError, Manifest
+from datapipe.manifest import (
+    MANIFEST_NAME,
+    ColumnSpec,
+    DatasetError,
+    Manifest,
+    atomic_write_bytes,
+)
 from datapipe.tokenize import (
     EOT_TOKEN,
+    TOKENIZER_FILE,
     ByteProgress,
     documents,
     load_tokenizer,
@@ -206,4 +213,6 @@ def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
         unit = "tokens" if tokenized else "bytes"
         raise DatasetError(f"no rows in {', '.join(map(str, sources))} (text needs at least "
                            f"seq_len + 1 = {seq_len + 1} {unit})")
+    if tokenized is not None:  # the tokenizer travels with its dataset, before the manifest
+        atomic_write_bytes(out / TOKENIZER_FILE, tokenized[1].raw)
     return writer.close()

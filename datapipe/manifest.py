@@ -269,15 +269,20 @@ def remote_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         raise DatasetError(f"dataset path {uri}: {err}") from err
 
 
-def read_text(path: str | Path) -> str:
-    """A small file's text, local or remote; raises FileNotFoundError when it is absent."""
+def read_text_bytes(path: str | Path) -> bytes:
+    """A small file's bytes, local or remote; raises FileNotFoundError when it is absent."""
     if not is_remote(path):
-        return Path(str(path).removeprefix("file://")).read_text()
+        return Path(str(path).removeprefix("file://")).read_bytes()
     filesystem, inner = remote_filesystem(str(path))
     if filesystem.get_file_info(inner).type != pafs.FileType.File:
         raise FileNotFoundError(path)
     with filesystem.open_input_stream(inner) as stream:
-        return stream.read().decode()
+        return stream.read()
+
+
+def read_text(path: str | Path) -> str:
+    """A small file's text, local or remote; raises FileNotFoundError when it is absent."""
+    return read_text_bytes(path).decode()
 
 
 def read_manifest(directory: str | Path) -> Manifest:

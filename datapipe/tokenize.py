@@ -10,9 +10,10 @@
   by the end-of-text token. The token stream is cut into rows of ``seq_len + 1``; the last,
   partial row is dropped. The same inputs and tokenizer give the same shards.
 - **Token dtype.** ``uint16`` while every id fits (vocabulary up to 65,536), else ``uint32``.
-- **Provenance.** The manifest's metadata records the tokenizer: its file name, SHA-256,
-  vocabulary size and end-of-text id; ``memtrain train`` refuses a ``model.vocab_size`` smaller
-  than the dataset's vocabulary.
+- **Provenance.** The dataset keeps a copy of its tokenizer (``tokenizer.json`` beside the
+  manifest) and the manifest's metadata records it: file name, SHA-256, vocabulary size and
+  end-of-text id. ``memtrain train`` refuses a model whose vocabulary is smaller than the
+  dataset's; ``memtrain export --hf`` writes the tokenizer beside the trained model.
 - **A tokenizer without the hub.** ``train_tokenizer`` trains a byte-level BPE tokenizer on the
   same documents, offline.
 
@@ -27,7 +28,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,12 +36,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datapipe.manifest import DatasetError
+from datapipe.manifest import DatasetError, read_manifest, read_text_bytes
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 EOT_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"  # the name of a dataset's copy of its tokenizer
 PIECE_BYTES = 1 << 20  # a text file is read and encoded in pieces of about this size
 BATCH_BYTES = 4 << 20  # text handed to one encode_batch call (spread over every core)
 TOKEN_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}
@@ -55,6 +57,7 @@ class TokenizerInfo:
     sha256: str
     vocab_size: int
     eot_id: int
+    raw: bytes = field(repr=False, default=b"")  # the file's bytes, copied into the dataset
 
     def metadata(self) -> dict[str, str]:
         return {"tokenizer": self.name, "tokenizer_sha256": self.sha256,
@@ -93,8 +96,26 @@ def load_tokenizer(path: Path, eot_token: str = EOT_TOKEN) -> tuple[Tokenizer, T
         raise DatasetError(f"tokenizer {path}: has no end-of-text token {eot_token!r} "
                            "(pass --eot-token)")
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    return tokenizer, TokenizerInfo(path.name, hashlib.sha256(raw).hexdigest(), vocab_size,
-                                    eot_id)
+    return tokenizer, TokenizerInfo(TOKENIZER_FILE, hashlib.sha256(raw).hexdigest(), vocab_size,
+                                    eot_id, raw)
+
+
+def dataset_tokenizer(directory: str | Path) -> tuple[bytes, int] | None:
+    """The ``tokenizer.json`` a dataset was written with (local or remote), checked against its
+    manifest's SHA-256, and its end-of-text id; None for a dataset of byte tokens or columns,
+    or one written before datasets kept their tokenizer."""
+    metadata = read_manifest(directory).metadata
+    if "tokenizer" not in metadata:
+        return None
+    location = f"{str(directory).rstrip('/')}/{metadata['tokenizer']}"
+    try:
+        raw = read_text_bytes(location)
+    except FileNotFoundError:
+        return None
+    if hashlib.sha256(raw).hexdigest() != metadata.get("tokenizer_sha256"):
+        raise DatasetError(f"{location}: its SHA-256 is not the manifest's tokenizer_sha256 "
+                           "(the file was changed after the dataset was written)")
+    return raw, int(metadata["eot_id"])
 
 
 def token_dtype(vocab_size: int, requested: str = "auto") -> str:

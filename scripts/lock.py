@@ -1,4 +1,5 @@
-"""Write the image's lock files: every Python package of ``memtrain[train]``, pinned with hashes.
+"""Write the image's lock files: every Python package of ``memtrain[train,hf]``, pinned with
+hashes.
 
     python scripts/lock.py            # make lock: (re)write docker/requirements/{gpu,cpu}.txt
     python scripts/lock.py --check    # exit 1 when pyproject.toml changed since the last lock
@@ -34,15 +35,16 @@ OUT = REPO / "docker" / "requirements"
 PLATFORM = ["--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_28"]
 INDEX = "https://pypi.org/simple"
 TORCH_CPU = "torch==2.13.0+cpu"
+EXTRAS = ("train", "hf")  # the image trains, and trains Hugging Face models
 DIGEST_PREFIX = "# inputs-sha256: "
 
 
 def inputs_digest(pyproject: Path = REPO / "pyproject.toml") -> str:
-    """What a lock depends on: the core and ``train`` dependencies, the Python range, and how
-    the resolver is called. Any change to them means the lock is stale."""
+    """What a lock depends on: the core dependencies and the image's extras, the Python range,
+    and how the resolver is called. Any change to them means the lock is stale."""
     project = tomllib.loads(pyproject.read_text())["project"]
     inputs = {"dependencies": project["dependencies"],
-              "train": project["optional-dependencies"]["train"],
+              **{extra: project["optional-dependencies"][extra] for extra in EXTRAS},
               "requires-python": project["requires-python"],
               "resolver": PLATFORM + [INDEX, TORCH_CPU]}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
@@ -61,7 +63,8 @@ def compile_lock(variant: str, torch_find_links: str) -> str:
         raise SystemExit("lock: uv not found (pip install uv; `make setup` installs it)")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "lock.txt"
-        cmd = [uv, "pip", "compile", str(REPO / "pyproject.toml"), "--extra", "train",
+        cmd = [uv, "pip", "compile", str(REPO / "pyproject.toml"),
+               *(arg for extra in EXTRAS for arg in ("--extra", extra)),
                "--generate-hashes", "--no-header", "--index-url", INDEX, *PLATFORM, "-o", str(out)]
         if variant == "cpu":
             override = Path(tmp) / "override.txt"
@@ -73,7 +76,7 @@ def compile_lock(variant: str, torch_find_links: str) -> str:
 
 def write(variant: str, torch_find_links: str) -> Path:
     body = compile_lock(variant, torch_find_links)
-    header = (f"# memtrain[train] for the {variant.upper()} image (Linux x86_64, Python 3.11), "
+    header = (f"# memtrain[{','.join(EXTRAS)}] for the {variant.upper()} image (Linux x86_64, Python 3.11), "
               "pinned with hashes.\n# Written by `make lock` (scripts/lock.py); do not edit.\n"
               f"{DIGEST_PREFIX}{inputs_digest()}\n")
     OUT.mkdir(parents=True, exist_ok=True)

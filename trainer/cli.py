@@ -335,8 +335,9 @@ def export_command(
     save_pretrained directory)."""
     from trainer.export import export_hf
 
-    out, exported = export_hf(run_dir, hf, step)
-    console.print(f"wrote {out} (checkpoint of step {exported})")
+    exported = export_hf(run_dir, hf, step)
+    tokenizer = ", with the dataset's tokenizer.json" if exported.tokenizer else ""
+    console.print(f"wrote {exported.out} (checkpoint of step {exported.step}{tokenizer})")
 
 
 @data_app.command("corpus")

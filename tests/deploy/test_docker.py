@@ -219,9 +219,10 @@ def test_the_locks_are_fresh_hashed_and_differ_only_in_torchs_build() -> None:
     assert all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in cuda), cuda
     assert set(cpu) <= set(gpu)
     assert {n: v for n, v in cpu.items() if gpu[n] != v} == {"torch": "2.13.0+cpu"}
-    # everything memtrain[train] names is in both
+    # everything memtrain[train,hf] names is in both
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    for requirement in project["dependencies"] + project["optional-dependencies"]["train"]:
+    extras = project["optional-dependencies"]
+    for requirement in project["dependencies"] + extras["train"] + extras["hf"]:
         name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()  # type: ignore[union-attr]
         assert all(name.replace("_", "-") in lock for lock in locks.values()), name
 

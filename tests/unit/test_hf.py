@@ -12,7 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import tiny_config, tiny_train_command
+from datapipe.convert import write_dataset
+from datapipe.tokenize import train_tokenizer
+from tests.conftest import SEQ_LEN, tiny_config, tiny_train_command
+from tests.unit.test_tokenize import make_texts
 from trainer.build import MemoryTransforms, build_model, checkpointed_blocks
 from trainer.hf import HFCausalLM
 from trainer.launch.local import launch_local
@@ -80,9 +83,9 @@ def loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.
 
 
 def test_a_directorys_model_takes_every_memory_strategy(model_dir: Path) -> None:
-    """Selective checkpointing wraps its decoder layers; the chunked loss equals
-    cross-entropy over the model's own logits; checkpointing changes neither loss nor
-    gradients."""
+    """Selective checkpointing wraps its decoder layers; the chunked loss equals cross-entropy
+    over the model's own logits and the model's own ``labels=`` loss; checkpointing changes
+    neither loss nor gradients."""
     with pytest.warns(UserWarning, match="its own config is the truth; ignored: model.n_layer 4"):
         plain = build(f"hf:{model_dir}")
     assert len(plain.blocks) == 3 and plain.vocab_size == 300
@@ -93,6 +96,9 @@ def test_a_directorys_model_takes_every_memory_strategy(model_dir: Path) -> None
     expected = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
     loss, grads = loss_and_grads(plain, tokens)  # 64 tokens in chunks of 16
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():  # the model's own labels= loss: the mean over the shifted targets
+        own = plain.hf(input_ids=tokens, labels=tokens).loss
+    torch.testing.assert_close(loss / tokens[:, 1:].numel(), own, rtol=1e-5, atol=1e-6)
     loss_ckpt, grads_ckpt = loss_and_grads(checkpointed, tokens)
     torch.testing.assert_close(loss_ckpt, loss)
     assert grads.keys() == grads_ckpt.keys()
@@ -160,8 +166,8 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
                                                                tmp_path: Path) -> None:
     """``memtrain train`` of ``hf:<dir>`` (local launcher) with selective checkpointing and the
     chunked loss, under DDP (``state.pt``) and FSDP (DCP shards); ``memtrain export --hf`` of
-    each gives ``from_pretrained`` the trained model: the logits of the weights in ``state.pt``,
-    and the same from both runs (one worker: the same arithmetic)."""
+    each gives ``from_pretrained`` the trained model (the logits of the weights in
+    ``state.pt``), and ``AutoTokenizer`` the dataset's tokenizer where it has one."""
     import subprocess
 
     from trainer.checkpoint import complete_checkpoints, load_checkpoint, load_model_state
@@ -170,22 +176,31 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
     overrides = (f"model.name=hf:{tmp_path / 'llama'}", "train.steps=2",
                  "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64")
-    out = subprocess.run(tiny_train_command(corpus_dir, tmp_path, *overrides, "run.name=ddp"),
+    # The DDP run reads text tokenized by a trained BPE tokenizer, which export passes on.
+    texts = make_texts(tmp_path / "texts", count=3)
+    train_tokenizer(sorted(texts.iterdir()), "text", tmp_path / "tokenizer.json", 280)
+    write_dataset([texts], tmp_path / "tokens", tokenizer=tmp_path / "tokenizer.json",
+                  seq_len=SEQ_LEN)
+    dataset = (f"data.path={tmp_path / 'tokens'}", f"data.val_path={tmp_path / 'tokens'}")
+    out = subprocess.run(tiny_train_command(corpus_dir, tmp_path, *overrides, *dataset,
+                                            "run.name=ddp"),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "activation checkpointing selective (blocks [0, 2])" in out.stderr
     assert "in chunks of 64 tokens" in out.stderr
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["final_step"] == 2 and summary["final_loss"] is not None
-    launch_local(*prepare_run(tiny_config(corpus_dir, tmp_path, *overrides,  # in-process
+    launch_local(*prepare_run(tiny_config(corpus_dir, tmp_path, *overrides, *dataset,
                                           "parallel.launcher=local", "parallel.workers=1",
                                           "parallel.strategy=fsdp", "run.name=fsdp")))
     exported = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "export", str(tmp_path / "ddp"), "--hf",
          str(tmp_path / "out-ddp")], capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr[-2000:]
-    assert "(checkpoint of step 2)" in exported.stdout
-    export_hf(tmp_path / "fsdp", tmp_path / "out-fsdp")
+    assert "(checkpoint of step 2, with the dataset's tokenizer.json)" in exported.stdout
+    tokenizer = _transformers().AutoTokenizer.from_pretrained(tmp_path / "out-ddp")
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.vocab_size == 280
+    assert export_hf(tmp_path / "fsdp", tmp_path / "out-fsdp").tokenizer
     assert (tmp_path / "out-fsdp" / "model.safetensors").is_file()
     assert load_checkpoint(complete_checkpoints(tmp_path / "fsdp")[-1][1])["sharded"]
 

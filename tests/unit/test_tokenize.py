@@ -20,7 +20,13 @@ from datapipe.corpus import stdlib_source_files
 from datapipe.manifest import DatasetError
 from datapipe.shards import ShardSource
 from datapipe.split import Range
-from datapipe.tokenize import EOT_TOKEN, load_tokenizer, token_dtype, train_tokenizer
+from datapipe.tokenize import (
+    EOT_TOKEN,
+    dataset_tokenizer,
+    load_tokenizer,
+    token_dtype,
+    train_tokenizer,
+)
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
@@ -120,7 +126,22 @@ def test_text_becomes_packed_rows_that_decode_to_the_documents(
                              shard_bytes=8 << 10)
     assert [s.sha256 for s in from_dir.shards] == [s.sha256 for s in manifest.shards]
     with pytest.raises(DatasetError, match="a directory without a tokenizer.json"):
-        load_tokenizer(tmp_path / "ds")
+        load_tokenizer(texts)
+
+
+def test_a_dataset_keeps_the_tokenizer_it_was_written_with(texts: Path, tokenizer: Path,
+                                                           tmp_path: Path) -> None:
+    """Beside the manifest, checked against its SHA-256 when read back; a dataset of byte
+    tokens has none."""
+    write_dataset([texts], tmp_path / "ds", tokenizer=tokenizer, seq_len=63)
+    raw, eot_id = dataset_tokenizer(tmp_path / "ds")
+    assert raw == tokenizer.read_bytes() and eot_id == load_tokenizer(tokenizer)[1].eot_id
+    (tmp_path / "ds" / "tokenizer.json").write_bytes(raw.replace(b"<|endoftext|>", b"<|eot|>"))
+    with pytest.raises(DatasetError, match=r"ds/tokenizer.json: its SHA-256 is not the "
+                                           r"manifest's tokenizer_sha256"):
+        dataset_tokenizer(tmp_path / "ds")
+    write_dataset([texts], tmp_path / "bytes", seq_len=63)
+    assert dataset_tokenizer(tmp_path / "bytes") is None
 
 
 def test_jsonl_and_parquet_give_the_same_rows_as_text(texts: Path, tokenizer: Path,

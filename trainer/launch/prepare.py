@@ -72,7 +72,8 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         vocab = manifest.metadata.get("vocab_size")
         data_vocab = int(vocab) if vocab is not None and vocab.isdigit() else None
         written = manifest.metadata.get("tokenizer", "byte tokens")
-        if data_vocab is not None and data_vocab > cfg.model.vocab_size:
+        # A Hugging Face model's vocabulary is its config's; memtrain's GPT takes model.vocab_size.
+        if data_vocab is not None and model_vocab is None and data_vocab > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the "
                               f"vocabulary of {field} ({vocab}, {written}): set model.vocab_size "
                               f"to at least {vocab}")
