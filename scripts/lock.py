@@ -76,8 +76,9 @@ def compile_lock(variant: str, torch_find_links: str) -> str:
 
 def write(variant: str, torch_find_links: str) -> Path:
     body = compile_lock(variant, torch_find_links)
-    header = (f"# memtrain[{','.join(EXTRAS)}] for the {variant.upper()} image (Linux x86_64, Python 3.11), "
-              "pinned with hashes.\n# Written by `make lock` (scripts/lock.py); do not edit.\n"
+    header = (f"# memtrain[{','.join(EXTRAS)}] for the {variant.upper()} image (Linux x86_64, "
+              "Python 3.11), pinned with hashes.\n"
+              "# Written by `make lock` (scripts/lock.py); do not edit.\n"
               f"{DIGEST_PREFIX}{inputs_digest()}\n")
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{variant}.txt"

@@ -29,7 +29,6 @@ from trainer.checkpoint import (
 from trainer.config import ConfigError, load_config
 from trainer.hf import PREFIX, HFCausalLM
 
-
 log = logging.getLogger(__name__)
 
 

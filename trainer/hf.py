@@ -17,8 +17,9 @@ wrapped in ``HFCausalLM``, which answers what the memory transforms ask of a mod
 The model's own config is the truth: memtrain's ``model.n_layer``, ``n_head`` and ``n_embd`` are
 ignored, with a warning where they differ from it. ``model.seq_len`` must fit it; the dataset's
 vocabulary is checked against it before any worker starts (``model.vocab_size``, which sizes
-memtrain's GPT, is not needed, and one larger than the model's vocabulary is refused). ``transformers`` comes with the ``hf`` extra
-(``pip install 'memtrain[hf]'``) and is imported only when such a model is built.
+memtrain's GPT, is not needed, and one larger than the model's vocabulary is refused).
+``transformers`` comes with the ``hf`` extra (``pip install 'memtrain[hf]'``) and is imported
+only when such a model is built.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ loop resumes from step 6, restored from the store. It must still learn and check
 workers must export the metrics contract, and its final weights must equal, bit for bit, those
 of an uninterrupted run of the same config under the local launcher (2 worker processes, gloo,
 a local run directory): the loop is deterministic on CPU whichever launcher runs it. The run is
-then continued from another working copy (another machine: nothing local), from the store. A
-Hugging Face model (``hf:<dir>``) trains on the same cluster. Each Ray Train run costs its
-worker group's start: four here.
+then continued from another working copy (another machine: nothing local), from the store. Each
+Ray Train run costs its worker group's start; on a 2-core CI machine the module takes three
+group starts, not five.
 """
 
 from __future__ import annotations
@@ -170,29 +170,3 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_exact(
     assert ray_run.losses == reference
     assert {s: v for s, v in ray_run.first_losses.items() if s <= 8} == \
         {s: reference[s] for s in range(1, 9)}
-
-
-def test_a_hf_model_trains_under_ray(ray_cluster, corpus_dir: Path, tmp_path: Path) -> None:
-    """``hf:<dir>`` on Ray's 2 workers with selective checkpointing and the chunked loss: the
-    directory is read where it is (not shipped as code), and the run exports to
-    ``from_pretrained``'s format."""
-    import transformers
-
-    from trainer.export import export_hf
-    from trainer.launch.ray import launch_ray
-
-    transformers.Qwen3Config(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-    ).save_pretrained(tmp_path / "qwen3")
-    cfg, run_dir = prepare_run(tiny_config(
-        corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'qwen3'}", "train.steps=2",
-        "train.eval_every=0", "train.checkpoint_every=2", "run.name=hf",
-        "memory.activation_checkpointing=selective", "memory.loss_chunk_tokens=64"))
-    summary = launch_ray(cfg, run_dir)
-    assert (summary["workers"], summary["final_step"]) == (2, 2)
-    assert summary["activation_checkpointing"] == "selective"
-    exported = export_hf(run_dir, tmp_path / "out")
-    assert exported.step == 2
-    model = transformers.AutoModelForCausalLM.from_pretrained(exported.out)
-    assert type(model).__name__ == "Qwen3ForCausalLM"

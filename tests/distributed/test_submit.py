@@ -52,10 +52,21 @@ WITHOUT_TRAINING_DEPS = [sys.executable, str(REPO / "tests/fixtures/without_trai
 
 
 def test_a_resubmitted_run_resumes_from_its_checkpoint_in_the_users_directory(
-        jobs_api: str, corpus_dir: Path, tmp_path: Path) -> None:
+        jobs_api: str, corpus_dir: Path, tmp_path: Path, ray_cluster) -> None:
     """The config's relative run directory means this directory (``--local-paths``), not Ray's
     per-job working directory: the checkpoints stay where the user looks, and a resubmission
-    with the same ``--run-name`` resumes from them. The second submission runs without torch."""
+    with the same ``--run-name`` resumes from them.
+
+    The resubmission runs without torch and with ``--no-follow``: submit returns at once with
+    the job id while the job is still starting or training, and it is a real job of the
+    cluster's: it resumes from step 4, and stopped while training, it ends and its workers free
+    the cluster's CPUs. It is stopped once training: stopped while still PENDING, Ray 2.60
+    reported it STOPPED and then ran it to the end (seen here once; ray-project/ray#28221 is
+    about stopping during a job's runtime env setup)."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from trainer.launch.submit import wait
+
     overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=4", "train.eval_every=4",
                                "train.checkpoint_every=4", "run.dir=runs")
     out = submit("--address", jobs_api, *set_args(overrides), "--job-id", "memtrain-submit-ok",
@@ -64,15 +75,33 @@ def test_a_resubmitted_run_resumes_from_its_checkpoint_in_the_users_directory(
     assert "submitted job memtrain-submit-ok" in out.stdout
     assert "job memtrain-submit-ok: SUCCEEDED" in out.stdout
     assert "steps (this run)" in out.stdout  # the job's own summary table, streamed back
-    summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
+    summary_path = tmp_path / "runs" / "submitted" / "summary.json"
+    summary = json.loads(summary_path.read_text())
     assert summary["final_step"] == 4 and summary["workers"] == 2
 
-    overrides = [o.replace("train.steps=4", "train.steps=6") for o in overrides]
-    out = submit("--address", jobs_api, *set_args(overrides), "--run-name", "submitted",
-                 "--local-paths", cwd=tmp_path, python=WITHOUT_TRAINING_DEPS)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    summary = json.loads((tmp_path / "runs" / "submitted" / "summary.json").read_text())
-    assert (summary["resumed_from_step"], summary["final_step"]) == (4, 6)
+    overrides = [o.replace("train.steps=4", "train.steps=200") for o in overrides]
+    out = submit("--address", jobs_api, *set_args([*overrides, "train.log_every=1"]),
+                 "--run-name", "submitted", "--local-paths", "--no-follow",
+                 "--job-id", "memtrain-no-follow", cwd=tmp_path, python=WITHOUT_TRAINING_DEPS)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memtrain-no-follow" in out.stdout
+    client = JobSubmissionClient(jobs_api)  # this process has Ray's auth env: token sent
+    assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING, JobStatus.RUNNING)
+    deadline = time.monotonic() + 180
+    while "step     5 |" not in client.get_job_logs("memtrain-no-follow"):
+        assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING,
+                                                               JobStatus.RUNNING)
+        assert time.monotonic() < deadline, client.get_job_logs("memtrain-no-follow")[-2000:]
+        time.sleep(0.5)
+    assert "resuming from step 4" in client.get_job_logs("memtrain-no-follow")
+    assert client.stop_job("memtrain-no-follow")
+    assert wait(client, "memtrain-no-follow", timeout_seconds=120) == JobStatus.STOPPED
+    total = ray_cluster.cluster_resources()["CPU"]
+    deadline = time.monotonic() + 60
+    while ray_cluster.available_resources().get("CPU", 0) < total:
+        assert time.monotonic() < deadline, "the stopped job's workers still hold CPUs"
+        time.sleep(0.5)
+    assert json.loads(summary_path.read_text())["final_step"] == 4  # it did not train on
 
 
 @pytest.mark.parametrize(("relative", "field"), [
@@ -113,44 +142,6 @@ def test_a_failing_job_makes_submit_exit_non_zero(jobs_api: str, corpus_dir: Pat
     assert out.returncode == 1
     assert ": FAILED" in out.stdout
     assert "data.path" in out.stdout  # the job's own one-line error, in the streamed logs
-
-
-def test_no_follow_returns_at_once_with_the_job_id(jobs_api: str, corpus_dir: Path,
-                                                   tmp_path: Path, ray_cluster) -> None:
-    """The job is still starting or training when ``submit --no-follow`` returns, and it is a
-    real job of the cluster's: stopped while training, it ends, and its workers free the
-    cluster's CPUs. (That such a job trains to the end is the followed job's test above: the
-    same submission.) It is stopped once training: stopped while still PENDING, Ray 2.60
-    reported it STOPPED and then ran it to the end (seen here once; ray-project/ray#28221 is
-    about stopping during a job's runtime env setup)."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    from trainer.launch.submit import wait
-
-    overrides = tiny_overrides(corpus_dir, tmp_path, "train.steps=200", "train.eval_every=0",
-                               "train.checkpoint_every=0", "train.log_every=1",
-                               "parallel.workers=1", "run.name=no-follow")
-    out = submit("--address", jobs_api, *set_args(overrides), "--no-follow",
-                 "--job-id", "memtrain-no-follow")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "memtrain-no-follow" in out.stdout
-    client = JobSubmissionClient(jobs_api)  # this process has Ray's auth env: token sent
-    assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING, JobStatus.RUNNING)
-    deadline = time.monotonic() + 120
-    while "step     1 |" not in client.get_job_logs("memtrain-no-follow"):
-        assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING,
-                                                               JobStatus.RUNNING)
-        assert time.monotonic() < deadline, client.get_job_logs("memtrain-no-follow")[-2000:]
-        time.sleep(0.5)
-    assert client.stop_job("memtrain-no-follow")
-    assert wait(client, "memtrain-no-follow", timeout_seconds=120) == JobStatus.STOPPED
-    total = ray_cluster.cluster_resources()["CPU"]
-    deadline = time.monotonic() + 60
-    while ray_cluster.available_resources().get("CPU", 0) < total:
-        assert time.monotonic() < deadline, "the stopped job's workers still hold CPUs"
-        time.sleep(0.5)
-    assert (tmp_path / "no-follow").is_dir()
-    assert not (tmp_path / "no-follow" / "summary.json").exists()  # it did not train on
 
 
 def test_a_wrong_token_is_one_clear_line(jobs_api: str) -> None:

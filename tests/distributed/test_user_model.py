@@ -5,7 +5,7 @@ The model module lives outside the repository, on ``PYTHONPATH`` as a user's wou
 config turns on activation checkpointing and leaves the loss to ``auto``, which such a model
 (no ``model.blocks``, no loss of its own) must train with. Both launchers: the local one (2
 worker processes) and Ray (the session's cluster, which receives the module's code through
-``runtime_env``).
+``runtime_env``; its entry point returns a Hugging Face model).
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ USER_MODEL = textwrap.dedent('''
 
     def broken(**config):
         raise ValueError("this model needs model.n_embd >= 4096")
+
+
+    def qwen3(vocab_size, seq_len, **unused):
+        """A Hugging Face model returned as it is, built from its config class."""
+        from transformers import AutoModelForCausalLM, Qwen3Config
+
+        return AutoModelForCausalLM.from_config(Qwen3Config(
+            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=seq_len))
 ''')
 
 
@@ -85,13 +95,20 @@ def ray_env(ray_cluster) -> dict[str, str]:
     return {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
 
 
+# Under each launcher, one of the README's two kinds of entry point: a plain nn.Module (no
+# blocks, no loss) and a Hugging Face model returned as it is (its decoder layers checkpointed,
+# the chunked loss), built by Ray's workers from the shipped module.
+ENTRY_POINTS = {"local": "usermodel:build", "ray": "usermodel:qwen3"}
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user_dir: Path,
                                                              request) -> None:
     env = ray_env(request.getfixturevalue("ray_cluster")) if launcher == "ray" else None
-    out = memtrain_train(user_dir, launcher, "usermodel:build", f"own-{launcher}", env)
+    out = memtrain_train(user_dir, launcher, ENTRY_POINTS[launcher], f"own-{launcher}", env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    summary = json.loads((user_dir / "runs" / f"own-{launcher}" / "summary.json").read_text())
+    run_dir = user_dir / "runs" / f"own-{launcher}"
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 2 and summary["workers"] == 2
     assert summary["final_loss"] is not None
     if launcher == "local":  # Ray's workers log through Ray's own streams
@@ -99,6 +116,12 @@ def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user
         assert f"'{mode}' ignored: it needs the model to expose" in out.stderr
         assert "full logits, then cross-entropy (the model computes no loss of its own)" \
             in out.stderr
+    else:  # the transformers model's own parameter names, in the workers' checkpoint
+        import torch
+
+        [checkpoint] = run_dir.glob("checkpoint-*")
+        state = torch.load(checkpoint / "state.pt", weights_only=True)
+        assert "hf.model.layers.1.self_attn.q_norm.weight" in state["model"]
 
 
 @pytest.mark.parametrize("precision, where", [("fp32", "worker"), ("bf16", "driver")])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from trainer.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo-cpu.yaml")
@@ -15,6 +18,24 @@ DEMO = str(REPO / "configs" / "demo-cpu.yaml")
 def memtrain(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True,
                           text=True, cwd=cwd, timeout=120)
+
+
+def memtrain_here(capsys: pytest.CaptureFixture[str], *args: str
+                  ) -> subprocess.CompletedProcess[str]:
+    """``memtrain ARGS`` through the console entry point in this process (a subprocess costs
+    seconds of imports); the root logger's handlers are put back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(list(args))
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    captured = capsys.readouterr()
+    code = exited.value.code
+    return subprocess.CompletedProcess(args, code if isinstance(code, int) else 1, captured.out,
+                                       captured.err)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +59,11 @@ def bad_yaml(tmp_path_factory: pytest.TempPathFactory) -> str:
     ("inspect missing", ["data", "inspect", "/nonexistent/ds"], "does not exist"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(case: str, args: list[str], expected: str,
-                                             bad_yaml: str, tmp_path: Path) -> None:
+                                             bad_yaml: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     args = [a.replace("{bad_yaml}", bad_yaml) for a in args]
-    result = memtrain(*args, "--set", f"run.dir={tmp_path}") if args[0] == "train" \
-        else memtrain(*args)
+    result = memtrain_here(capsys, *args, "--set", f"run.dir={tmp_path}") \
+        if args[0] == "train" else memtrain_here(capsys, *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -76,7 +98,7 @@ def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
     assert "backward start" in table and "selective" in table
 
 
-def test_plan_rejects_a_bad_device_memory() -> None:
-    result = memtrain("plan", "-c", DEMO, "--device-memory", "lots")
+def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    result = memtrain_here(capsys, "plan", "-c", DEMO, "--device-memory", "lots")
     assert result.returncode == 2
     assert "--device-memory 'lots'" in result.stderr
