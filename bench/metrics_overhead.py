@@ -5,6 +5,10 @@ publishes the whole contract (host, train and, on CUDA, allocator and NVML readi
 This measures both with the standalone exporter's sink on the demo's model and reports
 ``observe / step time + publish / publish_seconds``: the share of the worker's time. Target:
 <= 1%.
+
+Experiment trackers (``monitoring.trackers``) cost rank 0 one call per log step: their rows
+report ``log call / (log_every x step time)`` at the default ``train.log_every`` (10), for
+TensorBoard and MLflow (its file store here, or ``--mlflow-uri`` for a server), each alone.
 Run: ``make bench-metrics`` (writes ``bench/results/metrics-overhead-<date>-<host>.json``).
 """
 
@@ -14,8 +18,10 @@ import argparse
 import datetime as dt
 import socket
 import statistics
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -23,6 +29,7 @@ from bench.results import write_json
 from monitoring.memory import gpu_uuid, worker_labels
 from monitoring.publisher import Publisher
 from monitoring.sinks import PrometheusSink
+from monitoring.trackers import KINDS, open_trackers
 from trainer.build import MemoryTransforms, build_model
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.model import GPT, GPTConfig
@@ -39,10 +46,28 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def tracker_log_seconds(kind: str, mlflow_uri: str | None, calls: int = 200) -> float:
+    """The median time of one log step's call to tracker ``kind`` (what the loop waits for;
+    MLflow's HTTP or file writes run on its asynchronous logging thread)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trackers = open_trackers([kind], Path(tmp), "bench", mlflow_uri=mlflow_uri,
+                                 params={"train.lr": "0.003"}, resumed_from=None)
+        assert trackers, f"tracker {kind} did not start"
+        step = iter(range(1, calls + 1))
+        values = {"loss": 2.5, "grad_norm": 1.0, "lr": 3e-3, "tokens_per_second": 40000.0,
+                  "data_wait_share": 0.01, "peak_memory_bytes": 5e8, "micro_batch_size": 8,
+                  "oom_recoveries": 0}
+        seconds = median_seconds(lambda: trackers.log_metrics(next(step), values), calls)
+        trackers.finish([])
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--mlflow-uri", default=None,
+                        help="an MLflow server to log to (default: a file store in a temp dir)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128)  # the demo's model
@@ -73,10 +98,17 @@ def main() -> None:
         share = observe_seconds / step + publish_seconds / interval
         rows[f"publish_every_{interval}s"] = {"overhead_seconds_per_step": share * step,
                                               "share_of_step": share}
+    log_every = 10  # train.log_every's default
+    trackers = {kind: tracker_log_seconds(kind, args.mlflow_uri) for kind in KINDS}
+    for kind, seconds in trackers.items():
+        share = seconds / (log_every * step)
+        rows[f"tracker_{kind}"] = {"overhead_seconds_per_step": share * step,
+                                   "share_of_step": share}
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
               "host": socket.gethostname(), "device": str(device), "torch": torch.__version__,
               "step_seconds": step, "publish_seconds": publish_seconds,
-              "observe_seconds": observe_seconds, "rows": rows,
+              "observe_seconds": observe_seconds, "tracker_log_seconds": trackers,
+              "log_every": log_every, "rows": rows,
               "target_share": 0.01,
               "met": all(r["share_of_step"] <= 0.01 for r in rows.values())}
     write_json(args.out, "metrics-overhead", report, sort_keys=True)

@@ -1,5 +1,5 @@
-"""Write the image's lock files: every Python package of ``memtrain[train,hf]``, pinned with
-hashes.
+"""Write the image's lock files: every Python package of ``memtrain[train,hf,tracking]``,
+pinned with hashes.
 
     python scripts/lock.py            # make lock: (re)write docker/requirements/{gpu,cpu}.txt
     python scripts/lock.py --check    # exit 1 when pyproject.toml changed since the last lock
@@ -35,7 +35,7 @@ OUT = REPO / "docker" / "requirements"
 PLATFORM = ["--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_28"]
 INDEX = "https://pypi.org/simple"
 TORCH_CPU = "torch==2.13.0+cpu"
-EXTRAS = ("train", "hf")  # the image trains, and trains Hugging Face models
+EXTRAS = ("train", "hf", "tracking")  # it trains, Hugging Face models too, and runs MLflow
 DIGEST_PREFIX = "# inputs-sha256: "
 
 

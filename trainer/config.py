@@ -209,6 +209,14 @@ class MonitoringConfig(_Strict):
     # The published allocator peak is the highest in this many seconds, sliding: at least
     # Ray's export interval plus the scrape interval, so no scrape misses a spike.
     peak_window_seconds: float = Field(60.0, gt=0)
+    # Experiment trackers rank 0 writes to (monitoring/trackers.py; pip install
+    # 'memtrain[tracking]'): the config as parameters, every log step's metrics, and at the end
+    # summary.json, config.yaml and report.png as artifacts; a tracker that fails costs a warning.
+    trackers: list[Literal["tensorboard", "mlflow"]] = []
+    # MLflow's tracking URI: an MLflow server (http://...) or a store. None: the driver's
+    # MLFLOW_TRACKING_URI, else a file store under the run directory (<run dir>/mlruns).
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "memtrain"
 
 
 class Config(_Strict):

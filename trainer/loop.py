@@ -31,6 +31,7 @@ import torch
 
 from datapipe.audit import RowRecord
 from datapipe.loader import BatchLoader
+from monitoring.trackers import Trackers, flatten, open_trackers
 from trainer import faults
 from trainer.build import (
     MemoryTransforms,
@@ -94,7 +95,7 @@ class Trainer:
             resumed_from = state.restore(ctx)
             state.wrap_ddp(ctx)
             self.log_start(state, resumed_from, recording_history)
-            metrics = self.start_metrics(resources, state)
+            metrics = self.start_metrics(resources, state, resumed_from)
             val_batches = self.validation_loader(resources)
             rows = self.row_record(resources)
             guard = LeakGuard() if cfg.memory.leak_check_every else None
@@ -152,13 +153,22 @@ class Trainer:
                                                  cfg.run.seed)),
             cfg.parallel.strategy)
 
-    def start_metrics(self, resources: contextlib.ExitStack, state: TrainState) -> RunMetrics:
-        cfg = self.cfg
+    def start_metrics(self, resources: contextlib.ExitStack, state: TrainState,
+                      resumed_from: int | None) -> RunMetrics:
+        cfg, ctx = self.cfg, self.ctx
+        trackers = Trackers([])
+        if ctx.is_main and cfg.monitoring.trackers:
+            trackers = open_trackers(
+                cfg.monitoring.trackers, ctx.run_dir, cfg.run.name,
+                mlflow_uri=cfg.monitoring.mlflow_tracking_uri,
+                mlflow_experiment=cfg.monitoring.mlflow_experiment,
+                params=flatten(cfg.model_dump(mode="json")), resumed_from=resumed_from)
         metrics = RunMetrics(self.ctx, cfg.run.name,
                              cfg.train.global_batch_size * cfg.model.seq_len,
                              cfg.train.global_batch_size // self.ctx.world_size,
                              cfg.model.seq_len, publish_seconds=cfg.monitoring.publish_seconds,
-                             peak_window_seconds=cfg.monitoring.peak_window_seconds)
+                             peak_window_seconds=cfg.monitoring.peak_window_seconds,
+                             trackers=trackers)
         resources.callback(metrics.close)
         metrics.start_publishing(state.loader)
         return metrics
@@ -211,7 +221,8 @@ class Trainer:
             step=state.step, loss=result.loss.item(),  # host sync: logging steps only
             grad_norm=result.grad_norm.item(), lr=float(state.scheduler.get_last_lr()[0]),
             grad_scale=state.scaler.get_scale(), micro_batch_size=self.plan.running_micro_batch,
-            accumulation_steps=self.plan.running_accumulation))
+            accumulation_steps=self.plan.running_accumulation,
+            oom_recoveries=self.plan.recoveries))
         self.watch.check(state.step)
 
     def evaluate(self, metrics: RunMetrics, state: TrainState, val_batches: BatchLoader) -> None:

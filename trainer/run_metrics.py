@@ -8,7 +8,9 @@ resumes): a record per log step and per evaluation. Where the context has a metr
 log step's gauges, host memory and, on CUDA, the allocator's and the device's figures, so gauges
 never lapse between slow log steps. The allocator's peak belongs to a ``PeakTracker``: a log
 record's peak covers its interval, the published one a sliding window, the summary's the run.
-``summary()`` is what ``train()`` returns and rank 0 writes to ``summary.json``.
+``summary()`` is what ``train()`` returns and rank 0 writes to ``summary.json``. Where the
+config names experiment trackers, rank 0 also logs each record to them
+(``monitoring.trackers``), and the summary, config and report at the end.
 
 It is a sink of plain values: the loop reads its tensors (the host syncs are the loop's) and
 takes every decision; this records, publishes and sums up.
@@ -28,6 +30,7 @@ import torch
 from monitoring.memory import read_cuda_allocator, read_device_memory, read_host
 from monitoring.metrics import spec
 from monitoring.publisher import PeakTracker, Publisher
+from monitoring.trackers import Trackers
 from monitoring.units import format_bytes
 from trainer.context import WorkerContext
 from trainer.memory.allocator import peak_memory_bytes
@@ -67,6 +70,7 @@ class StepRecord:
     grad_scale: float
     micro_batch_size: int
     accumulation_steps: int
+    oom_recoveries: int = 0
 
 
 @dataclass
@@ -98,6 +102,7 @@ class RunMetrics:
     publish_seconds: float = 5.0
     peak_window_seconds: float = 60.0
     window: _Window = field(default_factory=_Window)
+    trackers: Trackers = field(default_factory=lambda: Trackers([]))  # rank 0's, where asked
 
     def __post_init__(self) -> None:
         path = self.ctx.run_dir / "metrics" / f"rank-{self.ctx.rank}.jsonl"
@@ -123,6 +128,7 @@ class RunMetrics:
         """Publish the final values, the run no longer active, and close the log."""
         if self._publisher is not None:
             self._publisher.close({"memtrain_train_run_active": 0.0})
+        self.trackers.close()  # ends a run that did not finish as failed
         self._log.close()
 
     def _current_values(self) -> dict[str, float]:
@@ -173,6 +179,14 @@ class RunMetrics:
             "accumulation_steps": values.accumulation_steps, "time": time.time(),
         }
         self._write(record)
+        if self.trackers:
+            self.trackers.log_metrics(values.step, {
+                "loss": values.loss, "grad_norm": values.grad_norm, "lr": values.lr,
+                "tokens_per_second": record["tokens_per_second"],
+                "data_wait_share": record["data_wait_share"],
+                "peak_memory_bytes": record["peak_memory_bytes"],
+                "micro_batch_size": values.micro_batch_size,
+                "oom_recoveries": values.oom_recoveries})
         self._gauges = {
             "memtrain_train_loss": values.loss, "memtrain_train_grad_norm": values.grad_norm,
             "memtrain_train_grad_scale": values.grad_scale,
@@ -189,6 +203,8 @@ class RunMetrics:
     def eval_done(self, step: int, loss: float) -> None:
         self.eval_loss = loss
         self._write({"step": step, "eval_loss": loss, "time": time.time()})
+        if self.trackers:
+            self.trackers.log_metrics(step, {"eval_loss": loss})
         if self.ctx.is_main:
             log.info("step %5d | eval loss %.4f", step, loss)
 
@@ -221,4 +237,17 @@ class RunMetrics:
             return None
         path = self.ctx.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2, sort_keys=True))
+        if self.trackers:  # the run's files as artifacts, the report drawn for them
+            self.trackers.finish([path, self.ctx.run_dir / "config.yaml", *self._report()])
         return path
+
+    def _report(self) -> list[Path]:
+        """``report.png``, drawn from the metrics logs; a failure costs a warning, not the run."""
+        from monitoring.report import render_report
+
+        try:
+            return [render_report(self.ctx.run_dir)]
+        except Exception as err:
+            log.warning("warning: report.png not drawn for the trackers: %s: %s",
+                        type(err).__name__, err)
+            return []

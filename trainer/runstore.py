@@ -29,7 +29,8 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
-LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors")
+LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors",
+               "tracking.json", "tensorboard")  # the trackers' (monitoring/trackers.py)
 
 
 def default_work_dir(uri: str) -> Path:
@@ -118,11 +119,14 @@ class RemoteRun:
 
     def fetch_logs(self, run_dir: Path) -> None:
         """A working copy without metrics logs (another machine, a cleared cache) continues the
-        store's."""
-        if (run_dir / "metrics").is_dir():
-            return
-        if self.fs.get_file_info(self._path("metrics")).type == pafs.FileType.Directory:
-            self.download_dir("metrics", run_dir / "metrics")
+        store's, and the same tracked run (MLflow's run id, TensorBoard's events)."""
+        for directory in ("metrics", "tensorboard"):
+            if not (run_dir / directory).is_dir() and \
+                    self.fs.get_file_info(self._path(directory)).type == pafs.FileType.Directory:
+                self.download_dir(directory, run_dir / directory)
+        if not (run_dir / "tracking.json").is_file() and self.is_file("tracking.json"):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "tracking.json").write_text(self.read_text("tracking.json"))
 
     def upload_logs(self, run_dir: Path) -> None:
         for entry in LOG_ENTRIES:

@@ -44,7 +44,7 @@ def test_compose_passes_the_compose_spec_schema() -> None:
 def test_every_published_port_is_bound_to_loopback() -> None:
     published = [(name, port) for name, service in compose()["services"].items()
                  for port in service.get("ports", [])]
-    assert {name for name, _ in published} == {"ray-head", "prometheus", "grafana"}
+    assert {name for name, _ in published} == {"ray-head", "prometheus", "grafana", "mlflow"}
     for name, port in published:
         assert isinstance(port, str) and port.startswith("127.0.0.1:"), (name, port)
 
@@ -124,6 +124,26 @@ def test_rays_web_ui_reaches_grafana_and_prometheus_and_grafana_allows_embedding
     assert "127.0.0.1:9090:9090" in services["prometheus"]["ports"]
     assert services["grafana"]["environment"]["GF_SECURITY_ALLOW_EMBEDDING"] == "true"
     assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+def test_the_mlflow_service_is_the_images_own_server_and_the_head_logs_to_it() -> None:
+    """Its command's options are the installed mlflow's (``mlflow server --help``), the image's
+    lock has mlflow, and jobs on the head get the service's URI."""
+    services = compose()["services"]
+    mlflow, head = services["mlflow"], services["ray-head"]
+    assert mlflow["image"] == head["image"] and mlflow["user"] == head["user"]
+    assert head["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert mlflow["ports"] == ["127.0.0.1:5000:5000"]
+    assert "--host=0.0.0.0" in mlflow["command"] and "mlflow:5000" in " ".join(mlflow["command"])
+    assert mlflow["command"][:2] == ["mlflow", "server"]
+    usage = subprocess.run([sys.executable, "-m", "mlflow", "server", "--help"],
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0, usage.stderr[-2000:]
+    for option in mlflow["command"][2:]:
+        assert option.split("=")[0] in usage.stdout, option
+    for variant in ("gpu", "cpu"):
+        assert re.search(r"^mlflow==", (DOCKER / "requirements" / f"{variant}.txt").read_text(),
+                         flags=re.M), variant
 
 
 def test_the_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
@@ -219,10 +239,11 @@ def test_the_locks_are_fresh_hashed_and_differ_only_in_torchs_build() -> None:
     assert all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in cuda), cuda
     assert set(cpu) <= set(gpu)
     assert {n: v for n, v in cpu.items() if gpu[n] != v} == {"torch": "2.13.0+cpu"}
-    # everything memtrain[train,hf] names is in both
+    # everything memtrain[train,hf,tracking] names is in both
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    for requirement in project["dependencies"] + extras["train"] + extras["hf"]:
+    for requirement in (project["dependencies"] + extras["train"] + extras["hf"]
+                        + extras["tracking"]):
         name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()  # type: ignore[union-attr]
         assert all(name.replace("_", "-") in lock for lock in locks.values()), name
 

@@ -8,12 +8,14 @@ count against CPUs, the run store reachable), resolves ``auto`` choices
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
 
 from datapipe.manifest import read_manifest
 from datapipe.paths import is_remote
+from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
 from trainer.hf import config_vocab_size
@@ -47,7 +49,17 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         run = cfg.run.model_copy(update={"work_dir": str(work.resolve())})
     else:
         run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
-    cfg = cfg.model_copy(update={"data": data, "run": run})
+    monitoring = cfg.monitoring
+    for kind in monitoring.trackers:  # before any worker starts, not as a warning in each
+        if importlib.util.find_spec(TRACKER_PACKAGES[kind]) is None:
+            raise ConfigError(f"monitoring.trackers: {kind!r} needs the "
+                              f"{TRACKER_PACKAGES[kind]} package: pip install "
+                              "'memtrain[tracking]'")
+    if "mlflow" in monitoring.trackers and monitoring.mlflow_tracking_uri is None \
+            and os.environ.get("MLFLOW_TRACKING_URI"):  # the driver's, for every worker
+        monitoring = monitoring.model_copy(
+            update={"mlflow_tracking_uri": os.environ["MLFLOW_TRACKING_URI"]})
+    cfg = cfg.model_copy(update={"data": data, "run": run, "monitoring": monitoring})
     workers = cfg.parallel.workers
     joins_cluster = cfg.parallel.launcher == "ray" and bool(os.environ.get("RAY_ADDRESS"))
     if not cfg.parallel.use_gpu and not joins_cluster and workers > available_cpus():
