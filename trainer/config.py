@@ -214,7 +214,7 @@ class MonitoringConfig(_Strict):
     # summary.json, config.yaml and report.png as artifacts; a tracker that fails costs a warning.
     trackers: list[Literal["tensorboard", "mlflow"]] = []
     # MLflow's tracking URI: an MLflow server (http://...) or a store. None: the driver's
-    # MLFLOW_TRACKING_URI, else a file store under the run directory (<run dir>/mlruns).
+    # MLFLOW_TRACKING_URI, else an sqlite store in the run directory (<run dir>/mlflow.db).
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "memtrain"
 

@@ -1,6 +1,6 @@
 """Experiment trackers against the real things: an ``mlflow server`` on 127.0.0.1 with a sqlite
 store, read back with ``MlflowClient``; TensorBoard's own event reader (``EventAccumulator``);
-MLflow's file store under the run directory; and a server that does not answer.
+the run directory's own MLflow store; and a server that does not answer.
 
 The runs are the tiny config under the local launcher with one worker, in this process (rank 0
 is the process that logs, whichever launcher started it)."""
