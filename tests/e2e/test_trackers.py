@@ -8,6 +8,8 @@ is the process that logs, whichever launcher started it)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,16 +32,19 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> str:
     work = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     log = work / "server.log"
+    # Its own session: the server starts uvicorn as a child, and its job runner (off here:
+    # seven more processes, for MLflow's GenAI jobs) would start more; the group ends together.
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}",
          "--artifacts-destination", str(work / "artifacts"), "--workers", "1"],
-        cwd=work, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        cwd=work, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         wait_for_http(f"http://127.0.0.1:{port}/health", "mlflow server", 90, log)
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
+        os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
 
 
