@@ -17,6 +17,9 @@ micro-batch, through the trainer's own ``train_step``:
   with ``--compile``), with memtrain's rows as ratios to it (tokens/s, peak memory);
 - the largest micro-batch under a memory cap (``--memory-cap-gib``, 24): the peer's, found by
   doubling, against the one memtrain's planner chooses for the cap, each run under it;
+- the output projection and cross-entropy alone at Llama 3's vocabulary (128,256): the plain
+  loss, memtrain's chunked one and, where ``liger_kernel`` installs, Liger-Kernel's fused linear
+  cross-entropy (peak bytes and tokens/s);
 - every CUDA metric family of the contract, published through the standalone exporter;
 - a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests.
 
@@ -605,8 +608,85 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            else int(args.memory_cap_gib * 2**30))
     report["memory_cap"] = section("memory cap", memory_cap, cfg, cap, device, steps, warmup,
                                    args.loss_chunk_tokens, 64 if dry else 512)
+    report["loss_kernels"] = section("loss kernels", loss_kernels, device, dry)
     report["summary"] = summarize(report)
     return report
+
+
+# The loss at a modern vocabulary: Llama 3's, its 1B model's width, 8 x 1024 tokens (dry: tiny).
+LOSS_SHAPE = {"tokens": 8192, "width": 2048, "vocab": 128256}
+LOSS_SHAPE_DRY = {"tokens": 512, "width": 64, "vocab": 8192}
+
+
+def loss_kernels(device: torch.device, dry: bool) -> dict[str, Any]:
+    """The output projection and cross-entropy alone, forward and backward, bf16 inputs: the
+    plain loss (full logits, then fp32 cross-entropy), memtrain's chunked one
+    (``linear_cross_entropy_sum``) and, on CUDA where it installs, Liger-Kernel's fused linear
+    cross-entropy (Triton), the GPU reference for the same fusion. Each row: the peak bytes the
+    call adds (its inputs and weight held outside it) and tokens/s. memtrain's chunk is what
+    ``memory.loss_chunk_tokens: auto`` takes for the vocabulary (512 tokens at 128,256)."""
+    from trainer.memory.loss import auto_loss_chunk_tokens, linear_cross_entropy_sum
+
+    shape = LOSS_SHAPE_DRY if dry else LOSS_SHAPE
+    # Dry: four chunks, so the code path chunks (auto's would hold the tiny shape in one).
+    chunk_tokens = shape["tokens"] // 4 if dry else auto_loss_chunk_tokens(shape["vocab"])
+    dtype = torch.bfloat16
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    hidden = (torch.randn(shape["tokens"], shape["width"], generator=generator) * 0.02).to(
+        device, dtype).requires_grad_()
+    weight = (torch.randn(shape["vocab"], shape["width"], generator=generator) * 0.02).to(
+        device, dtype).requires_grad_()
+    targets = torch.randint(0, shape["vocab"], (shape["tokens"],), generator=generator).to(device)
+    losses: dict[str, Any] = {
+        "plain": lambda: linear_cross_entropy_sum(hidden, weight, targets, 0),
+        "memtrain": lambda: linear_cross_entropy_sum(hidden, weight, targets, chunk_tokens),
+    }
+    liger = "needs CUDA" if device.type != "cuda" else None
+    if liger is None:
+        try:
+            from liger_kernel.transformers.fused_linear_cross_entropy import (
+                LigerFusedLinearCrossEntropyLoss,
+            )
+            fused = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+            losses["liger"] = lambda: fused(weight, hidden, targets)
+        except ImportError:
+            liger = "liger_kernel not installed"
+
+    def step(loss_fn) -> float:
+        hidden.grad = weight.grad = None
+        loss = loss_fn()
+        loss.backward()
+        return float(loss)
+
+    rows: dict[str, Any] = {}
+    for name, loss_fn in losses.items():
+        step(loss_fn)  # warm-up: kernels chosen, autotuned
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            hidden.grad = weight.grad = None
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            value = step(loss_fn)
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            hidden.grad = weight.grad = None
+            peak = cpu_peak_bytes(lambda f=loss_fn: step(f))
+            value = step(loss_fn)
+        repeats = 3 if dry else 10
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step(loss_fn)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = (time.perf_counter() - start) / repeats
+        rows[name] = {"peak_added_bytes": peak, "tokens_per_second": shape["tokens"] / seconds,
+                      "loss": value}
+    plain = rows["plain"]
+    for row in rows.values():
+        row["peak_vs_plain"] = row["peak_added_bytes"] / plain["peak_added_bytes"]
+        row["tokens_per_second_vs_plain"] = row["tokens_per_second"] / plain["tokens_per_second"]
+    return {"shape": shape, "chunk_tokens": chunk_tokens, "rows": rows, "liger_skipped": liger}
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
@@ -712,6 +792,21 @@ def markdown(report: dict[str, Any]) -> str:
                          f" | {row['tokens_per_second']:,.0f} | "
                          + (f"{ratio['micro_batch']:.1f}x | {ratio['tokens_per_second']:.3f}x |"
                             if ratio else "- | - |"))
+    losses = report.get("loss_kernels")
+    if losses:
+        shape = losses["shape"]
+        lines += ["", f"Output projection + cross-entropy alone, bf16, {shape['tokens']:,} tokens, "
+                      f"width {shape['width']:,}, vocabulary {shape['vocab']:,} (forward and "
+                      "backward; peak: what the call adds):", "",
+                  "| loss | peak added MiB | tokens/s | peak vs plain | tokens/s vs plain |",
+                  "|---|---|---|---|---|"]
+        for name, row in losses["rows"].items():
+            lines.append(f"| {name} | {row['peak_added_bytes'] / 2**20:,.1f} | "
+                         f"{row['tokens_per_second']:,.0f} | {row['peak_vs_plain']:.3f}x | "
+                         f"{row['tokens_per_second_vs_plain']:.3f}x |")
+        if losses["liger_skipped"]:
+            lines += ["", f"Liger-Kernel's fused linear cross-entropy: not measured "
+                          f"({losses['liger_skipped']})."]
     if report["errors"]:
         lines += ["", "Errors: " + "; ".join(report["errors"])]
     return "\n".join(lines) + "\n"

@@ -64,6 +64,13 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     assert 0 <= report["input_stall"]["input_stall"] < 1
     assert report["metrics"]["ok"]  # on CPU: cuda and device families absent
     assert report["metrics"]["families"]["train"]
+    # The loss alone at a large vocabulary: the chunked one adds less than the full logits, and
+    # computes the same loss; Liger-Kernel's row needs CUDA.
+    losses = report["loss_kernels"]
+    plain, chunked = losses["rows"]["plain"], losses["rows"]["memtrain"]
+    assert chunked["peak_vs_plain"] < 0.5, losses
+    assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-3)
+    assert "liger" not in losses["rows"] and losses["liger_skipped"] == "needs CUDA"
     assert (tmp_path / report_file.name.replace(".json", ".md")).read_text().startswith("###")
 
 
@@ -78,3 +85,4 @@ def test_on_a_gpu_every_section_runs_and_the_cuda_families_export(tmp_path: Path
     report = json.loads(report_file.read_text())
     assert not report["dry"] and report["errors"] == []
     assert report["metrics"]["ok"], report["metrics"]
+    assert report["loss_kernels"]["rows"]["memtrain"]["peak_vs_plain"] < 0.5
