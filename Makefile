@@ -27,7 +27,7 @@ TOKENIZER ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
-	bench-tokenize bench-hf up down status submit cluster-data grafana local local-down
+	bench-tokenize bench-hf tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -115,6 +115,9 @@ bench-hf: setup ## A HF Llama at vocabulary 128,256: chunked loss vs its own lab
 
 bench-metrics: setup ## Cost of recording the metrics contract as a share of step time (<= 1%)
 	$(BIN)/python -m bench.metrics_overhead --out bench/results
+
+tracker-screenshots: setup ## docs/images/{mlflow,tensorboard}.png: two runs in each UI (needs chromium)
+	$(BIN)/python scripts/tracker_screenshots.py --out docs/images
 
 gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no CUDA: dry mode)
 	@py="$(GPU_PYTHON)"; \

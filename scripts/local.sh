@@ -42,7 +42,7 @@ case "${1:-}" in
     export MEMTRAIN_VERSION MEMTRAIN_REVISION MEMTRAIN_TAG
     "$MEMTRAIN" dashboards --ray monitoring/grafana/ray >/dev/null  # Ray's own, for Grafana
     "${COMPOSE[@]}" up -d --build --wait
-    echo "local: Ray dashboard http://127.0.0.1:8265, Prometheus http://127.0.0.1:9090, Grafana http://127.0.0.1:3000 (admin, password in docker/grafana.env)"
+    echo "local: Ray dashboard http://127.0.0.1:8265, Prometheus http://127.0.0.1:9090, Grafana http://127.0.0.1:3000 (admin, password in docker/grafana.env), MLflow http://127.0.0.1:5000"
     RAY_AUTH_TOKEN=$(sed -n 's/^RAY_AUTH_TOKEN=//p' docker/ray.env) \
       "$MEMTRAIN" submit --address http://127.0.0.1:8265 --config "$CONFIG" --follow
     ;;
