@@ -8,6 +8,9 @@ write, besides its JSON-lines log:
   it before the workers start);
 - at every log step: loss, gradient norm, learning rate, tokens/s, the data-wait share, rank 0's
   peak memory, the micro-batch and the OOM recoveries so far; at every evaluation, the eval loss;
+  at the end, every rank's peak memory per log step (``peak_memory_bytes/rank_N``), from the
+  ranks' metrics logs in the run directory (TensorBoard: this attempt's steps; MLflow: every
+  step it does not hold yet);
 - at the end: ``summary.json``, ``config.yaml`` and ``report.png`` as artifacts (MLflow;
   TensorBoard keeps scalars and the config as text).
 
@@ -16,17 +19,17 @@ One tracked run per memtrain run, across restarts and resumes:
 - **MLflow**: at ``monitoring.mlflow_tracking_uri`` (a server or any store MLflow takes), else
   in an sqlite store of the run directory's own (``mlflow.db``, artifacts in
   ``mlflow-artifacts/``). The run id is kept in ``<run dir>/tracking.json``, and a resumed run
-  reopens that
-  run. A restart redoes the steps since its checkpoint, and MLflow keeps every value it is
-  given, so steps the run already logged are not logged again (on an exact resume they are the
-  same values). MLflow's HTTP calls are bounded (``MLFLOW_HTTP_REQUEST_TIMEOUT`` 5 s, 2 retries,
-  unless set) and a step's metrics go through MLflow's asynchronous logging, so a slow server
-  does not hold the step.
+  reopens that run. A restart redoes the steps since its checkpoint, and MLflow keeps every
+  value it is given, so steps the run already holds of a metric are not logged again (on an
+  exact resume they are the same values). MLflow's HTTP calls are bounded
+  (``MLFLOW_HTTP_REQUEST_TIMEOUT`` 5 s, 2 retries, unless set) and a step's metrics go through
+  MLflow's asynchronous logging, so a slow server does not hold the step.
 - **TensorBoard**: ``<run dir>/tensorboard``; a resumed run's writer purges the events from its
   first step on (``purge_step``), as TensorBoard's readers apply it.
 
-A tracker that fails (its server down, a bad URI, a missing package) costs one warning line and
-is dropped; the run goes on.
+A tracker that fails (its server down, a bad URI) costs one warning line and is dropped; the
+run goes on. A missing package is a config error before any worker starts
+(``trainer.launch.prepare``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,13 @@ class Tracker(ABC):
     @abstractmethod
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None: ...
 
+    def log_history(self, points: list[tuple[int, dict[str, float]]], after_step: int) -> None:
+        """Metrics of past steps, read back at the end of a run: those after ``after_step``
+        (the steps of this attempt; a resumed writer has purged the later ones)."""
+        for step, values in points:
+            if step > after_step:
+                self.log_metrics(step, values)
+
     def log_artifacts(self, paths: Iterable[Path]) -> None:  # noqa: B027 - scalars-only trackers
         """Attach files to the run, where the tracker keeps files."""
 
@@ -118,7 +128,8 @@ class MlflowTracker(Tracker):
         self.run_dir, self.uri, self.experiment, self.run_name = run_dir, uri, experiment, run_name
         self.client: Any = None
         self.run_id = ""
-        self.logged_to = 0  # steps up to this one are in the run already (before a restart)
+        self.reopened = False  # a run of an earlier attempt: some steps are in it already
+        self.logged_to: dict[str, int] = {}  # per metric, the last step in the run
         self.pending: list[Any] = []  # asynchronous logging operations not yet waited on
 
     def start(self, params: dict[str, str], resumed_from: int | None) -> None:
@@ -138,8 +149,7 @@ class MlflowTracker(Tracker):
         if record.get("mlflow_run_id") and record.get("mlflow_tracking_uri") == self.uri:
             self.run_id = record["mlflow_run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
-            history = self.client.get_metric_history(self.run_id, "loss")
-            self.logged_to = max((m.step for m in history), default=0)
+            self.reopened = True
             return
         experiment = self.client.get_experiment_by_name(self.experiment)
         # A new experiment in a store of this run's own keeps its artifacts in the run
@@ -159,14 +169,31 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, params=items[start:start + 100])
 
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
-        if step <= self.logged_to:
-            return  # logged before a restart: MLflow would keep both values
         from mlflow.entities import Metric
 
+        # Steps logged before a restart are left as they are: MLflow would keep both values.
+        fresh = {name: value for name, value in values.items()
+                 if step > self._logged_to(name)}
+        if not fresh:
+            return
         stamp = int(time.time() * 1000)
-        metrics = [Metric(name, float(value), stamp, step) for name, value in values.items()]
+        metrics = [Metric(name, float(value), stamp, step) for name, value in fresh.items()]
         self.pending.append(self.client.log_batch(self.run_id, metrics=metrics,
                                                   synchronous=False))
+
+    def log_history(self, points: list[tuple[int, dict[str, float]]], after_step: int) -> None:
+        """Every step the run does not hold yet, an earlier attempt's too (it may have failed
+        before logging them)."""
+        for step, values in points:
+            self.log_metrics(step, values)
+
+    def _logged_to(self, name: str) -> int:
+        """The last step of metric ``name`` in the run (0 in a new run; asked once per metric
+        in a reopened one)."""
+        if name not in self.logged_to:
+            history = self.client.get_metric_history(self.run_id, name) if self.reopened else []
+            self.logged_to[name] = max((m.step for m in history), default=0)
+        return self.logged_to[name]
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         self._flush()
@@ -223,6 +250,23 @@ class Trackers:
 
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
         self._each(f"logging step {step}", lambda t: t.log_metrics(step, values))
+
+    def log_rank_peaks(self, metrics_dir: Path, after_step: int) -> None:
+        """Every rank's peak memory per log step, from the ranks' metrics logs in
+        ``metrics_dir`` (``peak_memory_bytes/rank_N``), for the steps after ``after_step``
+        (this attempt's; MLflow takes every step it does not hold yet): at the end of a run,
+        after the last step's checkpoint, which waits for every rank. A rank whose log is
+        elsewhere (another node's working copy) is not in it."""
+        per_step: dict[int, dict[str, float]] = {}
+        for path in sorted(metrics_dir.glob("rank-*.jsonl")):
+            name = f"peak_memory_bytes/{path.stem.replace('-', '_')}"
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                if "peak_memory_bytes" in record:
+                    # the last record of a step wins: a restart's redone step
+                    per_step.setdefault(record["step"], {})[name] = record["peak_memory_bytes"]
+        self._each("logging the ranks' peaks",
+                   lambda t: t.log_history(sorted(per_step.items()), after_step))
 
     def finish(self, artifacts: Iterable[Path]) -> None:
         paths = [p for p in artifacts if p.is_file()]

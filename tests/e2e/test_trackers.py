@@ -91,6 +91,10 @@ def test_a_restarted_run_is_one_tracked_run_with_every_step_once(
     for name in ("tokens_per_second", "data_wait_share", "peak_memory_bytes",
                  "oom_recoveries", "micro_batch_size"):
         assert len(client.get_metric_history(run.info.run_id, name)) == 6, name
+    # The ranks' peaks, logged at the end from their metrics logs: every step, though the first
+    # attempt failed before its end.
+    assert [m.step for m in client.get_metric_history(
+        run.info.run_id, "peak_memory_bytes/rank_0")] == [1, 2, 3, 4, 5, 6]
     params = run.data.params
     assert params["train.lr"] == "0.005" and params["memory.precision"] == "fp32"
     assert params["model.n_layer"] == "2" and params["monitoring.trackers"] == \
@@ -106,6 +110,8 @@ def test_a_restarted_run_is_one_tracked_run_with_every_step_once(
     assert [s.step for s in scalars] == [1, 2, 3, 4, 5, 6]  # the purge dropped the first 4-6
     assert {s.step: s.value for s in scalars} == pytest.approx(_last_losses(run_dir))
     assert [s.step for s in events.Scalars("eval_loss")] == [3, 6]
+    # TensorBoard's ranks' peaks: this attempt's steps (its writer purged the later ones)
+    assert [s.step for s in events.Scalars("peak_memory_bytes/rank_0")] == [4, 5, 6]
 
 
 def test_a_tracker_that_cannot_be_reached_costs_one_warning(
@@ -131,19 +137,23 @@ def test_a_tracker_that_cannot_be_reached_costs_one_warning(
 
 def test_without_a_uri_mlflow_writes_a_store_in_the_run_directory(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its runs in ``mlflow.db`` and its artifacts in ``mlflow-artifacts/``: nothing written
-    outside the run directory."""
+    """Two worker processes (rank 0 logs from its own process): the run in ``mlflow.db`` and
+    its artifacts in ``mlflow-artifacts/``, nothing written outside the run directory; both
+    ranks' peaks."""
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     launch_local(*prepare_run(tiny_config(corpus_dir, tmp_path / "runs", *RUN, "train.steps=2",
-                                          "train.eval_every=0", "run.name=own",
-                                          "monitoring.trackers=[mlflow]")))
+                                          "parallel.workers=2", "train.eval_every=0",
+                                          "run.name=own", "monitoring.trackers=[mlflow]")))
     run_dir = tmp_path / "runs" / "own"
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("memtrain").experiment_id])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+    for rank in (0, 1):
+        peaks = client.get_metric_history(run.info.run_id, f"peak_memory_bytes/rank_{rank}")
+        assert [m.step for m in peaks] == [1, 2] and all(m.value > 0 for m in peaks), rank
     assert json.loads((run_dir / "tracking.json").read_text())["mlflow_run_id"] == \
         run.info.run_id
     artifacts = sorted(p.name for p in (run_dir / "mlflow-artifacts").rglob("*") if p.is_file())
