@@ -7,9 +7,10 @@ loop resumes from step 6, restored from the store. It must still learn and check
 workers must export the metrics contract, and its final weights must equal, bit for bit, those
 of an uninterrupted run of the same config under the local launcher (2 worker processes, gloo,
 a local run directory): the loop is deterministic on CPU whichever launcher runs it. The run is
-then continued from another working copy (another machine: nothing local), from the store. Each
-Ray Train run costs its worker group's start; on a 2-core CI machine the module takes three
-group starts, not five.
+then continued from another working copy (another machine: nothing local), from the store. The
+killed run logs to TensorBoard and MLflow, which must hold every step once. Each Ray Train run
+costs its worker group's start; on a 2-core CI machine the module takes three group starts, not
+five.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]
 SETTINGS = ("train.steps=12", "train.checkpoint_every=6", "train.eval_every=6",
             "train.log_every=1", "parallel.max_failures=1")
 REMOTE = ("run.dir=s3://memtrain-runs/runs", "run.name=ray")
+# The killed run logs to both trackers (MLflow: the run directory's own store) from Ray's rank 0
+TRACKERS = "monitoring.trackers=[tensorboard, mlflow]"
 
 
 @dataclass
@@ -86,7 +89,7 @@ def ray_run(ray_cluster, store: RemoteRun, corpus_dir: Path,
 
     work = tmp_path_factory.mktemp("ray")
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, work, *SETTINGS, *REMOTE,
-                                           f"run.work_dir={work / 'machine-a'}"))
+                                           f"run.work_dir={work / 'machine-a'}", TRACKERS))
     os.environ["MEMTRAIN_FAULTS"] = "kill@9:1"  # the launcher hands it to Ray's workers
     try:
         summary = launch_ray(cfg, run_dir)
@@ -170,3 +173,24 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_exact(
     assert ray_run.losses == reference
     assert {s: v for s, v in ray_run.first_losses.items() if s <= 8} == \
         {s: reference[s] for s in range(1, 9)}
+
+
+def test_the_killed_runs_trackers_hold_every_step_once(ray_run: RayRun) -> None:
+    """Under Ray, across the restart: one MLflow run, finished, every step's loss once (the
+    steps 7-9 that the restart redid not logged twice) and both ranks' peaks; TensorBoard's
+    reader sees every step once (its writer purged the redone ones)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    client = MlflowClient(f"sqlite:///{ray_run.run_dir / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("memtrain").experiment_id])
+    assert run.info.status == "FINISHED"
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in losses] == list(range(1, 13))
+    assert {m.step: m.value for m in losses} == ray_run.losses  # the exact resume's values
+    for rank in (0, 1):
+        peaks = client.get_metric_history(run.info.run_id, f"peak_memory_bytes/rank_{rank}")
+        assert [m.step for m in peaks] == list(range(1, 13)), rank
+    events = EventAccumulator(str(ray_run.run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))
