@@ -79,9 +79,9 @@ def load_tokenizer(path: Path, eot_token: str = EOT_TOKEN) -> tuple[Tokenizer, T
     from tokenizers import Tokenizer
 
     if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
-            raise DatasetError(f"tokenizer {path}: a directory without a tokenizer.json")
-        path = path / "tokenizer.json"
+        if not (path / TOKENIZER_FILE).is_file():
+            raise DatasetError(f"tokenizer {path}: a directory without a {TOKENIZER_FILE}")
+        path = path / TOKENIZER_FILE
     try:
         raw = path.read_bytes()
     except OSError as err:

@@ -51,8 +51,8 @@ TRACKING_FILE = "tracking.json"  # in the run directory: the MLflow run to reope
 TENSORBOARD_DIR = "tensorboard"
 MLFLOW_DB = "mlflow.db"  # without a tracking URI: the run directory's own MLflow store
 MLFLOW_ARTIFACTS = "mlflow-artifacts"
-KINDS = ("tensorboard", "mlflow")
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # what each tracker imports
+KINDS = tuple(PACKAGES)
 
 
 class TrackerError(RuntimeError):
@@ -251,20 +251,19 @@ class Trackers:
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
         self._each(f"logging step {step}", lambda t: t.log_metrics(step, values))
 
-    def log_rank_peaks(self, metrics_dir: Path, after_step: int) -> None:
-        """Every rank's peak memory per log step, from the ranks' metrics logs in
-        ``metrics_dir`` (``peak_memory_bytes/rank_N``), for the steps after ``after_step``
+    def log_rank_peaks(self, run_dir: Path, after_step: int) -> None:
+        """Every rank's peak memory per log step, from the ranks' metrics logs in ``run_dir``
+        (``peak_memory_bytes/rank_N``), for the steps after ``after_step``
         (this attempt's; MLflow takes every step it does not hold yet): at the end of a run,
         after the last step's checkpoint, which waits for every rank. A rank whose log is
         elsewhere (another node's working copy) is not in it."""
+        from monitoring.report import load_metrics  # (matplotlib: only where trackers are on)
+
         per_step: dict[int, dict[str, float]] = {}
-        for path in sorted(metrics_dir.glob("rank-*.jsonl")):
-            name = f"peak_memory_bytes/{path.stem.replace('-', '_')}"
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                if "peak_memory_bytes" in record:
-                    # the last record of a step wins: a restart's redone step
-                    per_step.setdefault(record["step"], {})[name] = record["peak_memory_bytes"]
+        for rank, records in load_metrics(run_dir).items():
+            for record in records:  # the last record of a step wins: a restart's redone step
+                per_step.setdefault(record["step"], {})[f"peak_memory_bytes/rank_{rank}"] = \
+                    record["peak_memory_bytes"]
         self._each("logging the ranks' peaks",
                    lambda t: t.log_history(sorted(per_step.items()), after_step))
 

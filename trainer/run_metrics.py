@@ -238,8 +238,7 @@ class RunMetrics:
         path = self.ctx.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2, sort_keys=True))
         if self.trackers:  # every rank's peaks, the run's files, the report drawn for them
-            self.trackers.log_rank_peaks(self.ctx.run_dir / "metrics",
-                                         summary.get("resumed_from_step") or 0)
+            self.trackers.log_rank_peaks(self.ctx.run_dir, summary.get("resumed_from_step") or 0)
             self.trackers.finish([path, self.ctx.run_dir / "config.yaml", *self._report()])
         return path
 

@@ -29,8 +29,10 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
+from monitoring.trackers import TENSORBOARD_DIR, TRACKING_FILE
+
 LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors",
-               "tracking.json", "tensorboard")  # the trackers' (monitoring/trackers.py)
+               TRACKING_FILE, TENSORBOARD_DIR)  # the last two: the experiment trackers'
 
 
 def default_work_dir(uri: str) -> Path:
@@ -120,13 +122,13 @@ class RemoteRun:
     def fetch_logs(self, run_dir: Path) -> None:
         """A working copy without metrics logs (another machine, a cleared cache) continues the
         store's, and the same tracked run (MLflow's run id, TensorBoard's events)."""
-        for directory in ("metrics", "tensorboard"):
+        for directory in ("metrics", TENSORBOARD_DIR):
             if not (run_dir / directory).is_dir() and \
                     self.fs.get_file_info(self._path(directory)).type == pafs.FileType.Directory:
                 self.download_dir(directory, run_dir / directory)
-        if not (run_dir / "tracking.json").is_file() and self.is_file("tracking.json"):
+        if not (run_dir / TRACKING_FILE).is_file() and self.is_file(TRACKING_FILE):
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "tracking.json").write_text(self.read_text("tracking.json"))
+            (run_dir / TRACKING_FILE).write_text(self.read_text(TRACKING_FILE))
 
     def upload_logs(self, run_dir: Path) -> None:
         for entry in LOG_ENTRIES:
