@@ -162,6 +162,28 @@ def test_the_planner_probes_a_hf_model(precision: str, tmp_path: Path) -> None:
     assert profile.loss_shape.vocab_size == 300
 
 
+def test_a_decoder_layer_is_measured_with_its_own_arguments(tmp_path: Path) -> None:
+    """The emulated-bf16 workspace calls the first block alone; a decoder layer needs the
+    rotary embeddings and position ids its model passed it, which the probe records (by shape:
+    it may run on fake tensors). On every CPU kind the call runs; on one without native bf16
+    the planner takes it before any bf16 run."""
+    from trainer.memory.planner import BlockCall, emulated_bf16_workspace
+
+    CONFIGS["llama"]().save_pretrained(tmp_path)
+    model = build(f"hf:{tmp_path}")
+    calls: list[BlockCall] = []
+    model.blocks[0].register_forward_pre_hook(
+        lambda _m, args, kwargs: calls.append(BlockCall.record(args, kwargs)), with_kwargs=True)
+    model(torch.randint(0, 256, (1, 16)))
+    [call] = calls
+    assert call.sample_shape == (16, 32) and "position_embeddings" in call.kwargs
+    assert emulated_bf16_workspace(model.blocks[0], call.sample_shape, call) >= 0
+    factory = partial(create_model, f"hf:{tmp_path}", **FIELDS)
+    profile = profile_activations(factory, MemoryTransforms("selective", 2, "auto"), 64, 256,
+                                  "bf16")  # for this CPU, whichever kind
+    assert profile.emulation_workspace_per_sample_bytes >= 0
+
+
 def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
                                                                tmp_path: Path) -> None:
     """``memtrain train`` of ``hf:<dir>`` (local launcher) with selective checkpointing and the

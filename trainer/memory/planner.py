@@ -223,10 +223,57 @@ def _probe(model: nn.Module, tokens_BT: torch.Tensor, precision: str
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
 
 
-def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...]) -> int:
+@dataclass(frozen=True)
+class _TensorSpec:
+    """A tensor argument by shape and dtype: a probe's may be fake, a stand-in is made real."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _spec(value: Any) -> Any:
+    """An argument with its tensors (also inside tuples, lists and dicts) as ``_TensorSpec``."""
+    if isinstance(value, torch.Tensor):
+        return _TensorSpec(tuple(value.shape), value.dtype)
+    if isinstance(value, tuple | list):
+        return type(value)(_spec(item) for item in value)
+    if isinstance(value, dict):
+        return {name: _spec(item) for name, item in value.items()}
+    return value
+
+
+def _stand_in(value: Any) -> Any:
+    """``_spec``'s inverse with zeros: shapes, not values, decide a kernel's workspace."""
+    if isinstance(value, _TensorSpec):
+        return torch.zeros(value.shape, dtype=value.dtype)
+    if isinstance(value, tuple | list):
+        return type(value)(_stand_in(item) for item in value)
+    if isinstance(value, dict):
+        return {name: _stand_in(item) for name, item in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """How the probe called the first block at batch 1: one sample's input shape and the
+    other arguments (a Hugging Face decoder layer takes its rotary position embeddings and
+    position ids), their tensors as ``_TensorSpec``."""
+
+    sample_shape: tuple[int, ...]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def record(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BlockCall:
+        return cls(tuple(args[0].shape[1:]), _spec(args[1:]), _spec(kwargs))
+
+
+def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...],
+                            call: BlockCall | None = None) -> int:
     """Per sample: how much more workspace a block's matrix products take in bf16 than in fp32
     on this CPU, in a forward and backward of one and two samples (``sample_shape``: one
-    sample's input to the block, e.g. ``(T, C)``).
+    sample's input to the block, e.g. ``(T, C)``; ``call``: the block's other arguments, as
+    the probe passed them).
 
     Where the CPU has no bf16 instructions, its kernels emulate bf16 with fp32 arithmetic and
     may convert operands into buffers of their own while they run; those buffers are alive
@@ -237,12 +284,16 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...]) -> 
 
     from trainer.compat import cpu_op_workspace_bytes
 
+    args, kwargs = ((), {}) if call is None else (_stand_in(call.args), _stand_in(call.kwargs))
+
     def workspace(precision: str, batch: int) -> int:
         x_BTC = torch.randn(batch, *sample_shape, requires_grad=True)
         policy = precision_policy(precision, x_BTC.device, warn=False)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with policy.autocast(x_BTC.device):
-                y_BTC = block(x_BTC)
+                y_BTC = block(x_BTC, *args, **kwargs)
+            if isinstance(y_BTC, tuple | list):  # a decoder layer that returns more
+                y_BTC = y_BTC[0]
             y_BTC.float().sum().backward()
         block.zero_grad(set_to_none=True)
         return cpu_op_workspace_bytes(prof, MATMUL_OPS)
@@ -272,32 +323,32 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     """
     device = device or torch.device("cpu")
     target = target or device.type
-    profile = block_input = None
+    profile = block_call = None
     if device.type == "cpu" if fake is None else fake:
         try:
             with fake_tensor_mode():
-                profile, block_input = _profile(factory, transforms, seq_len, vocab_size,
-                                                precision, device)
+                profile, block_call = _profile(factory, transforms, seq_len, vocab_size,
+                                               precision, device)
         except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
             log.info("planner: the model cannot be probed with fake tensors (%s: %s); probing "
                      "with real ones", type(err).__name__, first_line(err)[:200])
     if profile is None:
-        profile, block_input = _profile(factory, transforms, seq_len, vocab_size, precision,
-                                        device)
+        profile, block_call = _profile(factory, transforms, seq_len, vocab_size, precision,
+                                       device)
     if (target == "cpu" and device.type == "cpu" and precision == "bf16"
-            and block_input is not None and cpu_bf16_support() != "native"):
+            and block_call is not None and cpu_bf16_support() != "native"):
         plain = transforms.replace(activation_checkpointing="none")
         first_block = build_model(factory, plain).get_submodule("blocks.0")
         profile = dataclasses.replace(profile, emulation_workspace_per_sample_bytes=(
-            emulated_bf16_workspace(first_block, block_input)))
+            emulated_bf16_workspace(first_block, block_call.sample_shape, block_call)))
     return profile
 
 
 def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
              vocab_size: int, precision: str, device: torch.device
-             ) -> tuple[ActivationProfile, tuple[int, ...] | None]:
+             ) -> tuple[ActivationProfile, BlockCall | None]:
     """``profile_activations`` without the emulation workspace, on real or fake tensors
-    (whichever mode is active), and one sample's input shape to the first block (None for a
+    (whichever mode is active), and how the first block was called at batch 1 (None for a
     model without ``blocks``)."""
     # Factories build on the CPU; a fake module cannot be moved there again (tied weights
     # cannot be swapped), and a real one need not be.
@@ -307,10 +358,11 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     num_blocks = len(blocks)
     model.train()
     measured = {}
-    block_inputs: list[tuple[int, ...]] = []  # the first block's input shape, batch 1
+    block_calls: list[BlockCall] = []  # the first block's call, batch 1
     if num_blocks:
         hook = blocks[0].register_forward_pre_hook(
-            lambda _module, args: block_inputs.append(tuple(args[0].shape)))
+            lambda _module, args, kwargs: block_calls.append(BlockCall.record(args, kwargs)),
+            with_kwargs=True)
     for batch in (1, 2):
         tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
         measured[batch] = _probe(model, tokens_BT, precision)
@@ -351,7 +403,7 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                 autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
                                 _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
                                 block_params, recompute_block_fixed)
-    return profile, (block_inputs[0][1:] if block_inputs else None)
+    return profile, (block_calls[0] if block_calls else None)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
