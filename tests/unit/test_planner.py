@@ -259,21 +259,19 @@ def test_auto_config_resolves_before_launch(corpus_dir, tmp_path) -> None:
 
 class _ConvertingBlock(torch.nn.Module):
     """A block whose bf16 matrix product converts its input to fp32 in a buffer of its own, as
-    a kernel that emulates bf16 may: the planner must find that buffer, per sample. Without
-    ``buffer`` it is the plain linear layer, whose kernels' own workspace is this CPU's."""
+    a kernel that emulates bf16 may: the planner must find that buffer, per sample."""
 
-    def __init__(self, width: int, buffer: bool = True) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(width, width)
-        self.buffer = buffer
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         from torch.profiler import record_function
 
         y_BTC = self.linear(x_BTC)
-        if self.buffer and torch.is_autocast_enabled("cpu"):
+        if torch.is_autocast_enabled("cpu"):
             with record_function("aten::mm"):
-                buffer = torch.empty((*x_BTC.shape, 4), dtype=torch.float32)  # 16 B an element
+                buffer = torch.empty((*x_BTC.shape, 16), dtype=torch.float32)  # 64 B an element
                 del buffer
         return y_BTC
 
@@ -283,13 +281,12 @@ def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None
 
     block = _ConvertingBlock(32)
     measured = planner.emulated_bf16_workspace(block, (16, 32))
-    # The buffer (16 B an element of the input) over what this CPU's own bf16 and fp32 kernels
-    # take for the same layer (native, oneDNN-emulated and ATen-emulated kernels all differ).
-    # Where the fp32 kernels take more than the bf16 ones, the excess is short of the buffer by
-    # at most their workspace: a copy of the input.
-    kernels = planner.emulated_bf16_workspace(_ConvertingBlock(32, buffer=False), (16, 32))
-    buffer = 16 * 32 * 16
-    assert buffer - 16 * 32 * 4 <= measured - kernels <= buffer, (measured, kernels)
+    # The buffer (64 B an element of the input) less what this CPU's fp32 kernels take for the
+    # same layer: at most a copy of the input. The bf16 kernels' own workspace (native,
+    # oneDNN-emulated and ATen-emulated kernels all differ; a native one's is up to 14 KB here,
+    # not always the same) is below the buffer, and the largest workspace of a call counts.
+    buffer = 16 * 32 * 64
+    assert buffer - 16 * 32 * 4 <= measured <= buffer, measured
     assert measured == planner.emulated_bf16_workspace(block, (16, 32))  # deterministic
 
     class Model(torch.nn.Module):
