@@ -38,6 +38,7 @@ import os
 import pickle
 import platform
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -68,6 +69,7 @@ from trainer.memory.planner import (
     static_bytes,
 )
 from trainer.memory.precision import precision_policy
+from trainer.memory.speed import DeviceSpeed, SpeedModel, cpu_speed, gpu_speed, spearman
 from trainer.model import GPT, GPTConfig
 from trainer.state import StepResult
 from trainer.step import build_optimizer, step_peak_bytes, train_step
@@ -362,13 +364,28 @@ def memory_cap(cfg: GPTConfig, cap: int, device: torch.device, steps: int, warmu
 
 def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
             device: torch.device, loss_chunk_tokens: int) -> dict[str, Any]:
-    """The planner's prediction, probing on the same device the step runs on."""
+    """The planner's prediction, probing on the same device the step runs on: the peak, and
+    tokens/s from the time model (this GPU's datasheet peaks, or this CPU's calibration in dry
+    mode)."""
     release_memory(device)
     profile = profile_activations(partial(GPT, cfg), transforms(ac, loss_chunk_tokens),
-                                  cfg.seq_len, cfg.vocab_size, precision, device=device)
-    row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1)
+                                  cfg.seq_len, cfg.vocab_size, precision, device=device,
+                                  work=True)
+    row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1,
+                   SpeedModel(device_speed(device)))
     release_memory(device)
     return row.as_dict()
+
+
+def device_speed(device: torch.device) -> DeviceSpeed:
+    """The time model's speed of ``device``: a GPU's datasheet figures (an H200's for a GPU
+    without them), or this CPU's calibration."""
+    if device.type != "cuda":
+        return cpu_speed()
+    try:
+        return gpu_speed(torch.cuda.get_device_name(device))
+    except ValueError:
+        return gpu_speed("h200")
 
 
 def write_token_shards(directory: Path, cfg: GPTConfig, rows: int) -> None:
@@ -575,6 +592,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
             row["predicted_activation_bytes"] = plan["activation_bytes"]
             row["predicted_peak_moment"] = plan["peak_moment"]
+            row["predicted_tokens_per_second"] = plan["tokens_per_s"]
             if row["peak_allocated_bytes"]:
                 row["planner_error"] = (plan["predicted_peak_bytes"]
                                         / row["peak_allocated_bytes"] - 1)
@@ -708,6 +726,15 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         summary["planner_error"] = max(errors)
     if report.get("input_stall"):
         summary["input_stall"] = report["input_stall"]["input_stall"]
+    # The time model against this device: how its eager rows rank, and the share of the
+    # predicted speed they reach (the factor GPU_EFFICIENCY stands for until it is measured).
+    timed = [r for r in report["rows"] if r.get("predicted_tokens_per_second")
+             and not r["compiled"] and r["sdpa"] == "default"]
+    if len(timed) >= 3:
+        summary["speed_spearman"] = spearman([r["predicted_tokens_per_second"] for r in timed],
+                                             [r["tokens_per_second"] for r in timed])
+        summary["measured_over_predicted_speed"] = statistics.median(
+            r["tokens_per_second"] / r["predicted_tokens_per_second"] for r in timed)
     summary["met"] = {k: (v >= TARGETS[k] if k == "mfu_bf16" else v <= TARGETS[k])
                       for k, v in summary.items() if k in TARGETS}
     return summary
@@ -727,8 +754,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report.get('allocator_effective', report['allocator_requested'])}", "",
              "| precision | act. ckpt | loss chunk | attention | compiled | peak alloc GiB | "
              "peak reserved GiB | fwd / bwd / optim peak GiB | predicted GiB | planner error | "
-             "tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens/s | predicted tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         err = f"{100 * r['planner_error']:+.1f}%" if "planner_error" in r else "-"
         moment = f" ({r['predicted_peak_moment']})" if "predicted_peak_moment" in r else ""
@@ -740,7 +767,8 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{'yes' if r['compiled'] else 'no'} | {gib(r['peak_allocated_bytes'])} | "
                      f"{gib(r['peak_reserved_bytes'])} | {phases} | "
                      f"{gib(r.get('predicted_peak_bytes'))}{moment} | "
-                     f"{err} | {r['tokens_per_second']:,.0f} | {mfu} |")
+                     f"{err} | {r['tokens_per_second']:,.0f} | "
+                     f"{r.get('predicted_tokens_per_second') or 0:,.0f} | {mfu} |")
     if report.get("peer"):
         lines += ["", "The peer, a plain nanoGPT-style loop (full logits, fused AdamW on CUDA, no "
                       "checkpointing), same model and micro-batch:", "",

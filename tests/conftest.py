@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,10 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.
 # trainer.launch.ray sets it too; setting it here covers any test that imports ray first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# The planner's CPU calibration (trainer.memory.speed.cpu_speed) is cached here, shared by the
+# test processes and kept between runs (keyed by CPU, torch and thread count), not in ~/.cache.
+os.environ.setdefault("MEMTRAIN_CACHE_DIR",
+                      str(Path(tempfile.gettempdir()) / f"memtrain-test-cache-{os.getuid()}"))
 # Jobs submitted to the test cluster run `python -m trainer.cli`: make that this interpreter, as
 # an activated virtual environment does for a user.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -213,26 +213,39 @@ def plan_command(
     device_memory: Annotated[str, typer.Option(help="Memory of one device, e.g. 80GiB.")
                              ] = "80GiB",
     workers: Annotated[int | None, typer.Option(help="Number of workers.")] = None,
+    gpu: Annotated[str | None, typer.Option(
+        help="The GPU a GPU config is planned for: h200 | h100 | a100 (default: this "
+             "machine's, else h200).")] = None,
+    measure: Annotated[bool, typer.Option(
+        "--measure", help="Run the fastest plans for a few steps on this CPU and print "
+                          "predicted against measured tokens/s and peak.")] = False,
+    top: Annotated[int, typer.Option(min=1, help="--measure: how many plans.")] = 3,
+    steps: Annotated[int, typer.Option(min=1, help="--measure: timed steps per plan.")] = 3,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a config value (repeatable).")] = None,
 ) -> None:
-    """Predict memory per rank before training: what fits, at which micro-batch and cost."""
+    """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
-    from trainer.launch.auto import probe_config
+    from trainer.launch.auto import precision_candidates, probe_config, speed_model
     from trainer.memory.planner import AC_MODES, HEADROOM, feasible_plans, plan_row
 
     cfg = load_config(config, list(overrides or []),
                       {"parallel.workers": workers} if workers else None)
     budget = parse_bytes(device_memory, "--device-memory")
+    if measure and cfg.parallel.use_gpu:
+        _fail("--measure runs plans on this machine's CPU, and the config trains on GPUs "
+              "(parallel.use_gpu: true); measure a CPU config", 2)
     world = cfg.parallel.workers
     accumulation = cfg.train.accumulation_steps(world)
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} "
                   f"({len(precisions) * len(AC_MODES)} probes, fake tensors on CPU)...")
     start = time.perf_counter()
-    static, profiles = probe_config(cfg, precisions, AC_MODES)
+    static, profiles = probe_config(cfg, precisions, AC_MODES, work=True)
+    speed = speed_model(cfg, gpu)
     gib = 2**30
-    console.print(f"probed in {time.perf_counter() - start:.1f} s")
+    console.print(f"probed in {time.perf_counter() - start:.1f} s; speed: {speed.device.name} "
+                  f"({speed.device.source})")
     console.print(f"per rank, {cfg.parallel.strategy} x {world} workers: params "
                   f"{static.params / gib:.2f}, grads {static.grads / gib:.2f}, AdamW state "
                   f"{static.optimizer / gib:.2f} GiB")
@@ -241,28 +254,69 @@ def plan_command(
     current = _plan_table(f"configured micro-batch {cfg.train.micro_batch()} x accumulation "
                           f"{accumulation} x {world} workers",
                           "precision", "act.\nckpt", "saved\nGiB", "temp.\nGiB", "peak\nGiB",
-                          "peak at", "fits", "recompute")
+                          "peak at", "fits", "tokens/s")
     for profile in profiles:
-        row = plan_row(static, profile, cfg.train.micro_batch(), accumulation)
+        row = plan_row(static, profile, cfg.train.micro_batch(), accumulation, speed)
         current.add_row(row.precision, row.activation_checkpointing,
                         f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
                         f"{row.predicted_peak_bytes / gib:.2f}", row.peak_moment,
                         "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
-                        f"+{100 * row.recompute_cost:.0f}%")
+                        f"{row.tokens_per_s:,.0f}")
     console.print(current)
     console.print("saved: activations kept for backward; temp.: the largest temporaries\n"
-                  "beside them; peak: with parameters and AdamW state, at the moment named")
-    rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget)
-    best = _plan_table(f"largest micro-batch in {HEADROOM:.0%} of {device_memory}, global "
+                  "beside them; peak: with parameters and AdamW state, at the moment named;\n"
+                  "tokens/s: predicted, all workers together")
+    rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
+                          speed=speed)
+    candidates = precision_candidates(cfg)
+    auto = next((row for row in rows if row.precision in candidates), None)
+    best = _plan_table(f"fastest micro-batch in {HEADROOM:.0%} of {device_memory}, global "
                        f"batch {cfg.train.global_batch_size} kept",
                        "precision", "act.\nckpt", "micro-\nbatch", "accumu-\nlation",
-                       "peak\nGiB", "recompute")
+                       "peak\nGiB", "tokens/s", "")
     for row in rows:
         best.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
                      str(row.accumulation_steps), f"{row.predicted_peak_bytes / gib:.2f}",
-                     f"+{100 * row.recompute_cost:.0f}%")
+                     f"{row.tokens_per_s:,.0f}", "<- auto" if row is auto else "")
     console.print(best if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
                                     "sequence or a smaller model")
+    if measure and rows:
+        _measure_plans(cfg, static, profiles, budget, top, steps)
+
+
+def _measure_plans(cfg: Any, static: Any, profiles: list[Any], budget: int, top: int,
+                   steps: int) -> None:
+    """``plan --measure``: the ``top`` fastest predicted plans (every fitting micro-batch),
+    each trained ``steps`` steps as one rank on this CPU, predicted against measured."""
+    from trainer.build import MemoryTransforms, model_factory
+    from trainer.memory.planner import HEADROOM, plan_row
+    from trainer.memory.speed import SpeedModel, cpu_speed, measure_plan
+
+    one_rank = SpeedModel(cpu_speed())
+    per_rank = cfg.train.global_batch_size // cfg.parallel.workers
+    fitting = [row for profile in profiles
+               for row in (plan_row(static, profile, micro, per_rank // micro, one_rank)
+                           for micro in range(1, per_rank + 1) if per_rank % micro == 0)
+               if row.predicted_peak_bytes <= HEADROOM * budget]
+    chosen = sorted(fitting, key=lambda row: -row.tokens_per_s)[:top]
+    table = _plan_table(f"measured: {len(chosen)} fastest predicted plans, one rank on this "
+                        f"CPU, {steps} steps each", "precision", "act.\nckpt", "micro-\nbatch",
+                        "predicted\ntokens/s", "measured\ntokens/s", "predicted\npeak GiB",
+                        "measured\npeak GiB")
+    factory = model_factory(cfg.model)
+    transforms = MemoryTransforms.of(cfg.memory)
+    gib = 2**30
+    for row in chosen:
+        console.print(f"measuring {row.precision}, {row.activation_checkpointing}, micro-batch "
+                      f"{row.micro_batch_size} x {row.accumulation_steps}...")
+        got = measure_plan(factory, transforms.replace(
+            activation_checkpointing=row.activation_checkpointing), cfg.model.seq_len,
+            cfg.model.vocab_size, row.precision, row.micro_batch_size, row.accumulation_steps,
+            steps=steps)
+        table.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
+                      f"{row.tokens_per_s:,.0f}", f"{got.tokens_per_s:,.0f}",
+                      f"{row.predicted_peak_bytes / gib:.2f}", f"{got.peak_bytes / gib:.2f}")
+    console.print(table)
 
 
 def _loss_line(shape: Any, setting: int | str) -> str:

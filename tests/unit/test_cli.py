@@ -86,7 +86,10 @@ def test_help_lists_the_commands() -> None:
 
 
 def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
-    result = memtrain("plan", "-c", DEMO, "--device-memory", "1GiB")
+    """Peaks and predicted tokens/s per row, ``auto``'s row marked, and ``--measure`` running
+    the fastest predicted plans on this CPU beside their predictions."""
+    result = memtrain("plan", "-c", DEMO, "--device-memory", "1GiB", "--measure", "--top", "2",
+                      "--steps", "1")
     assert result.returncode == 0, result.stderr
     table = result.stdout
     for mode in ("none", "selective", "full"):
@@ -96,6 +99,24 @@ def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
     # An 80-column terminal shows every line whole: no header or value cut to "…".
     assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80, table
     assert "backward start" in table and "selective" in table
+    assert "tokens/s" in table and table.count("<- auto") == 1, table
+    assert "speed: " in table and "measured on this CPU" in table
+    measured = table[table.index("measured: 2 fastest predicted plans"):]
+    rows = [line.split() for line in measured.splitlines()
+            if line.split() and line.split()[0] in ("fp32", "bf16")]
+    assert len(rows) == 2, measured
+    for row in rows:  # predicted and measured tokens/s, predicted and measured peak GiB
+        predicted, got = (float(v.replace(",", "")) for v in row[3:5])
+        assert predicted > 0 and got > 0
+        assert float(row[5]) > 0 and float(row[6]) > 0
+
+
+def test_plan_measures_cpu_configs_only(capsys: pytest.CaptureFixture[str]) -> None:
+    result = memtrain_here(capsys, "plan", "-c", DEMO, "--measure", "--set",
+                           "parallel.use_gpu=true")
+    assert result.returncode == 2
+    assert "--measure runs plans on this machine's CPU" in result.stderr
+    assert "parallel.use_gpu" in result.stderr
 
 
 def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) -> None:

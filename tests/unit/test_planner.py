@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -244,17 +245,29 @@ def test_choose_plan_with_a_fixed_micro_batch_picks_the_mode() -> None:
         == ("full", 8, 1)
 
 
-def test_auto_config_resolves_before_launch(corpus_dir, tmp_path) -> None:
+def test_auto_config_resolves_before_launch(corpus_dir, tmp_path, caplog) -> None:
+    """Micro-batch, checkpointing and precision by predicted tokens/s, the first line saying
+    why in numbers; the run's config.yaml holds the choice."""
     from tests.conftest import tiny_config
     from trainer.launch.prepare import prepare_run
 
-    cfg, run_dir = prepare_run(tiny_config(
-        corpus_dir, tmp_path, "train.micro_batch_size=auto",
-        "memory.activation_checkpointing=auto", "memory.device_memory=64MiB", "run.name=auto"))
+    with caplog.at_level("INFO", logger="memtrain"):
+        cfg, run_dir = prepare_run(tiny_config(
+            corpus_dir, tmp_path, "train.micro_batch_size=auto", "memory.precision=auto",
+            "memory.activation_checkpointing=auto", "memory.device_memory=64MiB",
+            "run.name=auto"))
     assert isinstance(cfg.train.micro_batch_size, int)
     assert cfg.memory.activation_checkpointing in ("none", "selective", "full")
+    assert cfg.memory.precision in ("fp32", "bf16")
     assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * 2) == 0
-    assert "micro_batch_size: auto" not in (run_dir / "config.yaml").read_text()
+    written = (run_dir / "config.yaml").read_text()
+    assert "micro_batch_size: auto" not in written and "precision: auto" not in written
+    [line] = [r.getMessage() for r in caplog.records if "the fastest of" in r.getMessage()]
+    assert (f"auto: precision {cfg.memory.precision}, activation checkpointing "
+            f"{cfg.memory.activation_checkpointing}, micro-batch {cfg.train.micro_batch_size}"
+            in line), line
+    assert re.search(r"predicted [\d,]+ tokens/s \(.+\), the fastest of \d+ plans "
+                     r"that fit; next: (fp32|bf16), checkpointing", line), line
 
 
 class _ConvertingBlock(torch.nn.Module):

@@ -1,10 +1,12 @@
-"""``auto`` choices resolved in the driver before launch, with the memory planner.
+"""``auto`` choices resolved in the driver before launch, with the memory planner and its time
+model.
 
 ``resolve_auto`` replaces ``train.micro_batch_size: auto``, ``memory.activation_checkpointing:
-auto`` and ``memory.bf16_norm_inputs: auto`` by the planner's choice
-(``trainer.memory.planner.choose_plan``, ``choose_norm_inputs``), against one device's memory
-(``memory.device_memory``, or what the driver can read). ``probe_config`` gives the planner its
-inputs for a config; ``memtrain plan`` uses it too.
+auto`` and ``memory.bf16_norm_inputs: auto`` (and ``memory.precision: auto`` where it searches
+micro-batch or checkpointing) by the plan with the most predicted tokens/s among those that fit
+one device's memory (``memory.device_memory``, or what the driver can read): the planner's peak
+(``trainer.memory.planner``) and step time (``trainer.memory.speed``). ``probe_config`` and
+``speed_model`` give the planner its inputs for a config; ``memtrain plan`` uses them too.
 """
 
 from __future__ import annotations
@@ -20,17 +22,19 @@ from monitoring.units import parse_bytes
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.compat import fake_tensor_mode
 from trainer.config import Config, ConfigError
+from trainer.memory.oom import oom_recovery_on
 from trainer.memory.planner import (
     AC_MODES,
     ActivationProfile,
     PlanRow,
     StaticBytes,
     choose_norm_inputs,
-    choose_plan,
+    feasible_plans,
     profile_all,
     static_bytes,
 )
 from trainer.memory.precision import resolve_precision
+from trainer.memory.speed import SpeedModel, cpu_speed, gpu_speed
 
 log = logging.getLogger("memtrain")
 
@@ -63,25 +67,60 @@ def planned_precision(cfg: Config) -> str:
     return resolve_precision("auto", device, cfg.parallel.strategy).name
 
 
-def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
-                 ) -> tuple[StaticBytes, list[ActivationProfile]]:
+def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str],
+                 work: bool = False) -> tuple[StaticBytes, list[ActivationProfile]]:
     """The planner's inputs for ``cfg``: one rank's static bytes and an activation profile per
-    (precision, checkpointing) pair, probed on CPU for the configured device type."""
+    (precision, checkpointing) pair, probed on CPU for the configured device type (``work``:
+    with the step's operators recorded, for ``speed_model``)."""
     factory = model_factory(cfg.model)
     transforms = MemoryTransforms.of(cfg.memory)
     profiles = profile_all(factory, transforms, cfg.model.seq_len, cfg.model.vocab_size,
                            precisions, ac_modes,
-                           target="cuda" if cfg.parallel.use_gpu else "cpu")
+                           target="cuda" if cfg.parallel.use_gpu else "cpu", work=work)
     with fake_tensor_mode():  # only sizes are counted: no memory, no initialisation
         plain = build_model(factory, transforms.replace(activation_checkpointing="none"))
         static = static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers)
     return static, profiles
 
 
+def speed_model(cfg: Config, gpu: str | None = None) -> SpeedModel:
+    """The time model for ``cfg``'s device: this CPU, calibrated (``trainer.memory.speed.
+    cpu_speed``, cached), or a GPU's peak figures: ``gpu`` by name, else the driver's own GPU,
+    else an H200's (said in the log)."""
+    if cfg.parallel.use_gpu:
+        if gpu is None and torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+        if gpu is None:
+            log.info("auto: planning speed with an H200's figures (this machine has no GPU)")
+        try:
+            device = gpu_speed(gpu or "h200")
+        except ValueError as err:
+            log.info("auto: %s; planning speed with an H200's", err)
+            device = gpu_speed("h200")
+    else:
+        device = cpu_speed()
+    overlap = not oom_recovery_on(cfg.memory.oom_recovery,
+                                  torch.device("cuda" if cfg.parallel.use_gpu else "cpu"))
+    return SpeedModel(device, cfg.parallel.workers, overlap_allreduce=overlap)
+
+
+def precision_candidates(cfg: Config) -> list[str]:
+    """``memory.precision: auto``: the precision ``auto`` resolves to on this device, and the
+    other of fp32 and the low precision, for the time model to choose between."""
+    planned = planned_precision(cfg)
+    if cfg.memory.precision != "auto":
+        return [planned]
+    return [planned, "bf16" if planned == "fp32" else "fp32"]
+
+
+def _tokens(row: PlanRow) -> str:
+    return f"{row.tokens_per_s:,.0f} tokens/s"
+
+
 def resolve_auto(cfg: Config) -> Config:
     """Replace ``micro_batch_size: auto``, ``activation_checkpointing: auto`` and
-    ``bf16_norm_inputs: auto`` by the planner's choice (``trainer.memory.planner.choose_plan``,
-    ``choose_norm_inputs``); configs without ``auto`` pass unchanged."""
+    ``bf16_norm_inputs: auto`` (and ``precision: auto`` with either of the first two) by the
+    fitting plan with the most predicted tokens/s; configs without ``auto`` pass unchanged."""
     micro_auto = cfg.train.micro_batch_size == "auto"
     ac_auto = cfg.memory.activation_checkpointing == "auto"
     norm_auto = cfg.memory.bf16_norm_inputs == "auto"
@@ -91,7 +130,8 @@ def resolve_auto(cfg: Config) -> Config:
     if cfg.train.global_batch_size % world:
         raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
                           f"multiple of the workers ({world})")
-    precision = planned_precision(cfg)
+    searching = micro_auto or ac_auto
+    precisions = precision_candidates(cfg) if searching else [planned_precision(cfg)]
 
     def resolved(plan: PlanRow | None, norm: bool | str) -> Config:
         memory: dict[str, Any] = {"bf16_norm_inputs": norm}
@@ -99,46 +139,67 @@ def resolve_auto(cfg: Config) -> Config:
         if plan is not None:
             memory["activation_checkpointing"] = plan.activation_checkpointing
             train["micro_batch_size"] = plan.micro_batch_size
+            if len(precisions) > 1:
+                memory["precision"] = plan.precision
         return cfg.model_copy(update={
             "train": cfg.train.model_copy(update=train),
             "memory": cfg.memory.model_copy(update=memory)})
 
-    if norm_auto and precision != "bf16":  # the copies exist only under bf16 autocast
+    if norm_auto and "bf16" not in precisions:  # the copies exist only under bf16 autocast
         cfg, norm_auto = resolved(None, False), False
-        if not (micro_auto or ac_auto):
+        if not searching:
             return cfg
     try:
         budget = device_memory_bytes(cfg)
     except ConfigError:
-        if micro_auto or ac_auto:
+        if searching:
             raise
         log.info("auto: bf16 norm inputs on (this machine cannot read the GPU's memory and "
                  "memory.device_memory is unset; on fits more)")
         return resolved(None, True)
     modes = AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,)
     fixed = None if micro_auto else cfg.train.micro_batch()
+    speed = speed_model(cfg)
 
-    def plan_with(norm: bool) -> PlanRow | None:
+    def plans_with(precision: str, norm: bool) -> list[PlanRow]:
+        """The fitting plans, fastest first (one per checkpointing mode)."""
         static, profiles = probe_config(
             cfg.model_copy(update={"memory": cfg.memory.model_copy(
-                update={"bf16_norm_inputs": norm})}), [precision], modes)
-        return choose_plan(static, profiles, cfg.train.global_batch_size, world, budget, fixed)
+                update={"bf16_norm_inputs": norm})}), [precision], modes, work=True)
+        return feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
+                              speed=speed, micro_batch_size=fixed)
 
-    norm: bool | str = cfg.memory.bf16_norm_inputs
-    if norm_auto:
-        without, with_ = plan_with(False), plan_with(True)
-        norm, why = choose_norm_inputs(without, with_, cfg.train.global_batch_size // world)
-        plan = with_ if norm else without
-        log.info("auto: bf16 norm inputs %s (%s)", "on" if norm else "off", why)
-    else:
-        plan = plan_with(norm is True)
-    if plan is None:
-        if micro_auto or ac_auto:
+    fallback_norm = cfg.memory.bf16_norm_inputs
+    norms: dict[str, bool | str] = {}
+    found: dict[str, list[PlanRow]] = {}
+    for precision in precisions:
+        if precision == "bf16" and norm_auto:
+            without, with_ = plans_with("bf16", False), plans_with("bf16", True)
+            on, why = choose_norm_inputs(without[0] if without else None,
+                                         with_[0] if with_ else None,
+                                         cfg.train.global_batch_size // world)
+            fallback_norm = on
+            log.info("auto: bf16 norm inputs %s (%s)", "on" if on else "off", why)
+            norms["bf16"], found["bf16"] = on, with_ if on else without
+        else:
+            norms[precision] = cfg.memory.bf16_norm_inputs
+            found[precision] = plans_with(precision, cfg.memory.bf16_norm_inputs is True)
+    rows = sorted((row for plans in found.values() for row in plans),
+                  key=lambda r: -r.tokens_per_s)
+    if not rows:
+        if searching:
             raise ConfigError(f"nothing fits {budget / 2**30:.1f} GiB per device with "
-                              f"precision {precision} (memory.device_memory); try FSDP, a "
-                              "shorter sequence or a smaller model")
-        return resolved(None, norm)  # the run's own OOM handling has the last word
-    log.info("auto: activation checkpointing %s, micro-batch %d x accumulation %d; predicted "
-             "peak %.2f GiB of %.2f GiB", plan.activation_checkpointing, plan.micro_batch_size,
-             plan.accumulation_steps, plan.predicted_peak_bytes / 2**30, budget / 2**30)
-    return resolved(plan, norm)
+                              f"precision {' or '.join(precisions)} (memory.device_memory); "
+                              "try FSDP, a shorter sequence or a smaller model")
+        return resolved(None, fallback_norm)  # the run's own OOM handling has the last word
+    plan = rows[0]
+    others = rows[1:]
+    runner_up = (f"; next: {others[0].precision}, checkpointing "
+                 f"{others[0].activation_checkpointing}, micro-batch "
+                 f"{others[0].micro_batch_size}, {_tokens(others[0])}") if others else ""
+    log.info("auto: precision %s, activation checkpointing %s, micro-batch %d x accumulation %d:"
+             " predicted %s (%s), the fastest of %d plans that fit%s; predicted peak %.2f GiB "
+             "of %.2f GiB", plan.precision, plan.activation_checkpointing, plan.micro_batch_size,
+             plan.accumulation_steps, _tokens(plan), speed.device.name, len(rows), runner_up,
+             plan.predicted_peak_bytes / 2**30, budget / 2**30)
+    return resolved(plan, norms[plan.precision])

@@ -54,6 +54,7 @@ from trainer.compat import cpu_bf16_support, fake_tensor_mode, is_checkpoint_wra
 from trainer.errors import first_line
 from trainer.memory.loss import LossShape, observe_chunked_losses, summed_loss
 from trainer.memory.precision import precision_policy
+from trainer.memory.speed import SpeedModel, StepWork, record_work
 
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -110,6 +111,8 @@ class ActivationProfile:
     # CPU without native bf16: what its emulated matrix products allocate beyond the fp32
     # kernels' own workspace, per sample (``emulated_bf16_workspace``; 0 elsewhere).
     emulation_workspace_per_sample_bytes: int = 0
+    # The step's operators, for the time model (``trainer.memory.speed``; None: not recorded).
+    work: StepWork | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def saved_bytes(self, batch: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * batch
@@ -128,6 +131,9 @@ class PlanRow:
     recompute_cost: float  # extra step time from recomputation, as a share of forward+backward
     # forward end | loss backward | backward start | backward end | optimizer step
     peak_moment: str = "forward end"
+    # Predicted by the time model (``trainer.memory.speed``); 0: not predicted.
+    step_seconds: float = 0.0
+    tokens_per_s: float = 0.0  # all ranks together
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -304,8 +310,8 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...],
 
 def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                         vocab_size: int, precision: str, device: torch.device | None = None,
-                        target: str | None = None, fake: bool | None = None
-                        ) -> ActivationProfile:
+                        target: str | None = None, fake: bool | None = None,
+                        work: bool = False) -> ActivationProfile:
     """Probe a model built with ``transforms`` at batch 1 and 2 and fit
     ``fixed + per_sample * batch``.
 
@@ -320,6 +326,9 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     most CPUs). The saved bytes are the real probe's to the byte
     (``tests/unit/test_planner.py``). A model whose forward cannot run on fake tensors (it
     reads a value, calls numpy) is probed for real, with a log line that says so.
+
+    ``work``: also count the step's operators for the time model
+    (``trainer.memory.speed.record_work``; on fake tensors, or real ones where those fail).
     """
     device = device or torch.device("cpu")
     target = target or device.type
@@ -341,6 +350,9 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
         first_block = build_model(factory, plain).get_submodule("blocks.0")
         profile = dataclasses.replace(profile, emulation_workspace_per_sample_bytes=(
             emulated_bf16_workspace(first_block, block_call.sample_shape, block_call)))
+    if work:
+        profile = dataclasses.replace(profile, work=record_work(
+            factory, transforms, seq_len, vocab_size, precision))
     return profile
 
 
@@ -407,7 +419,9 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
-             accumulation_steps: int) -> PlanRow:
+             accumulation_steps: int, speed: SpeedModel | None = None) -> PlanRow:
+    """The predicted peak of one plan and, with a ``speed`` model and the profile's recorded
+    work, its predicted step time and tokens/s."""
     activations = profile.saved_bytes(micro_batch_size)
     tokens = micro_batch_size * profile.seq_len
     loss = profile.loss_shape.transient_bytes(tokens) if profile.loss_shape else 0
@@ -440,69 +454,76 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
         moments["backward end"] = static.grads + in_flight
     moment = max(moments, key=lambda name: moments[name])
     peak = static.params + static.optimizer + moments[moment]
+    timing = speed.predict(profile.work, micro_batch_size, accumulation_steps) \
+        if speed is not None and profile.work is not None else None
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations,
                    peak - static.params - static.optimizer - activations, peak,
-                   profile.recompute_fraction, moment)
+                   profile.recompute_fraction, moment,
+                   timing.seconds if timing else 0.0, timing.tokens_per_s if timing else 0.0)
 
 
 def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
                    global_batch_size: int, world_size: int, device_memory_bytes: int,
-                   headroom: float = HEADROOM) -> list[PlanRow]:
+                   headroom: float = HEADROOM, speed: SpeedModel | None = None,
+                   micro_batch_size: int | None = None) -> list[PlanRow]:
     """Every (precision, checkpointing, micro-batch) that keeps the global batch and fits.
 
-    Micro-batches are the divisors of the per-rank batch; for each profile only the largest
-    micro-batch that fits ``headroom`` of the device is kept (the fastest choice for it).
-    Rows are sorted by recompute cost, then by predicted peak.
+    Micro-batches are the divisors of the per-rank batch (only ``micro_batch_size`` where one
+    is given). Without a ``speed`` model, each profile keeps the largest micro-batch that fits
+    ``headroom`` of the device, and rows are sorted by recompute cost, then by predicted peak.
+    With one, each profile keeps its fastest fitting micro-batch, and rows are sorted by
+    predicted tokens/s, fastest first.
     """
     per_rank, remainder = divmod(global_batch_size, world_size)
     if remainder:
         raise ValueError(f"global batch {global_batch_size} is not divisible by world size "
                          f"{world_size}")
     budget = int(device_memory_bytes * headroom)
+    micros = [micro_batch_size] if micro_batch_size else \
+        sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True)
     rows = []
     for profile in profiles:
-        for micro in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0),
-                            reverse=True):
-            row = plan_row(static, profile, micro, per_rank // micro)
-            if row.predicted_peak_bytes <= budget:
-                rows.append(row)
-                break
+        fitting = [row for row in (plan_row(static, profile, micro, per_rank // micro, speed)
+                                   for micro in micros)
+                   if row.predicted_peak_bytes <= budget]
+        if fitting:
+            rows.append(max(fitting, key=lambda r: r.tokens_per_s) if speed else fitting[0])
+    if speed is not None:
+        return sorted(rows, key=lambda r: -r.tokens_per_s)
     return sorted(rows, key=lambda r: (r.recompute_cost, r.predicted_peak_bytes))
 
 
 def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                 vocab_size: int, precisions: Iterable[str], ac_modes: Iterable[str],
-                device: torch.device | None = None, target: str | None = None
-                ) -> list[ActivationProfile]:
-    """One activation profile per (precision, checkpointing) pair."""
+                device: torch.device | None = None, target: str | None = None,
+                work: bool = False) -> list[ActivationProfile]:
+    """One activation profile per (precision, checkpointing) pair (``work``: with the step's
+    operators recorded for the time model)."""
     return [profile_activations(factory, transforms.replace(activation_checkpointing=mode),
-                                seq_len, vocab_size, precision, device, target)
+                                seq_len, vocab_size, precision, device, target, work=work)
             for precision in precisions for mode in ac_modes]
 
 
 def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,
                 world_size: int, device_memory_bytes: int, micro_batch_size: int | None = None,
-                min_micro_batch: int = MIN_MICRO_BATCH, headroom: float = HEADROOM
-                ) -> PlanRow | None:
-    """The plan for ``auto``: the cheapest checkpointing that fits, with a useful micro-batch.
+                min_micro_batch: int = MIN_MICRO_BATCH, headroom: float = HEADROOM,
+                speed: SpeedModel | None = None) -> PlanRow | None:
+    """The plan for ``auto``; None when nothing fits.
 
-    ``micro_batch_size`` None means auto: each profile gets the largest micro-batch that fits.
-    Among the rows that fit, the least recomputation wins, provided its micro-batch is at least
-    ``min_micro_batch`` (or the whole per-rank batch, if smaller); otherwise the row with the
-    largest micro-batch. None when nothing fits.
+    ``micro_batch_size`` None means auto: every divisor of the per-rank batch is a candidate.
+    With a ``speed`` model (and profiles with their work recorded): the fitting row with the
+    most predicted tokens/s. Without: the least recomputation, provided its micro-batch is at
+    least ``min_micro_batch`` (or the whole per-rank batch, if smaller); otherwise the row with
+    the largest micro-batch.
     """
-    per_rank = global_batch_size // world_size
-    if micro_batch_size is None:
-        rows = feasible_plans(static, profiles, global_batch_size, world_size,
-                              device_memory_bytes, headroom)
-    else:
-        rows = [row for row in (plan_row(static, p, micro_batch_size,
-                                         per_rank // micro_batch_size) for p in profiles)
-                if row.predicted_peak_bytes <= device_memory_bytes * headroom]
-        rows.sort(key=lambda r: (r.recompute_cost, r.predicted_peak_bytes))
+    rows = feasible_plans(static, profiles, global_batch_size, world_size, device_memory_bytes,
+                          headroom, speed, micro_batch_size)
     if not rows:
         return None
+    if speed is not None and all(row.tokens_per_s for row in rows):
+        return rows[0]
+    per_rank = global_batch_size // world_size
     useful = [r for r in rows if r.micro_batch_size >= min(min_micro_batch, per_rank)]
     return useful[0] if useful else max(rows, key=lambda r: r.micro_batch_size)
 
@@ -510,11 +531,12 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
 def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank: int,
                        min_micro_batch: int = MIN_MICRO_BATCH) -> tuple[bool, str]:
     """``memory.bf16_norm_inputs: auto``: whether the plan with bf16 norm inputs (``with_``)
-    beats the one without (``without``; each ``choose_plan``'s answer, None: nothing fits),
+    beats the one without (``without``; each the best plan that fits, None: nothing fits),
     and why, in words for the log.
 
     The bf16 copies save memory and cost time (5.5% of an eager GPT-2 step, measured on an
-    H200), so they are on only when their bytes buy something: a plan that fits at all, less
+    H200). With both plans' tokens/s predicted (``trainer.memory.speed``), the faster wins.
+    Without, they are on only when their bytes buy something: a plan that fits at all, less
     recomputation, or a useful micro-batch (``choose_plan``'s ``min_micro_batch``) where the
     plan without them has none. Recomputation costs more than they do (a sixth of a step for
     selective checkpointing)."""
@@ -522,6 +544,12 @@ def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank:
         return True, "needed to fit" if with_ is not None else "nothing fits without them"
     if with_ is None:
         return False, "not needed"
+    if with_.tokens_per_s and without.tokens_per_s:
+        faster = with_.tokens_per_s > without.tokens_per_s
+        return faster, (f"predicted {with_.tokens_per_s:,.0f} tokens/s with them "
+                        f"(checkpointing {with_.activation_checkpointing}, micro-batch "
+                        f"{with_.micro_batch_size}), {without.tokens_per_s:,.0f} without "
+                        f"({without.activation_checkpointing}, {without.micro_batch_size})")
     if with_.recompute_cost < without.recompute_cost:
         return True, (f"checkpointing {with_.activation_checkpointing} fits with them, "
                       f"{without.activation_checkpointing} without")

@@ -1,0 +1,183 @@
+"""The planner's time model: operators counted as the step runs them, a calibration cached per
+machine, step times composed from them, and ``auto`` choosing by predicted tokens/s, checked
+against measured steps."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.build import MemoryTransforms
+from trainer.memory import speed
+from trainer.memory.planner import (
+    choose_plan,
+    plan_row,
+    profile_activations,
+    static_bytes,
+)
+from trainer.memory.speed import (
+    DeviceSpeed,
+    SpeedModel,
+    StepWork,
+    Work,
+    gpu_speed,
+    measure_plan,
+    record_work,
+    step_time,
+)
+from trainer.model import GPT, GPTConfig
+
+CFG = GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=32, vocab_size=256)
+
+
+def _matmul_flops(work: Work) -> float:
+    return sum(v for k, v in work.amount.items() if k.startswith("matmul:"))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_step_is_counted_operator_by_operator(batch: int) -> None:
+    """Every matrix product of forward and backward, to the FLOP: 6 x tokens x the weights'
+    elements (forward 2, backward 4); full checkpointing adds the blocks' forward again, but
+    for each block's last product (the MLP's output projection): torch's non-reentrant
+    checkpoint stops recomputing once it has every tensor backward needs."""
+    L, C, V, T = CFG.n_layer, CFG.n_embd, CFG.vocab_size, CFG.seq_len
+    tokens = batch * T
+    blocks = 12 * L * C * C  # qkv 3C^2, projection C^2, MLP 8C^2 per block
+    plain = MemoryTransforms("none", loss_chunk_tokens=0)
+    work = record_work(partial(GPT, CFG), plain, T, V, "fp32")
+    assert _matmul_flops(work.forward_backward(batch)) == 6 * tokens * (blocks + V * C)
+    full = record_work(partial(GPT, CFG), plain.replace(activation_checkpointing="full"), T, V,
+                       "fp32")
+    assert _matmul_flops(full.forward_backward(batch)) \
+        == 6 * tokens * (blocks + V * C) + 2 * tokens * (blocks - L * 4 * C * C)
+    assert work.forward_backward(batch).amount["attention:fp32"] > 0
+    # bf16 autocast: the products run in bf16, and the casts are counted as conversions.
+    bf16 = record_work(partial(GPT, CFG), plain, T, V, "bf16").forward_backward(batch)
+    assert _matmul_flops(bf16) == _matmul_flops(work.forward_backward(batch))
+    assert all(":bf16" in k for k in bf16.amount if k.startswith("matmul:"))
+    assert bf16.amount["convert:fp32"] > 0
+
+
+def test_the_optimizer_step_moves_every_parameter() -> None:
+    work = record_work(partial(GPT, CFG), MemoryTransforms("none"), CFG.seq_len,
+                       CFG.vocab_size, "fp32")
+    n = sum(p.numel() for p in {id(p): p for p in GPT(CFG).parameters()}.values())
+    assert work.grad_bytes == 4 * n
+    moved = sum(work.optimizer.amount.values())
+    # AdamW reads and writes the weight, its gradient and two moments: well over 16 B each.
+    assert 16 * n < moved < 200 * n
+
+
+def _device(**op_seconds: float) -> DeviceSpeed:
+    return DeviceSpeed("test", {"matmul:fp32": 1e9, "memory:fp32": 1e9},
+                       {"matmul": 0.0, "memory": 0.0, "view": 0.0, **op_seconds}, 1e9)
+
+
+def test_a_step_is_accumulation_forward_backwards_an_optimizer_step_and_the_all_reduce() -> None:
+    fb1 = Work({"matmul:fp32": 10}, {"matmul:fp32": 1e9})  # 1 s a sample
+    fb2 = Work({"matmul:fp32": 10}, {"matmul:fp32": 2e9})
+    work = StepWork(fb1, fb2, Work({"memory:fp32": 1}, {"memory:fp32": 5e8}), int(2e9), 100)
+    device = _device()
+    one = step_time(work, device, micro_batch=4, accumulation=2)
+    assert one.seconds == pytest.approx(2 * 4 + 0.5) and one.allreduce == 0
+    assert one.tokens_per_s == pytest.approx(8 * 100 / 8.5)
+    # Two ranks: a ring all-reduce moves 2 x (n-1)/n of the gradients, 2 s at 1 GB/s, hidden
+    # behind 2/3 of the last micro-batch's forward and backward (4 s) where DDP overlaps it.
+    overlapped = step_time(work, device, 4, 2, world_size=2)
+    assert overlapped.allreduce == 0 and overlapped.tokens_per_s == pytest.approx(
+        2 * one.tokens_per_s)
+    exposed = step_time(work, device, 4, 2, world_size=2, overlap_allreduce=False)
+    assert exposed.allreduce == pytest.approx(2.0)
+    # A fixed cost per operator makes small micro-batches slower per token.
+    slow_ops = _device(matmul=0.1)
+    assert step_time(work, slow_ops, 1, 8).tokens_per_s < step_time(work, slow_ops, 8, 1
+                                                                    ).tokens_per_s
+    # The loader prefetches: only what exceeds the step is added.
+    assert step_time(work, device, 4, 2, loader_seconds_per_sample=0.5).data == 0
+    assert step_time(work, device, 4, 2, loader_seconds_per_sample=2.0).data \
+        == pytest.approx(16 - 8.5)
+
+
+def test_gpus_are_planned_from_their_peaks() -> None:
+    h200 = gpu_speed("NVIDIA H200")
+    assert h200.rate("matmul:bf16:k256") == pytest.approx(989e12 * 0.4)
+    assert h200.rate("matmul:bf16:k256") > 10 * h200.rate("matmul:fp32")
+    assert gpu_speed("a100-sxm4-80gb").name == "A100"
+    with pytest.raises(ValueError, match="'MI300X' has no peak figures; known: h200"):
+        gpu_speed("MI300X")
+    # A GPU overlaps launching with computing: a step costs the larger of the two.
+    work = Work({"matmul:bf16": 1000}, {"matmul:bf16": 1e9})
+    assert h200.seconds(work) == pytest.approx(1000 * 6e-6)
+
+
+def test_the_calibration_is_measured_once_per_machine(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
+    calls = []
+    fake = DeviceSpeed("cpu", {"matmul:fp32": 1e11, "memory:fp32": 1e10}, {"matmul": 1e-5},
+                       1e9, source="measured")
+
+    def calibrate() -> DeviceSpeed:
+        calls.append(1)
+        return fake
+
+    monkeypatch.setattr(speed, "calibrate_cpu", calibrate)
+    assert speed.cpu_speed() == fake and speed.cpu_speed() == fake
+    assert len(calls) == 1
+    [cached] = tmp_path.glob("cpu-speed-*.json")
+    assert json.loads(cached.read_text())["rates"] == fake.rates
+    cached.write_text("{not json")  # a damaged cache is measured again, not an error
+    assert speed.cpu_speed() == fake and len(calls) == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count: its own
+    speed.cpu_speed()
+    assert len(calls) == 3 and len(list(tmp_path.glob("cpu-speed-*.json"))) == 2
+
+
+def test_this_cpus_calibration_ranks_the_kernels_it_has() -> None:
+    """Real figures: every rate positive; an operator's fixed cost under a millisecond; and a
+    matrix product does more FLOPs a second than GELU moves bytes."""
+    device = speed.cpu_speed()
+    assert all(rate > 0 for rate in device.rates.values())
+    assert 0 < device.op_seconds["memory"] < 1e-3
+    for dtype in ("fp32", "bf16"):
+        assert device.rate(f"matmul:{dtype}:k256") > device.rate(f"math:{dtype}")
+
+
+DEEP = GPTConfig(seq_len=256, n_layer=12, n_head=2, n_embd=64, vocab_size=256)
+
+
+def test_auto_takes_no_checkpointing_at_a_smaller_micro_batch_when_it_is_faster() -> None:
+    """The case the old rule got wrong: where no checkpointing fits micro-batch 2 only, the
+    old rule took full checkpointing at 16 (the least recomputation with a micro-batch of at
+    least 4). On a CPU a step of this model is mostly arithmetic, which recomputation adds to
+    and a larger micro-batch barely speeds up: the time model takes micro-batch 2 without
+    checkpointing, and measured steps agree (about 25% faster on the AMD EPYC, one thread)."""
+    factory = partial(GPT, DEEP)
+    transforms = MemoryTransforms("none", loss_chunk_tokens=0)
+    profiles = [profile_activations(factory, transforms.replace(activation_checkpointing=m),
+                                    DEEP.seq_len, DEEP.vocab_size, "fp32", work=True)
+                for m in ("none", "full")]
+    static = static_bytes(GPT(DEEP))
+    none, full = profiles
+
+    def peak(profile, micro):  # noqa: ANN001, ANN202
+        return plan_row(static, profile, micro, 16 // micro).predicted_peak_bytes
+
+    budget = peak(full, 16)
+    assert peak(none, 2) <= budget < peak(none, 4)  # none fits micro-batch 2 at most
+    model = SpeedModel(speed.cpu_speed())
+    old = choose_plan(static, profiles, 16, 1, budget, headroom=1.0)
+    new = choose_plan(static, profiles, 16, 1, budget, headroom=1.0, speed=model)
+    assert old is not None and new is not None
+    assert (old.activation_checkpointing, old.micro_batch_size) == ("full", 16)
+    assert (new.activation_checkpointing, new.micro_batch_size) == ("none", 2)
+
+    def measured(mode: str, micro: int) -> float:
+        return measure_plan(factory, transforms.replace(activation_checkpointing=mode),
+                            DEEP.seq_len, DEEP.vocab_size, "fp32", micro, 16 // micro,
+                            steps=3, peak=False).tokens_per_s
+
+    assert measured("none", 2) > measured("full", 16)

@@ -1,0 +1,661 @@
+"""Predict a plan's step time before a run: the probed work over the device's measured speed.
+
+The work is counted, not guessed. ``record_work`` runs one training micro-batch's forward and
+backward on fake tensors (shapes, no data: ``trainer.compat.fake_tensor_mode``) under a
+dispatch mode that sees every ATen operator the step runs, recomputation by activation
+checkpointing, autocast's casts, bf16 norm copies and the chunked loss included. Each operator
+is one of three kinds:
+- ``matmul``: matrix products and attention, counted in FLOPs (torch's own FLOP formulas,
+  ``torch.utils.flop_counter``), by the dtype they run in;
+- ``memory``: every other operator that moves data, counted in bytes read and written;
+- ``view``: operators that only make a new view (``t``, ``view``, ``detach``): no bytes.
+The micro-batch is probed at 1 and 2 samples: every count is linear in the batch. The optimizer
+step (gradient clipping and AdamW, as ``trainer.step.train_step`` runs them) is recorded on
+small real stand-ins of the parameters and scaled by their sizes.
+
+The speed is measured (``calibrate``): on this machine's CPU, a few matrix products and
+elementwise operators in each dtype, the fixed cost of an operator in a real forward and
+backward (dispatch, autograd, Python), all cached per machine (``cache_dir``). A GPU named in
+the plan (``GPU_PEAKS``) is its datasheet peaks times the share of them that eager PyTorch
+reaches (``GPU_EFFICIENCY``, measured by ``make gpu-check``).
+
+A step of ``a`` micro-batches of ``m`` samples then takes
+``a * t_fb(m) + t_optimizer + t_allreduce_exposed``, each ``t`` the sum over kinds and dtypes
+of (operators x fixed cost + FLOPs / FLOP rate or bytes / bandwidth); a GPU's operators run
+behind their launches, so there the larger of the two. The gradient all-reduce (DDP, more than
+one rank) is hidden behind the last micro-batch's backward where DDP overlaps them; with OOM
+recovery on it runs after the backward, all of it exposed. The data loader's cost is the
+measured one (``loader_seconds_per_sample``); it prefetches on its own thread, so only what
+exceeds the step is added.
+
+Left out, and why the figures are for ranking plans more than for promising a number: cache
+effects of a shape (a CPU matrix product of a narrow shape runs below the calibrated rate),
+torch.compile's fusion (CUDA), kernel choice by shape on GPUs, the CPU contention of several
+workers on one host beyond the threads each gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
+from trainer.compat import fake_tensor_mode
+from trainer.memory.loss import summed_loss
+from trainer.memory.precision import precision_policy
+
+log = logging.getLogger("memtrain.planner")
+CALIBRATION_VERSION = 5
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Operator kinds: which are counted in FLOPs (the rest in bytes read and written).
+FLOP_KINDS = ("matmul", "attention")
+BYTE_KINDS = ("memory", "math", "convert")
+# Matrix products by their contraction dimension: the calibrated ones, the nearest taken.
+MATMUL_K = (64, 256, 1024)
+# Byte-counted operators that move at least this much run at the speed of memory, not of a
+# cache (``:big`` in their key): larger than the last-level cache of any CPU measured here.
+BIG_BYTES = 64 * 2**20
+# Datasheet peaks of the GPUs a plan can name (dense, no sparsity): FLOP/s per dtype (fp32
+# without TF32: torch's default for matrix products) and memory bandwidth in bytes/s.
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "h200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "bandwidth": 4.8e12},
+    "h100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "bandwidth": 3.35e12},
+    "a100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "bandwidth": 2.0e12},
+}
+# The share of those peaks an eager PyTorch step reaches, and the fixed cost of launching one
+# operator. Until ``make gpu-check`` has measured them on the GPU in question: the figures
+# commonly reported for eager GPT-2-sized training (about 40% MFU; half the bandwidth).
+GPU_EFFICIENCY = {"matmul": 0.4, "memory": 0.5}
+GPU_LAUNCH_SECONDS = 6e-6
+# Collective bandwidth for DDP's all-reduce (bus bytes/s): NVLink between the GPUs of a node
+# (H100/H200 class, about a third of its 900 GB/s after NCCL's protocol); gloo over loopback
+# on CPU, an estimate of the order bench/trainer.py sees with 2 ranks.
+ALLREDUCE_BYTES_PER_S = {"cuda": 300e9, "cpu": 1.5e9}
+VIEW_OPS = frozenset({"aten.view", "aten._unsafe_view", "aten.t", "aten.transpose",
+                      "aten.permute", "aten.expand", "aten.detach", "aten.alias", "aten.slice",
+                      "aten.split", "aten.split_with_sizes", "aten.unsqueeze", "aten.squeeze",
+                      "aten.select", "aten.as_strided", "aten.unbind", "aten.chunk",
+                      "aten.reshape", "aten.lift_fresh", "aten.unflatten", "aten._reshape_alias",
+                      "aten.empty_like", "aten.empty", "aten.new_empty", "aten.empty_strided"})
+# Operators that compute more than they move (transcendentals, normalisations, softmax):
+# calibrated with GELU, not with a product.
+MATH_OPS = frozenset({"aten.gelu", "aten.gelu_backward", "aten.silu", "aten.silu_backward",
+                      "aten.native_layer_norm", "aten.native_layer_norm_backward",
+                      "aten._softmax", "aten._softmax_backward_data", "aten._log_softmax",
+                      "aten._log_softmax_backward_data", "aten.exp", "aten.tanh", "aten.erf",
+                      "aten.sigmoid", "aten.rsqrt", "aten.pow", "aten.mean", "aten.sum",
+                      "aten._fused_rms_norm", "aten._fused_rms_norm_backward", "aten.cos",
+                      "aten.sin", "aten.sqrt", "aten.var_mean", "aten.nll_loss_forward",
+                      "aten.nll_loss_backward", "aten.linalg_vector_norm"})
+CONVERT_OPS = frozenset({"aten._to_copy", "aten.copy_", "aten.to", "aten.clone"})
+# Attention kernels, with the argument index where query, key and value start.
+SDPA_OPS = {"aten._scaled_dot_product_flash_attention_for_cpu": ("forward", 0),
+            "aten._scaled_dot_product_flash_attention_for_cpu_backward": ("backward", 1),
+            "aten._scaled_dot_product_flash_attention": ("forward", 0),
+            "aten._scaled_dot_product_flash_attention_backward": ("backward", 1),
+            "aten._scaled_dot_product_efficient_attention": ("forward", 0),
+            "aten._scaled_dot_product_efficient_attention_backward": ("backward", 1),
+            "aten._scaled_dot_product_cudnn_attention": ("forward", 0),
+            "aten._scaled_dot_product_cudnn_attention_backward": ("backward", 1)}
+MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+
+
+@dataclass
+class Work:
+    """Operators and their FLOPs or bytes, by key ``kind:dtype`` (``matmul:dtype:kK`` for a
+    matrix product with contraction dimension near K)."""
+
+    ops: dict[str, float] = field(default_factory=dict)
+    amount: dict[str, float] = field(default_factory=dict)  # FLOPs or bytes, by kind
+
+    def add(self, key: str, amount: float = 0.0) -> None:
+        self.ops[key] = self.ops.get(key, 0) + 1
+        self.amount[key] = self.amount.get(key, 0) + amount
+
+    def kinds(self) -> set[str]:
+        return set(self.ops) | set(self.amount)
+
+    def combine(self, other: Work, a: float, b: float) -> Work:
+        """``a * self + b * other``, key by key."""
+        keys = self.kinds() | other.kinds()
+        return Work({k: a * self.ops.get(k, 0) + b * other.ops.get(k, 0) for k in keys},
+                    {k: a * self.amount.get(k, 0) + b * other.amount.get(k, 0) for k in keys})
+
+    def scaled(self, factor: float) -> Work:
+        """The same operators on tensors ``factor`` times as large."""
+        return Work(dict(self.ops), {k: v * factor for k, v in self.amount.items()})
+
+    def flops(self) -> float:
+        return sum(v for k, v in self.amount.items() if k.split(":")[0] in FLOP_KINDS)
+
+
+def _dtype_name(tensors: list[torch.Tensor]) -> str:
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            return DTYPES.get(tensor.dtype, "fp32")
+    return "fp32"
+
+
+def matmul_bucket(k: int) -> int:
+    """The calibrated contraction dimension nearest ``k`` (in ratio)."""
+    return min(MATMUL_K, key=lambda bucket: abs(math.log2(max(k, 1) / bucket)))
+
+
+def _contraction(name: str, args: Any) -> int:
+    """The contraction dimension of a matrix product's arguments."""
+    first = args[1] if name in ("aten.addmm", "aten.baddbmm") else args[0]
+    return int(first.shape[-1])
+
+
+class _WorkRecorder(TorchDispatchMode):
+    """Counts every ATen operator run inside it into a ``Work``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work = Work()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        from torch.utils.flop_counter import (
+            flop_registry,
+            sdpa_backward_flop_count,
+            sdpa_flop_count,
+        )
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        name = str(packet)
+        if not name.startswith("aten."):
+            return out
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        dtype = _dtype_name(inputs or outputs)
+        if name in SDPA_OPS:
+            direction, first = SDPA_OPS[name]
+            q, k, v = (args[first + i].shape for i in range(3))
+            flops = sdpa_flop_count(q, k, v) if direction == "forward" \
+                else sdpa_backward_flop_count(args[0].shape, q, k, v)
+            self.work.add(f"attention:{dtype}", flops)
+        elif name in MATMUL_OPS:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            self.work.add(f"matmul:{dtype}:k{matmul_bucket(_contraction(name, args))}", flops)
+        elif packet in flop_registry:  # convolutions and the like: a matrix product's rate
+            self.work.add(f"matmul:{dtype}", flop_registry[packet](*args, **kwargs,
+                                                                   out_val=out))
+        elif name in VIEW_OPS or func.is_view:
+            self.work.add(f"view:{dtype}")
+        else:
+            kind = "math" if name in MATH_OPS else "convert" if name in CONVERT_OPS \
+                else "memory"
+            nbytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
+            self.work.add(f"{kind}:{dtype}{':big' if nbytes >= BIG_BYTES else ''}", nbytes)
+        return out
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Work]:
+    recorder = _WorkRecorder()
+    with recorder:
+        yield recorder.work
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One rank's work in a step: forward+backward of one micro-batch at 1 and 2 samples, the
+    optimizer step, and the gradient bytes DDP all-reduces."""
+
+    forward_backward_1: Work
+    forward_backward_2: Work
+    optimizer: Work
+    grad_bytes: int
+    seq_len: int
+    autocast: bool = False  # recorded under bf16 or fp16 autocast
+    checkpointed_blocks: int = 0  # blocks activation checkpointing wrapped
+
+    def forward_backward(self, batch: int) -> Work:
+        return self.forward_backward_1.combine(self.forward_backward_2, 2 - batch, batch - 1)
+
+
+def record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
+                vocab_size: int, precision: str) -> StepWork:
+    """Count the operators of a training step of the model built with ``transforms``: on fake
+    tensors, or on real ones for a model whose forward cannot run on fake tensors."""
+    try:
+        with fake_tensor_mode():
+            return _record_work(factory, transforms, seq_len, vocab_size, precision)
+    except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
+        log.info("planner: counting the step's operators on real tensors (%s)",
+                 type(err).__name__)
+        return _record_work(factory, transforms, seq_len, vocab_size, precision)
+
+
+def _record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
+                 vocab_size: int, precision: str) -> StepWork:
+    policy = precision_policy(precision, torch.device("cpu"), warn=False)
+    model = build_model(factory, transforms)
+    model.train()
+    passes = []
+    for batch in (1, 2):
+        tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1))
+        with recording() as work:
+            summed_loss(model, tokens_BT, policy).backward()
+        model.zero_grad(set_to_none=True)
+        passes.append(work)
+    params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    shapes = [(p.dim(), p.numel(), p.element_size()) for p in params]
+    return StepWork(passes[0], passes[1], optimizer_work(shapes),
+                    sum(numel * size for _dim, numel, size in shapes), seq_len,
+                    policy.autocast_dtype is not None, len(checkpointed_blocks(model)))
+
+
+STAND_IN_NUMEL = 256
+
+
+def optimizer_work(shapes: list[tuple[int, int, int]]) -> Work:
+    """Gradient clipping and AdamW as ``trainer.step`` runs them on CPU, recorded on a real
+    stand-in of each parameter (``STAND_IN_NUMEL`` elements, a matrix where the parameter is
+    one: weight decay follows dimensions) and scaled to the parameters' sizes."""
+    from trainer.step import build_optimizer
+
+    stand_ins = nn.ParameterList(
+        nn.Parameter(torch.zeros(16, 16) if dim >= 2 else torch.zeros(STAND_IN_NUMEL))
+        for dim, _numel, _size in shapes)
+    for p in stand_ins:
+        p.grad = torch.zeros_like(p)
+    optimizer = build_optimizer(stand_ins, lr=1e-3, fused=False)
+    with recording() as work:
+        torch.nn.utils.clip_grad_norm_(stand_ins.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    numel = sum(numel for _dim, numel, _size in shapes)
+    return work.scaled(numel / max(1, STAND_IN_NUMEL * len(shapes)))
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """How fast a device runs each kind of work: ``rates`` in FLOP/s (matmul, attention) or
+    bytes/s (memory, math, convert) by key ``kind:dtype[:kK]``, the fixed seconds of one
+    operator by kind, and whether operators overlap their launches (a GPU)."""
+
+    name: str
+    rates: dict[str, float]
+    op_seconds: dict[str, float]  # by kind
+    allreduce_bytes_per_s: float
+    asynchronous: bool = False  # a GPU: the host launches while the device computes
+    source: str = ""
+
+    def rate(self, key: str) -> float:
+        """The rate of ``key``, else of a less specific key (no size, then fp32)."""
+        parts = key.split(":")
+        for candidate in (key, ":".join(parts[:2]), f"{parts[0]}:fp32"):
+            if candidate in self.rates:
+                return self.rates[candidate]
+        fallback = "matmul:fp32:k256" if parts[0] in FLOP_KINDS else "memory:fp32"
+        return self.rates[fallback]
+
+    def seconds(self, work: Work, autocast: bool = False) -> float:
+        """Seconds of ``work``; ``autocast``: run under a low precision's autocast, which adds
+        ``op_seconds["autocast"]`` to every operator (what it costs to dispatch)."""
+        launch = compute = 0.0
+        extra = self.op_seconds.get("autocast", 0.0) if autocast else 0.0
+        for key in work.kinds():
+            kind = key.split(":")[0]
+            launch += work.ops.get(key, 0) * (self.op_seconds.get(kind, 0.0) + extra)
+            if kind != "view":
+                compute += work.amount.get(key, 0) / self.rate(key)
+        return max(launch, compute) if self.asynchronous else launch + compute
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gpu_speed(name: str, efficiency: dict[str, float] | None = None) -> DeviceSpeed:
+    """A GPU from its datasheet peaks (``GPU_PEAKS``) times the share eager PyTorch reaches."""
+    key = name.lower().replace("nvidia", "").replace(" ", "").split("-")[0]
+    match = next((gpu for gpu in GPU_PEAKS if key.startswith(gpu)), None)
+    if match is None:
+        raise ValueError(f"GPU {name!r} has no peak figures; known: {', '.join(GPU_PEAKS)}")
+    eff = {**GPU_EFFICIENCY, **(efficiency or {})}
+    peaks = GPU_PEAKS[match]
+    rates = {f"{kind}:{dtype}": peaks[dtype] * eff["matmul"]
+             for kind in FLOP_KINDS for dtype in DTYPES.values()}
+    rates.update({f"{kind}:{dtype}": peaks["bandwidth"] * eff["memory"]
+                  for kind in BYTE_KINDS for dtype in DTYPES.values()})
+    launch = {kind: GPU_LAUNCH_SECONDS for kind in (*FLOP_KINDS, *BYTE_KINDS)}
+    return DeviceSpeed(match.upper(), rates, {**launch, "view": 0.0},
+                       ALLREDUCE_BYTES_PER_S["cuda"], asynchronous=True,
+                       source=f"datasheet peaks x {eff['matmul']:.0%} (matmul), "
+                              f"{eff['memory']:.0%} (bandwidth)")
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first-call allocation and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _op_overhead_seconds(precision: str = "fp32") -> float:
+    """The fixed cost of one operator in a real training forward and backward: a small
+    network's step timed, over the operators it runs (dispatch, autograd, module calls, and
+    autocast's under a low precision)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU())
+                          for _ in range(16)))
+    x_BC = torch.randn(2, 8)
+    policy = precision_policy(precision, torch.device("cpu"), warn=False)
+
+    def step() -> None:
+        with policy.autocast(x_BC.device):
+            y_BC = net(x_BC)
+        y_BC.float().sum().backward()
+
+    with recording() as work:
+        step()
+    return _best_seconds(step, 20) / sum(work.ops.values())
+
+
+def _checkpoint_seconds(op_seconds: float) -> float:
+    """The fixed cost of one checkpointed block in a forward and backward beyond its
+    operators' (the wrapper's Python: saved-tensor hooks, RNG state, the recomputation's
+    bookkeeping), from 16 narrow blocks timed with and without it."""
+    from trainer.memory.activation_checkpointing import apply_activation_checkpointing
+
+    def timed(wrap: bool) -> tuple[float, float]:
+        torch.manual_seed(0)
+        net = nn.Module()
+        blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(16))
+        net.blocks = blocks
+        if wrap:
+            apply_activation_checkpointing(net, "full")
+        x_BC = torch.randn(2, 8, requires_grad=True)
+
+        def step() -> None:
+            y_BC = x_BC
+            for block in blocks:
+                y_BC = block(y_BC)
+            y_BC.sum().backward()
+
+        with recording() as work:
+            step()
+        return _best_seconds(step, 20), sum(work.ops.values())
+
+    (plain, plain_ops), (wrapped, wrapped_ops) = timed(False), timed(True)
+    return max(0.0, (wrapped - plain - (wrapped_ops - plain_ops) * op_seconds) / 16)
+
+
+def _matmul_seconds(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
+    a_MK, b_KN = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    return _best_seconds(lambda: a_MK @ b_KN, repeats)
+
+
+def _attention_seconds(dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOPs, seconds) of a causal attention's forward and backward (8 heads of 64, 512
+    positions), with the FLOPs the recorder counts for it."""
+    from torch.nn.functional import scaled_dot_product_attention
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shape = (1, 8, 512, 64)
+    q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def run() -> None:
+        scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape,
+                                                                            shape, shape)
+    return flops, _best_seconds(run, 3)
+
+
+def _bytes_per_second(fn: Callable[[torch.Tensor], object], dtype: torch.dtype,
+                      bytes_per_element: int, elements: int) -> float:
+    """Bytes read and written per second by ``fn`` on ``elements`` elements
+    (``bytes_per_element`` of its inputs and outputs together), less its time on 64."""
+    small, large = torch.randn(64, dtype=dtype), torch.randn(elements, dtype=dtype)
+    fixed = _best_seconds(lambda: fn(small), 20)
+    seconds = max(_best_seconds(lambda: fn(large), 3) - fixed, 1e-9)
+    return elements * bytes_per_element / seconds
+
+
+def calibrate_cpu() -> DeviceSpeed:
+    """Measure this CPU at torch's thread count, in fp32 and bf16: matrix products at three
+    contraction dimensions, attention, elementwise products, GELU and dtype conversions, and an
+    operator's fixed cost. Takes a few seconds."""
+    rates: dict[str, float] = {}
+    matmul_fixed = float("inf")
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        size = torch.finfo(dtype).bits // 8
+        other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+        fixed = _matmul_seconds(32, 32, 32, dtype, 20)
+        matmul_fixed = min(matmul_fixed, fixed)
+        for k in MATMUL_K:
+            m, n = 2048, 1024
+            seconds = max(_matmul_seconds(m, k, n, dtype, 3) - fixed, 1e-9)
+            rates[f"matmul:{name}:k{k}"] = 2 * m * k * n / seconds
+        flops, seconds = _attention_seconds(dtype)
+        rates[f"attention:{name}"] = flops / seconds
+        functions: dict[str, tuple[Callable[[torch.Tensor], object], int]] = {
+                     "memory": (lambda x: x * x, 3 * size),
+                     "math": (torch.nn.functional.gelu, 2 * size),
+                     "convert": (partial(torch.Tensor.to, dtype=other),
+                                 size + torch.finfo(other).bits // 8)}
+        for kind, (fn, moved) in functions.items():
+            # In the cache (1M elements) and from memory (BIG_BYTES and more).
+            rates[f"{kind}:{name}"] = _bytes_per_second(fn, dtype, moved, 1 << 20)
+            rates[f"{kind}:{name}:big"] = _bytes_per_second(
+                fn, dtype, moved, 2 * BIG_BYTES // moved)
+    overhead = _op_overhead_seconds()
+    op_seconds = {kind: overhead for kind in BYTE_KINDS}
+    op_seconds.update({kind: overhead + matmul_fixed for kind in FLOP_KINDS}, view=overhead / 2,
+                      autocast=max(0.0, _op_overhead_seconds("bf16") - overhead),
+                      checkpoint=_checkpoint_seconds(overhead))
+    speed = DeviceSpeed(cpu_name(), rates, op_seconds, ALLREDUCE_BYTES_PER_S["cpu"],
+                        source=f"measured on this CPU, {torch.get_num_threads()} threads")
+    speed = _in_model(speed)
+    speed.rates.update({key.replace("bf16", "fp16"): rate for key, rate in
+                        list(speed.rates.items()) if ":bf16" in key})  # CPU fp16 is rare
+    return speed
+
+
+def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
+    """The rates as a model reaches them: operators back to back on operands that come from
+    memory, not from the cache of a repeated call (bf16's fast kernels lose the most).
+
+    A small GPT's real forward and backward (2 blocks of width 128, 256 positions, 4 samples)
+    is timed in fp32, then in bf16, against what the isolated rates predict for the operators
+    it ran; each dtype's rates are divided by the ratio (fp32's first: the bf16 step runs
+    fp32 operators too)."""
+    from trainer.model import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=256, n_layer=2, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.train()
+    tokens_BT = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1))
+    rates = dict(speed.rates)
+    for name in ("fp32", "bf16"):
+        policy = precision_policy(name, torch.device("cpu"), warn=False)
+
+        def step(policy: Any = policy) -> None:
+            summed_loss(model, tokens_BT, policy).backward()
+
+        with recording() as work:
+            step()
+        measured = _best_seconds(step, 3)
+        current = dataclasses.replace(speed, rates=rates)
+        own = Work({k: v for k, v in work.ops.items() if f":{name}" in k},
+                   {k: v for k, v in work.amount.items() if f":{name}" in k})
+        autocast = policy.autocast_dtype is not None
+        own_overhead = current.seconds(own.scaled(0.0), autocast)
+        own_compute = current.seconds(own, autocast) - own_overhead
+        rest = current.seconds(work, autocast) - current.seconds(own, autocast)
+        factor = (measured - rest - own_overhead) / max(own_compute, 1e-9)
+        factor = min(max(factor, 1.0), 4.0)  # never faster than isolated, nor wildly slower
+        rates.update({k: v / factor for k, v in rates.items() if f":{name}" in k})
+        model.zero_grad(set_to_none=True)
+    return dataclasses.replace(speed, rates=rates)
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    """Where calibrations are kept: ``$MEMTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/memtrain``,
+    else ``~/.cache/memtrain``."""
+    if os.environ.get("MEMTRAIN_CACHE_DIR"):
+        return Path(os.environ["MEMTRAIN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "memtrain"
+
+
+def cpu_speed(refresh: bool = False) -> DeviceSpeed:
+    """This CPU's calibration, measured once per machine, torch version and thread count."""
+    from trainer.compat import cpu_bf16_support, cpu_capability
+
+    key = json.dumps([CALIBRATION_VERSION, cpu_name(), cpu_capability(), cpu_bf16_support(),
+                      torch.__version__, torch.get_num_threads()])
+    path = cache_dir() / f"cpu-speed-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if not refresh:
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            return DeviceSpeed(**json.loads(path.read_text()))
+    start = time.perf_counter()
+    speed = calibrate_cpu()
+    log.info("planner: calibrated this CPU in %.1f s (%s)", time.perf_counter() - start, path)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(speed.as_dict(), indent=1))
+        tmp.replace(path)
+    return speed
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A plan's predicted step, its parts in seconds, and tokens/s over all ranks."""
+
+    seconds: float
+    forward_backward: float
+    optimizer: float
+    allreduce: float
+    data: float
+    tokens_per_s: float
+
+
+def step_time(work: StepWork, speed: DeviceSpeed, micro_batch: int, accumulation: int,
+              world_size: int = 1, overlap_allreduce: bool = True,
+              loader_seconds_per_sample: float = 0.0) -> StepTime:
+    """The predicted time of one optimizer step of ``accumulation`` micro-batches."""
+    fb = speed.seconds(work.forward_backward(micro_batch), work.autocast) \
+        + work.checkpointed_blocks * speed.op_seconds.get("checkpoint", 0.0)
+    optimizer = speed.seconds(work.optimizer)
+    allreduce = 0.0
+    if world_size > 1:
+        ring = 2 * (world_size - 1) / world_size * work.grad_bytes
+        allreduce = ring / speed.allreduce_bytes_per_s
+        if overlap_allreduce:  # behind the last micro-batch's backward, about 2/3 of it
+            allreduce = max(0.0, allreduce - fb * 2 / 3)
+    compute = accumulation * fb + optimizer + allreduce
+    data = max(0.0, loader_seconds_per_sample * micro_batch * accumulation - compute)
+    seconds = compute + data
+    tokens = micro_batch * accumulation * work.seq_len * world_size
+    return StepTime(seconds, accumulation * fb, optimizer, allreduce, data, tokens / seconds)
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    """What the planner predicts step times with: the device's speed and the run's shape."""
+
+    device: DeviceSpeed
+    world_size: int = 1
+    overlap_allreduce: bool = True  # DDP's overlap with backward (off under OOM recovery)
+    loader_seconds_per_sample: float = 0.0
+
+    def predict(self, work: StepWork, micro_batch: int, accumulation: int) -> StepTime:
+        return step_time(work, self.device, micro_batch, accumulation, self.world_size,
+                         self.overlap_allreduce, self.loader_seconds_per_sample)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A plan run for real on this CPU: median step seconds, tokens/s and the allocator's peak."""
+
+    step_seconds: float
+    tokens_per_s: float
+    peak_bytes: int
+
+
+def measure_plan(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
+                 vocab_size: int, precision: str, micro_batch: int, accumulation: int,
+                 steps: int = 3, warmup: int = 1, peak: bool = True) -> Measured:
+    """Train ``steps`` optimizer steps (after ``warmup``) of the plan with the trainer's own
+    ``train_step`` on random tokens, one rank on this CPU; then, with ``peak``, one more step
+    under the CPU allocator's record (``trainer.step.step_peak_bytes``)."""
+    from trainer.step import build_optimizer, step_peak_bytes, train_step
+
+    device = torch.device("cpu")
+    model = build_model(factory, transforms)
+    model.train()
+    policy = precision_policy(precision, device, warn=False)
+    scaler = policy.grad_scaler(device)
+    optimizer = build_optimizer(model, lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    micro_batches = [torch.randint(0, vocab_size, (micro_batch, seq_len + 1),
+                                   generator=generator) for _ in range(accumulation)]
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        train_step(model, optimizer, scaler, micro_batches, 1, policy, 1.0)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    peak_bytes = step_peak_bytes(model, optimizer, scaler, micro_batches[0], policy) \
+        if peak else 0
+    return Measured(seconds, micro_batch * accumulation * seq_len / seconds, peak_bytes)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
