@@ -24,7 +24,8 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
                             capture_output=True, text=True, timeout=300,
                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
                                  **{k: v for k, v in os.environ.items()
-                                    if k == "OMP_NUM_THREADS"}})  # (tests/conftest.py)
+                                    if k in ("OMP_NUM_THREADS", "MEMTRAIN_CACHE_DIR")}})
+    # (both from tests/conftest.py)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     [report_file] = tmp_path.glob("gpu-check-*-dry.json")
     report = json.loads(report_file.read_text())
@@ -33,7 +34,10 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     assert combos == {(p, a) for p in ("fp32", "bf16", "fp16")
                       for a in ("none", "selective", "full")}
     assert all(r["predicted_peak_bytes"] > 0 and r["tokens_per_second"] > 0
-               for r in report["rows"])
+               and r["predicted_tokens_per_second"] > 0 for r in report["rows"])
+    # The time model against the rows (this CPU's calibration in dry mode).
+    assert -1 <= report["summary"]["speed_spearman"] <= 1
+    assert report["summary"]["measured_over_predicted_speed"] > 0
     # Dry mode measures each row's peak with the CPU allocator's record, so the planner column
     # is checked here too. The tiny model's peaks are 2-3 MiB, where CPU AdamW's per-parameter
     # temporaries (the planner models CUDA's foreach one) move a row by up to 10%.

@@ -1,37 +1,42 @@
-"""Predict a plan's step time before a run: the probed work over the device's measured speed.
+"""Predict a plan's step time before a run: the step's operators over the device's speed.
 
 The work is counted, not guessed. ``record_work`` runs one training micro-batch's forward and
 backward on fake tensors (shapes, no data: ``trainer.compat.fake_tensor_mode``) under a
-dispatch mode that sees every ATen operator the step runs, recomputation by activation
-checkpointing, autocast's casts, bf16 norm copies and the chunked loss included. Each operator
-is one of three kinds:
-- ``matmul``: matrix products and attention, counted in FLOPs (torch's own FLOP formulas,
-  ``torch.utils.flop_counter``), by the dtype they run in;
-- ``memory``: every other operator that moves data, counted in bytes read and written;
-- ``view``: operators that only make a new view (``t``, ``view``, ``detach``): no bytes.
-The micro-batch is probed at 1 and 2 samples: every count is linear in the batch. The optimizer
-step (gradient clipping and AdamW, as ``trainer.step.train_step`` runs them) is recorded on
-small real stand-ins of the parameters and scaled by their sizes.
+dispatch mode that sees every ATen operator the step runs: recomputation by activation
+checkpointing (with torch's early stop), autocast's casts, bf16 norm copies and the chunked
+loss included. Each operator is of one kind:
+- ``matmul`` and ``attention``: counted in FLOPs (torch's own formulas,
+  ``torch.utils.flop_counter``), by the dtype they run in; products also by their contraction
+  dimension (``MATMUL_K``);
+- ``memory`` (elementwise and copies), ``math`` (transcendentals, normalisations, softmax:
+  ``MATH_OPS``) and ``convert`` (dtype casts): counted in bytes read and written (an indexing
+  operator by the rows it touches, ``INDEXING_OPS``);
+- ``view``: a new view of the same data, no bytes.
+The micro-batch is recorded at 1 and 2 samples and drawn to any other (every count is linear
+in it). The optimizer step (gradient clipping and AdamW, as ``trainer.step.train_step`` runs
+them) is recorded on small real stand-ins of the parameters and scaled to their sizes.
 
-The speed is measured (``calibrate``): on this machine's CPU, a few matrix products and
-elementwise operators in each dtype, the fixed cost of an operator in a real forward and
-backward (dispatch, autograd, Python), all cached per machine (``cache_dir``). A GPU named in
-the plan (``GPU_PEAKS``) is its datasheet peaks times the share of them that eager PyTorch
-reaches (``GPU_EFFICIENCY``, measured by ``make gpu-check``).
+The speed is measured on this machine's CPU (``calibrate_cpu``, cached per machine by
+``cpu_speed``): each kind's rate in fp32 and bf16, an operator's fixed cost (and what autocast
+and a checkpointed block's wrapper add), then each dtype's rates scaled by a small GPT's real
+step against what they predict for it. A GPU is its datasheet peaks times the share eager
+PyTorch reaches (``gpu_speed``; ``make gpu-check`` measures that share against its rows).
 
-A step of ``a`` micro-batches of ``m`` samples then takes
-``a * t_fb(m) + t_optimizer + t_allreduce_exposed``, each ``t`` the sum over kinds and dtypes
-of (operators x fixed cost + FLOPs / FLOP rate or bytes / bandwidth); a GPU's operators run
-behind their launches, so there the larger of the two. The gradient all-reduce (DDP, more than
-one rank) is hidden behind the last micro-batch's backward where DDP overlaps them; with OOM
-recovery on it runs after the backward, all of it exposed. The data loader's cost is the
-measured one (``loader_seconds_per_sample``); it prefetches on its own thread, so only what
-exceeds the step is added.
+A step of ``a`` micro-batches of ``m`` samples takes ``a * t(m) + t(optimizer) + the exposed
+all-reduce``, each ``t`` the operators' fixed costs plus their FLOPs or bytes over the rates;
+on a GPU, which launches while it computes, the larger of the two. DDP's all-reduce hides
+behind the last micro-batch's backward, except under OOM recovery, which reduces after it. A
+loader's per-sample cost, where given, counts only beyond the step (it prefetches on its own
+thread); ``memtrain`` does not measure it yet.
 
-Left out, and why the figures are for ranking plans more than for promising a number: cache
-effects of a shape (a CPU matrix product of a narrow shape runs below the calibrated rate),
-torch.compile's fusion (CUDA), kernel choice by shape on GPUs, the CPU contention of several
-workers on one host beyond the threads each gets.
+Left out, and why the figures rank plans better than they promise a number: a kernel's speed
+at shapes far from the calibrated ones; the page faults of large new tensors on CPU (the first
+write of a fresh 32 MiB tensor costs about 10 ms on a 2-core AMD EPYC, and which allocations
+are fresh depends on glibc's malloc and the step's history: a larger micro-batch pays more of
+them than predicted); torch.compile's fusion; the kernels a GPU picks per shape; and several
+workers sharing one host's cores (a plan is timed at the planning process's thread count).
+``memtrain plan --measure`` and ``make bench-plan`` measure the error; ``auto`` treats plans
+within ``trainer.memory.planner.SPEED_RESOLUTION`` of the fastest as equal.
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +67,16 @@ from trainer.memory.loss import summed_loss
 from trainer.memory.precision import precision_policy
 
 log = logging.getLogger("memtrain.planner")
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 11
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Operator kinds: which are counted in FLOPs (the rest in bytes read and written).
 FLOP_KINDS = ("matmul", "attention")
 BYTE_KINDS = ("memory", "math", "convert")
 # Matrix products by their contraction dimension: the calibrated ones, the nearest taken.
 MATMUL_K = (64, 256, 1024)
-# Byte-counted operators that move at least this much run at the speed of memory, not of a
-# cache (``:big`` in their key): larger than the last-level cache of any CPU measured here.
-BIG_BYTES = 64 * 2**20
+# Elements of the tensors the byte-counted kinds are calibrated on: 32 MiB in fp32, beyond a
+# core's cache, as a step's activations are.
+BYTE_ELEMENTS = 1 << 23
 # Datasheet peaks of the GPUs a plan can name (dense, no sparsity): FLOP/s per dtype (fp32
 # without TF32: torch's default for matrix products) and memory bandwidth in bytes/s.
 GPU_PEAKS: dict[str, dict[str, float]] = {
@@ -106,6 +110,12 @@ MATH_OPS = frozenset({"aten.gelu", "aten.gelu_backward", "aten.silu", "aten.silu
                       "aten.sin", "aten.sqrt", "aten.var_mean", "aten.nll_loss_forward",
                       "aten.nll_loss_backward", "aten.linalg_vector_norm"})
 CONVERT_OPS = frozenset({"aten._to_copy", "aten.copy_", "aten.to", "aten.clone"})
+# Operators that read or write a few rows of their largest tensor, not all of it: counted by
+# their other tensors, read and written.
+INDEXING_OPS = frozenset({"aten.index", "aten.index_put_", "aten.index_put",
+                          "aten._index_put_impl_", "aten.gather", "aten.scatter",
+                          "aten.scatter_add", "aten.index_select", "aten.embedding",
+                          "aten.nll_loss_forward"})
 # Attention kernels, with the argument index where query, key and value start.
 SDPA_OPS = {"aten._scaled_dot_product_flash_attention_for_cpu": ("forward", 0),
             "aten._scaled_dot_product_flash_attention_for_cpu_backward": ("backward", 1),
@@ -124,7 +134,7 @@ class Work:
     matrix product with contraction dimension near K)."""
 
     ops: dict[str, float] = field(default_factory=dict)
-    amount: dict[str, float] = field(default_factory=dict)  # FLOPs or bytes, by kind
+    amount: dict[str, float] = field(default_factory=dict)  # FLOPs or bytes, by key
 
     def add(self, key: str, amount: float = 0.0) -> None:
         self.ops[key] = self.ops.get(key, 0) + 1
@@ -133,15 +143,22 @@ class Work:
     def kinds(self) -> set[str]:
         return set(self.ops) | set(self.amount)
 
-    def combine(self, other: Work, a: float, b: float) -> Work:
-        """``a * self + b * other``, key by key."""
-        keys = self.kinds() | other.kinds()
-        return Work({k: a * self.ops.get(k, 0) + b * other.ops.get(k, 0) for k in keys},
-                    {k: a * self.amount.get(k, 0) + b * other.amount.get(k, 0) for k in keys})
+    def at_batch(self, at_two: Work, batch: int) -> Work:
+        """This work (recorded at batch 1) and ``at_two`` (the same step at batch 2), drawn to
+        ``batch``: every count is linear in the batch."""
+        a, b = 2 - batch, batch - 1
+        keys = self.kinds() | at_two.kinds()
+        return Work({k: a * self.ops.get(k, 0) + b * at_two.ops.get(k, 0) for k in keys},
+                    {k: a * self.amount.get(k, 0) + b * at_two.amount.get(k, 0) for k in keys})
 
     def scaled(self, factor: float) -> Work:
         """The same operators on tensors ``factor`` times as large."""
         return Work(dict(self.ops), {k: v * factor for k, v in self.amount.items()})
+
+    def only(self, dtype: str) -> Work:
+        """The operators that ran in ``dtype``."""
+        return Work({k: v for k, v in self.ops.items() if k.split(":")[1] == dtype},
+                    {k: v for k, v in self.amount.items() if k.split(":")[1] == dtype})
 
     def flops(self) -> float:
         return sum(v for k, v in self.amount.items() if k.split(":")[0] in FLOP_KINDS)
@@ -206,8 +223,12 @@ class _WorkRecorder(TorchDispatchMode):
         else:
             kind = "math" if name in MATH_OPS else "convert" if name in CONVERT_OPS \
                 else "memory"
-            nbytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
-            self.work.add(f"{kind}:{dtype}{':big' if nbytes >= BIG_BYTES else ''}", nbytes)
+            sizes = [t.numel() * t.element_size() for t in inputs + outputs]
+            if name in INDEXING_OPS:
+                nbytes = 2 * (sum(sizes) - max(sizes, default=0))
+            else:
+                nbytes = sum(sizes)
+            self.work.add(f"{kind}:{dtype}", nbytes)
         return out
 
 
@@ -232,7 +253,7 @@ class StepWork:
     checkpointed_blocks: int = 0  # blocks activation checkpointing wrapped
 
     def forward_backward(self, batch: int) -> Work:
-        return self.forward_backward_1.combine(self.forward_backward_2, 2 - batch, batch - 1)
+        return self.forward_backward_1.at_batch(self.forward_backward_2, batch)
 
 
 def record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
@@ -428,14 +449,18 @@ def _attention_seconds(dtype: torch.dtype) -> tuple[float, float]:
     return flops, _best_seconds(run, 3)
 
 
-def _bytes_per_second(fn: Callable[[torch.Tensor], object], dtype: torch.dtype,
-                      bytes_per_element: int, elements: int) -> float:
-    """Bytes read and written per second by ``fn`` on ``elements`` elements
-    (``bytes_per_element`` of its inputs and outputs together), less its time on 64."""
-    small, large = torch.randn(64, dtype=dtype), torch.randn(elements, dtype=dtype)
-    fixed = _best_seconds(lambda: fn(small), 20)
-    seconds = max(_best_seconds(lambda: fn(large), 3) - fixed, 1e-9)
-    return elements * bytes_per_element / seconds
+def _bytes_per_second(fn: Callable[[torch.Tensor, torch.Tensor], object], dtype: torch.dtype,
+                      out_dtype: torch.dtype, bytes_per_element: int) -> float:
+    """Bytes read and written per second by ``fn(x, out)`` on ``BYTE_ELEMENTS`` elements
+    (``bytes_per_element`` of its input and output together), less its time on 64. The output
+    is allocated once: what a fresh large output costs in page faults is left out (the module's
+    docstring)."""
+    def seconds(elements: int, repeats: int) -> float:
+        x, out = torch.randn(elements, dtype=dtype), torch.empty(elements, dtype=out_dtype)
+        return _best_seconds(lambda: fn(x, out), repeats)
+
+    spent = max(seconds(BYTE_ELEMENTS, 3) - seconds(64, 20), 1e-9)
+    return BYTE_ELEMENTS * bytes_per_element / spent
 
 
 def calibrate_cpu() -> DeviceSpeed:
@@ -455,16 +480,13 @@ def calibrate_cpu() -> DeviceSpeed:
             rates[f"matmul:{name}:k{k}"] = 2 * m * k * n / seconds
         flops, seconds = _attention_seconds(dtype)
         rates[f"attention:{name}"] = flops / seconds
-        functions: dict[str, tuple[Callable[[torch.Tensor], object], int]] = {
-                     "memory": (lambda x: x * x, 3 * size),
-                     "math": (torch.nn.functional.gelu, 2 * size),
-                     "convert": (partial(torch.Tensor.to, dtype=other),
-                                 size + torch.finfo(other).bits // 8)}
-        for kind, (fn, moved) in functions.items():
-            # In the cache (1M elements) and from memory (BIG_BYTES and more).
-            rates[f"{kind}:{name}"] = _bytes_per_second(fn, dtype, moved, 1 << 20)
-            rates[f"{kind}:{name}:big"] = _bytes_per_second(
-                fn, dtype, moved, 2 * BIG_BYTES // moved)
+        other_size = torch.finfo(other).bits // 8
+        rates[f"memory:{name}"] = _bytes_per_second(
+            lambda x, out: torch.mul(x, x, out=out), dtype, dtype, 3 * size)
+        rates[f"math:{name}"] = _bytes_per_second(
+            lambda x, out: torch.ops.aten.gelu.out(x, out=out), dtype, dtype, 2 * size)
+        rates[f"convert:{name}"] = _bytes_per_second(
+            lambda x, out: out.copy_(x), dtype, other, size + other_size)
     overhead = _op_overhead_seconds()
     op_seconds = {kind: overhead for kind in BYTE_KINDS}
     op_seconds.update({kind: overhead + matmul_fixed for kind in FLOP_KINDS}, view=overhead / 2,
@@ -504,8 +526,7 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
             step()
         measured = _best_seconds(step, 3)
         current = dataclasses.replace(speed, rates=rates)
-        own = Work({k: v for k, v in work.ops.items() if f":{name}" in k},
-                   {k: v for k, v in work.amount.items() if f":{name}" in k})
+        own = work.only(name)
         autocast = policy.autocast_dtype is not None
         own_overhead = current.seconds(own.scaled(0.0), autocast)
         own_compute = current.seconds(own, autocast) - own_overhead
@@ -603,11 +624,13 @@ class SpeedModel:
 
 @dataclass(frozen=True)
 class Measured:
-    """A plan run for real on this CPU: median step seconds, tokens/s and the allocator's peak."""
+    """A plan run for real on this CPU: median step seconds and tokens/s, the fastest step's
+    seconds, and the allocator's peak."""
 
     step_seconds: float
     tokens_per_s: float
     peak_bytes: int
+    best_step_seconds: float = 0.0
 
 
 def measure_plan(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
@@ -636,7 +659,8 @@ def measure_plan(factory: ModelFactory, transforms: MemoryTransforms, seq_len: i
     seconds = statistics.median(times)
     peak_bytes = step_peak_bytes(model, optimizer, scaler, micro_batches[0], policy) \
         if peak else 0
-    return Measured(seconds, micro_batch * accumulation * seq_len / seconds, peak_bytes)
+    return Measured(seconds, micro_batch * accumulation * seq_len / seconds, peak_bytes,
+                    min(times))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
