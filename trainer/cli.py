@@ -227,7 +227,7 @@ def plan_command(
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
     from trainer.launch.auto import precision_candidates, probe_config, speed_model
-    from trainer.memory.planner import AC_MODES, HEADROOM, fastest, feasible_plans, plan_row
+    from trainer.memory.planner import AC_MODES, HEADROOM, feasible_plans, plan_row
 
     cfg = load_config(config, list(overrides or []),
                       {"parallel.workers": workers} if workers else None)
@@ -269,8 +269,7 @@ def plan_command(
     rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
                           speed=speed)
     candidates = precision_candidates(cfg)
-    eligible = [row for row in rows if row.precision in candidates]
-    auto = fastest(eligible) if eligible else None
+    auto = next((row for row in rows if row.precision in candidates), None)
     best = _plan_table(f"fastest micro-batch in {HEADROOM:.0%} of {device_memory}, global "
                        f"batch {cfg.train.global_batch_size} kept",
                        "precision", "act.\nckpt", "micro-\nbatch", "accumu-\nlation",

@@ -74,7 +74,7 @@ class DataConfig(_Strict):
 class TrainConfig(_Strict):
     steps: int = Field(100, ge=1)
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, all ranks together
-    # Sequences per forward/backward on one rank, or "auto": the largest that the planner
+    # Sequences per forward/backward on one rank, or "auto": that of the fastest plan the planner
     # predicts to fit (see memory.device_memory), keeping the global batch.
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = 8
     lr: float = Field(1e-3, gt=0)
@@ -122,10 +122,12 @@ class TrainConfig(_Strict):
 class MemoryConfig(_Strict):
     # "auto": bf16 on GPUs with native bf16, else fp16 (GradScaler); on CPU bf16 only where
     # it is native (AVX512_BF16/AMX), else fp32 (trainer.memory.precision.resolve_precision).
+    # With micro-batch or checkpointing "auto" too, the planner's time model chooses between
+    # that and fp32 (bf16, on a CPU without it) by predicted tokens/s.
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # fp16: the GradScaler's starting scale (it halves on overflow, grows after stable steps).
     grad_scaler_init_scale: float = Field(2.0**16, gt=0)
-    # "auto": the cheapest mode (least recomputation) the planner predicts to fit.
+    # "auto": the mode of the fastest plan that fits (trainer.launch.auto.resolve_auto).
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = "full"
     checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
     # Memory of one device for the "auto" choices, e.g. "80GiB". Unset: the CUDA device's total
@@ -133,8 +135,9 @@ class MemoryConfig(_Strict):
     device_memory: str | None = None
     # Under bf16 autocast, LayerNorms read (and save for backward) a bf16 copy of their input
     # instead of the fp32 residual stream: the largest fp32 share of bf16's saved activations,
-    # for about 5% of an eager step's time (H200, GPT-2 124M). "auto": on only when the planner
-    # needs its bytes (trainer.memory.planner.choose_norm_inputs); off without bf16.
+    # for about 5% of an eager step's time (H200, GPT-2 124M). "auto": on when the plan with them
+    # is predicted faster than the best without (trainer.memory.planner.choose_norm_inputs), or
+    # only it fits; off without bf16.
     bf16_norm_inputs: bool | Literal["auto"] = "auto"
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits). "auto":
     # for a model that computes its own loss (the GPT), as many tokens as keep one chunk's fp32

@@ -14,9 +14,7 @@ import torch
 from trainer.build import MemoryTransforms
 from trainer.memory import speed
 from trainer.memory.planner import (
-    PlanRow,
     choose_plan,
-    fastest,
     plan_row,
     profile_activations,
     static_bytes,
@@ -184,13 +182,3 @@ def test_auto_takes_no_checkpointing_at_a_smaller_micro_batch_when_it_is_faster(
 
     assert measured("none", 2) > measured("full", 16)
 
-
-def test_plans_closer_than_the_models_resolution_go_to_less_recomputation() -> None:
-    def row(mode: str, recompute: float, tokens_per_s: float) -> PlanRow:
-        return PlanRow("bf16", mode, 4, 4, 0, 0, 0, 0, recompute, tokens_per_s=tokens_per_s)
-
-    rows = [row("full", 1 / 3, 1000), row("none", 0.0, 980), row("selective", 1 / 6, 990)]
-    assert fastest(rows).activation_checkpointing == "none"  # 2% slower: a tie
-    rows[1] = row("none", 0.0, 960)  # 4% slower: not a tie; selective ties with full
-    assert fastest(rows).activation_checkpointing == "selective"
-    assert fastest(rows[:1]) is rows[0]

@@ -25,12 +25,10 @@ from trainer.config import Config, ConfigError
 from trainer.memory.oom import oom_recovery_on
 from trainer.memory.planner import (
     AC_MODES,
-    SPEED_RESOLUTION,
     ActivationProfile,
     PlanRow,
     StaticBytes,
     choose_norm_inputs,
-    fastest,
     feasible_plans,
     profile_all,
     static_bytes,
@@ -194,17 +192,13 @@ def resolve_auto(cfg: Config) -> Config:
                               f"precision {' or '.join(precisions)} (memory.device_memory); "
                               "try FSDP, a shorter sequence or a smaller model")
         return resolved(None, fallback_norm)  # the run's own OOM handling has the last word
-    plan = fastest(rows)
-    others = [row for row in rows if row is not plan]
-    why = f"the fastest of {len(rows)} plans that fit" if plan is rows[0] else (
-        f"{len(rows)} plans fit; within {SPEED_RESOLUTION:.0%} of the fastest, with less "
-        "recomputation")
+    plan, others = rows[0], rows[1:]
     runner_up = (f"; next: {others[0].precision}, checkpointing "
                  f"{others[0].activation_checkpointing}, micro-batch "
                  f"{others[0].micro_batch_size}, {_tokens(others[0])}") if others else ""
     log.info("auto: precision %s, activation checkpointing %s, micro-batch %d x accumulation %d:"
-             " predicted %s (%s), %s%s; predicted peak %.2f GiB of %.2f GiB", plan.precision,
-             plan.activation_checkpointing, plan.micro_batch_size, plan.accumulation_steps,
-             _tokens(plan), speed.device.name, why, runner_up,
+             " predicted %s (%s), the fastest of %d plans that fit%s; predicted peak %.2f GiB of "
+             "%.2f GiB", plan.precision, plan.activation_checkpointing, plan.micro_batch_size,
+             plan.accumulation_steps, _tokens(plan), speed.device.name, len(rows), runner_up,
              plan.predicted_peak_bytes / 2**30, budget / 2**30)
     return resolved(plan, norms[plan.precision])

@@ -65,10 +65,6 @@ MIN_MICRO_BATCH = 4
 # Plans fill at most this share of the device: the allocator's rounding and caching, kernel
 # workspaces and the CUDA context are not modelled.
 HEADROOM = 0.9
-# Predicted speeds closer than this share are a tie: ``fastest`` then takes the plan with less
-# recomputation. Plans that close were ordered either way by the measured steps of
-# ``make bench-plan`` on CPU (the time model leaves out page faults and cache effects).
-SPEED_RESOLUTION = 0.03
 
 
 @dataclass(frozen=True)
@@ -517,7 +513,7 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
 
     ``micro_batch_size`` None means auto: every divisor of the per-rank batch is a candidate.
     With a ``speed`` model (and profiles with their work recorded): the fitting row with the
-    most predicted tokens/s (``fastest``). Without: the least recomputation, provided its
+    most predicted tokens/s. Without: the least recomputation, provided its
     micro-batch is at least ``min_micro_batch`` (or the whole per-rank batch, if smaller);
     otherwise the row with the largest micro-batch.
     """
@@ -526,18 +522,10 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
     if not rows:
         return None
     if speed is not None and all(row.tokens_per_s for row in rows):
-        return fastest(rows)
+        return rows[0]
     per_rank = global_batch_size // world_size
     useful = [r for r in rows if r.micro_batch_size >= min(min_micro_batch, per_rank)]
     return useful[0] if useful else max(rows, key=lambda r: r.micro_batch_size)
-
-
-def fastest(rows: list[PlanRow]) -> PlanRow:
-    """The row with the most predicted tokens/s, except that rows within
-    ``SPEED_RESOLUTION`` of it are a tie, which the least recomputation breaks (then speed)."""
-    best = max(row.tokens_per_s for row in rows)
-    tied = [row for row in rows if row.tokens_per_s >= best * (1 - SPEED_RESOLUTION)]
-    return min(tied, key=lambda row: (row.recompute_cost, -row.tokens_per_s))
 
 
 def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank: int,

@@ -35,8 +35,7 @@ write of a fresh 32 MiB tensor costs about 10 ms on a 2-core AMD EPYC, and which
 are fresh depends on glibc's malloc and the step's history: a larger micro-batch pays more of
 them than predicted); torch.compile's fusion; the kernels a GPU picks per shape; and several
 workers sharing one host's cores (a plan is timed at the planning process's thread count).
-``memtrain plan --measure`` and ``make bench-plan`` measure the error; ``auto`` treats plans
-within ``trainer.memory.planner.SPEED_RESOLUTION`` of the fastest as equal.
+``memtrain plan --measure`` and ``make bench-plan`` measure the error.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ from trainer.memory.loss import summed_loss
 from trainer.memory.precision import precision_policy
 
 log = logging.getLogger("memtrain.planner")
-CALIBRATION_VERSION = 11
+CALIBRATION_VERSION = 12
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Operator kinds: which are counted in FLOPs (the rest in bytes read and written).
 FLOP_KINDS = ("matmul", "attention")
@@ -334,13 +333,13 @@ class DeviceSpeed:
         return self.rates[fallback]
 
     def seconds(self, work: Work, autocast: bool = False) -> float:
-        """Seconds of ``work``; ``autocast``: run under a low precision's autocast, which adds
-        ``op_seconds["autocast"]`` to every operator (what it costs to dispatch)."""
+        """Seconds of ``work``; ``autocast``: run under a low precision's autocast, whose
+        dispatch multiplies every operator's fixed cost by ``op_seconds["autocast"]``."""
         launch = compute = 0.0
-        extra = self.op_seconds.get("autocast", 0.0) if autocast else 0.0
+        scale = self.op_seconds.get("autocast", 1.0) if autocast else 1.0
         for key in work.kinds():
             kind = key.split(":")[0]
-            launch += work.ops.get(key, 0) * (self.op_seconds.get(kind, 0.0) + extra)
+            launch += work.ops.get(key, 0) * self.op_seconds.get(kind, 0.0) * scale
             if kind != "view":
                 compute += work.amount.get(key, 0) / self.rate(key)
         return max(launch, compute) if self.asynchronous else launch + compute
@@ -378,20 +377,16 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def _op_overhead_seconds(precision: str = "fp32") -> float:
+def _op_overhead_seconds() -> float:
     """The fixed cost of one operator in a real training forward and backward: a small
-    network's step timed, over the operators it runs (dispatch, autograd, module calls, and
-    autocast's under a low precision)."""
+    network's step timed, over the operators it runs (dispatch, autograd, module calls)."""
     torch.manual_seed(0)
     net = nn.Sequential(*(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU())
                           for _ in range(16)))
     x_BC = torch.randn(2, 8)
-    policy = precision_policy(precision, torch.device("cpu"), warn=False)
 
     def step() -> None:
-        with policy.autocast(x_BC.device):
-            y_BC = net(x_BC)
-        y_BC.float().sum().backward()
+        net(x_BC).sum().backward()
 
     with recording() as work:
         step()
@@ -490,7 +485,6 @@ def calibrate_cpu() -> DeviceSpeed:
     overhead = _op_overhead_seconds()
     op_seconds = {kind: overhead for kind in BYTE_KINDS}
     op_seconds.update({kind: overhead + matmul_fixed for kind in FLOP_KINDS}, view=overhead / 2,
-                      autocast=max(0.0, _op_overhead_seconds("bf16") - overhead),
                       checkpoint=_checkpoint_seconds(overhead))
     speed = DeviceSpeed(cpu_name(), rates, op_seconds, ALLREDUCE_BYTES_PER_S["cpu"],
                         source=f"measured on this CPU, {torch.get_num_threads()} threads")
@@ -501,41 +495,58 @@ def calibrate_cpu() -> DeviceSpeed:
 
 
 def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
-    """The rates as a model reaches them: operators back to back on operands that come from
-    memory, not from the cache of a repeated call (bf16's fast kernels lose the most).
+    """The rates and fixed costs as a model reaches them: operators back to back on operands
+    that come from memory, not from the cache of a repeated call (bf16's fast kernels lose the
+    most), and autocast's dispatch on every operator.
 
-    A small GPT's real forward and backward (2 blocks of width 128, 256 positions, 4 samples)
-    is timed in fp32, then in bf16, against what the isolated rates predict for the operators
-    it ran; each dtype's rates are divided by the ratio (fp32's first: the bf16 step runs
-    fp32 operators too)."""
+    A small GPT's real forward and backward (2 blocks of width 128, 256 positions) is timed at
+    1 and 8 samples, in fp32, then in bf16, against what the isolated figures predict for the
+    operators it ran: its fixed costs (the same at both sizes) and its dtype's compute (8 times
+    the work at 8) give two equations for two scales, the operators' fixed cost and the dtype's
+    rates. fp32 first: a bf16 step runs fp32 operators too, and its fixed-cost scale is
+    autocast's (``op_seconds["autocast"]``, a factor)."""
     from trainer.model import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=256, n_layer=2, n_head=4, n_embd=128)
     torch.manual_seed(0)
     model = GPT(cfg)
     model.train()
-    tokens_BT = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1))
-    rates = dict(speed.rates)
+    current = speed
     for name in ("fp32", "bf16"):
         policy = precision_policy(name, torch.device("cpu"), warn=False)
+        rows = []  # (fixed, own compute, other compute, measured) seconds at each size
+        for batch in (1, 8):
+            tokens_BT = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
 
-        def step(policy: Any = policy) -> None:
-            summed_loss(model, tokens_BT, policy).backward()
+            def step(policy: Any = policy, tokens_BT: torch.Tensor = tokens_BT) -> None:
+                summed_loss(model, tokens_BT, policy).backward()
 
-        with recording() as work:
-            step()
-        measured = _best_seconds(step, 3)
-        current = dataclasses.replace(speed, rates=rates)
-        own = work.only(name)
-        autocast = policy.autocast_dtype is not None
-        own_overhead = current.seconds(own.scaled(0.0), autocast)
-        own_compute = current.seconds(own, autocast) - own_overhead
-        rest = current.seconds(work, autocast) - current.seconds(own, autocast)
-        factor = (measured - rest - own_overhead) / max(own_compute, 1e-9)
-        factor = min(max(factor, 1.0), 4.0)  # never faster than isolated, nor wildly slower
-        rates.update({k: v / factor for k, v in rates.items() if f":{name}" in k})
-        model.zero_grad(set_to_none=True)
-    return dataclasses.replace(speed, rates=rates)
+            with recording() as work:
+                step()
+            measured = _best_seconds(step, 3)
+            fixed = current.seconds(work.scaled(0.0))
+            own = current.seconds(work.only(name)) - current.seconds(work.only(name).scaled(0.0))
+            rows.append((fixed, own, current.seconds(work) - fixed - own, measured))
+            model.zero_grad(set_to_none=True)
+        (f1, c1, r1, m1), (f8, c8, r8, m8) = rows
+        det = f1 * c8 - f8 * c1
+        fixed_scale = ((m1 - r1) * c8 - (m8 - r8) * c1) / det if det else 1.0
+        rate_scale = (f1 * (m8 - r8) - f8 * (m1 - r1)) / det if det else 1.0
+        # Never faster than alone, nor wildly slower: a noisy measurement stays bounded.
+        log.debug("planner: %s in a model, unbounded: fixed costs x %.2f, rates / %.2f", name,
+                  fixed_scale, rate_scale)
+        fixed_scale, rate_scale = min(max(fixed_scale, 0.5), 8.0), min(max(rate_scale, 1.0), 4.0)
+        rates = {k: v / rate_scale if k.split(":")[1] == name else v
+                 for k, v in current.rates.items()}
+        log.debug("planner: %s in a model: fixed costs x %.2f, rates / %.2f", name, fixed_scale,
+                  rate_scale)
+        if name == "fp32":  # every operator's fixed cost (the checkpoint wrapper's is its own)
+            op_seconds = {k: v if k == "checkpoint" else v * fixed_scale
+                          for k, v in current.op_seconds.items()}
+        else:
+            op_seconds = {**current.op_seconds, "autocast": max(1.0, fixed_scale)}
+        current = dataclasses.replace(current, rates=rates, op_seconds=op_seconds)
+    return current
 
 
 def cpu_name() -> str:
