@@ -337,7 +337,8 @@ def _plan_table(title: str, *headers: str) -> Table:
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
     for header in headers:
         table.add_column(header, no_wrap=True,
-                         justify="right" if "GiB" in header or "-" in header else "left")
+                         justify="right" if "GiB" in header or "-" in header
+                         or header.endswith("tokens/s") else "left")
     return table
 
 

@@ -83,10 +83,11 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
     "h100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "bandwidth": 3.35e12},
     "a100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "bandwidth": 2.0e12},
 }
-# The share of those peaks an eager PyTorch step reaches, and the fixed cost of launching one
-# operator. Until ``make gpu-check`` has measured them on the GPU in question: the figures
-# commonly reported for eager GPT-2-sized training (about 40% MFU; half the bandwidth).
-GPU_EFFICIENCY = {"matmul": 0.4, "memory": 0.5}
+# The share of those peaks an eager PyTorch step reaches: FLOPs by dtype, and bandwidth. Fitted
+# to ``make gpu-check``'s H200 rows of 2026-11-30 (GPT-2 124M, micro-batch 16, fp32 and bf16 x
+# no, selective and full checkpointing; measured 774 TFLOP/s for a bf16 8192^3 product): the
+# model then predicts those rows' tokens/s within -8% to +4%, in the measured order.
+GPU_EFFICIENCY = {"fp32": 0.75, "bf16": 0.7, "fp16": 0.7, "memory": 0.6}
 GPU_LAUNCH_SECONDS = 6e-6
 # Collective bandwidth for DDP's all-reduce (bus bytes/s): NVLink between the GPUs of a node
 # (H100/H200 class, about a third of its 900 GB/s after NCCL's protocol); gloo over loopback
@@ -356,15 +357,15 @@ def gpu_speed(name: str, efficiency: dict[str, float] | None = None) -> DeviceSp
         raise ValueError(f"GPU {name!r} has no peak figures; known: {', '.join(GPU_PEAKS)}")
     eff = {**GPU_EFFICIENCY, **(efficiency or {})}
     peaks = GPU_PEAKS[match]
-    rates = {f"{kind}:{dtype}": peaks[dtype] * eff["matmul"]
+    rates = {f"{kind}:{dtype}": peaks[dtype] * eff[dtype]
              for kind in FLOP_KINDS for dtype in DTYPES.values()}
     rates.update({f"{kind}:{dtype}": peaks["bandwidth"] * eff["memory"]
                   for kind in BYTE_KINDS for dtype in DTYPES.values()})
     launch = {kind: GPU_LAUNCH_SECONDS for kind in (*FLOP_KINDS, *BYTE_KINDS)}
     return DeviceSpeed(match.upper(), rates, {**launch, "view": 0.0},
                        ALLREDUCE_BYTES_PER_S["cuda"], asynchronous=True,
-                       source=f"datasheet peaks x {eff['matmul']:.0%} (matmul), "
-                              f"{eff['memory']:.0%} (bandwidth)")
+                       source=f"datasheet peaks x {eff['bf16']:.0%} (bf16), "
+                              f"{eff['fp32']:.0%} (fp32), {eff['memory']:.0%} (bandwidth)")
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
