@@ -29,6 +29,24 @@ def test_the_loader_bench_runs_and_reports_ratios(tmp_path: Path) -> None:
     assert all(ratio > 0 for ratio in report["ratios"].values())
 
 
+def test_the_plan_bench_runs_and_ranks_its_grid(tmp_path: Path) -> None:
+    """`make bench-plan` on one small shape: every row predicted and measured, and the
+    figures its targets are judged on."""
+    out = subprocess.run([sys.executable, "-m", "bench.plan", "--out", str(tmp_path), "--quick",
+                          "--global-batch", "4", "--steps", "1", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [result] = tmp_path.glob("plan-*.json")
+    report = json.loads(result.read_text())
+    [shape] = report["shapes"]
+    assert len(shape["rows"]) == 2 * 3 * 3  # precision x checkpointing x micro-batch 1, 2, 4
+    assert all(r["predicted_tokens_per_s"] > 0 and r["measured_tokens_per_s"] > 0
+               for r in shape["rows"])
+    assert -1 <= shape["spearman"] <= 1 and 0 < shape["auto_over_best"] <= 1
+    assert shape["auto"]["predicted_peak_bytes"] <= shape["budget_bytes"]
+    assert (tmp_path / result.name.replace(".json", ".md")).exists()
+
+
 def test_the_summary_table_marks_missed_targets() -> None:
     from bench.run_all import table
 

@@ -259,6 +259,9 @@ def test_auto_config_resolves_before_launch(corpus_dir, tmp_path, caplog) -> Non
     assert isinstance(cfg.train.micro_batch_size, int)
     assert cfg.memory.activation_checkpointing in ("none", "selective", "full")
     assert cfg.memory.precision in ("fp32", "bf16")
+    assert isinstance(cfg.memory.bf16_norm_inputs, bool)  # its "auto" resolved too
+    if cfg.memory.precision == "fp32":
+        assert cfg.memory.bf16_norm_inputs is False  # the copies exist only under bf16
     assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * 2) == 0
     written = (run_dir / "config.yaml").read_text()
     assert "micro_batch_size: auto" not in written and "precision: auto" not in written

@@ -181,9 +181,9 @@ def resolve_auto(cfg: Config) -> Config:
             fallback_norm = on
             log.info("auto: bf16 norm inputs %s (%s)", "on" if on else "off", why)
             norms["bf16"], found["bf16"] = on, with_ if on else without
-        else:
-            norms[precision] = cfg.memory.bf16_norm_inputs
-            found[precision] = plans_with(precision, cfg.memory.bf16_norm_inputs is True)
+        else:  # without bf16 an "auto" is off: the copies exist only under bf16 autocast
+            norms[precision] = False if norm_auto else cfg.memory.bf16_norm_inputs
+            found[precision] = plans_with(precision, norms[precision] is True)
     rows = sorted((row for plans in found.values() for row in plans),
                   key=lambda r: -r.tokens_per_s)
     if not rows:

@@ -11,7 +11,9 @@ the planner that predicts what they save before a run.
 - ``allocator``: the CUDA caching allocator's settings (expandable segments), and the peak.
 - ``oom``: out-of-memory recovery that keeps the global batch, agreed on by every rank.
 - ``planner``: the step's peak bytes for every precision x checkpointing x micro-batch choice,
-  probed on CPU; ``auto`` takes a plan that fits.
+  probed on CPU; ``auto`` takes the fastest plan that fits.
+- ``speed``: each plan's step time, from the step's operators (counted on fake tensors) over
+  this CPU's measured speed or a GPU's peaks.
 
 ``trainer.build.build_model`` applies the transforms (checkpointing, loss chunking, norms), in
 one order, for the loop, the planner, gpu-check and the benches alike.
