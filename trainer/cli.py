@@ -221,6 +221,9 @@ def plan_command(
                           "predicted against measured tokens/s and peak.")] = False,
     top: Annotated[int, typer.Option(min=1, help="--measure: how many plans.")] = 3,
     steps: Annotated[int, typer.Option(min=1, help="--measure: timed steps per plan.")] = 3,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Measure this CPU's speed again instead of reading the cached "
+                            "calibration (after a change of machine load, say).")] = False,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a config value (repeatable).")] = None,
 ) -> None:
@@ -242,6 +245,10 @@ def plan_command(
                   f"({len(precisions) * len(AC_MODES)} probes, fake tensors on CPU)...")
     start = time.perf_counter()
     static, profiles = probe_config(cfg, precisions, AC_MODES, work=True)
+    if calibrate:
+        from trainer.memory.speed import cpu_speed
+
+        cpu_speed(refresh=True)  # cached: speed_model and --measure read it
     speed = speed_model(cfg, gpu)
     gib = 2**30
     console.print(f"probed in {time.perf_counter() - start:.1f} s; speed: {speed.device.name} "

@@ -123,3 +123,25 @@ def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) ->
     result = memtrain_here(capsys, "plan", "-c", DEMO, "--device-memory", "lots")
     assert result.returncode == 2
     assert "--device-memory 'lots'" in result.stderr
+
+
+def test_plan_calibrate_measures_this_cpu_again(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    from trainer.memory import speed
+
+    monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def calibrate() -> speed.DeviceSpeed:
+        calls.append(1)
+        return speed.DeviceSpeed("test CPU", {"matmul:fp32:k256": 1e11, "memory:fp32": 1e10},
+                                 {"matmul": 1e-5, "memory": 1e-5}, 1e9, source="a stand-in")
+
+    monkeypatch.setattr(speed, "calibrate_cpu", calibrate)
+    for _ in range(2):
+        result = memtrain_here(capsys, "plan", "-c", DEMO, "--device-memory", "1GiB",
+                               "--calibrate")
+        assert result.returncode == 0, result.stderr
+        assert "speed: test CPU (a stand-in)" in result.stdout
+    assert len(calls) == 2  # measured on each --calibrate, read from the cache otherwise

@@ -134,6 +134,8 @@ def test_the_calibration_is_measured_once_per_machine(tmp_path: Path, monkeypatc
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count: its own
     speed.cpu_speed()
     assert len(calls) == 3 and len(list(tmp_path.glob("cpu-speed-*.json"))) == 2
+    speed.cpu_speed(refresh=True)  # `memtrain plan --calibrate`: measured again, cached
+    assert len(calls) == 4 and speed.cpu_speed() == fake and len(calls) == 4
 
 
 def test_this_cpus_calibration_ranks_the_kernels_it_has() -> None:
