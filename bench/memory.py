@@ -22,8 +22,6 @@ import argparse
 import datetime as dt
 import platform
 import socket
-import statistics
-import time
 from functools import partial
 from typing import Any
 
@@ -32,9 +30,8 @@ import torch
 from bench.results import describe_cpu, result_path, write_json
 from trainer.build import MemoryTransforms, build_model
 from trainer.memory.planner import measure_saved_bytes, plan_row, profile_activations, static_bytes
-from trainer.memory.precision import precision_policy
+from trainer.memory.speed import measure_plan
 from trainer.model import GPT, GPTConfig
-from trainer.step import build_optimizer, step_peak_bytes, train_step
 
 SIZES = {
     "gpt-small (4x128, seq 256)": GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128),
@@ -52,19 +49,9 @@ def transforms(ac: str, loss_chunk_tokens: int) -> MemoryTransforms:
 def step_seconds_and_peak(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
                           steps: int, loss_chunk_tokens: int) -> tuple[float, int]:
     """Median step time, then the CPU allocator's peak of one more (untimed) step."""
-    model = build_model(partial(GPT, cfg), transforms(ac, loss_chunk_tokens))
-    policy = precision_policy(precision, torch.device("cpu"))
-    scaler = policy.grad_scaler(torch.device("cpu"))
-    optimizer = build_optimizer(model, lr=1e-3)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1))
-    times = []
-    for i in range(steps + 2):  # two warm-up steps
-        start = time.perf_counter()
-        train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    peak = step_peak_bytes(model, optimizer, scaler, tokens, policy)
-    return statistics.median(times), peak
+    got = measure_plan(partial(GPT, cfg), transforms(ac, loss_chunk_tokens), cfg.seq_len,
+                       cfg.vocab_size, precision, micro_batch, 1, steps=steps, warmup=2)
+    return got.step_seconds, got.peak_bytes
 
 
 def run(micro_batch: int, steps: int, loss_chunk_tokens: int) -> dict[str, Any]:

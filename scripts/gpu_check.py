@@ -69,7 +69,7 @@ from trainer.memory.planner import (
     static_bytes,
 )
 from trainer.memory.precision import precision_policy
-from trainer.memory.speed import DeviceSpeed, SpeedModel, cpu_speed, gpu_speed, spearman
+from trainer.memory.speed import DeviceSpeed, SpeedModel, cpu_speed, named_gpu_speed, spearman
 from trainer.model import GPT, GPTConfig
 from trainer.state import StepResult
 from trainer.step import build_optimizer, step_peak_bytes, train_step
@@ -382,10 +382,7 @@ def device_speed(device: torch.device) -> DeviceSpeed:
     without them), or this CPU's calibration."""
     if device.type != "cuda":
         return cpu_speed()
-    try:
-        return gpu_speed(torch.cuda.get_device_name(device))
-    except ValueError:
-        return gpu_speed("h200")
+    return named_gpu_speed(torch.cuda.get_device_name(device))
 
 
 def write_token_shards(directory: Path, cfg: GPTConfig, rows: int) -> None:

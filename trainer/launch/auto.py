@@ -34,7 +34,7 @@ from trainer.memory.planner import (
     static_bytes,
 )
 from trainer.memory.precision import resolve_precision
-from trainer.memory.speed import SpeedModel, cpu_speed, gpu_speed
+from trainer.memory.speed import SpeedModel, cpu_speed, named_gpu_speed
 
 log = logging.getLogger("memtrain")
 
@@ -90,13 +90,7 @@ def speed_model(cfg: Config, gpu: str | None = None) -> SpeedModel:
     if cfg.parallel.use_gpu:
         if gpu is None and torch.cuda.is_available():
             gpu = torch.cuda.get_device_name(0)
-        if gpu is None:
-            log.info("auto: planning speed with an H200's figures (this machine has no GPU)")
-        try:
-            device = gpu_speed(gpu or "h200")
-        except ValueError as err:
-            log.info("auto: %s; planning speed with an H200's", err)
-            device = gpu_speed("h200")
+        device = named_gpu_speed(gpu)
     else:
         device = cpu_speed()
     overlap = not oom_recovery_on(cfg.memory.oom_recovery,

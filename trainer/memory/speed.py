@@ -17,10 +17,11 @@ in it). The optimizer step (gradient clipping and AdamW, as ``trainer.step.train
 them) is recorded on small real stand-ins of the parameters and scaled to their sizes.
 
 The speed is measured on this machine's CPU (``calibrate_cpu``, cached per machine by
-``cpu_speed``): each kind's rate in fp32 and bf16, an operator's fixed cost (and what autocast
-and a checkpointed block's wrapper add), then each dtype's rates scaled by a small GPT's real
-step against what they predict for it. A GPU is its datasheet peaks times the share eager
-PyTorch reaches (``gpu_speed``; ``make gpu-check`` measures that share against its rows).
+``cpu_speed``): each kind's rate in fp32 and bf16, an operator's fixed cost and what a
+checkpointed block's wrapper adds; then the fixed costs (autocast's too) and each dtype's
+rates are fitted to a small GPT's real steps at two sizes. A GPU is its datasheet peaks times
+the share eager PyTorch reaches (``gpu_speed``; ``make gpu-check`` measures that share against
+its rows).
 
 A step of ``a`` micro-batches of ``m`` samples takes ``a * t(m) + t(optimizer) + the exposed
 all-reduce``, each ``t`` the operators' fixed costs plus their FLOPs or bytes over the rates;
@@ -159,9 +160,6 @@ class Work:
         """The operators that ran in ``dtype``."""
         return Work({k: v for k, v in self.ops.items() if k.split(":")[1] == dtype},
                     {k: v for k, v in self.amount.items() if k.split(":")[1] == dtype})
-
-    def flops(self) -> float:
-        return sum(v for k, v in self.amount.items() if k.split(":")[0] in FLOP_KINDS)
 
 
 def _dtype_name(tensors: list[torch.Tensor]) -> str:
@@ -366,6 +364,19 @@ def gpu_speed(name: str, efficiency: dict[str, float] | None = None) -> DeviceSp
                        ALLREDUCE_BYTES_PER_S["cuda"], asynchronous=True,
                        source=f"datasheet peaks x {eff['bf16']:.0%} (bf16), "
                               f"{eff['fp32']:.0%} (fp32), {eff['memory']:.0%} (bandwidth)")
+
+
+def named_gpu_speed(name: str | None) -> DeviceSpeed:
+    """``gpu_speed(name)``, or an H200's where no GPU is named or the name has no figures
+    (said in the log)."""
+    if name is None:
+        log.info("planner: no GPU to plan for here; planning speed with an H200's figures")
+    else:
+        try:
+            return gpu_speed(name)
+        except ValueError as err:
+            log.info("planner: %s; planning speed with an H200's", err)
+    return gpu_speed("h200")
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
