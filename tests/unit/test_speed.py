@@ -141,7 +141,7 @@ def test_the_calibration_is_measured_once_per_machine(tmp_path: Path, monkeypatc
 def test_this_cpus_calibration_ranks_the_kernels_it_has() -> None:
     """Real figures: every rate positive; an operator's fixed cost under a millisecond; an fp32
     matrix product does more FLOPs a second than GELU moves bytes; and bf16's products are
-    faster than fp32's where this CPU has bf16 instructions, slower where it emulates them
+    faster than fp32's where this CPU has bf16 instructions, slower where ATen emulates them
     (so ``auto`` keeps fp32 there by the calibration alone)."""
     from trainer.compat import cpu_bf16_support
 
@@ -150,7 +150,13 @@ def test_this_cpus_calibration_ranks_the_kernels_it_has() -> None:
     assert 0 < device.op_seconds["memory"] < 1e-3
     assert device.rate("matmul:fp32:k256") > device.rate("math:fp32")
     bf16, fp32 = device.rate("matmul:bf16:k256"), device.rate("matmul:fp32:k256")
-    assert (bf16 > fp32) if cpu_bf16_support() == "native" else (bf16 < fp32), (bf16, fp32)
+    kind = cpu_bf16_support()
+    if kind == "native":
+        assert bf16 > fp32, (bf16, fp32)
+    elif kind == "emulated":  # ATen's fallback kernels: two orders of magnitude slower
+        assert bf16 < fp32, (bf16, fp32)
+    # oneDNN's emulation: 2.7x slower than fp32 on a 2-core Xeon, about even on an AMD EPYC
+    # capped to it (ONEDNN_MAX_CPU_ISA=AVX512_CORE): no order to assert.
 
 
 DEEP = GPTConfig(seq_len=256, n_layer=12, n_head=2, n_embd=64, vocab_size=256)
@@ -182,10 +188,10 @@ def test_auto_takes_no_checkpointing_at_a_smaller_micro_batch_when_it_is_faster(
     assert (old.activation_checkpointing, old.micro_batch_size) == ("full", 16)
     assert (new.activation_checkpointing, new.micro_batch_size) == ("none", 2)
 
-    def measured(mode: str, micro: int) -> float:
+    def fastest_step(mode: str, micro: int) -> float:  # the best of 5: noise only slows
         return measure_plan(factory, transforms.replace(activation_checkpointing=mode),
                             DEEP.seq_len, DEEP.vocab_size, "fp32", micro, 16 // micro,
-                            steps=3, peak=False).tokens_per_s
+                            steps=5, peak=False).best_step_seconds
 
-    assert measured("none", 2) > measured("full", 16)
+    assert fastest_step("none", 2) < fastest_step("full", 16)
 
