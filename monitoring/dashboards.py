@@ -230,10 +230,32 @@ def world_size() -> timeseries.Panel:
                              "accumulation steps.")
 
 
+def restarts() -> timeseries.Panel:
+    return panel("Restarts by cause", "short",
+                 # rank 0 publishes the whole run's count; each attempt is a new process (a new
+                 # series), so the latest value is the run's, and 0 before the first restart.
+                 query("max by (run, cause) (ray_memtrain_train_restarts_total{run=~\"$run\"})"
+                       " or on () vector(0)", "{{run}} after {{cause}}"),
+                 description="Restarts after a failure, the whole run's (rank 0's log has one "
+                             "line each: `restarted after ...`): worker_error (a worker's own "
+                             "error), node_lost, relaunch (the driver or job stopped and was "
+                             "started again), worker_exit (a worker killed without a word).")
+
+
+def recovery_time() -> timeseries.Panel:
+    return panel("Time lost to restarts", "s",
+                 query("max by (run) (ray_memtrain_train_recovery_seconds_total"
+                       "{run=~\"$run\"}) or on () vector(0)", "{{run}}"),
+                 description="Seconds from each failed attempt's last step to the next "
+                             "attempt's first, summed over the run; the steps redone come on "
+                             "top (each restart's log line counts them).")
+
+
 def throughput_dashboard() -> dashboard.Dashboard:
     return assemble("Training throughput", "memtrain-throughput",
                     [tokens_per_second(), step_time(), data_wait_share(), checkpoint_time(),
-                     loss(), grad_scale(), batch_split(), world_size()])
+                     loss(), grad_scale(), batch_split(), world_size(), restarts(),
+                     recovery_time()])
 
 
 DASHBOARDS = {"memtrain-memory.json": memory_dashboard,

@@ -30,6 +30,9 @@ class MetricSpec:
     kind: Literal["gauge", "counter", "histogram"]
     family: Literal["cuda", "device", "host", "train"]
     help: str
+    # Labels of this metric's own beyond LABELS, each with a bounded set of values; a value of
+    # such a metric is published as {label value: number}.
+    extra_labels: tuple[str, ...] = ()
 
     @property
     def exposed_name(self) -> str:
@@ -87,6 +90,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("memtrain_train_world_size_changes_total", "counter", "train",
                "Resumes at another world size than the checkpoint's (an elastic resize, a lost "
                "node, another --workers)."),
+    MetricSpec("memtrain_train_restarts_total", "counter", "train",
+               "Restarts of the run after a failure, by cause (worker_error, node_lost, "
+               "relaunch, worker_exit): the whole run's count, published by rank 0.",
+               extra_labels=("cause",)),
+    MetricSpec("memtrain_train_recovery_seconds_total", "counter", "train",
+               "Seconds lost to restarts: from a failed attempt's last step to the next "
+               "attempt's first, summed over the whole run (rank 0)."),
     MetricSpec("memtrain_data_skipped_shards_total", "counter", "train",
                "Bad shards skipped by the loader (on_bad_shard: skip)."),
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -33,28 +34,39 @@ class Sink(ABC):
         if missing:
             raise ValueError(f"metric labels missing: {sorted(missing)}")
         self.labels = {k: str(labels[k]) for k in LABELS}
-        self._totals: dict[str, float] = {}
+        self._totals: dict[tuple[Any, ...], float] = {}
 
-    def set(self, values: Mapping[str, float]) -> None:
-        """Gauges take the value; counters take a running total (see ``set_total``)."""
+    def set(self, values: Mapping[str, float | Mapping[str, float]]) -> None:
+        """Gauges take the value; counters take a running total (see ``set_total``); a metric
+        with an extra label takes {label value: running total}."""
         for name, value in values.items():
-            if spec(name).kind == "counter":
+            if isinstance(value, Mapping):
+                (label,) = spec(name).extra_labels
+                for label_value, total in value.items():
+                    self.set_total(name, total, {label: label_value})
+            elif spec(name).kind == "counter":
                 self.set_total(name, value)
             elif spec(name).kind == "gauge":
                 self._set_gauge(name, value)
             else:
                 raise TypeError(f"{name} is a histogram: use observe()")
 
-    def set_total(self, name: str, total: float) -> None:
-        if name not in self._totals:
-            self._start_counter(name)
-            self._totals[name] = 0.0
-        delta = total - self._totals[name]
+    def set_total(self, name: str, total: float, extra: Mapping[str, str] | None = None) -> None:
+        extra = dict(extra or {})
+        if set(extra) != set(spec(name).extra_labels):
+            raise ValueError(f"{name} takes the extra labels {spec(name).extra_labels}, "
+                             f"not {sorted(extra)}")
+        key = (name, *sorted(extra.items()))
+        if key not in self._totals:
+            self._start_counter(name, extra)
+            self._totals[key] = 0.0
+        delta = total - self._totals[key]
         if delta > 0:
-            self._inc_counter(name, delta)
-            self._totals[name] = total
+            self._inc_counter(name, delta, extra)
+            self._totals[key] = total
 
-    def _start_counter(self, name: str) -> None:  # noqa: B027 - optional hook, no-op default
+    def _start_counter(self, name: str,  # noqa: B027 - optional hook, no-op default
+                       extra: Mapping[str, str]) -> None:
         """Make the counter's series exist at 0 where the transport can (Ray's cannot)."""
 
     def observe(self, name: str, value: float) -> None:
@@ -66,7 +78,7 @@ class Sink(ABC):
     def _set_gauge(self, name: str, value: float) -> None: ...
 
     @abstractmethod
-    def _inc_counter(self, name: str, delta: float) -> None: ...
+    def _inc_counter(self, name: str, delta: float, extra: Mapping[str, str]) -> None: ...
 
     @abstractmethod
     def _observe(self, name: str, value: float) -> None: ...
@@ -84,7 +96,8 @@ class PrometheusSink(Sink):
                 self._metrics[metric.name] = Gauge(name, metric.help, LABELS,
                                                    registry=self.registry)
             elif metric.kind == "counter":
-                self._metrics[metric.name] = Counter(name, metric.help, LABELS,
+                self._metrics[metric.name] = Counter(name, metric.help,
+                                                     LABELS + metric.extra_labels,
                                                      registry=self.registry)
             else:
                 self._metrics[metric.name] = Histogram(name, metric.help, LABELS,
@@ -94,11 +107,11 @@ class PrometheusSink(Sink):
     def _set_gauge(self, name: str, value: float) -> None:
         self._metrics[name].labels(**self.labels).set(value)  # type: ignore[union-attr]
 
-    def _inc_counter(self, name: str, delta: float) -> None:
-        self._metrics[name].labels(**self.labels).inc(delta)  # type: ignore[union-attr]
+    def _inc_counter(self, name: str, delta: float, extra: Mapping[str, str]) -> None:
+        self._metrics[name].labels(**self.labels, **extra).inc(delta)  # type: ignore[union-attr]
 
-    def _start_counter(self, name: str) -> None:
-        self._metrics[name].labels(**self.labels)  # the series now exists, at 0
+    def _start_counter(self, name: str, extra: Mapping[str, str]) -> None:
+        self._metrics[name].labels(**self.labels, **extra)  # the series now exists, at 0
 
     def _observe(self, name: str, value: float) -> None:
         self._metrics[name].labels(**self.labels).observe(value)  # type: ignore[union-attr]

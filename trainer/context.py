@@ -41,6 +41,9 @@ class WorkerContext(ABC):
     # Where metrics go (monitoring.sinks.PrometheusSink or the Ray sink); None: nowhere.
     # Set after construction by the launcher.
     metrics_sink: Any = field(default=None, kw_only=True)
+    # The launch this worker belongs to (an id the launcher draws): a start under another
+    # launch than the previous attempt's is a relaunch (trainer.recovery).
+    launch_id: str = field(default="", kw_only=True)
 
     @property
     def is_main(self) -> bool:
@@ -58,6 +61,24 @@ class WorkerContext(ABC):
     def barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def node_address(self) -> str:
+        """The address of the node this worker runs on."""
+        return "127.0.0.1"
+
+    def node_addresses(self) -> list[str]:
+        """Every rank's node address (a collective: every rank calls)."""
+        mine = self.node_address()
+        if not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return [str(address) for address in gathered]
+
+    def lost_nodes(self, addresses: list[str]) -> list[str]:
+        """Which of ``addresses`` (nodes an earlier attempt ran on) are gone: none, for
+        workers that all run on this machine."""
+        return []
 
 
 @dataclass

@@ -43,6 +43,7 @@ from trainer.build import (
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.diagnostics import LeakGuard, profiler_window, write_memory_summary
+from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.loss import computes_own_loss
 from trainer.memory.oom import (
     BatchPlan,
@@ -52,6 +53,7 @@ from trainer.memory.oom import (
     step_with_oom_recovery,
 )
 from trainer.memory.precision import precision_policy, resolve_precision
+from trainer.recovery import Recovery
 from trainer.run_metrics import RunMetrics, StepRecord
 from trainer.sharding import shard_model
 from trainer.state import NonFiniteError, StepResult, TrainState
@@ -79,6 +81,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
+        if ctx.device.type == "cpu":
+            keep_freed_host_memory()  # large tensors reuse the last step's pages
         self.plan = BatchPlan(cfg.train.micro_batch(), cfg.train.accumulation_steps(ctx.world_size))
         self.precision = resolve_precision(cfg.memory.precision, ctx.device, cfg.parallel.strategy)
         self.policy = precision_policy(self.precision.name, ctx.device)
@@ -95,7 +99,11 @@ class Trainer:
             resumed_from = state.restore(ctx)
             state.wrap_ddp(ctx)
             self.log_start(state, resumed_from, recording_history)
+            recovery = Recovery.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,
+                                      ctx.node_addresses(), ctx.lost_nodes)
+            resources.callback(recovery.close)
             metrics = self.start_metrics(resources, state, resumed_from)
+            metrics.recovery = recovery
             val_batches = self.validation_loader(resources)
             rows = self.row_record(resources)
             guard = LeakGuard() if cfg.memory.leak_check_every else None
@@ -116,6 +124,7 @@ class Trainer:
                 state.scheduler.step()
                 state.step += 1
                 metrics.step_done(time.perf_counter() - step_start, data_wait, result.skipped)
+                recovery.step_done(state.step)
                 if state.step == first_step:
                     self.watch.settle()  # the first step compiled forward and backward
                 self.check_skips(result, state.step)
@@ -127,7 +136,9 @@ class Trainer:
                 if due(state.step, cfg.train.checkpoint_every, is_last):
                     self.checkpoint(metrics, state)
                 after_step(cfg.memory, ctx, state.step, guard, profiler)
+            recovery.finish(state.step)
             summary = self.summary(metrics, state, resumed_from, guard)
+            summary.update(recovery.summary())
             metrics.write_summary(summary)
         return summary
 

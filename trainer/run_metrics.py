@@ -103,6 +103,7 @@ class RunMetrics:
     peak_window_seconds: float = 60.0
     window: _Window = field(default_factory=_Window)
     trackers: Trackers = field(default_factory=lambda: Trackers([]))  # rank 0's, where asked
+    recovery: Any = None  # trainer.recovery.Recovery: the run's restarts (rank 0's figures)
 
     def __post_init__(self) -> None:
         path = self.ctx.run_dir / "metrics" / f"rank-{self.ctx.rank}.jsonl"
@@ -131,7 +132,7 @@ class RunMetrics:
         self.trackers.close()  # ends a run that did not finish as failed
         self._log.close()
 
-    def _current_values(self) -> dict[str, float]:
+    def _current_values(self) -> dict[str, Any]:
         """Every published value now (the publisher's thread): reads counters, no host sync."""
         samples = self.steps_this_run * self.samples_per_rank_step
         return {
@@ -146,6 +147,7 @@ class RunMetrics:
             "memtrain_data_wait_seconds_total": self.wait_seconds,
             "memtrain_checkpoint_seconds_total": self.checkpoint_seconds,
             "memtrain_data_skipped_shards_total": self._loader.skipped_shards,
+            **(self.recovery.metrics() if self.recovery is not None else {}),
             **device_values(self.ctx.device, self._uuid, self.peaks, self._loader.pinned_bytes),
         }
 

@@ -30,8 +30,9 @@ from typing import Any
 from pyarrow import fs as pafs
 
 from monitoring.trackers import TENSORBOARD_DIR, TRACKING_FILE
+from trainer.recovery import ATTEMPTS, PROGRESS
 
-LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors",
+LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors", ATTEMPTS, PROGRESS,
                TRACKING_FILE, TENSORBOARD_DIR)  # the last two: the experiment trackers'
 
 
@@ -126,9 +127,10 @@ class RemoteRun:
             if not (run_dir / directory).is_dir() and \
                     self.fs.get_file_info(self._path(directory)).type == pafs.FileType.Directory:
                 self.download_dir(directory, run_dir / directory)
-        if not (run_dir / TRACKING_FILE).is_file() and self.is_file(TRACKING_FILE):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / TRACKING_FILE).write_text(self.read_text(TRACKING_FILE))
+        for name in (TRACKING_FILE, ATTEMPTS, PROGRESS):  # the run's attempts continue too
+            if not (run_dir / name).is_file() and self.is_file(name):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / name).write_text(self.read_text(name))
 
     def upload_logs(self, run_dir: Path) -> None:
         for entry in LOG_ENTRIES:

@@ -157,7 +157,9 @@ def test_a_worker_killed_by_a_signal_is_one_line_naming_its_rank(
     """As the kernel's OOM killer would: rank 1 SIGKILLed at step 5, past the step-4
     checkpoint. The workers are children of the fork server, not of the launcher; their exit
     still reaches it, the other rank is stopped, and the error names the rank and the signal.
-    The same run, started again, resumes from the checkpoint (a kill fires once per run)."""
+    The same run, started again, resumes from the checkpoint (a kill fires once per run) and
+    names the restart in one line: the killed rank left no error of its own, the launcher
+    recorded how it ended."""
     monkeypatch.setenv("MEMTRAIN_FAULTS", "kill@5:1")
     cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, "parallel.launcher=local",
                                            "parallel.workers=2", "train.steps=8",
@@ -168,3 +170,12 @@ def test_a_worker_killed_by_a_signal_is_one_line_naming_its_rank(
     assert not (run_dir / "summary.json").exists()
     summary = launch_local(cfg, run_dir)
     assert (summary["resumed_from_step"], summary["final_step"]) == (4, 8)
+    # (The line itself goes to the worker processes' stderr: tests/unit/test_recovery.py
+    # checks its words.)
+    assert (summary["attempt"], summary["restarts"]) == (2, {"worker_exit": 1})
+    assert 0 < summary["recovery_seconds"] < 120
+    attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    restart = next(r for r in attempts if r.get("cause"))
+    assert (restart["last_step"], restart["resumed_from"]) == (5, 4)
+    assert restart["detail"] == "rank 1 exited with code -9 (signal SIGKILL)"  # the launcher's
+    assert [r["steps_redone"] for r in attempts if r.get("recovered")] == [1]

@@ -30,6 +30,8 @@ def test_a_crash_during_checkpoint_write_keeps_the_previous_one_latest(
     monkeypatch.delenv("MEMTRAIN_FAULTS")
     resumed = launch_local(cfg, run_dir)
     assert resumed["resumed_from_step"] == 2 and resumed["final_step"] == 6
+    # the restart's cause is the failed write, the error the previous launch's rank recorded
+    assert resumed["restarts"] == {"worker_error": 1}
     assert [step for step, _ in complete_checkpoints(run_dir)] == [2, 4, 6]
 
 

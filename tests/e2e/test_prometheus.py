@@ -32,7 +32,9 @@ PROMETHEUS_DIR = Path(__file__).resolve().parents[2] / "monitoring" / "prometheu
 # Counters that stay 0 in a healthy CPU run: Ray cannot export a counter before its first
 # increment, so they have no series (dashboards use `or vector(0)`).
 ZERO_IN_A_HEALTHY_RUN = {"memtrain_train_skipped_steps_total", "memtrain_data_skipped_shards_total",
-                         "memtrain_train_world_size_changes_total"}
+                         "memtrain_train_world_size_changes_total",
+                         "memtrain_train_restarts_total",
+                         "memtrain_train_recovery_seconds_total"}
 
 
 def _need(tool: str) -> str:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from trainer.launch.prepare import available_cpus, remote_run, setup_logging
 from trainer.launch.worker_errors import (
     clear_worker_errors,
     record_worker_error,
+    record_worker_exit,
     recorded_worker_error,
 )
 from trainer.loop import train
@@ -69,7 +71,8 @@ def attach_metrics(ctx: LocalContext, cfg: Config) -> None:
     ctx.metrics_sink = sink
 
 
-def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int | None) -> None:
+def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int | None,
+            launch_id: str) -> None:
     setup_logging()
     cfg = Config.model_validate_json(cfg_json)
     world_size = cfg.parallel.workers
@@ -80,7 +83,8 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size)
     try:
-        ctx = LocalContext(rank, rank, world_size, device, Path(run_dir), remote=remote_run(cfg))
+        ctx = LocalContext(rank, rank, world_size, device, Path(run_dir), remote=remote_run(cfg),
+                           launch_id=launch_id)
         attach_metrics(ctx, cfg)
         train(cfg, ctx, until_step)
     except BaseException as err:
@@ -115,8 +119,8 @@ def _run_workers(cfg: Config, run_dir: Path, until_step: int | None) -> None:
     as its own line (``WorkerError``)."""
     clear_worker_errors(run_dir)
     try:
-        start_workers(_worker, (cfg.model_dump_json(), str(run_dir), free_port(), until_step),
-                      cfg.parallel.workers)
+        start_workers(_worker, (cfg.model_dump_json(), str(run_dir), free_port(), until_step,
+                                uuid.uuid4().hex), cfg.parallel.workers)
     except mp.ProcessRaisedException as err:
         # torch's message is the worker's whole traceback; the worker recorded its own line.
         recorded = recorded_worker_error(run_dir, err.error_index) \
@@ -125,9 +129,10 @@ def _run_workers(cfg: Config, run_dir: Path, until_step: int | None) -> None:
             raise
         raise recorded from err
     except mp.ProcessExitedException as err:  # killed (OOM killer, signal): no line of its own
-        raise RuntimeError(f"rank {err.error_index} exited with code {err.exit_code}"
-                           f"{f' (signal {err.signal_name})' if err.signal_name else ''}"
-                           ) from err
+        how = (f"exited with code {err.exit_code}"
+               f"{f' (signal {err.signal_name})' if err.signal_name else ''}")
+        record_worker_exit(run_dir, err.error_index, how)
+        raise RuntimeError(f"rank {err.error_index} {how}") from err
 
 
 def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> dict[str, Any]:
@@ -141,7 +146,8 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
         remote.clear_errors()
     try:
         if cfg.parallel.workers == 1:  # in-process: the worker's error is the user's, as it is
-            ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir, remote=remote)
+            ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir, remote=remote,
+                               launch_id=uuid.uuid4().hex)
             attach_metrics(ctx, cfg)
             return train(cfg, ctx, until_step)
         _run_workers(cfg, run_dir, until_step)

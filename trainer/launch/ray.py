@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -79,7 +80,7 @@ class RaySink(Sink):
             if metric.kind == "gauge":
                 made = Gauge(metric.name, metric.help, tag_keys=LABELS)
             elif metric.kind == "counter":
-                made = Counter(metric.name, metric.help, tag_keys=LABELS)
+                made = Counter(metric.name, metric.help, tag_keys=LABELS + metric.extra_labels)
             else:
                 made = Histogram(metric.name, metric.help, boundaries=list(STEP_SECONDS_BUCKETS),
                                  tag_keys=LABELS)
@@ -89,8 +90,8 @@ class RaySink(Sink):
     def _set_gauge(self, name: str, value: float) -> None:
         self._metrics[name].set(value)
 
-    def _inc_counter(self, name: str, delta: float) -> None:
-        self._metrics[name].inc(delta)
+    def _inc_counter(self, name: str, delta: float, extra: Mapping[str, str]) -> None:
+        self._metrics[name].inc(delta, tags=dict(extra) or None)
 
     def _observe(self, name: str, value: float) -> None:
         self._metrics[name].observe(value)
@@ -105,6 +106,13 @@ class RayContext(WorkerContext):
                       if checkpoint_dir is not None else None)
         ray.train.report(metrics, checkpoint=checkpoint,
                          checkpoint_dir_name=checkpoint_dir_name(step))
+
+    def node_address(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def lost_nodes(self, addresses: list[str]) -> list[str]:
+        alive = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+        return sorted(set(addresses) - alive)
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:
@@ -173,7 +181,8 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
     ctx = RayContext(rank=context.get_world_rank(), local_rank=context.get_local_rank(),
                      world_size=context.get_world_size(), device=device,
                      run_dir=Path(loop_config["run_dir"]),
-                     node_id=ray.get_runtime_context().get_node_id()[:12])
+                     node_id=ray.get_runtime_context().get_node_id()[:12],
+                     launch_id=loop_config.get("launch_id", ""))
     ctx.metrics_sink = RaySink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
                                              ctx.node_id, device))
     # The driver's filesystem object: a worker's own environment may not reach the store (a
@@ -266,6 +275,7 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
         _worker_loop,
         train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
                            "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
+                           "launch_id": uuid.uuid4().hex,
                            "remote": remote},
         scaling_config=ScalingConfig(num_workers=num_workers,
                                      use_gpu=cfg.parallel.use_gpu,

@@ -16,6 +16,7 @@ from trainer.errors import error_kind, first_line, is_user_error
 
 log = logging.getLogger("memtrain")
 ERRORS_DIR = "errors"  # run_dir/errors/rank-<r>.json: a failed worker's own error, one line
+PREVIOUS_ERRORS_DIR = "errors-previous"  # the launch before
 
 
 class WorkerError(RuntimeError):
@@ -45,9 +46,22 @@ def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
         log.debug("could not record rank %d's error in %s", rank, run_dir, exc_info=True)
 
 
-def recorded_worker_error(run_dir: Path, rank: int | None = None) -> WorkerError | None:
+def record_worker_exit(run_dir: Path, rank: int, how: str) -> None:
+    """In the launcher: a worker that ended without an error of its own (``how``: "exited with
+    code -9 (signal SIGKILL)"), for the next attempt's restart line (``trainer.recovery``)."""
+    try:
+        path = run_dir / ERRORS_DIR / f"rank-{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"kind": "", "message": how, "user_error": False,
+                                    "exited": True}))
+    except OSError:
+        log.debug("could not record rank %d's exit in %s", rank, run_dir, exc_info=True)
+
+
+def recorded_worker_error(run_dir: Path, rank: int | None = None,
+                          directory: str = ERRORS_DIR) -> WorkerError | None:
     """The error a failed worker recorded (``rank``, or the lowest rank that recorded one)."""
-    paths = sorted((run_dir / ERRORS_DIR).glob("rank-*.json"),
+    paths = sorted((run_dir / directory).glob("rank-*.json"),
                    key=lambda p: int(p.stem.removeprefix("rank-")))
     if rank is not None:
         paths = [p for p in paths if p.stem == f"rank-{rank}"]
@@ -62,4 +76,9 @@ def recorded_worker_error(run_dir: Path, rank: int | None = None) -> WorkerError
 
 
 def clear_worker_errors(run_dir: Path) -> None:
-    shutil.rmtree(run_dir / ERRORS_DIR, ignore_errors=True)
+    """Before a launch: the previous launch's errors move to ``errors-previous`` (one launch
+    kept), where the next attempt reads why its predecessor ended (``trainer.recovery``)."""
+    previous = run_dir / PREVIOUS_ERRORS_DIR
+    shutil.rmtree(previous, ignore_errors=True)
+    if (run_dir / ERRORS_DIR).is_dir():
+        (run_dir / ERRORS_DIR).rename(previous)

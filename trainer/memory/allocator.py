@@ -1,14 +1,22 @@
-"""The CUDA caching allocator: ``expandable_segments:True`` through the environment, before CUDA
-initialises (fewer fragmented segments), and the peak a run reaches."""
+"""The allocators: CUDA's caching allocator gets ``expandable_segments:True`` through the
+environment, before CUDA initialises (fewer fragmented segments); on CPU, glibc's malloc keeps
+freed memory for the next step (``keep_freed_host_memory``); and the peak a run reaches."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import resource
 
 import torch
 
 ALLOCATOR_SETTING = "expandable_segments:True"
+# glibc's mallopt parameters (malloc.h), and the variables with which a user sets them instead.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_MALLOC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+                     "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_kept = False
 
 
 def configure_allocator_env() -> str:
@@ -29,3 +37,33 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def keep_freed_host_memory() -> bool:
+    """On glibc, serve every host allocation from malloc's heap and keep freed memory there, so
+    a training step's large tensors reuse the pages of the step before.
+
+    By default glibc maps an allocation above its threshold (at most 32 MiB) on its own and
+    unmaps it when freed, and returns a heap's free top to the system: the next step's tensor
+    of that size is mapped afresh and its first write page-faults on every page. A CPU step
+    allocates such tensors all the time (a 32k vocabulary's logits at micro-batch 4 are 33 MB in
+    bf16). Measured on the 2-core AMD EPYC with bf16 (`python -m bench.plan`'s Llama 4x256,
+    vocabulary 32,000, full checkpointing, 8 samples a step): 2,236 -> 4,152 tokens/s in bf16 at
+    micro-batch 4, 1,420 -> 1,956 in fp32. The process's resident memory then stays at its
+    high-water mark instead of falling between steps (its peak is the same), as it does under
+    the jemalloc or tcmalloc that Intel's PyTorch guide preloads for the same reason.
+
+    Left alone where the user set malloc's variables or preloads another allocator; a no-op
+    elsewhere than glibc. Process-wide and idempotent; returns whether it is in effect."""
+    global _kept
+    if _kept:
+        return True
+    if any(name in os.environ for name in _MALLOC_VARIABLES) or \
+            "malloc" in os.environ.get("LD_PRELOAD", ""):
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)  # the symbols already in the process: its own glibc
+    _kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and \
+        bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    return _kept

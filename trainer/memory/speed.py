@@ -31,10 +31,9 @@ loader's per-sample cost, where given, counts only beyond the step (it prefetche
 thread); ``memtrain`` does not measure it yet.
 
 Left out, and why the figures rank plans better than they promise a number: a kernel's speed
-at shapes far from the calibrated ones; the page faults of large new tensors on CPU (the first
-write of a fresh 32 MiB tensor costs about 10 ms on a 2-core AMD EPYC, and which allocations
-are fresh depends on glibc's malloc and the step's history: a larger micro-batch pays more of
-them than predicted); torch.compile's fusion; the kernels a GPU picks per shape; and several
+at shapes far from the calibrated ones; page faults on CPU (the trainer and the calibration keep
+freed memory in glibc's heap, ``keep_freed_host_memory``, so large tensors reuse pages; under
+another allocator a larger micro-batch pays faults the model does not see); torch.compile's fusion; the kernels a GPU picks per shape; and several
 workers sharing one host's cores (a plan is timed at the planning process's thread count).
 ``memtrain plan --measure`` and ``make bench-plan`` measure the error.
 """
@@ -63,11 +62,12 @@ from torch.utils._pytree import tree_flatten
 
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import fake_tensor_mode
+from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.loss import summed_loss
 from trainer.memory.precision import precision_policy
 
 log = logging.getLogger("memtrain.planner")
-CALIBRATION_VERSION = 13
+CALIBRATION_VERSION = 15
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Operator kinds: which are counted in FLOPs (the rest in bytes read and written).
 FLOP_KINDS = ("matmul", "attention")
@@ -474,6 +474,7 @@ def calibrate_cpu() -> DeviceSpeed:
     """Measure this CPU at torch's thread count, in fp32 and bf16: matrix products at three
     contraction dimensions, attention, elementwise products, GELU and dtype conversions, and an
     operator's fixed cost. Takes a few seconds."""
+    keep_freed_host_memory()  # as the trainer's CPU workers run
     rates: dict[str, float] = {}
     matmul_fixed = float("inf")
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
@@ -506,48 +507,85 @@ def calibrate_cpu() -> DeviceSpeed:
     return speed
 
 
+# The small GPT's batch sizes the calibration times: the fixed costs dominate the first, the
+# compute the last.
+IN_MODEL_BATCHES = (1, 4, 16)
+
+
+def _interleaved_best(steps: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
+    """Each step's fastest time over ``rounds`` passes that take every step in turn: a
+    machine whose speed drifts (a shared VM's, by 15-30% within minutes) slows all of them
+    alike, rather than the ones timed during a slow spell."""
+    for fn in steps.values():
+        fn()  # warm-up: first-call allocation and kernel selection
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for key, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best
+
+
+def _fit_scales(rows: list[tuple[float, float, float, float]]) -> tuple[float, float]:
+    """(a, b) minimising the relative error of ``a x fixed + b x own + other`` against
+    ``measured`` over ``rows`` (least squares, each row divided by its measured time)."""
+    sff = sfc = scc = sfy = scy = 0.0
+    for fixed, own, other, measured in rows:
+        f, c, y = fixed / measured, own / measured, (measured - other) / measured
+        sff, sfc, scc = sff + f * f, sfc + f * c, scc + c * c
+        sfy, scy = sfy + f * y, scy + c * y
+    det = sff * scc - sfc * sfc
+    if det <= 0:
+        return 1.0, 1.0
+    return (sfy * scc - scy * sfc) / det, (sff * scy - sfc * sfy) / det
+
+
 def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
     """The rates and fixed costs as a model reaches them: operators back to back on operands
     that come from memory, not from the cache of a repeated call (bf16's fast kernels lose the
     most), and autocast's dispatch on every operator.
 
     A small GPT's real forward and backward (2 blocks of width 128, 256 positions) is timed at
-    1 and 8 samples, in fp32, then in bf16, against what the isolated figures predict for the
-    operators it ran: its fixed costs (the same at both sizes) and its dtype's compute (8 times
-    the work at 8) give two equations for two scales, the operators' fixed cost and the dtype's
-    rates. fp32 first: a bf16 step runs fp32 operators too, and its fixed-cost scale is
-    autocast's (``op_seconds["autocast"]``, a factor)."""
+    ``IN_MODEL_BATCHES`` samples in fp32 and in bf16, all interleaved (``_interleaved_best``),
+    against what the isolated figures predict for the operators it ran. Its fixed costs are the
+    same at every size and its compute grows with it, so two scales are fitted to each dtype's
+    three steps (``_fit_scales``): the operators' fixed cost and the dtype's rates. fp32 first:
+    a bf16 step runs fp32 operators too, and its fixed-cost scale is autocast's
+    (``op_seconds["autocast"]``, a factor)."""
     from trainer.model import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=256, n_layer=2, n_head=4, n_embd=128)
     torch.manual_seed(0)
     model = GPT(cfg)
     model.train()
-    current = speed
+    steps: dict[Any, Callable[[], object]] = {}
+    works: dict[tuple[str, int], Work] = {}
     for name in ("fp32", "bf16"):
         policy = precision_policy(name, torch.device("cpu"), warn=False)
-        rows = []  # (fixed, own compute, other compute, measured) seconds at each size
-        for batch in (1, 8):
+        for batch in IN_MODEL_BATCHES:
             tokens_BT = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
 
             def step(policy: Any = policy, tokens_BT: torch.Tensor = tokens_BT) -> None:
                 summed_loss(model, tokens_BT, policy).backward()
+                model.zero_grad(set_to_none=True)
 
             with recording() as work:
                 step()
-            # Best of several: the fitted fixed cost rests on the short step at 1 sample.
-            measured = _best_seconds(step, 10 if batch == 1 else 5)
+            steps[name, batch], works[name, batch] = step, work
+    measured = _interleaved_best(steps, rounds=4)
+    current = speed
+    for name in ("fp32", "bf16"):
+        rows = []  # (fixed, own compute, other compute, measured) seconds at each size
+        for batch in IN_MODEL_BATCHES:
+            work = works[name, batch]
             fixed = current.seconds(work.scaled(0.0))
             own = current.seconds(work.only(name)) - current.seconds(work.only(name).scaled(0.0))
-            rows.append((fixed, own, current.seconds(work) - fixed - own, measured))
-            model.zero_grad(set_to_none=True)
-        (f1, c1, r1, m1), (f8, c8, r8, m8) = rows
-        det = f1 * c8 - f8 * c1
-        fixed_scale = ((m1 - r1) * c8 - (m8 - r8) * c1) / det if det else 1.0
-        rate_scale = (f1 * (m8 - r8) - f8 * (m1 - r1)) / det if det else 1.0
-        # Never faster than alone, nor wildly slower: a noisy measurement stays bounded.
+            rows.append((fixed, own, current.seconds(work) - fixed - own, measured[name, batch]))
+        fixed_scale, rate_scale = _fit_scales(rows)
         log.debug("planner: %s in a model, unbounded: fixed costs x %.2f, rates / %.2f", name,
                   fixed_scale, rate_scale)
+        # Never faster than alone, nor wildly slower: a noisy measurement stays bounded.
         fixed_scale, rate_scale = min(max(fixed_scale, 0.5), 8.0), min(max(rate_scale, 1.0), 4.0)
         rates = {k: v / rate_scale if k.split(":")[1] == name else v
                  for k, v in current.rates.items()}
@@ -666,6 +704,7 @@ def measure_plan(factory: ModelFactory, transforms: MemoryTransforms, seq_len: i
     from trainer.step import build_optimizer, step_peak_bytes, train_step
 
     device = torch.device("cpu")
+    keep_freed_host_memory()  # as the trainer's CPU workers run
     model = build_model(factory, transforms)
     model.train()
     policy = precision_policy(precision, device, warn=False)
