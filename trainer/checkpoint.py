@@ -143,7 +143,7 @@ def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
 
 # -- publishing ----------------------------------------------------------------------------------
 
-def publish_checkpoint(run_dir: Path, step: int, files: Path | None, is_main: bool,
+def publish_checkpoint(run_dir: Path, step: int, files: Path | None, rank: int,
                        barrier: Callable[[], None], keep: int) -> Path:
     """Publish one step's checkpoint in ``run_dir`` from every rank's ``files`` (its
     ``write_checkpoint`` directory, or None); every rank calls. Returns the checkpoint.
@@ -154,6 +154,7 @@ def publish_checkpoint(run_dir: Path, step: int, files: Path | None, is_main: bo
     """
     final = run_dir / checkpoint_dir_name(step)
     staging = run_dir / f".staging-{checkpoint_dir_name(step)}"
+    is_main = rank == 0
     barrier()
     if is_main:
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash mid-write
@@ -168,7 +169,7 @@ def publish_checkpoint(run_dir: Path, step: int, files: Path | None, is_main: bo
             raise CheckpointWriteError(
                 f"checkpoint of step {step} could not be written to {staging.parent} "
                 f"({reason}); the previous checkpoint stays the latest") from err
-    maybe_fail_checkpoint(step)  # MEMTRAIN_FAULTS=checkpoint@STEP (trainer.faults)
+    maybe_fail_checkpoint(run_dir, step, rank)  # MEMTRAIN_FAULTS=checkpoint@STEP (faults.py)
     barrier()
     if is_main:
         if final.exists():  # a rerun reached the same step: replace it whole

@@ -92,7 +92,7 @@ class LocalContext(WorkerContext):
     remote: RemoteRun | None = field(default=None, kw_only=True)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
-        final = publish_checkpoint(self.run_dir, step, checkpoint_dir, self.is_main,
+        final = publish_checkpoint(self.run_dir, step, checkpoint_dir, self.rank,
                                    self.barrier, self.keep_checkpoints)
         if self.is_main and self.remote is not None:
             upload_checkpoint(self.remote, final, self.keep_checkpoints)

@@ -6,7 +6,8 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
   on the step's first attempt only (OOM recovery then retries it): ``oom_armed`` around an
   attempt, ``maybe_oom`` before each micro-batch;
 - ``checkpoint@4``: the checkpoint of step 4 fails after its files are written, before it is
-  published (every rank raises);
+  published (every rank raises; once per rank and run directory, so a restarted run gets past
+  it);
 - ``kill@5:1``: rank 1 SIGKILLs itself at the end of step 5, once per run directory (a marker
   file in the run directory keeps a restarted worker from doing it again);
 - ``stall@3``: rank 0 sleeps ``STALL_SECONDS`` at the end of step 3, as a long evaluation, a
@@ -93,9 +94,11 @@ def maybe_oom(index: int, count: int) -> None:
         raise torch.OutOfMemoryError(f"out of memory (injected by {ENV})")
 
 
-def maybe_fail_checkpoint(step: int) -> None:
-    """``checkpoint@STEP``: fail this step's checkpoint write (on every rank)."""
-    if any(f.kind == "checkpoint" and f.step == step for f in active()):
+def maybe_fail_checkpoint(run_dir: Path, step: int, rank: int) -> None:
+    """``checkpoint@STEP``: fail this step's checkpoint write (on every rank, once per run
+    directory)."""
+    if any(f.kind == "checkpoint" and f.step == step for f in active()) and \
+            _first_time(run_dir, Fault("checkpoint", step, rank)):
         raise OSError(f"checkpoint write failed at step {step} (injected by {ENV})")
 
 

@@ -92,6 +92,7 @@ class Recovery:
     recovery_seconds: float = 0.0  # the run's, this attempt's own once its first step is done
     _fd: int | None = None
     _reported: bool = False
+    _warned: bool = False
 
     @classmethod
     def begin(cls, run_dir: Path, is_main: bool, launch_id: str, resumed_from: int | None,
@@ -127,10 +128,11 @@ class Recovery:
             start.update(cause=recovery.restart.cause, detail=recovery.restart.detail,
                           failed_at=recovery.restart.failed_at,
                           last_step=recovery.restart.last_step)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / ATTEMPTS, "a") as f:
-            f.write(json.dumps(start, sort_keys=True) + "\n")
-        recovery._fd = os.open(run_dir / PROGRESS, os.O_WRONLY | os.O_CREAT, 0o644)
+        recovery._append(start)
+        try:
+            recovery._fd = os.open(run_dir / PROGRESS, os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError as err:
+            recovery._warn(err)
         return recovery
 
     def step_done(self, step: int) -> None:
@@ -147,11 +149,8 @@ class Recovery:
             log.warning("restarted after %s: resumed from step %d (%.1f s, %d step%s redone)",
                         self.restart.detail, self.restart.resumed_from, seconds,
                         self.restart.steps_redone, "" if self.restart.steps_redone == 1 else "s")
-            with open(self.run_dir / ATTEMPTS, "a") as f:
-                f.write(json.dumps({"attempt": self.attempt, "recovered": True,
-                                    "recovery_seconds": seconds,
-                                    "steps_redone": self.restart.steps_redone},
-                                   sort_keys=True) + "\n")
+            self._append({"attempt": self.attempt, "recovered": True,
+                          "recovery_seconds": seconds, "steps_redone": self.restart.steps_redone})
 
     def finish(self, step: int) -> None:
         """The attempt ended at the run's last step: the next start is no restart."""
@@ -176,9 +175,30 @@ class Recovery:
                 "recovery_seconds": round(self.recovery_seconds, 3)}
 
     def _write_progress(self, record: dict[str, Any]) -> None:
-        assert self._fd is not None
+        if self._fd is None:
+            return
         line = json.dumps(record, sort_keys=True).ljust(_WIDTH - 1) + "\n"
-        os.pwrite(self._fd, line.encode(), 0)
+        try:
+            os.pwrite(self._fd, line.encode(), 0)
+        except OSError as err:
+            self._warn(err)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / ATTEMPTS, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as err:
+            self._warn(err)
+
+    def _warn(self, err: OSError) -> None:
+        """The records are the run's account of itself, not its state: a full or read-only
+        disk costs one warning, not the run (the next write to the run directory that matters,
+        a log line or a checkpoint, reports it)."""
+        if not self._warned:
+            self._warned = True
+            log.warning("warning: the restart records in %s cannot be written (%s); restarts "
+                        "go uncounted until they can", self.run_dir, err.strerror or err)
 
 
 def _read_attempts(path: Path) -> list[dict[str, Any]]:

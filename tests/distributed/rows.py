@@ -16,7 +16,10 @@ def recorded_rows(run_dir: Path) -> dict[int, list[str]]:
     for log in (run_dir / "metrics").glob("rows-rank-*.jsonl"):
         rank = int(log.stem.removeprefix("rows-rank-"))
         for line in log.read_text().splitlines():
-            entry = json.loads(line)
+            try:
+                entry = json.loads(line)
+            except ValueError:  # cut short by a kill or a full disk: that step was redone
+                continue
             mine = latest.setdefault(entry["step"], {})
             if rank not in mine or entry["time"] >= mine[rank]["time"]:
                 mine[rank] = entry

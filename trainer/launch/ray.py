@@ -102,6 +102,7 @@ class RayContext(WorkerContext):
     node_id: str = field(default="", kw_only=True)  # Ray's node id, 12 characters (labels)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
+        faults.maybe_fail_checkpoint(self.run_dir, step, self.rank)  # every rank (faults.py)
         checkpoint = (ray.train.Checkpoint.from_directory(str(checkpoint_dir))
                       if checkpoint_dir is not None else None)
         ray.train.report(metrics, checkpoint=checkpoint,

@@ -1,0 +1,476 @@
+"""A seeded chaos campaign: one long memtrain run on a two-node loopback Ray cluster, its run
+directory on an S3-compatible server, and a schedule of faults at random moments.
+
+``python -m tests.chaos.campaign --seed N [--faults K] [--out DIR]`` (``make chaos SEED=N``).
+The seed is printed first; the same seed draws the same schedule (the moments within a step
+depend on the machine's speed, the kinds, steps and order do not).
+
+The cluster: a head on 127.0.0.1 and a worker node on 127.0.0.2, one CPU each, token
+authentication on; memtrain trains 2 workers (one per node) through its Ray launcher, driven by
+``memtrain train`` in a subprocess (so the driver can be killed), with ``run.dir`` on moto's S3
+server behind a fault proxy (``tests/chaos/proxy.py``) and the working copy on a small tmpfs of
+its own (so its disk can fill). The faults, each drawn at a step of the run:
+
+- ``worker_kill``: a Ray Train worker process SIGKILLed;
+- ``node_replace``: the worker node removed without grace (raylet and workers SIGKILLed) and a
+  replacement started on the other free address (127.0.0.3, then 127.0.0.2 again);
+- ``checkpoint_fail``: a checkpoint write fails on every rank (``MEMTRAIN_FAULTS``);
+- ``store_upload``: the object store fails (connections reset) as a checkpoint is uploaded;
+- ``store_restore``: a worker killed and the store failing while the restart restores;
+- ``store_slow``: the store answers every chunk 0.2 s late for a few seconds;
+- ``driver_kill``: the driver SIGKILLed (Ray ends the job's workers), then the same command run
+  again, with the same run name;
+- ``disk_full``: the working copy's disk filled for a few seconds.
+
+Checked after the run, each a line of the result: the final weights bit-exact against an
+uninterrupted run of the same config (the local launcher, 2 processes: the world size never
+changes here); every row of the epoch trained once (``data.record_rows``); every checkpoint the
+store published readable, and every attempt resumed from one of them; a restart counted (by
+cause, in the summary and ``attempts.jsonl``) and a ``restarted after ...`` line in the driver's
+output for every restart. Figures: the faults by kind, restarts, recovery time p50 and max,
+steps redone, rows lost or duplicated, wall time; written to ``OUT/chaos-SEED.json``.
+
+Not in the schedule (named in docs/reliability.md): an OOM and elastic resizes, which change the
+arithmetic (the exact-weights check would not hold), have their own tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+HEAD, SPARES = "127.0.0.1", ("127.0.0.2", "127.0.0.3")
+KINDS = ("worker_kill", "node_replace", "checkpoint_fail", "store_upload", "store_restore",
+         "store_slow", "driver_kill", "disk_full")
+RESTARTING = set(KINDS) - {"store_slow"}
+CHECKPOINT_EVERY = 3
+RUN = "chaos"
+BUCKET = "memtrain-chaos"
+# Seconds a fault may take to show and recover before the campaign calls it lost.
+RECOVERY_LIMIT = 120.0
+
+
+def schedule(seed: int, faults: int, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int]]:
+    """(kind, step) for ``faults`` faults of ``kinds``: every kind at least once (when
+    ``faults`` allows), the rest drawn, in a seeded order; each 2-4 steps past the previous
+    one's (the step counts from where the run is when that fault may fire: restarts go back to
+    a checkpoint)."""
+    rng = random.Random(seed)
+    kinds = list(kinds[:faults]) + [rng.choice(kinds) for _ in range(faults - len(kinds))]
+    rng.shuffle(kinds)
+    planned, step = [], 1
+    for kind in kinds:
+        step += rng.randint(2, 4)
+        if kind in ("checkpoint_fail", "store_upload"):  # at a checkpoint step
+            step += -step % CHECKPOINT_EVERY
+        planned.append((kind, step))
+    return planned
+
+
+class Campaign:
+    def __init__(self, seed: int, faults: int, work: Path, corpus: Path,
+                 kinds: tuple[str, ...] = KINDS):
+        self.seed, self.work, self.corpus = seed, work, corpus
+        self.rng = random.Random(seed + 1)
+        self.plan = schedule(seed, faults, kinds)
+        self.steps = self.plan[-1][1] + 2 * CHECKPOINT_EVERY
+        self.copy = work / "copy"  # the working copy's disk (run.work_dir)
+        self.run_copy = self.copy / RUN
+        self.driver: subprocess.Popen | None = None
+        self.driver_log = work / "driver.log"
+        self.events: list[dict[str, Any]] = []
+        self.published: dict[int, bool] = {}  # step -> state.pt readable when first seen
+
+    # -- the cluster, the store and the working copy's disk ------------------------------------
+
+    def start(self) -> None:
+        from tests.distributed.multinode import prepare_environment
+
+        self.temp_dir = prepare_environment()
+        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
+        self._start_store()
+        self._mount_copy()
+        from ray.cluster_utils import Cluster
+
+        from trainer.launch import ray as ray_launch
+
+        self.ray = ray_launch.ray
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            **self._node_args(HEAD), "_system_config": {
+                "health_check_period_ms": 500, "health_check_timeout_ms": 500,
+                "health_check_failure_threshold": 3}})
+        self.spare = list(SPARES)
+        self.worker_node = self.cluster.add_node(**self._node_args(self.spare.pop(0)))
+        self.ray.init(address=self.cluster.address)
+
+    def _node_args(self, ip: str) -> dict[str, Any]:
+        from tests.distributed.multinode import node_args
+
+        return {**node_args(ip, self.temp_dir), "num_cpus": 1}
+
+    def _start_store(self) -> None:
+        from pyarrow import fs
+
+        from tests.chaos.proxy import FaultProxy
+        from tests.conftest import wait_for_http
+        from trainer.launch.local import free_port
+
+        port = free_port()
+        self.moto = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H",
+                                      "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_http(f"http://127.0.0.1:{port}/", "moto's S3 server")
+        self.proxy = FaultProxy(port)
+        os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{self.proxy.port}",
+                          AWS_ACCESS_KEY_ID="memtrain-test", AWS_SECRET_ACCESS_KEY="memtrain-test",
+                          AWS_REGION="us-east-1")
+        # The campaign's own view of the store, past the proxy: what is really published.
+        self.store = fs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http",
+                                     access_key="memtrain-test", secret_key="memtrain-test",
+                                     region="us-east-1", allow_bucket_creation=True)
+        self.store.create_dir(BUCKET)
+
+    def _mount_copy(self) -> None:
+        """A 64 MiB tmpfs for the working copy (root: CI is); else a plain directory, and the
+        disk_full fault is left out (said in the result)."""
+        self.copy.mkdir(parents=True)
+        self.mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs",
+                                       str(self.copy)], capture_output=True).returncode == 0
+        if not self.mounted:
+            self.plan = [(k, s) for k, s in self.plan if k != "disk_full"]
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.driver is not None and self.driver.poll() is None:
+                self.driver.kill()
+        with contextlib.suppress(Exception):
+            self.ray.shutdown()
+        with contextlib.suppress(Exception):
+            self.cluster.shutdown()
+        self.proxy.close()
+        self.moto.terminate()
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.copy)], capture_output=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def overrides(self) -> list[str]:
+        from tests.conftest import tiny_overrides
+
+        return tiny_overrides(
+            self.corpus, self.work, f"run.name={RUN}", f"run.dir=s3://{BUCKET}/runs",
+            f"run.work_dir={self.copy}", "parallel.launcher=ray", "parallel.workers=2",
+            "parallel.max_failures=100", f"train.steps={self.steps}",
+            f"train.checkpoint_every={CHECKPOINT_EVERY}", "train.eval_every=0",
+            "train.log_every=1", "data.record_rows=true", "memory.oom_recovery=true")
+
+    def start_driver(self) -> None:
+        from tests.conftest import set_args
+
+        checkpoints = ",".join(f"checkpoint@{s}" for k, s in self.plan if k == "checkpoint_fail")
+        # (RAY_DEDUP_LOGS off: Ray would fold similar lines of different workers into one)
+        env = {**os.environ, "RAY_ADDRESS": self.cluster.address, "OMP_NUM_THREADS": "1",
+               "MEMTRAIN_FAULTS": checkpoints, "RAY_DEDUP_LOGS": "0"}
+        with self.driver_log.open("a") as log:
+            self.driver = subprocess.Popen(
+                [sys.executable, "-m", "trainer.cli", "train", "-c",
+                 str(REPO / "configs" / "demo-cpu.yaml"), *set_args(self.overrides())],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+    def progress(self) -> tuple[int, int]:
+        """(attempt, step) of the run's latest finished step (0, 0 before any)."""
+        try:
+            record = json.loads((self.run_copy / "progress").read_text().strip() or "{}")
+        except (OSError, ValueError):
+            return 0, 0
+        return record.get("attempt", 0), record.get("step", 0)
+
+    def attempts(self) -> list[dict[str, Any]]:
+        try:
+            lines = (self.run_copy / "attempts.jsonl").read_text().splitlines()
+        except OSError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def watch_store(self) -> None:
+        """Read every checkpoint the store shows complete (``meta.json``), once."""
+        import io
+
+        import torch
+        from pyarrow import fs
+
+        prefix = f"{BUCKET}/runs/{RUN}"
+        try:
+            entries = self.store.get_file_info(fs.FileSelector(prefix))
+        except OSError:
+            return
+        for entry in entries:
+            name = entry.path.rsplit("/", 1)[-1]
+            if not name.startswith("checkpoint-") or entry.type != fs.FileType.Directory:
+                continue
+            step = int(name.removeprefix("checkpoint-"))
+            if step in self.published or \
+                    self.store.get_file_info(f"{entry.path}/meta.json").type != fs.FileType.File:
+                continue
+            try:
+                with self.store.open_input_file(f"{entry.path}/state.pt") as f:
+                    torch.load(io.BytesIO(f.read()), weights_only=True)
+                self.published[step] = True
+            except Exception:  # noqa: BLE001 - a checkpoint that does not load is the finding
+                self.published[step] = False
+
+    def wait(self, until: Any, limit: float) -> bool:
+        deadline = time.time() + limit
+        while time.time() < deadline:
+            self.watch_store()
+            self.restart_driver_if_needed()
+            if until():
+                return True
+            time.sleep(0.2)
+        return False
+
+    def restart_driver_if_needed(self) -> None:
+        """A driver that ended by itself before the run's end is a finding, not a fault: it is
+        recorded, and the run is submitted again so the campaign can go on."""
+        if self.driver is not None and self.driver.poll() not in (None, 0) and \
+                not getattr(self, "_killing", False):
+            self.events.append({"kind": "driver_failed", "returncode": self.driver.returncode,
+                                "time": time.time()})
+            self.start_driver()
+
+    # -- the faults ----------------------------------------------------------------------------
+
+    def workers(self) -> list[Any]:
+        import psutil
+
+        found = []
+        for process in psutil.process_iter(["name"]):
+            if (process.info["name"] or "").startswith("ray::RayTrainWo"):
+                found.append(process)
+        return found
+
+    def kill_a_worker(self) -> bool:
+        workers = self.workers()
+        if not workers:
+            return False
+        with contextlib.suppress(Exception):
+            self.rng.choice(workers).send_signal(signal.SIGKILL)
+        return True
+
+    def inject(self, kind: str) -> None:
+        if kind == "worker_kill":
+            self.kill_a_worker()
+        elif kind == "node_replace":
+            gone = self.worker_node.node_ip_address
+            self.cluster.remove_node(self.worker_node, allow_graceful=False)
+            self.worker_node = self.cluster.add_node(**self._node_args(self.spare.pop(0)))
+            self.spare.append(gone)
+        elif kind == "store_upload":
+            self.proxy.set("fail")
+            time.sleep(2.0)
+            self.proxy.set("pass")
+        elif kind == "store_restore":
+            self.kill_a_worker()
+            self.proxy.set("fail")
+            time.sleep(6.0)
+            self.proxy.set("pass")
+        elif kind == "store_slow":
+            self.proxy.set("slow", delay=0.2)
+            time.sleep(4.0)
+            self.proxy.set("pass")
+        elif kind == "driver_kill":
+            assert self.driver is not None
+            self._killing = True
+            os.killpg(self.driver.pid, signal.SIGKILL)
+            self.driver.wait()
+            self.wait(lambda: not self.workers(), 60)  # Ray ends the job's workers
+            self._killing = False
+            self.start_driver()
+        elif kind == "disk_full":
+            ballast = self.copy / "ballast"
+            free = shutil.disk_usage(self.copy).free
+            with contextlib.suppress(OSError), ballast.open("wb") as f:
+                f.write(b"\0" * free)
+            time.sleep(4.0)
+            ballast.unlink(missing_ok=True)
+        # checkpoint_fail: MEMTRAIN_FAULTS fires it at its step, on every rank
+
+    def run(self) -> dict[str, Any]:
+        print(f"chaos campaign: seed {self.seed}, {len(self.plan)} faults over {self.steps} "
+              f"steps: {', '.join(f'{k}@{s}' for k, s in self.plan)}", flush=True)
+        started = time.time()
+        self.start_driver()
+        for kind, step in self.plan:
+            reached = self.wait(lambda step=step: self.progress()[1] >= step, RECOVERY_LIMIT)
+            attempts_before = len([a for a in self.attempts() if "start" in a])
+            at = time.time()
+            if kind == "checkpoint_fail":  # it fires with the checkpoint just after this step
+                pass
+            else:
+                self.inject(kind)
+            restarted = kind in RESTARTING and self.wait(
+                lambda n=attempts_before: len([a for a in self.attempts() if "start" in a]) > n,
+                30.0)
+            recovered = self.wait(lambda: self.progress()[0] == len(
+                [a for a in self.attempts() if "start" in a]) and self.progress()[1] > 0,
+                RECOVERY_LIMIT)
+            event = {"kind": kind, "step": step, "reached": reached, "time": at,
+                     "restarted": restarted, "recovered": recovered,
+                     "seconds": time.time() - at}
+            self.events.append(event)
+            print(f"  {kind} at step {step}: {'restart' if restarted else 'no restart'}, "
+                  f"{'recovered' if recovered else 'NOT recovered'} "
+                  f"({event['seconds']:.1f} s)", flush=True)
+        finished = self.wait(lambda: self.driver is not None and self.driver.poll() == 0,
+                             RECOVERY_LIMIT + self.steps * 5.0)
+        self.watch_store()
+        return {"seed": self.seed, "plan": self.plan, "steps": self.steps,
+                "finished": finished, "events": self.events, "seconds": time.time() - started,
+                "disk_full_possible": self.mounted}
+
+
+# -- the checks ----------------------------------------------------------------------------------
+
+def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
+    """The invariants and the figures (see the module's docstring)."""
+    import io
+
+    import torch
+
+    from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
+    from trainer.launch.local import launch_local
+    from trainer.launch.prepare import prepare_run
+
+    results: dict[str, Any] = dict(outcome)
+    store, prefix = campaign.store, f"{BUCKET}/runs/{RUN}"
+    with store.open_input_file(f"{prefix}/summary.json") as f:
+        summary = json.loads(f.read())
+    results["summary"] = {k: summary.get(k) for k in (
+        "final_step", "resumed_from_step", "attempt", "restarts", "recovery_seconds", "workers")}
+    final = f"{prefix}/checkpoint-{campaign.steps:08d}/state.pt"
+    with store.open_input_file(final) as f:
+        state = torch.load(io.BytesIO(f.read()), weights_only=True)
+
+    # Exact weights: an uninterrupted run of the same config, the local launcher, 2 processes.
+    from trainer.config import load_config
+
+    reference = campaign.work / "reference"
+    overrides = [o for o in campaign.overrides()
+                 if not o.startswith(("run.dir=", "run.work_dir=", "parallel.launcher=",
+                                      "parallel.max_failures="))]
+    cfg, run_dir = prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", [
+        *overrides, f"run.dir={reference}", "parallel.launcher=local"]))
+    env = dict(os.environ)
+    os.environ.pop("MEMTRAIN_FAULTS", None)
+    try:
+        launch_local(cfg, run_dir)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    expected = torch.load(run_dir / f"checkpoint-{campaign.steps:08d}" / "state.pt",
+                          weights_only=True)["model"]
+    results["weights_exact"] = state["model"].keys() == expected.keys() and all(
+        torch.equal(state["model"][k], expected[k]) for k in expected)
+
+    # Every row once: the rows the ranks recorded (the last time each step was trained).
+    recorded = recorded_rows(campaign.run_copy)
+    loader = state["loader"]
+    planned = rows_trained(campaign.corpus / "train", [(2, 4, campaign.steps * 2)],
+                           loader["seed"], loader["shuffle_window"])
+    want = Counter(stored_fingerprints(campaign.corpus / "train", planned))
+    got = Counter(row for step in sorted(recorded) for row in recorded[step])
+    results["rows"] = {"steps_recorded": len(recorded), "planned": sum(want.values()),
+                       "lost": sum((want - got).values()), "duplicated": sum((got - want).values())}
+
+    # Checkpoints: every one the store published loaded; every resume from one of them.
+    attempts = [a for a in campaign.attempts() if "start" in a]
+    resumed = sorted({a["resumed_from"] for a in attempts if a["resumed_from"]})
+    results["checkpoints"] = {
+        "published": sorted(campaign.published), "unreadable": sorted(
+            s for s, ok in campaign.published.items() if not ok),
+        "resumed_from": resumed,
+        "resumed_from_unpublished": [s for s in resumed if not campaign.published.get(s)]}
+
+    # Restarts: counted by cause; a line for each in the driver's output.
+    recovered = [a for a in campaign.attempts() if a.get("recovered")]
+    causes = Counter(a["cause"] for a in attempts if a.get("cause"))
+    log = campaign.driver_log.read_text(errors="replace")
+    seconds = [a["recovery_seconds"] for a in recovered]
+    results["restarts"] = {
+        "by_cause": dict(causes), "total": sum(causes.values()),
+        "summary_agrees": summary.get("restarts") == dict(causes),
+        "lines": log.count("restarted after "),
+        "recovery_p50_seconds": statistics.median(seconds) if seconds else None,
+        "recovery_max_seconds": max(seconds) if seconds else None,
+        "steps_redone": sum(a["steps_redone"] for a in recovered),
+        "tracebacks_in_driver_output": log.count("Traceback (most recent call last)")}
+    events = [e for e in outcome["events"] if e["kind"] in KINDS]
+    results["faults"] = {"injected": len(events), "kinds": dict(Counter(e["kind"] for e in events)),
+                         "survived": sum(e["recovered"] for e in events)}
+    results["passed"] = bool(
+        outcome["finished"] and results["weights_exact"] and results["rows"]["lost"] == 0
+        and results["rows"]["duplicated"] == 0 and not results["checkpoints"]["unreadable"]
+        and not results["checkpoints"]["resumed_from_unpublished"]
+        and results["restarts"]["summary_agrees"]
+        and results["restarts"]["lines"] >= results["restarts"]["total"]
+        and results["faults"]["survived"] == results["faults"]["injected"])
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="The fault kinds to draw from, comma-separated.")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        parser.error(f"--kinds: {', '.join(sorted(unknown))} not among {', '.join(KINDS)}")
+    from datapipe.corpus import build_stdlib_corpus
+    from tests.conftest import SEQ_LEN
+
+    work = Path(tempfile.mkdtemp(prefix="memtrain-chaos-"))
+    corpus = work / "corpus"
+    build_stdlib_corpus(corpus, seq_len=SEQ_LEN, max_bytes=400_000, rows_per_shard=1000)
+    campaign = Campaign(args.seed, args.faults, work, corpus, kinds)
+    try:
+        campaign.start()
+        outcome = campaign.run()
+        results = check(campaign, outcome)
+    finally:
+        campaign.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"chaos-{args.seed}.json"
+    path.write_text(json.dumps(results, indent=1, sort_keys=True))
+    print(json.dumps({k: results[k] for k in ("passed", "faults", "restarts", "rows",
+                                              "checkpoints", "weights_exact", "seconds")},
+                     indent=1), flush=True)
+    print(f"chaos campaign seed {args.seed}: {'passed' if results['passed'] else 'FAILED'} "
+          f"({path})")
+    if not results["passed"]:
+        shutil.copy(campaign.driver_log, args.out / f"chaos-{args.seed}-driver.log")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if results["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
