@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.launch.worker_errors import (
+    CONTROLLER_FILE,
     ERRORS_DIR,
     PREVIOUS_ERRORS_DIR,
     recorded_worker_error,
@@ -58,10 +59,13 @@ PROGRESS = "progress"
 _WIDTH = 160  # the progress line's fixed width, padded with spaces
 
 # The causes a restart is counted under (the metric's ``cause`` label: a bounded set).
-CAUSES = ("worker_error", "node_lost", "relaunch", "worker_exit")
+CAUSES = ("worker_error", "controller_error", "node_lost", "relaunch", "worker_exit")
 # A rank whose peer died fails in its next collective with one of these: an effect, not a cause.
-_PEER_LOST = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
-              "Broken pipe", "ActorUnavailableError", "ActorDiedError")
+# (Ray Train tears the group's process group down once a worker died: a rank still running then
+# fails in its next collective without one.)
+PEER_LOST = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
+             "Broken pipe", "ActorUnavailableError", "ActorDiedError",
+             "Default process group has not been initialized")
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,9 @@ def _cause(run_dir: Path, previous: dict[str, Any], launch_id: str,
     recorded = _recorded(run_dir, since=previous["start"])
     if recorded.error is not None:
         return "worker_error", recorded.error
+    controller = _controller_error(run_dir, since=previous["start"])
+    if controller is not None:
+        return "controller_error", f"Ray Train's controller failed: {controller}"
     if recorded.exit is not None:
         return "worker_exit", recorded.exit
     lost = lost_nodes(list(previous.get("nodes", [])))
@@ -273,10 +280,22 @@ def _recorded(run_dir: Path, since: float) -> _Recorded:
                 continue
             if record.get("exited"):
                 found.exit = found.exit or f"rank {rank} {record['message']}"
-            elif any(mark in str(error) for mark in _PEER_LOST):
+            elif any(mark in str(error) for mark in PEER_LOST):
                 found.echoed = True
             elif found.error is None:
                 found.error = str(error)
         if found.error or found.exit or found.echoed:
             break
     return found
+
+
+def _controller_error(run_dir: Path, since: float) -> str | None:
+    """The failure of Ray Train's controller the driver recorded since ``since`` (it started
+    the run again), or None."""
+    path = run_dir / ERRORS_DIR / CONTROLLER_FILE
+    try:
+        if path.stat().st_mtime < since - 1.0:
+            return None
+        return str(json.loads(path.read_text())["message"])
+    except (OSError, ValueError, KeyError):
+        return None

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from monitoring.sinks import PrometheusSink
 from trainer.launch.worker_errors import (
     clear_worker_errors,
+    record_controller_error,
     record_worker_error,
     record_worker_exit,
 )
@@ -107,6 +108,16 @@ def test_a_workers_exit_as_the_launcher_saw_it_is_named(tmp_path: Path) -> None:
     assert restart is not None
     assert (restart.cause, restart.detail) == ("worker_exit",
                                                "rank 1 exited with code -9 (signal SIGKILL)")
+
+
+def test_a_controller_failure_the_driver_survived_is_named(tmp_path: Path) -> None:
+    """Ray Train's controller failed on the store; the driver fitted again, same launch."""
+    attempt(tmp_path, "launch-1", None, range(1, 4))
+    record_worker_error(tmp_path, 0, RuntimeError("[gloo] Connection closed by peer"))
+    record_controller_error(tmp_path, "OSError: AWS Error NETWORK_CONNECTION")
+    restart = attempt(tmp_path, "launch-1", 3, range(4, 5)).restart
+    assert restart is not None and (restart.cause, restart.detail) == (
+        "controller_error", "Ray Train's controller failed: OSError: AWS Error NETWORK_CONNECTION")
 
 
 def test_a_lost_node_and_a_new_launch_are_named(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from trainer.launch.prepare import available_cpus, remote_run, setup_logging  # 
 from trainer.launch.worker_errors import (  # noqa: E402
     WorkerError,
     clear_worker_errors,
+    record_controller_error,
     record_worker_error,
     recorded_worker_error,
 )
@@ -61,6 +63,7 @@ from trainer.loop import train  # noqa: E402
 from trainer.memory.allocator import configure_allocator_env  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
+log = logging.getLogger("memtrain")
 # Under the run's working copy: where a node's workers read a checkpoint from remote storage.
 RESTORE_DIR = ".restore"
 
@@ -272,37 +275,82 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     # (min, max): Train V2's elastic group, sized by what the cluster holds. V2's ScalingConfig
     # takes it; the stubs describe V1's, which takes an int only.
     num_workers: Any = (low, high) if low < high else high
-    trainer = TorchTrainer(
-        _worker_loop,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
-                           "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
-                           "launch_id": uuid.uuid4().hex,
-                           "remote": remote},
-        scaling_config=ScalingConfig(num_workers=num_workers,
-                                     use_gpu=cfg.parallel.use_gpu,
-                                     resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(
-            name=cfg.run.name, **storage,
-            checkpoint_config=CheckpointConfig(num_to_keep=3),
-            failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
-            # Train V2's RunConfig (RAY_TRAIN_V2_ENABLED); the stubs describe V1's, which lacks it
-            logging_config=LoggingConfig(  # type: ignore[call-arg]
-                log_level="INFO" if ray_logs else "WARNING"),
-        ),
-    )
+    launch_id = uuid.uuid4().hex  # one launch, however often the controller is started again
+
+    def torch_trainer() -> TorchTrainer:
+        return TorchTrainer(
+            _worker_loop,
+            train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
+                               "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
+                               "launch_id": launch_id, "remote": remote},
+            scaling_config=ScalingConfig(num_workers=num_workers,
+                                         use_gpu=cfg.parallel.use_gpu,
+                                         resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(
+                name=cfg.run.name, **storage,
+                checkpoint_config=CheckpointConfig(num_to_keep=3),
+                failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
+                # Train V2's RunConfig (RAY_TRAIN_V2_ENABLED); the stubs describe V1's
+                logging_config=LoggingConfig(  # type: ignore[call-arg]
+                    log_level="INFO" if ray_logs else "WARNING"),
+            ),
+        )
+
     clear_worker_errors(run_dir)
     if remote is not None:
         remote.clear_errors()
-    try:
-        trainer.fit()
-    except ray.train.TrainingFailedError as err:
-        if remote is not None:  # rank errors recorded on other nodes
-            with contextlib.suppress(OSError):
-                remote.download_dir("errors", run_dir / "errors")
-        raise worker_error(run_dir, err) from err
+    restarts = 0
+    while True:
+        try:
+            torch_trainer().fit()
+            break
+        except ray.train.TrainingFailedError as err:
+            limit = cfg.parallel.max_failures
+            if storage_failure(err) and (limit == -1 or restarts < limit):
+                restarts += 1
+                restart_after_storage_failure(err, run_dir, remote, restarts, limit)
+                continue
+            if remote is not None:  # rank errors recorded on other nodes
+                with contextlib.suppress(OSError):
+                    remote.download_dir("errors", run_dir / "errors")
+            raise worker_error(run_dir, err) from err
     if remote is not None:  # rank 0 may have run on another node
         return json.loads(remote.read_text("summary.json"))
     return json.loads((run_dir / "summary.json").read_text())
+
+
+# How long the driver waits for the run's store to answer again after a storage failure.
+STORE_WAIT_SECONDS = 120.0
+
+
+def storage_failure(err: Exception) -> bool:
+    """Whether Ray Train's controller itself failed on the run's storage (Ray 2.60 retries a
+    controller's errors only when the worker group fails to start: a store that drops a request
+    while the controller writes its checkpoint records ends the whole run)."""
+    return isinstance(err, ray.train.ControllerError) and \
+        isinstance(err.controller_failure, OSError)
+
+
+def restart_after_storage_failure(err: Exception, run_dir: Path,
+                                  remote: Any, restarts: int, limit: int) -> None:
+    """Record the failure for the next attempt's restart line, wait until the store answers,
+    and say so in one line; the caller then fits again, from the latest checkpoint."""
+    from trainer.errors import first_line
+
+    reason = first_line(getattr(err, "controller_failure", err))
+    record_controller_error(run_dir, f"OSError: {reason}")
+    log.warning("warning: Ray Train's controller failed on the run's storage (%s); starting the "
+                "run again from its latest checkpoint (%d of %s)", reason, restarts,
+                "unlimited" if limit == -1 else limit)
+    deadline = time.monotonic() + STORE_WAIT_SECONDS
+    while remote is not None:
+        try:
+            remote.check()
+            return
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
 
 
 def worker_error(run_dir: Path, err: Exception) -> Exception:

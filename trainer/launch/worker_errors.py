@@ -17,6 +17,10 @@ from trainer.errors import error_kind, first_line, is_user_error
 log = logging.getLogger("memtrain")
 ERRORS_DIR = "errors"  # run_dir/errors/rank-<r>.json: a failed worker's own error, one line
 PREVIOUS_ERRORS_DIR = "errors-previous"  # the launch before
+# A failing group's ranks record their errors within seconds of each other (Ray Train stops the
+# rest once one failed); a restarted group's next failure comes after a restart, which takes
+# longer.
+FAILURE_SECONDS = 5.0
 
 
 class WorkerError(RuntimeError):
@@ -58,21 +62,47 @@ def record_worker_exit(run_dir: Path, rank: int, how: str) -> None:
         log.debug("could not record rank %d's exit in %s", rank, run_dir, exc_info=True)
 
 
+CONTROLLER_FILE = "controller.json"  # errors/controller.json: Ray Train's controller failed
+
+
+def record_controller_error(run_dir: Path, message: str) -> None:
+    """In the driver: Ray Train's controller failed (the run is started again), for the next
+    attempt's restart line (``trainer.recovery``)."""
+    try:
+        path = run_dir / ERRORS_DIR / CONTROLLER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"kind": "", "message": message, "user_error": False}))
+    except OSError:
+        log.debug("could not record the controller's error in %s", run_dir, exc_info=True)
+
+
 def recorded_worker_error(run_dir: Path, rank: int | None = None,
                           directory: str = ERRORS_DIR) -> WorkerError | None:
-    """The error a failed worker recorded (``rank``, or the lowest rank that recorded one)."""
-    paths = sorted((run_dir / directory).glob("rank-*.json"),
-                   key=lambda p: int(p.stem.removeprefix("rank-")))
-    if rank is not None:
-        paths = [p for p in paths if p.stem == f"rank-{rank}"]
-    for path in paths:
+    """The error a failed worker recorded: ``rank``'s, or the last failure's. Ray Train restarts
+    a group after a failure, so earlier attempts' errors may stay in the directory: the last
+    failure is the files written within ``FAILURE_SECONDS`` of the newest, and of those the
+    lowest rank's own error (not a lost peer's echo, ``trainer.recovery.PEER_LOST``), else the
+    lowest rank's."""
+    from trainer.recovery import PEER_LOST
+
+    found = []  # (mtime, rank, record)
+    for path in (run_dir / directory).glob("rank-*.json"):
+        number = path.stem.removeprefix("rank-")
+        if not number.isdigit() or (rank is not None and int(number) != rank):
+            continue
         try:
-            record = json.loads(path.read_text())
+            found.append((path.stat().st_mtime, int(number), json.loads(path.read_text())))
         except (OSError, ValueError):
             continue
-        return WorkerError(int(path.stem.removeprefix("rank-")), record["kind"],
-                           record["message"], record["user_error"])
-    return None
+    if not found:
+        return None
+    newest = max(mtime for mtime, _, _ in found)
+    last = sorted((r, record) for mtime, r, record in found if mtime >= newest - FAILURE_SECONDS)
+    own = [(r, record) for r, record in last
+           if not any(mark in record.get("message", "") or mark == record.get("kind")
+                      for mark in PEER_LOST)]
+    chosen, record = (own or last)[0]
+    return WorkerError(chosen, record["kind"], record["message"], record["user_error"])
 
 
 def clear_worker_errors(run_dir: Path) -> None:

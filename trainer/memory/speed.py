@@ -33,8 +33,9 @@ thread); ``memtrain`` does not measure it yet.
 Left out, and why the figures rank plans better than they promise a number: a kernel's speed
 at shapes far from the calibrated ones; page faults on CPU (the trainer and the calibration keep
 freed memory in glibc's heap, ``keep_freed_host_memory``, so large tensors reuse pages; under
-another allocator a larger micro-batch pays faults the model does not see); torch.compile's fusion; the kernels a GPU picks per shape; and several
-workers sharing one host's cores (a plan is timed at the planning process's thread count).
+another allocator a larger micro-batch pays faults the model does not see); torch.compile's
+fusion; the kernels a GPU picks per shape; and several workers sharing one host's cores (a
+plan is timed at the planning process's thread count).
 ``memtrain plan --measure`` and ``make bench-plan`` measure the error.
 """
 
