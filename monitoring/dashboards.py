@@ -238,8 +238,10 @@ def restarts() -> timeseries.Panel:
                        " or on () vector(0)", "{{run}} after {{cause}}"),
                  description="Restarts after a failure, the whole run's (rank 0's log has one "
                              "line each: `restarted after ...`): worker_error (a worker's own "
-                             "error), node_lost, relaunch (the driver or job stopped and was "
-                             "started again), worker_exit (a worker killed without a word).")
+                             "error), controller_error (Ray Train's controller, on the store), "
+                             "node_lost, resize (an elastic group grown or shrunk), relaunch "
+                             "(the driver or job stopped and was started again), worker_exit "
+                             "(a worker killed without a word).")
 
 
 def recovery_time() -> timeseries.Panel:

@@ -91,8 +91,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Resumes at another world size than the checkpoint's (an elastic resize, a lost "
                "node, another --workers)."),
     MetricSpec("memtrain_train_restarts_total", "counter", "train",
-               "Restarts of the run after a failure, by cause (worker_error, node_lost, "
-               "relaunch, worker_exit): the whole run's count, published by rank 0.",
+               "Restarts of the run after a failure, by cause (worker_error, controller_error, "
+               "node_lost, resize, relaunch, worker_exit): the whole run's count, published by "
+               "rank 0.",
                extra_labels=("cause",)),
     MetricSpec("memtrain_train_recovery_seconds_total", "counter", "train",
                "Seconds lost to restarts: from a failed attempt's last step to the next "

@@ -255,3 +255,24 @@ def cpu_op_workspace_bytes(prof: torch.profiler.profile, op_names: frozenset[str
             continue  # nested calls of the same ops are inside this one's figure
         pending.extend(event.children)
     return workspace
+
+
+def ray_worker_output_filter(keep: Any) -> None:
+    """Pass the workers' output Ray forwards to this driver through ``keep(batch) -> batch``
+    (a batch: a dict with the worker's ``pid`` and its ``lines``): Ray 2.60 prints it from one
+    handler of a private dispatcher (``ray._private.ray_logging``), registered by ``ray.init``
+    as ``"ray_print_logs"``, which is replaced here by one that filters first. A no-op where the
+    handler is not there (``log_to_driver=False``)."""
+    from ray._private import ray_logging
+
+    dispatcher = ray_logging.global_worker_stdstream_dispatcher
+    with dispatcher._lock:
+        for index, (name, handler) in enumerate(dispatcher.handlers):
+            if name == "ray_print_logs" and not getattr(handler, "memtrain_filter", False):
+                def filtered(data: Any, handler: Any = handler) -> None:
+                    kept = keep(data)
+                    if kept["lines"]:
+                        handler(kept)
+
+                filtered.memtrain_filter = True  # type: ignore[attr-defined]
+                dispatcher.handlers[index] = (name, filtered)

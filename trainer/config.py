@@ -177,6 +177,10 @@ class ParallelConfig(_Strict):
     # Ray: how many times a failed worker group is restarted from the latest checkpoint
     # (-1: without limit). A preempted or killed worker costs the steps since that checkpoint.
     max_failures: int = Field(1, ge=-1)
+    # Ray, elastic workers: how often a healthy group checks whether the cluster now holds more
+    # workers, and restarts at that size from the latest checkpoint if so (Train V2's
+    # elastic_resize_monitor_interval_s).
+    resize_check_seconds: float = Field(60.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -16,7 +16,8 @@ worker recorded since the previous attempt started (``run_dir/errors``, or ``err
 for the launch before: an OOM beyond recovery, a failed checkpoint write, a full disk; a rank's
 failed collective after a peer died is that peer's echo, not a cause); a worker's end as the
 local launcher saw it (``rank 1 exited with code -9 (signal SIGKILL)``); a node of the previous
-attempt that is gone (``lost_nodes``); another launch (the driver, or the job, stopped before
+attempt that is gone (``lost_nodes``); an elastic group resized by Ray Train (another world
+size, the same launch); another launch (the driver, or the job, stopped before
 the end and started again); else a worker process that ended without an error of its own
 (killed by a signal or by the kernel's OOM killer).
 
@@ -59,7 +60,7 @@ PROGRESS = "progress"
 _WIDTH = 160  # the progress line's fixed width, padded with spaces
 
 # The causes a restart is counted under (the metric's ``cause`` label: a bounded set).
-CAUSES = ("worker_error", "controller_error", "node_lost", "relaunch", "worker_exit")
+CAUSES = ("worker_error", "controller_error", "node_lost", "resize", "relaunch", "worker_exit")
 # A rank whose peer died fails in its next collective with one of these: an effect, not a cause.
 # (Ray Train tears the group's process group down once a worker died: a rank still running then
 # fails in its next collective without one.)
@@ -105,6 +106,7 @@ class Recovery:
 
         ``nodes``: the addresses this attempt's ranks run on; ``lost_nodes(previous)``: which of
         the previous attempt's node addresses are gone now."""
+        nodes = list(nodes)
         if not is_main:
             return cls(run_dir, active=False)
         attempts = _read_attempts(run_dir / ATTEMPTS)
@@ -118,7 +120,7 @@ class Recovery:
         if previous is not None and not (progress.get("attempt") == previous["attempt"]
                                          and progress.get("done")):
             ran = progress.get("attempt") == previous["attempt"]
-            cause, detail = _cause(run_dir, previous, launch_id, lost_nodes)
+            cause, detail = _cause(run_dir, previous, launch_id, lost_nodes, len(nodes))
             recovery.restart = Restart(
                 recovery.attempt, cause, detail,
                 failed_at=progress["time"] if ran else previous["start"],
@@ -127,7 +129,7 @@ class Recovery:
             recovery.causes[cause] += 1
         start: dict[str, Any] = {"attempt": recovery.attempt, "launch": launch_id,
                                   "start": time.time(), "resumed_from": resumed_from or 0,
-                                  "nodes": sorted(set(nodes))}
+                                  "nodes": sorted(set(nodes)), "world_size": len(nodes)}
         if recovery.restart is not None:
             start.update(cause=recovery.restart.cause, detail=recovery.restart.detail,
                           failed_at=recovery.restart.failed_at,
@@ -233,7 +235,7 @@ def _read_progress(path: Path) -> dict[str, Any]:
 
 
 def _cause(run_dir: Path, previous: dict[str, Any], launch_id: str,
-           lost_nodes: Callable[[list[str]], list[str]]) -> tuple[str, str]:
+           lost_nodes: Callable[[list[str]], list[str]], world_size: int) -> tuple[str, str]:
     recorded = _recorded(run_dir, since=previous["start"])
     if recorded.error is not None:
         return "worker_error", recorded.error
@@ -246,7 +248,10 @@ def _cause(run_dir: Path, previous: dict[str, Any], launch_id: str,
     if lost:
         return "node_lost", f"node{'s' if len(lost) > 1 else ''} {', '.join(lost)} " \
                             f"{'were' if len(lost) > 1 else 'was'} lost"
-    if previous.get("launch") != launch_id and not recorded.echoed:
+    before = previous.get("world_size")
+    if before and before != world_size and previous.get("launch") == launch_id:
+        return "resize", f"the group was resized from {before} to {world_size} workers"
+    if previous.get("launch") != launch_id:  # (a killed driver's workers may echo each other)
         return "relaunch", "the previous launch stopped before its last step"
     return "worker_exit", "a worker exited without an error of its own (a signal or the " \
                           "kernel's OOM killer)"

@@ -89,15 +89,18 @@ def test_the_cause_is_a_workers_own_error_before_its_peers_echoes(tmp_path: Path
     assert restart.detail == "rank 1: OSError: checkpoint write failed at step 4"
 
 
-def test_a_peers_echo_alone_means_a_worker_exited_even_under_a_new_launch(
+def test_a_peers_echo_alone_means_a_worker_exited_in_the_same_launch_and_else_a_relaunch(
         tmp_path: Path) -> None:
-    """The local launcher ends when a worker is killed: the next launch finds only the
-    surviving rank's echo, moved to errors-previous by the launcher, and names the exit."""
+    """Within a launch an echo means a worker died without a word; a new launch after one
+    means the driver stopped (its workers were ended, one echoing the other)."""
     attempt(tmp_path, "launch-1", None, range(1, 4))
     record_worker_error(tmp_path, 0, RuntimeError("[gloo] Connection closed by peer"))
+    same = attempt(tmp_path, "launch-1", 2, range(3, 5)).restart
+    assert same is not None and same.cause == "worker_exit"
+    record_worker_error(tmp_path, 1, RuntimeError("[gloo] Connection reset by peer"))
     clear_worker_errors(tmp_path)  # what the next launch does first
-    restart = attempt(tmp_path, "launch-2", 2, range(3, 5)).restart
-    assert restart is not None and restart.cause == "worker_exit"
+    other = attempt(tmp_path, "launch-2", 4, range(5, 6)).restart
+    assert other is not None and other.cause == "relaunch"
 
 
 def test_a_workers_exit_as_the_launcher_saw_it_is_named(tmp_path: Path) -> None:
@@ -108,6 +111,14 @@ def test_a_workers_exit_as_the_launcher_saw_it_is_named(tmp_path: Path) -> None:
     assert restart is not None
     assert (restart.cause, restart.detail) == ("worker_exit",
                                                "rank 1 exited with code -9 (signal SIGKILL)")
+
+
+def test_an_elastic_resize_in_the_same_launch_is_named(tmp_path: Path) -> None:
+    attempt(tmp_path, "launch-1", None, range(1, 4))  # 2 ranks
+    grown = Recovery.begin(tmp_path, True, "launch-1", 3, ["127.0.0.1"] * 3, _nothing_lost)
+    grown.close()
+    assert grown.restart is not None and (grown.restart.cause, grown.restart.detail) == (
+        "resize", "the group was resized from 2 to 3 workers")
 
 
 def test_a_controller_failure_the_driver_survived_is_named(tmp_path: Path) -> None:

@@ -46,11 +46,16 @@ from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E4
 from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
 from trainer.checkpoint import checkpoint_dir_name  # noqa: E402
-from trainer.compat import ray_loopback_init_kwargs, ray_metrics_export_seconds  # noqa: E402
+from trainer.compat import (  # noqa: E402
+    ray_loopback_init_kwargs,
+    ray_metrics_export_seconds,
+    ray_worker_output_filter,
+)
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, is_user_error  # noqa: E402
 from trainer.hf import PREFIX as HF_PREFIX  # noqa: E402
+from trainer.launch.console import TracebackFilter  # noqa: E402
 from trainer.launch.prepare import available_cpus, remote_run, setup_logging  # noqa: E402
 from trainer.launch.worker_errors import (  # noqa: E402
     WorkerError,
@@ -265,6 +270,8 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     runtime_env: dict[str, Any] = {"py_modules": shipped} if shipped else {}
     init_ray(address, num_cpus=None if address else max(available_cpus(), cfg.parallel.workers),
              runtime_env=runtime_env)
+    if not ray_logs:  # tracebacks stay in Ray's logs (trainer/launch/console.py)
+        ray_worker_output_filter(TracebackFilter())
     # Checkpoints: Ray Train writes and restores them in the run directory, on object storage
     # through the same pyarrow filesystem (trainer.runstore) when run.dir is a URI.
     remote = remote_run(cfg)
@@ -275,6 +282,8 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     # (min, max): Train V2's elastic group, sized by what the cluster holds. V2's ScalingConfig
     # takes it; the stubs describe V1's, which takes an int only.
     num_workers: Any = (low, high) if low < high else high
+    elastic: dict[str, Any] = ({"elastic_resize_monitor_interval_s":
+                                cfg.parallel.resize_check_seconds} if low < high else {})
     launch_id = uuid.uuid4().hex  # one launch, however often the controller is started again
 
     def torch_trainer() -> TorchTrainer:
@@ -285,7 +294,7 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
                                "launch_id": launch_id, "remote": remote},
             scaling_config=ScalingConfig(num_workers=num_workers,
                                          use_gpu=cfg.parallel.use_gpu,
-                                         resources_per_worker={"CPU": 1}),
+                                         resources_per_worker={"CPU": 1}, **elastic),
             run_config=RunConfig(
                 name=cfg.run.name, **storage,
                 checkpoint_config=CheckpointConfig(num_to_keep=3),
