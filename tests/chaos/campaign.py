@@ -32,9 +32,10 @@ steps redone, rows lost or duplicated, wall time; written to ``OUT/chaos-SEED.js
 
 Then an elastic run on the same cluster (``Campaign.elastic``, left out with ``--no-elastic``):
 workers [1, 2], two OOMs recovered in-process, the worker node removed with nothing to replace
-it (the group goes on with one worker) and later a node added (it grows back to two). Those
-change the arithmetic, so that run is checked for every row once across its world sizes, the
-OOMs recovered, each resize a restart named by its cause, and its end; not for exact weights.
+it (the group goes on with one worker) and later a node added (Ray Train may grow it back to
+two: reported, not required). Those change the arithmetic, so that run is checked for every
+row once across its world sizes, the OOMs recovered, the shrink a restart named by its cause,
+and its end; not for exact weights.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ ELASTIC_RUN = "chaos-elastic"
 BUCKET = "memtrain-chaos"
 # Seconds a fault may take to show and recover before the campaign calls it lost.
 RECOVERY_LIMIT = 120.0
+# How long the elastic run waits for Ray Train to grow the group after a node joined.
+GROW_LIMIT = 60.0
 
 
 def schedule(seed: int, faults: int, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int]]:
@@ -394,7 +397,10 @@ class Campaign:
         checked for its rows, its restarts and its end, not for exact weights."""
         self.run_name, self.run_copy = ELASTIC_RUN, self.copy / ELASTIC_RUN
         self.driver_log = self.work / "driver-elastic.log"
-        steps, shrink, grow = 30, self.rng.randint(4, 8), self.rng.randint(13, 17)
+        # Growing takes Ray a while: the node joins (seconds), Ray's autoscaling coordinator
+        # sees it (it ticks every 20 s), the group's next check (5 s), a restart: the run goes
+        # on long enough after the node is added.
+        steps, shrink, grow = 60, self.rng.randint(4, 8), self.rng.randint(13, 17)
         ooms = sorted(self.rng.sample([s for s in range(2, steps - 2)
                                        if s not in (shrink, grow)], 2))
         faults = ",".join(f"oom@{s}:0" for s in ooms)
@@ -416,7 +422,8 @@ class Campaign:
             else:
                 self.worker_node = self.cluster.add_node(**self._node_args(self.spare.pop(0)))
             restarted = self.wait(lambda n=before: len(
-                [a for a in self.attempts() if "start" in a]) > n, RECOVERY_LIMIT)
+                [a for a in self.attempts() if "start" in a]) > n,
+                RECOVERY_LIMIT if kind == "node_shrink" else GROW_LIMIT)
             recovered = self.wait(self.recovered, RECOVERY_LIMIT)
             events.append({"kind": kind, "step": step, "reached": reached,
                            "restarted": restarted, "recovered": recovered,
@@ -462,11 +469,12 @@ def check_elastic(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]
     results["restarts"] = dict(Counter(a["cause"] for a in attempts if a.get("cause")))
     log = campaign.driver_log.read_text(errors="replace")
     results["oom_lines"] = log.count("OOM at step")
+    # Growing back is Ray's to decide: reported, not required (docs/reliability.md).
+    results["grew"] = results["restarts"].get("resize", 0) >= 1
     results["passed"] = bool(
         outcome["finished"] and results["rows"]["lost"] == 0
         and results["rows"]["duplicated"] == 0 and len(recorded) == outcome["steps"]
         and results["restarts"].get("node_lost", 0) >= 1
-        and results["restarts"].get("resize", 0) >= 1
         and results["oom_lines"] >= len(outcome["ooms"])
         and all(e["recovered"] for e in outcome["events"]))
     return results
