@@ -49,9 +49,12 @@ def keep_freed_host_memory() -> bool:
     allocates such tensors all the time (a 32k vocabulary's logits at micro-batch 4 are 33 MB in
     bf16). Measured on the 2-core AMD EPYC with bf16 (`python -m bench.plan`'s Llama 4x256,
     vocabulary 32,000, full checkpointing, 8 samples a step): 2,236 -> 4,152 tokens/s in bf16 at
-    micro-batch 4, 1,420 -> 1,956 in fp32. The process's resident memory then stays at its
-    high-water mark instead of falling between steps (its peak is the same), as it does under
-    the jemalloc or tcmalloc that Intel's PyTorch guide preloads for the same reason.
+    micro-batch 4, 1,420 -> 1,956 in fp32. The cost is resident memory: it stays at its
+    high-water mark instead of falling between steps, and that mark is higher, since torch's
+    aligned allocations reuse freed memory only once neighbouring chunks have coalesced (a
+    64 + 12 MiB step: 426 MiB resident against 306 MiB, level from the third step on, no page
+    faults after it; ``tests/unit/test_allocator.py``). jemalloc and tcmalloc, which Intel's
+    PyTorch guide preloads for the same reason, trade the same way.
 
     Left alone where the user set malloc's variables or preloads another allocator; a no-op
     elsewhere than glibc. Process-wide and idempotent; returns whether it is in effect."""
