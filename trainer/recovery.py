@@ -50,6 +50,7 @@ from typing import Any
 from trainer.launch.worker_errors import (
     CONTROLLER_FILE,
     ERRORS_DIR,
+    PEER_LOST,
     PREVIOUS_ERRORS_DIR,
     recorded_worker_error,
 )
@@ -62,11 +63,6 @@ _WIDTH = 160  # the progress line's fixed width, padded with spaces
 # The causes a restart is counted under (the metric's ``cause`` label: a bounded set).
 CAUSES = ("worker_error", "controller_error", "node_lost", "resize", "relaunch", "worker_exit")
 # A rank whose peer died fails in its next collective with one of these: an effect, not a cause.
-# (Ray Train tears the group's process group down once a worker died: a rank still running then
-# fails in its next collective without one.)
-PEER_LOST = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
-             "Broken pipe", "ActorUnavailableError", "ActorDiedError",
-             "Default process group has not been initialized")
 
 
 @dataclass(frozen=True)

@@ -295,7 +295,7 @@ class Campaign:
     def errors_since(self, since: float) -> bool:
         """Whether a rank recorded an error of its own in the working copy after ``since`` (not
         a lost peer's echo: trainer.recovery)."""
-        from trainer.recovery import PEER_LOST
+        from trainer.launch.worker_errors import PEER_LOST
 
         for path in (self.run_copy / "errors").glob("rank-*.json"):
             with contextlib.suppress(OSError, ValueError):

@@ -21,6 +21,12 @@ PREVIOUS_ERRORS_DIR = "errors-previous"  # the launch before
 # rest once one failed); a restarted group's next failure comes after a restart, which takes
 # longer.
 FAILURE_SECONDS = 5.0
+# A rank whose peer died fails in its next collective with one of these: an effect, not a cause.
+# (Ray Train tears the group's process group down once a worker died: a rank still running then
+# fails in its next collective without one.)
+PEER_LOST = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
+             "Broken pipe", "ActorUnavailableError", "ActorDiedError",
+             "Default process group has not been initialized")
 
 
 class WorkerError(RuntimeError):
@@ -81,10 +87,8 @@ def recorded_worker_error(run_dir: Path, rank: int | None = None,
     """The error a failed worker recorded: ``rank``'s, or the last failure's. Ray Train restarts
     a group after a failure, so earlier attempts' errors may stay in the directory: the last
     failure is the files written within ``FAILURE_SECONDS`` of the newest, and of those the
-    lowest rank's own error (not a lost peer's echo, ``trainer.recovery.PEER_LOST``), else the
+    lowest rank's own error (not a lost peer's echo, ``PEER_LOST``), else the
     lowest rank's."""
-    from trainer.recovery import PEER_LOST
-
     found = []  # (mtime, rank, record)
     for path in (run_dir / directory).glob("rank-*.json"):
         number = path.stem.removeprefix("rank-")
