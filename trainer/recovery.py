@@ -50,9 +50,10 @@ from typing import Any
 from trainer.launch.worker_errors import (
     CONTROLLER_FILE,
     ERRORS_DIR,
-    PEER_LOST,
     PREVIOUS_ERRORS_DIR,
-    recorded_worker_error,
+    as_worker_error,
+    error_records,
+    is_peer_echo,
 )
 
 log = logging.getLogger("memtrain")
@@ -257,7 +258,7 @@ def _cause(run_dir: Path, previous: dict[str, Any], launch_id: str,
 class _Recorded:
     error: str | None = None  # the lowest rank's own error, one line
     exit: str | None = None  # "rank 1 exited with code -9 (signal SIGKILL)", as the launcher saw
-    echoed: bool = False  # a rank's collective failed because a peer died
+    echoed: bool = False  # a rank's collective failed because a peer died (look no further)
 
 
 def _recorded(run_dir: Path, since: float) -> _Recorded:
@@ -265,26 +266,15 @@ def _recorded(run_dir: Path, since: float) -> _Recorded:
     start), in this launch's ``errors`` or, where it has none, the launch before's."""
     found = _Recorded()
     for directory in (ERRORS_DIR, PREVIOUS_ERRORS_DIR):
-        for path in sorted((run_dir / directory).glob("rank-*.json"),
-                           key=lambda p: int(p.stem.removeprefix("rank-"))
-                           if p.stem.removeprefix("rank-").isdigit() else -1):
-            try:
-                if path.stat().st_mtime < since - 1.0:  # (file times may lag the clock a little)
-                    continue
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            rank = path.stem.removeprefix("rank-")
-            error = recorded_worker_error(run_dir, int(rank), directory) \
-                if rank.isdigit() else None
-            if error is None:
+        for mtime, rank, record in error_records(run_dir, directory):
+            if mtime < since - 1.0:  # (file times may lag the clock a little)
                 continue
             if record.get("exited"):
                 found.exit = found.exit or f"rank {rank} {record['message']}"
-            elif any(mark in str(error) for mark in PEER_LOST):
+            elif is_peer_echo(record):
                 found.echoed = True
             elif found.error is None:
-                found.error = str(error)
+                found.error = str(as_worker_error(rank, record))
         if found.error or found.exit or found.echoed:
             break
     return found

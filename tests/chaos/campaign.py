@@ -215,6 +215,10 @@ class Campaign:
             return 0, 0
         return record.get("attempt", 0), record.get("step", 0)
 
+    def started(self) -> int:
+        """How many attempts the run has started."""
+        return sum(1 for a in self.attempts() if "start" in a)
+
     def attempts(self) -> list[dict[str, Any]]:
         try:
             lines = (self.run_copy / "attempts.jsonl").read_text().splitlines()
@@ -293,16 +297,15 @@ class Campaign:
         return self.driver_log.read_text(errors="replace").count("restarted after ") >= restarts
 
     def errors_since(self, since: float) -> bool:
-        """Whether a rank recorded an error of its own in the working copy after ``since`` (not
-        a lost peer's echo: trainer.recovery)."""
-        from trainer.launch.worker_errors import PEER_LOST
+        """Whether a rank (not a lost peer's echo) or the driver, for Ray Train's controller,
+        recorded an error in the working copy after ``since``."""
+        from trainer.launch.worker_errors import CONTROLLER_FILE, error_records, is_peer_echo
 
-        for path in (self.run_copy / "errors").glob("rank-*.json"):
-            with contextlib.suppress(OSError, ValueError):
-                if path.stat().st_mtime > since and not any(
-                        mark in path.read_text() for mark in PEER_LOST):
-                    return True
-        return False
+        with contextlib.suppress(OSError):
+            if (self.run_copy / "errors" / CONTROLLER_FILE).stat().st_mtime > since:
+                return True
+        return any(mtime > since and not is_peer_echo(record)
+                   for mtime, _, record in error_records(self.run_copy))
 
     def kill_a_worker(self) -> bool:
         workers = self.workers()
@@ -361,7 +364,7 @@ class Campaign:
         self.start_driver()
         for kind, step in self.plan:
             reached = self.wait(lambda step=step: self.progress()[1] >= step, RECOVERY_LIMIT)
-            attempts_before = len([a for a in self.attempts() if "start" in a])
+            attempts_before = self.started()
             at = time.time()
             fired = (self.run_copy / ".faults-fired" / f"checkpoint@{step}-0").exists()
             if kind == "checkpoint_fail":  # it fires with the checkpoint just after this step
@@ -370,7 +373,7 @@ class Campaign:
                 expect_restart = kind in RESTARTING
                 self.inject(kind)
             restarted = expect_restart and self.wait(
-                lambda n=attempts_before: len([a for a in self.attempts() if "start" in a]) > n,
+                lambda n=attempts_before: self.started() > n,
                 RECOVERY_LIMIT)
             recovered = self.wait(self.recovered, RECOVERY_LIMIT)
             event = {"kind": kind, "step": step, "reached": reached, "time": at,
@@ -413,7 +416,7 @@ class Campaign:
         events = []
         for kind, step in (("node_shrink", shrink), ("node_grow", grow)):
             reached = self.wait(lambda step=step: self.progress()[1] >= step, RECOVERY_LIMIT)
-            before = len([a for a in self.attempts() if "start" in a])
+            before = self.started()
             at = time.time()
             if kind == "node_shrink":
                 gone = self.worker_node.node_ip_address
@@ -421,9 +424,8 @@ class Campaign:
                 self.spare.append(gone)
             else:
                 self.worker_node = self.cluster.add_node(**self._node_args(self.spare.pop(0)))
-            restarted = self.wait(lambda n=before: len(
-                [a for a in self.attempts() if "start" in a]) > n,
-                RECOVERY_LIMIT if kind == "node_shrink" else GROW_LIMIT)
+            restarted = self.wait(lambda n=before: self.started() > n,
+                                  RECOVERY_LIMIT if kind == "node_shrink" else GROW_LIMIT)
             recovered = self.wait(self.recovered, RECOVERY_LIMIT)
             events.append({"kind": kind, "step": step, "reached": reached,
                            "restarted": restarted, "recovered": recovered,

@@ -53,7 +53,7 @@ from trainer.compat import (  # noqa: E402
 )
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext  # noqa: E402
-from trainer.errors import error_kind, is_user_error  # noqa: E402
+from trainer.errors import error_kind, first_line, is_user_error  # noqa: E402
 from trainer.hf import PREFIX as HF_PREFIX  # noqa: E402
 from trainer.launch.console import TracebackFilter  # noqa: E402
 from trainer.launch.prepare import available_cpus, remote_run, setup_logging  # noqa: E402
@@ -344,8 +344,6 @@ def restart_after_storage_failure(err: Exception, run_dir: Path,
                                   remote: Any, restarts: int, limit: int) -> None:
     """Record the failure for the next attempt's restart line, wait until the store answers,
     and say so in one line; the caller then fits again, from the latest checkpoint."""
-    from trainer.errors import first_line
-
     reason = first_line(getattr(err, "controller_failure", err))
     record_controller_error(run_dir, f"OSError: {reason}")
     log.warning("warning: Ray Train's controller failed on the run's storage (%s); starting the "

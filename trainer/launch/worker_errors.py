@@ -11,6 +11,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 from trainer.errors import error_kind, first_line, is_user_error
 
@@ -46,26 +47,16 @@ class WorkerError(RuntimeError):
 def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
     """In a failing worker: keep its error where the launcher finds it (best effort: a run
     directory the driver cannot see, on another node, just leaves the launcher's fallback)."""
-    record = {"kind": error_kind(err), "message": first_line(err, ""),
-              "user_error": is_user_error(err)}
-    try:
-        path = run_dir / ERRORS_DIR / f"rank-{rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
-    except OSError:
-        log.debug("could not record rank %d's error in %s", rank, run_dir, exc_info=True)
+    _write(run_dir, f"rank-{rank}.json", {"kind": error_kind(err),
+                                         "message": first_line(err, ""),
+                                         "user_error": is_user_error(err)})
 
 
 def record_worker_exit(run_dir: Path, rank: int, how: str) -> None:
     """In the launcher: a worker that ended without an error of its own (``how``: "exited with
     code -9 (signal SIGKILL)"), for the next attempt's restart line (``trainer.recovery``)."""
-    try:
-        path = run_dir / ERRORS_DIR / f"rank-{rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"kind": "", "message": how, "user_error": False,
-                                    "exited": True}))
-    except OSError:
-        log.debug("could not record rank %d's exit in %s", rank, run_dir, exc_info=True)
+    _write(run_dir, f"rank-{rank}.json", {"kind": "", "message": how, "user_error": False,
+                                         "exited": True})
 
 
 CONTROLLER_FILE = "controller.json"  # errors/controller.json: Ray Train's controller failed
@@ -74,12 +65,42 @@ CONTROLLER_FILE = "controller.json"  # errors/controller.json: Ray Train's contr
 def record_controller_error(run_dir: Path, message: str) -> None:
     """In the driver: Ray Train's controller failed (the run is started again), for the next
     attempt's restart line (``trainer.recovery``)."""
+    _write(run_dir, CONTROLLER_FILE, {"kind": "", "message": message, "user_error": False})
+
+
+def _write(run_dir: Path, name: str, record: dict[str, Any]) -> None:
+    """``record`` as ``run_dir/errors/name``; best effort (a full disk loses it, not the run)."""
     try:
-        path = run_dir / ERRORS_DIR / CONTROLLER_FILE
+        path = run_dir / ERRORS_DIR / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"kind": "", "message": message, "user_error": False}))
+        path.write_text(json.dumps(record))
     except OSError:
-        log.debug("could not record the controller's error in %s", run_dir, exc_info=True)
+        log.debug("could not record %s in %s", name, run_dir, exc_info=True)
+
+
+def error_records(run_dir: Path, directory: str = ERRORS_DIR) -> list[tuple[float, int, dict]]:
+    """(time written, rank, record) of every rank's record in ``run_dir/directory``, by rank;
+    unreadable ones left out."""
+    found = []
+    for path in (run_dir / directory).glob("rank-*.json"):
+        number = path.stem.removeprefix("rank-")
+        if not number.isdigit():
+            continue
+        try:
+            found.append((path.stat().st_mtime, int(number), json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=lambda entry: entry[1])
+
+
+def is_peer_echo(record: dict[str, Any]) -> bool:
+    """Whether a recorded error is a lost peer's echo (``PEER_LOST``), not a cause."""
+    return any(mark in record.get("kind", "") or mark in record.get("message", "")
+               for mark in PEER_LOST)
+
+
+def as_worker_error(rank: int, record: dict[str, Any]) -> WorkerError:
+    return WorkerError(rank, record["kind"], record["message"], record["user_error"])
 
 
 def recorded_worker_error(run_dir: Path, rank: int | None = None,
@@ -87,26 +108,16 @@ def recorded_worker_error(run_dir: Path, rank: int | None = None,
     """The error a failed worker recorded: ``rank``'s, or the last failure's. Ray Train restarts
     a group after a failure, so earlier attempts' errors may stay in the directory: the last
     failure is the files written within ``FAILURE_SECONDS`` of the newest, and of those the
-    lowest rank's own error (not a lost peer's echo, ``PEER_LOST``), else the
-    lowest rank's."""
-    found = []  # (mtime, rank, record)
-    for path in (run_dir / directory).glob("rank-*.json"):
-        number = path.stem.removeprefix("rank-")
-        if not number.isdigit() or (rank is not None and int(number) != rank):
-            continue
-        try:
-            found.append((path.stat().st_mtime, int(number), json.loads(path.read_text())))
-        except (OSError, ValueError):
-            continue
+    lowest rank's own error (not a lost peer's echo, ``is_peer_echo``), else the lowest
+    rank's."""
+    found = [entry for entry in error_records(run_dir, directory)
+             if rank is None or entry[1] == rank]
     if not found:
         return None
     newest = max(mtime for mtime, _, _ in found)
-    last = sorted((r, record) for mtime, r, record in found if mtime >= newest - FAILURE_SECONDS)
-    own = [(r, record) for r, record in last
-           if not any(mark in record.get("message", "") or mark == record.get("kind")
-                      for mark in PEER_LOST)]
-    chosen, record = (own or last)[0]
-    return WorkerError(chosen, record["kind"], record["message"], record["user_error"])
+    last = [(r, record) for mtime, r, record in found if mtime >= newest - FAILURE_SECONDS]
+    own = [(r, record) for r, record in last if not is_peer_echo(record)]
+    return as_worker_error(*(own or last)[0])
 
 
 def clear_worker_errors(run_dir: Path) -> None:

@@ -381,13 +381,8 @@ def named_gpu_speed(name: str | None) -> DeviceSpeed:
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: first-call allocation and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """``fn``'s fastest time over ``repeats`` calls, after a warm-up."""
+    return _interleaved_best({0: fn}, repeats)[0]
 
 
 def _op_overhead_seconds() -> float:
