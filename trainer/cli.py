@@ -249,10 +249,13 @@ def plan_command(
         from trainer.memory.speed import cpu_speed
 
         cpu_speed(refresh=True)  # cached: speed_model and --measure read it
-    speed = speed_model(cfg, gpu)
+    speed = speed_model(cfg, gpu, measure_data=True)
     gib = 2**30
     console.print(f"probed in {time.perf_counter() - start:.1f} s; speed: {speed.device.name} "
                   f"({speed.device.source})")
+    console.print(f"data loader: {speed.loader.source}, on {cfg.data.path}" if speed.loader
+                  else f"data loader: not in the time model ({cfg.data.path} cannot be read "
+                       "here)")
     console.print(f"per rank, {cfg.parallel.strategy} x {world} workers: params "
                   f"{static.params / gib:.2f}, grads {static.grads / gib:.2f}, AdamW state "
                   f"{static.optimizer / gib:.2f} GiB")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,9 @@ def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
     assert "backward start" in table and "selective" in table
     assert "tokens/s" in table and table.count("<- auto") == 1, table
     assert "speed: " in table and "measured on this CPU" in table
+    # The demo's dataset may not be built in this checkout: its loader is measured or named.
+    assert re.search(r"data loader: (\d[\d,]* us a batch of 1, [\d,]+ us of 16|not in the "
+                     r"time model \(data/stdlib/train cannot be read here\))", table), table
     measured = table[table.index("measured: 2 fastest predicted plans"):]
     rows = [line.split() for line in measured.splitlines()
             if line.split() and line.split()[0] in ("fp32", "bf16")]

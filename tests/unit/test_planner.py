@@ -269,8 +269,12 @@ def test_auto_config_resolves_before_launch(corpus_dir, tmp_path, caplog) -> Non
     assert (f"auto: precision {cfg.memory.precision}, activation checkpointing "
             f"{cfg.memory.activation_checkpointing}, micro-batch {cfg.train.micro_batch_size}"
             in line), line
-    assert re.search(r"predicted [\d,]+ tokens/s \(.+\), the fastest of \d+ plans that fit; "
+    assert re.search(r"predicted [\d,]+ tokens/s \(.+; [\d.]+ ms a step, of which the data "
+                     r"loader [\d.]+ ms\), the fastest of \d+ plans that fit; "
                      r"next: (fp32|bf16), checkpointing", line), line
+    # The loader was measured on the run's own dataset.
+    assert any(r.getMessage().startswith("planner: data loader ") and str(corpus_dir) in
+               r.getMessage() for r in caplog.records)
 
 
 class _ConvertingBlock(torch.nn.Module):

@@ -4,6 +4,7 @@ against measured steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 from pathlib import Path
@@ -21,10 +22,12 @@ from trainer.memory.planner import (
 )
 from trainer.memory.speed import (
     DeviceSpeed,
+    LoaderCost,
     SpeedModel,
     StepWork,
     Work,
     gpu_speed,
+    measure_loader,
     measure_plan,
     record_work,
     step_time,
@@ -96,9 +99,15 @@ def test_a_step_is_accumulation_forward_backwards_an_optimizer_step_and_the_all_
     slow_ops = _device(matmul=0.1)
     assert step_time(work, slow_ops, 1, 8).tokens_per_s < step_time(work, slow_ops, 8, 1
                                                                     ).tokens_per_s
-    # The loader prefetches: only what exceeds the step is added.
-    assert step_time(work, device, 4, 2, loader_seconds_per_sample=0.5).data == 0
-    assert step_time(work, device, 4, 2, loader_seconds_per_sample=2.0).data \
+    # The loader gathers on the training thread: on CPU its cost adds to the step, per batch
+    # and per sample; on a GPU only what exceeds the device's work counts.
+    loader = LoaderCost(per_batch=0.25, per_sample=0.5)
+    fed = step_time(work, device, 4, 2, loader=loader)
+    assert fed.data == pytest.approx(2 * (0.25 + 4 * 0.5))
+    assert fed.seconds == pytest.approx(8.5 + 4.5)
+    gpu = dataclasses.replace(device, asynchronous=True)
+    assert step_time(work, gpu, 4, 2, loader=loader).data == 0
+    assert step_time(work, gpu, 4, 2, loader=LoaderCost(0.0, 2.0)).data \
         == pytest.approx(16 - 8.5)
 
 
@@ -206,3 +215,31 @@ def _takes_no_checkpointing_at_micro_batch_2() -> None:
 
     assert fastest_step("none", 2) < fastest_step("full", 16)
 
+
+
+def test_the_loader_is_measured_on_the_dataset_itself(corpus_dir: Path) -> None:
+    from datapipe.manifest import DatasetError
+
+    cost = measure_loader(str(corpus_dir / "train"), "tokens", world_size=1, batch_size=8,
+                          budget_seconds=0.2)
+    assert cost.per_batch >= 0 and cost.per_sample >= 0
+    assert 0 < cost.seconds(8) < 0.1  # 8 rows of 65 tokens from a local map: well under 0.1 s
+    assert "a batch of 1" in cost.source and "of 8" in cost.source
+    with pytest.raises(DatasetError):
+        measure_loader(str(corpus_dir / "missing"), "tokens", 1, 8)
+
+
+def test_a_slow_loader_moves_auto_to_larger_micro_batches() -> None:
+    transforms = MemoryTransforms(activation_checkpointing="none")
+    profile = profile_activations(partial(GPT, CFG), transforms, CFG.seq_len, CFG.vocab_size,
+                                  "fp32", work=True)
+    static = static_bytes(GPT(CFG))
+    fed = SpeedModel(speed.cpu_speed())
+    slow = dataclasses.replace(fed, loader=LoaderCost(per_batch=1.0, per_sample=0.01))
+    for micro in (1, 4, 16):
+        added = plan_row(static, profile, micro, 16 // micro, slow).step_seconds \
+            - plan_row(static, profile, micro, 16 // micro, fed).step_seconds
+        assert added == pytest.approx(16 // micro * 1.0 + 16 * 0.01)
+    # A second a batch outweighs any difference in compute: one batch of 16 is fastest.
+    chosen = choose_plan(static, [profile], 16, 1, 1 << 40, speed=slow)
+    assert chosen is not None and chosen.micro_batch_size == 16

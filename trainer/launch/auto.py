@@ -34,7 +34,13 @@ from trainer.memory.planner import (
     static_bytes,
 )
 from trainer.memory.precision import resolve_precision
-from trainer.memory.speed import SpeedModel, cpu_speed, named_gpu_speed
+from trainer.memory.speed import (
+    LoaderCost,
+    SpeedModel,
+    cpu_speed,
+    measure_loader,
+    named_gpu_speed,
+)
 
 log = logging.getLogger("memtrain")
 
@@ -83,10 +89,29 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     return static, profiles
 
 
-def speed_model(cfg: Config, gpu: str | None = None) -> SpeedModel:
+def loader_cost(cfg: Config) -> LoaderCost | None:
+    """The data loader's cost on ``cfg``'s dataset, measured here (about a second): rank 0's
+    share at the per-rank batch (``trainer.memory.speed.measure_loader``); None, said in the
+    log, where this machine cannot read the dataset (the run checks it again)."""
+    data = cfg.data
+    try:
+        cost = measure_loader(data.path, data.column, cfg.parallel.workers,
+                              cfg.train.global_batch_size // cfg.parallel.workers,
+                              cfg.run.seed, data.shuffle, data.shuffle_window)
+    except (OSError, ValueError) as err:  # DatasetError is a ValueError
+        log.info("planner: the data loader's cost is not in the time model (%s cannot be "
+                 "read here: %s)", data.path, str(err).splitlines()[0])
+        return None
+    log.info("planner: data loader %s (%s)", cost.source, data.path)
+    return cost
+
+
+def speed_model(cfg: Config, gpu: str | None = None, measure_data: bool = False
+                ) -> SpeedModel:
     """The time model for ``cfg``'s device: this CPU, calibrated (``trainer.memory.speed.
     cpu_speed``, cached), or a GPU's peak figures: ``gpu`` by name, else the driver's own GPU,
-    else an H200's (said in the log)."""
+    else an H200's (said in the log). ``measure_data``: with the data loader's cost on the
+    configured dataset (``loader_cost``)."""
     if cfg.parallel.use_gpu:
         if gpu is None and torch.cuda.is_available():
             gpu = torch.cuda.get_device_name(0)
@@ -95,7 +120,8 @@ def speed_model(cfg: Config, gpu: str | None = None) -> SpeedModel:
         device = cpu_speed()
     overlap = not oom_recovery_on(cfg.memory.oom_recovery,
                                   torch.device("cuda" if cfg.parallel.use_gpu else "cpu"))
-    return SpeedModel(device, cfg.parallel.workers, overlap_allreduce=overlap)
+    return SpeedModel(device, cfg.parallel.workers, overlap_allreduce=overlap,
+                      loader=loader_cost(cfg) if measure_data else None)
 
 
 def precision_candidates(cfg: Config) -> list[str]:
@@ -153,7 +179,9 @@ def resolve_auto(cfg: Config) -> Config:
         return resolved(None, True)
     modes = AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,)
     fixed = None if micro_auto else cfg.train.micro_batch()
-    speed = speed_model(cfg)
+    # The loader's cost per batch weighs micro-batches against each other: measured only when
+    # they are chosen between.
+    speed = speed_model(cfg, measure_data=searching)
 
     def plans_with(precision: str, norm: bool) -> list[PlanRow]:
         """The fitting plans, fastest first (one per checkpointing mode)."""
@@ -190,9 +218,14 @@ def resolve_auto(cfg: Config) -> Config:
     runner_up = (f"; next: {others[0].precision}, checkpointing "
                  f"{others[0].activation_checkpointing}, micro-batch "
                  f"{others[0].micro_batch_size}, {_tokens(others[0])}") if others else ""
+    loading = ""
+    if speed.loader:
+        data = speed.loader.seconds(plan.micro_batch_size) * plan.accumulation_steps
+        loading = f", of which the data loader {data * 1e3:,.1f} ms"
     log.info("auto: precision %s, activation checkpointing %s, micro-batch %d x accumulation %d:"
-             " predicted %s (%s), the fastest of %d plans that fit%s; predicted peak %.2f GiB of "
-             "%.2f GiB", plan.precision, plan.activation_checkpointing, plan.micro_batch_size,
-             plan.accumulation_steps, _tokens(plan), speed.device.name, len(rows), runner_up,
+             " predicted %s (%s; %.1f ms a step%s), the fastest of %d plans that fit%s; "
+             "predicted peak %.2f GiB of %.2f GiB", plan.precision, plan.activation_checkpointing,
+             plan.micro_batch_size, plan.accumulation_steps, _tokens(plan), speed.device.name,
+             plan.step_seconds * 1e3, loading, len(rows), runner_up,
              plan.predicted_peak_bytes / 2**30, budget / 2**30)
     return resolved(plan, norms[plan.precision])

@@ -24,11 +24,13 @@ the share eager PyTorch reaches (``gpu_speed``; ``make gpu-check`` measures that
 its rows).
 
 A step of ``a`` micro-batches of ``m`` samples takes ``a * t(m) + t(optimizer) + the exposed
-all-reduce``, each ``t`` the operators' fixed costs plus their FLOPs or bytes over the rates;
-on a GPU, which launches while it computes, the larger of the two. DDP's all-reduce hides
-behind the last micro-batch's backward, except under OOM recovery, which reduces after it. A
-loader's per-sample cost, where given, counts only beyond the step (it prefetches on its own
-thread); ``memtrain`` does not measure it yet.
+all-reduce + a * loader(m)``, each ``t`` the operators' fixed costs plus their FLOPs or bytes
+over the rates; on a GPU, which launches while it computes, the larger of the two. DDP's
+all-reduce hides behind the last micro-batch's backward, except under OOM recovery, which
+reduces after it. ``loader(m)`` is the data loader's cost of one batch of ``m`` samples,
+measured on the dataset itself (``measure_loader``): the loader gathers each batch on the
+training thread (``datapipe.loader``), so on CPU it adds to the step; on a GPU the host
+gathers while the device computes, and the step takes the larger of the two.
 
 Left out, and why the figures rank plans better than they promise a number: a kernel's speed
 at shapes far from the calibrated ones; page faults on CPU (the trainer and the calibration keep
@@ -635,6 +637,49 @@ def cpu_speed(refresh: bool = False) -> DeviceSpeed:
 
 
 @dataclass(frozen=True)
+class LoaderCost:
+    """The data loader's cost of one batch of ``m`` samples: ``per_batch + m * per_sample``
+    seconds on the training thread, and how it was measured."""
+
+    per_batch: float
+    per_sample: float
+    source: str = ""
+
+    def seconds(self, batch: int) -> float:
+        return self.per_batch + batch * self.per_sample
+
+
+def measure_loader(path: str, column: str, world_size: int, batch_size: int, seed: int = 0,
+                   shuffle: bool = True, shuffle_window: int = 8192,
+                   budget_seconds: float = 1.0) -> LoaderCost:
+    """Time rank 0's loader of the dataset at ``path`` as a run reads it: batches of 1 and of
+    ``batch_size`` samples, each loader's first batch (which opens the first window) left out,
+    then as many as ``budget_seconds`` allow (at least 4 of each). Raises what the loader
+    raises for a dataset it cannot read (``datapipe.manifest.DatasetError``, ``OSError``)."""
+    from datapipe.loader import BatchLoader
+
+    def per_batch(size: int) -> float:
+        with BatchLoader(path, column, rank=0, world_size=world_size, batch_size=size,
+                         seed=seed, shuffle=shuffle, shuffle_window=shuffle_window) as loader:
+            next(loader)
+            count, start = 0, time.perf_counter()
+            while count < min(4, len(loader) - 1) or (
+                    count < len(loader) - 1
+                    and time.perf_counter() - start < budget_seconds / 2):
+                next(loader)
+                count += 1
+            return (time.perf_counter() - start) / max(1, count)
+
+    one = per_batch(1)
+    if batch_size <= 1:
+        return LoaderCost(one, 0.0, f"{one * 1e6:,.0f} us a batch of 1")
+    many = per_batch(batch_size)
+    sample = max(0.0, (many - one) / (batch_size - 1))
+    return LoaderCost(max(0.0, one - sample), sample,
+                      f"{one * 1e6:,.0f} us a batch of 1, {many * 1e6:,.0f} us of {batch_size}")
+
+
+@dataclass(frozen=True)
 class StepTime:
     """A plan's predicted step, its parts in seconds, and tokens/s over all ranks."""
 
@@ -648,8 +693,9 @@ class StepTime:
 
 def step_time(work: StepWork, speed: DeviceSpeed, micro_batch: int, accumulation: int,
               world_size: int = 1, overlap_allreduce: bool = True,
-              loader_seconds_per_sample: float = 0.0) -> StepTime:
-    """The predicted time of one optimizer step of ``accumulation`` micro-batches."""
+              loader: LoaderCost | None = None) -> StepTime:
+    """The predicted time of one optimizer step of ``accumulation`` micro-batches (``loader``:
+    the data loader's measured cost, none where not given)."""
     fb = speed.seconds(work.forward_backward(micro_batch), work.autocast) \
         + work.checkpointed_blocks * speed.op_seconds.get("checkpoint", 0.0)
     optimizer = speed.seconds(work.optimizer)
@@ -660,7 +706,11 @@ def step_time(work: StepWork, speed: DeviceSpeed, micro_batch: int, accumulation
         if overlap_allreduce:  # behind the last micro-batch's backward, about 2/3 of it
             allreduce = max(0.0, allreduce - fb * 2 / 3)
     compute = accumulation * fb + optimizer + allreduce
-    data = max(0.0, loader_seconds_per_sample * micro_batch * accumulation - compute)
+    data = accumulation * loader.seconds(micro_batch) if loader else 0.0
+    # On a GPU the host gathers batches while the device computes: only what is left over
+    # counts. On CPU both run on the training thread.
+    if speed.asynchronous:
+        data = max(0.0, data - compute)
     seconds = compute + data
     tokens = micro_batch * accumulation * work.seq_len * world_size
     return StepTime(seconds, accumulation * fb, optimizer, allreduce, data, tokens / seconds)
@@ -673,11 +723,11 @@ class SpeedModel:
     device: DeviceSpeed
     world_size: int = 1
     overlap_allreduce: bool = True  # DDP's overlap with backward (off under OOM recovery)
-    loader_seconds_per_sample: float = 0.0
+    loader: LoaderCost | None = None  # the data loader's measured cost (measure_loader)
 
     def predict(self, work: StepWork, micro_batch: int, accumulation: int) -> StepTime:
         return step_time(work, self.device, micro_batch, accumulation, self.world_size,
-                         self.overlap_allreduce, self.loader_seconds_per_sample)
+                         self.overlap_allreduce, self.loader)
 
 
 @dataclass(frozen=True)
