@@ -277,17 +277,19 @@ def plan_command(
                   "beside them; peak: with parameters and AdamW state, at the moment named;\n"
                   "tokens/s: predicted, all workers together")
     rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
-                          speed=speed)
+                          speed=speed, choose_loss_chunk=cfg.memory.loss_chunk_tokens == "auto")
     candidates = precision_candidates(cfg)
     auto = next((row for row in rows if row.precision in candidates), None)
     best = _plan_table(f"fastest micro-batch in {HEADROOM:.0%} of {device_memory}, global "
                        f"batch {cfg.train.global_batch_size} kept",
                        "precision", "act.\nckpt", "micro-\nbatch", "accumu-\nlation",
-                       "peak\nGiB", "tokens/s", "")
+                       "loss\nchunk", "peak\nGiB", "tokens/s", "")
     for row in rows:
         best.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
-                     str(row.accumulation_steps), f"{row.predicted_peak_bytes / gib:.2f}",
-                     f"{row.tokens_per_s:,.0f}", "<- auto" if row is auto else "")
+                     str(row.accumulation_steps),
+                     f"{row.loss_chunk_tokens:,}" if row.loss_chunk_tokens else "-",
+                     f"{row.predicted_peak_bytes / gib:.2f}", f"{row.tokens_per_s:,.0f}",
+                     "<- auto" if row is auto else "")
     console.print(best if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
                                     "sequence or a smaller model")
     if measure and rows:

@@ -140,9 +140,11 @@ class MemoryConfig(_Strict):
     # only it fits; off without bf16.
     bf16_norm_inputs: bool | Literal["auto"] = "auto"
     # Output projection + cross-entropy in chunks of this many tokens (0: full logits). "auto":
-    # for a model that computes its own loss (the GPT), as many tokens as keep one chunk's fp32
-    # logits within 256 MiB (a power of two: 1,024 at GPT-2's vocabulary, 512 at 128k;
-    # trainer.memory.loss.auto_loss_chunk_tokens); the plain loss for any other model.
+    # for a model that computes its own loss (the GPT, a Hugging Face causal LM), as many
+    # tokens as keep one chunk's fp32 logits within 256 MiB (a power of two: 1,024 at GPT-2's
+    # vocabulary, 512 at 128k; trainer.memory.loss.auto_loss_chunk_tokens); the plain loss for
+    # any other model. Where micro-batch or checkpointing is "auto" too, the planner's time
+    # model picks the chunk (from a quarter of that to 16 times it) with the rest of the plan.
     loss_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     # On OOM: snapshot, halve the micro-batch, double accumulation (global batch kept), retry.
     # It costs one flag all-reduce per step and DDP's overlap of the gradient all-reduce with

@@ -243,3 +243,95 @@ def test_a_slow_loader_moves_auto_to_larger_micro_batches() -> None:
     # A second a batch outweighs any difference in compute: one batch of 16 is fastest.
     chosen = choose_plan(static, [profile], 16, 1, 1 << 40, speed=slow)
     assert chosen is not None and chosen.micro_batch_size == 16
+
+
+def _step_work(chunk: int, batch: int, precision: str) -> Work:
+    """One forward and backward of the vocabulary-1,000 GPT, loss in chunks of ``chunk``."""
+    from trainer.build import build_model
+    from trainer.compat import fake_tensor_mode
+    from trainer.memory.loss import summed_loss
+    from trainer.memory.precision import precision_policy
+
+    cfg = dataclasses.replace(CFG, vocab_size=1000)
+    with fake_tensor_mode():
+        model = build_model(partial(GPT, cfg), MemoryTransforms("none", loss_chunk_tokens=chunk))
+        tokens_BT = torch.zeros(batch, cfg.seq_len + 1, dtype=torch.long)
+        policy = precision_policy(precision, torch.device("cpu"), warn=False)
+        with speed.recording() as work:
+            summed_loss(model, tokens_BT, policy).backward()
+    return work
+
+
+def _by_kind(work: Work) -> dict[str, tuple[float, float]]:
+    """Operators and amounts by kind and dtype, views left out (a slice more or less moves no
+    bytes): a weight gradient's product contracts over the batch's tokens, so its size bucket
+    moves with the batch."""
+    found: dict[str, tuple[float, float]] = {}
+    for key in work.kinds():
+        kind = ":".join(key.split(":")[:2])
+        if not kind.startswith("view:"):
+            ops, amount = found.get(kind, (0.0, 0.0))
+            found[kind] = (ops + work.ops.get(key, 0), amount + work.amount.get(key, 0))
+    return found
+
+
+def _assert_same(got: Work, want: Work, *where: object) -> None:
+    got_kinds, want_kinds = _by_kind(got), _by_kind(want)
+    assert {k for k, v in got_kinds.items() if any(v)} == \
+        {k for k, v in want_kinds.items() if any(v)}, where
+    for key, (ops, amount) in want_kinds.items():
+        assert got_kinds[key][0] == pytest.approx(ops, abs=1e-6), (*where, key)
+        assert got_kinds[key][1] == pytest.approx(amount, rel=1e-9, abs=1e-6), (*where, key)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_loss_is_counted_in_whole_chunks_of_any_size(precision: str) -> None:
+    """The loss's chunks are whole, so its operators are not linear in the batch: the step's
+    work is recorded without it and the loss is counted for the batch's tokens, at the
+    probed chunk or another."""
+    cfg = dataclasses.replace(CFG, vocab_size=1000)
+    work = record_work(partial(GPT, cfg), MemoryTransforms("none", loss_chunk_tokens=48),
+                       cfg.seq_len, cfg.vocab_size, precision)
+    assert work.loss is not None and work.loss.chunk_tokens == 48
+    # The loss alone, from recordings of at most two chunks, against a recording of them all.
+    for chunk, tokens in ((48, 192), (48, 320), (48, 30), (128, 1000), (256, 64)):
+        shape = dataclasses.replace(work.loss, chunk_tokens=chunk)
+        _assert_same(speed.loss_work(shape, tokens, work.loss_dtype),
+                     speed._record_loss(shape, tokens, work.loss_dtype), chunk, tokens)
+    # In the step: another chunk changes the step's work as it changes the model's own
+    # (compared as sums, predicted(c) + recorded(48) against recorded(c) + predicted(48), so
+    # the rest of the step, drawn on a line through 1 and 2 rows, cancels out).
+    for chunk, batch in ((128, 3), (256, 5), (16, 2)):
+        _assert_same(work.forward_backward(batch, chunk).plus(_step_work(48, batch, precision)),
+                     _step_work(chunk, batch, precision).plus(work.forward_backward(batch, 48)),
+                     chunk, batch)
+    # Five 64-token rows in chunks of 48 are 7 chunks (3 products each), not the 5 a line
+    # through 1 and 2 rows (2 and 3 chunks) would give.
+    matmuls = _by_kind(work.forward_backward(5, 48))[f"matmul:{precision}"][0]
+    assert matmuls == _by_kind(work.forward_backward(5, 320))[f"matmul:{precision}"][0] + 6 * 3
+
+
+def test_auto_chooses_the_loss_chunk_with_the_plan() -> None:
+    """Larger chunks are fewer operators and weight-gradient sums, and more logits at once:
+    with room, the planner takes the largest; short of it, a smaller chunk that fits."""
+    from trainer.memory.planner import loss_chunk_candidates
+
+    cfg = dataclasses.replace(CFG, vocab_size=8192)
+    profile = profile_activations(partial(GPT, cfg), MemoryTransforms(
+        "none", loss_chunk_tokens=256), cfg.seq_len, cfg.vocab_size, "fp32", work=True)
+    static = static_bytes(GPT(cfg))
+    model = SpeedModel(speed.cpu_speed())
+    assert loss_chunk_candidates(profile, 16 * cfg.seq_len) == [128, 256, 512, 1024]
+    rows = {chunk: plan_row(static, profile, 16, 1, model, chunk)
+            for chunk in (128, 256, 512, 1024)}
+    assert rows[1024].tokens_per_s > rows[128].tokens_per_s
+    assert rows[1024].predicted_peak_bytes > rows[128].predicted_peak_bytes
+    roomy = choose_plan(static, [profile], 16, 1, 1 << 40, micro_batch_size=16, headroom=1.0,
+                        speed=model, choose_loss_chunk=True)
+    assert roomy is not None and roomy.loss_chunk_tokens == 1024
+    tight = rows[128].predicted_peak_bytes
+    assert choose_plan(static, [profile], 16, 1, tight, micro_batch_size=16, headroom=1.0,
+                       speed=model) is None  # the probed chunk (256) does not fit
+    fits = choose_plan(static, [profile], 16, 1, tight, micro_batch_size=16, headroom=1.0,
+                       speed=model, choose_loss_chunk=True)
+    assert fits is not None and fits.loss_chunk_tokens == 128

@@ -2,9 +2,10 @@
 model.
 
 ``resolve_auto`` replaces ``train.micro_batch_size: auto``, ``memory.activation_checkpointing:
-auto`` and ``memory.bf16_norm_inputs: auto`` (and ``memory.precision: auto`` where it searches
-micro-batch or checkpointing) by the plan with the most predicted tokens/s among those that fit
-one device's memory (``memory.device_memory``, or what the driver can read): the planner's peak
+auto`` and ``memory.bf16_norm_inputs: auto`` (and ``memory.precision: auto`` and
+``memory.loss_chunk_tokens: auto`` where it searches micro-batch or checkpointing) by the plan
+with the most predicted tokens/s among those that fit one device's memory
+(``memory.device_memory``, or what the driver can read): the planner's peak
 (``trainer.memory.planner``) and step time (``trainer.memory.speed``). ``probe_config`` and
 ``speed_model`` give the planner its inputs for a config; ``memtrain plan`` uses them too.
 """
@@ -153,6 +154,9 @@ def resolve_auto(cfg: Config) -> Config:
     searching = micro_auto or ac_auto
     precisions = precision_candidates(cfg) if searching else [planned_precision(cfg)]
 
+    # The loss's chunk is chosen with the rest where it is "auto" and the model chunks it.
+    chunk_auto = searching and cfg.memory.loss_chunk_tokens == "auto"
+
     def resolved(plan: PlanRow | None, norm: bool | str) -> Config:
         memory: dict[str, Any] = {"bf16_norm_inputs": norm}
         train: dict[str, Any] = {}
@@ -161,6 +165,8 @@ def resolve_auto(cfg: Config) -> Config:
             train["micro_batch_size"] = plan.micro_batch_size
             if len(precisions) > 1:
                 memory["precision"] = plan.precision
+            if chunk_auto and plan.loss_chunk_tokens:
+                memory["loss_chunk_tokens"] = plan.loss_chunk_tokens
         return cfg.model_copy(update={
             "train": cfg.train.model_copy(update=train),
             "memory": cfg.memory.model_copy(update=memory)})
@@ -189,7 +195,7 @@ def resolve_auto(cfg: Config) -> Config:
             cfg.model_copy(update={"memory": cfg.memory.model_copy(
                 update={"bf16_norm_inputs": norm})}), [precision], modes, work=True)
         return feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
-                              speed=speed, micro_batch_size=fixed)
+                              speed=speed, micro_batch_size=fixed, choose_loss_chunk=chunk_auto)
 
     fallback_norm = cfg.memory.bf16_norm_inputs
     norms: dict[str, bool | str] = {}
@@ -222,10 +228,12 @@ def resolve_auto(cfg: Config) -> Config:
     if speed.loader:
         data = speed.loader.seconds(plan.micro_batch_size) * plan.accumulation_steps
         loading = f", of which the data loader {data * 1e3:,.1f} ms"
-    log.info("auto: precision %s, activation checkpointing %s, micro-batch %d x accumulation %d:"
-             " predicted %s (%s; %.1f ms a step%s), the fastest of %d plans that fit%s; "
+    chunk = f", loss chunks of {plan.loss_chunk_tokens:,} tokens" \
+        if chunk_auto and plan.loss_chunk_tokens else ""
+    log.info("auto: precision %s, activation checkpointing %s, micro-batch %d x accumulation %d"
+             "%s: predicted %s (%s; %.1f ms a step%s), the fastest of %d plans that fit%s; "
              "predicted peak %.2f GiB of %.2f GiB", plan.precision, plan.activation_checkpointing,
-             plan.micro_batch_size, plan.accumulation_steps, _tokens(plan), speed.device.name,
-             plan.step_seconds * 1e3, loading, len(rows), runner_up,
+             plan.micro_batch_size, plan.accumulation_steps, chunk, _tokens(plan),
+             speed.device.name, plan.step_seconds * 1e3, loading, len(rows), runner_up,
              plan.predicted_peak_bytes / 2**30, budget / 2**30)
     return resolved(plan, norms[plan.precision])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +101,13 @@ class PlainLossShape:
 
 LossShape = ChunkedLossShape | PlainLossShape
 _observed: list[LossShape] | None = None
+# Set while a chunked loss's forward runs: its products contract over a chunk's tokens, which
+# the time model counts apart from the rest of the step (trainer.memory.speed.loss_work).
+_in_chunked_loss = False
+
+
+def in_chunked_loss() -> bool:
+    return _in_chunked_loss
 
 
 @contextlib.contextmanager
@@ -119,6 +126,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NC: torch.Tensor, weight_VC: torch.Tensor, targets_N: torch.Tensor,
                 chunk_tokens: int) -> torch.Tensor:
+        global _in_chunked_loss
+        outer, _in_chunked_loss = _in_chunked_loss, True
+        try:
+            return _ChunkedLinearCrossEntropy._forward(ctx, hidden_NC, weight_VC, targets_N,
+                                                       chunk_tokens)
+        finally:
+            _in_chunked_loss = outer
+
+    @staticmethod
+    def _forward(ctx: Any, hidden_NC: torch.Tensor, weight_VC: torch.Tensor,
+                 targets_N: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         dtype = _compute_dtype(weight_VC)
         if _observed is not None:
             _observed.append(ChunkedLossShape(

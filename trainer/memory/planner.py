@@ -52,7 +52,13 @@ from torch import nn
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import cpu_bf16_support, fake_tensor_mode, is_checkpoint_wrapper
 from trainer.errors import first_line
-from trainer.memory.loss import LossShape, observe_chunked_losses, summed_loss
+from trainer.memory.loss import (
+    MIN_AUTO_LOSS_CHUNK_TOKENS,
+    ChunkedLossShape,
+    LossShape,
+    observe_chunked_losses,
+    summed_loss,
+)
 from trainer.memory.precision import precision_policy
 from trainer.memory.speed import SpeedModel, StepWork, record_work
 
@@ -134,6 +140,7 @@ class PlanRow:
     # Predicted by the time model (``trainer.memory.speed``); 0: not predicted.
     step_seconds: float = 0.0
     tokens_per_s: float = 0.0  # all ranks together
+    loss_chunk_tokens: int = 0  # the chunked loss's chunk (0: a plain loss)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -419,13 +426,19 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
-             accumulation_steps: int, speed: SpeedModel | None = None) -> PlanRow:
+             accumulation_steps: int, speed: SpeedModel | None = None,
+             loss_chunk_tokens: int | None = None) -> PlanRow:
     """The predicted peak of one plan and, with a ``speed`` model and the profile's recorded
-    work, its predicted step time and tokens/s."""
+    work, its predicted step time and tokens/s. ``loss_chunk_tokens``: the chunked loss in
+    chunks of that many tokens instead of the probed ones (a chunk changes only the loss's
+    temporaries and operators: what it saves for backward is the same)."""
     activations = profile.saved_bytes(micro_batch_size)
     tokens = micro_batch_size * profile.seq_len
-    loss = profile.loss_shape.transient_bytes(tokens) if profile.loss_shape else 0
-    loss_backward = profile.loss_shape.backward_bytes(tokens) if profile.loss_shape else 0
+    shape = profile.loss_shape
+    if loss_chunk_tokens is not None and isinstance(shape, ChunkedLossShape):
+        shape = dataclasses.replace(shape, chunk_tokens=loss_chunk_tokens)
+    loss = shape.transient_bytes(tokens) if shape else 0
+    loss_backward = shape.backward_bytes(tokens) if shape else 0
     # Under FSDP the output head's gradients are sharded like the rest.
     outside_grads = min(profile.outside_blocks_grad_bytes, static.grads)
     in_flight = 0
@@ -454,26 +467,52 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
         moments["backward end"] = static.grads + in_flight
     moment = max(moments, key=lambda name: moments[name])
     peak = static.params + static.optimizer + moments[moment]
-    timing = speed.predict(profile.work, micro_batch_size, accumulation_steps) \
+    chunk = shape.chunk_tokens if isinstance(shape, ChunkedLossShape) else 0
+    timing = speed.predict(profile.work, micro_batch_size, accumulation_steps,
+                           chunk or None) \
         if speed is not None and profile.work is not None else None
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations,
                    peak - static.params - static.optimizer - activations, peak,
                    profile.recompute_fraction, moment,
-                   timing.seconds if timing else 0.0, timing.tokens_per_s if timing else 0.0)
+                   timing.seconds if timing else 0.0, timing.tokens_per_s if timing else 0.0,
+                   chunk)
+
+
+def loss_chunk_candidates(profile: ActivationProfile, max_tokens: int) -> list[int]:
+    """``memory.loss_chunk_tokens: auto`` with the time model: the chunks to choose from for a
+    profile whose loss is chunked (none for a plain loss), powers of two from a quarter of the
+    probed chunk (``auto_loss_chunk_tokens``, at least ``MIN_AUTO_LOSS_CHUNK_TOKENS``) up to
+    16 times it, and none above the smallest that holds ``max_tokens`` (a micro-batch's: the
+    probed chunk alone where even the smallest holds it)."""
+    shape = profile.loss_shape
+    if not isinstance(shape, ChunkedLossShape):
+        return []
+    chunk = max(MIN_AUTO_LOSS_CHUNK_TOKENS, shape.chunk_tokens // 4)
+    if chunk >= max_tokens:  # every candidate holds a whole micro-batch: nothing to choose
+        return [shape.chunk_tokens]
+    found = []
+    while chunk <= 16 * shape.chunk_tokens:
+        found.append(chunk)
+        if chunk >= max_tokens:
+            break
+        chunk *= 2
+    return found
 
 
 def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
                    global_batch_size: int, world_size: int, device_memory_bytes: int,
                    headroom: float = HEADROOM, speed: SpeedModel | None = None,
-                   micro_batch_size: int | None = None) -> list[PlanRow]:
+                   micro_batch_size: int | None = None, choose_loss_chunk: bool = False
+                   ) -> list[PlanRow]:
     """Every (precision, checkpointing, micro-batch) that keeps the global batch and fits.
 
     Micro-batches are the divisors of the per-rank batch (only ``micro_batch_size`` where one
     is given). Without a ``speed`` model, each profile keeps the largest micro-batch that fits
     ``headroom`` of the device, and rows are sorted by recompute cost, then by predicted peak.
     With one, each profile keeps its fastest fitting micro-batch, and rows are sorted by
-    predicted tokens/s, fastest first.
+    predicted tokens/s, fastest first; ``choose_loss_chunk`` (with a chunked loss): each
+    micro-batch with its fastest fitting chunk (``loss_chunk_candidates``).
     """
     per_rank, remainder = divmod(global_batch_size, world_size)
     if remainder:
@@ -484,8 +523,13 @@ def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
         sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True)
     rows = []
     for profile in profiles:
-        fitting = [row for row in (plan_row(static, profile, micro, per_rank // micro, speed)
-                                   for micro in micros)
+        chunks: list[int | None] = [None]
+        if choose_loss_chunk and speed is not None:
+            chunks = list(loss_chunk_candidates(profile, max(micros) * profile.seq_len)) \
+                or [None]
+        fitting = [row for row in (plan_row(static, profile, micro, per_rank // micro, speed,
+                                            chunk)
+                                   for micro in micros for chunk in chunks)
                    if row.predicted_peak_bytes <= budget]
         if fitting:
             rows.append(max(fitting, key=lambda r: r.tokens_per_s) if speed else fitting[0])
@@ -508,7 +552,8 @@ def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: in
 def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,
                 world_size: int, device_memory_bytes: int, micro_batch_size: int | None = None,
                 min_micro_batch: int = MIN_MICRO_BATCH, headroom: float = HEADROOM,
-                speed: SpeedModel | None = None) -> PlanRow | None:
+                speed: SpeedModel | None = None, choose_loss_chunk: bool = False
+                ) -> PlanRow | None:
     """The plan for ``auto``; None when nothing fits.
 
     ``micro_batch_size`` None means auto: every divisor of the per-rank batch is a candidate.
@@ -518,7 +563,7 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
     otherwise the row with the largest micro-batch.
     """
     rows = feasible_plans(static, profiles, global_batch_size, world_size, device_memory_bytes,
-                          headroom, speed, micro_batch_size)
+                          headroom, speed, micro_batch_size, choose_loss_chunk)
     if not rows:
         return None
     if speed is not None and all(row.tokens_per_s for row in rows):

@@ -66,7 +66,12 @@ from torch.utils._pytree import tree_flatten
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import fake_tensor_mode
 from trainer.memory.allocator import keep_freed_host_memory
-from trainer.memory.loss import summed_loss
+from trainer.memory.loss import (
+    ChunkedLossShape,
+    in_chunked_loss,
+    observe_chunked_losses,
+    summed_loss,
+)
 from trainer.memory.precision import precision_policy
 
 log = logging.getLogger("memtrain.planner")
@@ -159,6 +164,12 @@ class Work:
         """The same operators on tensors ``factor`` times as large."""
         return Work(dict(self.ops), {k: v * factor for k, v in self.amount.items()})
 
+    def plus(self, other: Work, factor: float = 1.0) -> Work:
+        """This work and ``factor`` times ``other`` (a negative factor takes it out)."""
+        keys = self.kinds() | other.kinds()
+        return Work({k: self.ops.get(k, 0) + factor * other.ops.get(k, 0) for k in keys},
+                    {k: self.amount.get(k, 0) + factor * other.amount.get(k, 0) for k in keys})
+
     def only(self, dtype: str) -> Work:
         """The operators that ran in ``dtype``."""
         return Work({k: v for k, v in self.ops.items() if k.split(":")[1] == dtype},
@@ -183,12 +194,20 @@ def _contraction(name: str, args: Any) -> int:
     return int(first.shape[-1])
 
 
-class _WorkRecorder(TorchDispatchMode):
-    """Counts every ATen operator run inside it into a ``Work``."""
+# The size key of a matrix product that contracts over the micro-batch's tokens (a weight's
+# gradient, ``x.T @ dy``): its calibrated size is chosen for the batch it is predicted at
+# (``StepWork.forward_backward``), not the batch it was recorded at.
+TOKENS_K = "kT"
 
-    def __init__(self) -> None:
+
+class _WorkRecorder(TorchDispatchMode):
+    """Counts every ATen operator run inside it into a ``Work``; ``tokens``: the micro-batch's
+    tokens, to tell the products that contract over them."""
+
+    def __init__(self, tokens: int = 0) -> None:
         super().__init__()
         self.work = Work()
+        self.tokens = tokens
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -215,7 +234,10 @@ class _WorkRecorder(TorchDispatchMode):
             self.work.add(f"attention:{dtype}", flops)
         elif name in MATMUL_OPS:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
-            self.work.add(f"matmul:{dtype}:k{matmul_bucket(_contraction(name, args))}", flops)
+            k = _contraction(name, args)
+            size = TOKENS_K if k == self.tokens and not in_chunked_loss() \
+                else f"k{matmul_bucket(k)}"
+            self.work.add(f"matmul:{dtype}:{size}", flops)
         elif packet in flop_registry:  # convolutions and the like: a matrix product's rate
             self.work.add(f"matmul:{dtype}", flop_registry[packet](*args, **kwargs,
                                                                    out_val=out))
@@ -234,8 +256,8 @@ class _WorkRecorder(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[Work]:
-    recorder = _WorkRecorder()
+def recording(tokens: int = 0) -> Iterator[Work]:
+    recorder = _WorkRecorder(tokens)
     with recorder:
         yield recorder.work
 
@@ -243,7 +265,12 @@ def recording() -> Iterator[Work]:
 @dataclass(frozen=True)
 class StepWork:
     """One rank's work in a step: forward+backward of one micro-batch at 1 and 2 samples, the
-    optimizer step, and the gradient bytes DDP all-reduces."""
+    optimizer step, and the gradient bytes DDP all-reduces.
+
+    With a chunked loss (``loss``), the two forward+backward passes are recorded without it:
+    the loss runs whole chunks, so its operators are not linear in the batch, and its chunk
+    size is a choice of the plan. ``forward_backward`` adds it back for the batch's tokens
+    (``loss_work``), at the recorded chunk size or another."""
 
     forward_backward_1: Work
     forward_backward_2: Work
@@ -252,9 +279,66 @@ class StepWork:
     seq_len: int
     autocast: bool = False  # recorded under bf16 or fp16 autocast
     checkpointed_blocks: int = 0  # blocks activation checkpointing wrapped
+    loss: ChunkedLossShape | None = None
+    loss_dtype: str = "fp32"  # the loss's autocast dtype (its matrix products')
 
-    def forward_backward(self, batch: int) -> Work:
-        return self.forward_backward_1.at_batch(self.forward_backward_2, batch)
+    def forward_backward(self, batch: int, loss_chunk_tokens: int | None = None) -> Work:
+        drawn = self.forward_backward_1.at_batch(self.forward_backward_2, batch)
+        size = f"k{matmul_bucket(batch * self.seq_len)}"
+        body = Work()
+        for key in drawn.kinds():  # products over the batch's tokens: at this batch's size
+            sized = key.replace(TOKENS_K, size)
+            body.ops[sized] = body.ops.get(sized, 0) + drawn.ops.get(key, 0)
+            body.amount[sized] = body.amount.get(sized, 0) + drawn.amount.get(key, 0)
+        if self.loss is None:
+            return body
+        shape = self.loss if loss_chunk_tokens is None else \
+            dataclasses.replace(self.loss, chunk_tokens=loss_chunk_tokens)
+        return body.plus(loss_work(shape, batch * self.seq_len, self.loss_dtype))
+
+
+def _record_loss(shape: ChunkedLossShape, tokens: int, dtype: str) -> Work:
+    """The chunked loss's forward and backward over ``tokens`` tokens, on fake tensors."""
+    from trainer.memory.loss import linear_cross_entropy_sum
+
+    by_size = {2: torch.bfloat16 if dtype == "bf16" else torch.float16, 4: torch.float32}
+    with fake_tensor_mode():
+        hidden_NC = torch.empty(tokens, shape.width, dtype=by_size[shape.hidden_itemsize],
+                                requires_grad=True)
+        weight_VC = torch.empty(shape.vocab_size, shape.width,
+                                dtype=by_size[shape.weight_itemsize], requires_grad=True)
+        targets_N = torch.zeros(tokens, dtype=torch.long)
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+        with recording() as work:
+            with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+                loss = linear_cross_entropy_sum(hidden_NC, weight_VC, targets_N,
+                                                shape.chunk_tokens)
+            loss.backward()
+    return work
+
+
+_loss_works: dict[tuple[ChunkedLossShape, int, str], Work] = {}
+
+
+def loss_work(shape: ChunkedLossShape, tokens: int, dtype: str) -> Work:
+    """The chunked loss's operators over ``tokens`` tokens in chunks of
+    ``shape.chunk_tokens``: one chunk's and two chunks' recordings, the second's extra chunk
+    repeated for every further whole chunk, and a last, shorter chunk recorded as itself
+    (each recording holds at most two chunks, so a long micro-batch costs no more to count)."""
+    chunk = shape.chunk_tokens
+
+    def recorded(n: int) -> Work:
+        key = (shape, n, dtype)
+        if key not in _loss_works:
+            _loss_works[key] = _record_loss(shape, n, dtype)
+        return _loss_works[key]
+
+    if tokens <= 2 * chunk:
+        return recorded(tokens)
+    whole, rest = divmod(tokens, chunk)
+    one = recorded(chunk)
+    work = one.plus(recorded(2 * chunk).plus(one, -1.0), whole - 1)
+    return work.plus(recorded(chunk + rest).plus(one, -1.0)) if rest else work
 
 
 def record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
@@ -278,15 +362,22 @@ def _record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: i
     passes = []
     for batch in (1, 2):
         tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1))
-        with recording() as work:
+        with observe_chunked_losses() as losses, recording(batch * seq_len) as work:
             summed_loss(model, tokens_BT, policy).backward()
         model.zero_grad(set_to_none=True)
         passes.append(work)
+    chunked = [shape for shape in losses if isinstance(shape, ChunkedLossShape)]
+    loss = chunked[0] if len(chunked) == 1 else None
+    dtype = DTYPES.get(policy.autocast_dtype, "fp32") if policy.autocast_dtype else "fp32"
+    if loss is not None:  # the loss is counted apart (StepWork), for its whole chunks
+        passes = [work.plus(loss_work(loss, batch * seq_len, dtype), -1.0)
+                  for batch, work in zip((1, 2), passes, strict=True)]
     params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
     shapes = [(p.dim(), p.numel(), p.element_size()) for p in params]
     return StepWork(passes[0], passes[1], optimizer_work(shapes),
                     sum(numel * size for _dim, numel, size in shapes), seq_len,
-                    policy.autocast_dtype is not None, len(checkpointed_blocks(model)))
+                    policy.autocast_dtype is not None, len(checkpointed_blocks(model)),
+                    loss, dtype)
 
 
 STAND_IN_NUMEL = 256
@@ -693,10 +784,12 @@ class StepTime:
 
 def step_time(work: StepWork, speed: DeviceSpeed, micro_batch: int, accumulation: int,
               world_size: int = 1, overlap_allreduce: bool = True,
-              loader: LoaderCost | None = None) -> StepTime:
+              loader: LoaderCost | None = None, loss_chunk_tokens: int | None = None
+              ) -> StepTime:
     """The predicted time of one optimizer step of ``accumulation`` micro-batches (``loader``:
-    the data loader's measured cost, none where not given)."""
-    fb = speed.seconds(work.forward_backward(micro_batch), work.autocast) \
+    the data loader's measured cost, none where not given; ``loss_chunk_tokens``: the chunked
+    loss's chunk, else the recorded one)."""
+    fb = speed.seconds(work.forward_backward(micro_batch, loss_chunk_tokens), work.autocast) \
         + work.checkpointed_blocks * speed.op_seconds.get("checkpoint", 0.0)
     optimizer = speed.seconds(work.optimizer)
     allreduce = 0.0
@@ -725,9 +818,10 @@ class SpeedModel:
     overlap_allreduce: bool = True  # DDP's overlap with backward (off under OOM recovery)
     loader: LoaderCost | None = None  # the data loader's measured cost (measure_loader)
 
-    def predict(self, work: StepWork, micro_batch: int, accumulation: int) -> StepTime:
+    def predict(self, work: StepWork, micro_batch: int, accumulation: int,
+                loss_chunk_tokens: int | None = None) -> StepTime:
         return step_time(work, self.device, micro_batch, accumulation, self.world_size,
-                         self.overlap_allreduce, self.loader)
+                         self.overlap_allreduce, self.loader, loss_chunk_tokens)
 
 
 @dataclass(frozen=True)
