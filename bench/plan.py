@@ -6,9 +6,12 @@ For each model shape (memtrain's GPT at two sizes, and a Hugging Face Llama buil
 (none, selective, full) x micro-batch (the divisors of the global batch) is:
 - predicted: peak bytes (``trainer.memory.planner.plan_row``) and tokens/s
   (``trainer.memory.speed``, this CPU's calibration);
-- measured: the tokens/s of the fastest of ``--steps`` optimizer steps of the trainer's own
-  ``train_step``, one rank, after a warm-up step (``trainer.memory.speed.measure_plan``), in
-  each of ``--rounds`` passes over the grid.
+- measured: optimizer steps of the trainer's own ``train_step``, one rank, after a warm-up
+  step (``trainer.memory.speed.PlanRun``), alternating with steps of ``auto``'s row: the row's
+  speed relative to ``auto``'s (the fastest of ``--steps`` steps of each), the median over
+  ``--rounds`` passes over the grid in shuffled order, times ``auto``'s own tokens/s. This
+  machine's speed drifts by tens of percent within minutes; a ratio measured within a second
+  does not.
 The memory budget of a shape is the median of its grid's predicted peaks, so that about half
 the grid fits; ``auto`` is ``choose_plan`` with the time model over the rows that fit.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -45,7 +49,7 @@ from trainer.memory.planner import (
     profile_all,
     static_bytes,
 )
-from trainer.memory.speed import SpeedModel, cpu_speed, measure_plan, spearman
+from trainer.memory.speed import PlanRun, SpeedModel, cpu_speed, spearman
 from trainer.model import GPT, GPTConfig
 
 PRECISIONS = ("fp32", "bf16")
@@ -94,35 +98,57 @@ def run_shape(name: str, factory: Callable[[], nn.Module], seq_len: int, vocab_s
     micros = [m for m in range(1, global_batch + 1) if global_batch % m == 0]
     plans = [(profile, plan_row(static, profile, micro, global_batch // micro, speed))
              for profile in profiles for micro in micros]
-    # Rounds over the whole grid, each row's fastest step kept: a slow minute of a shared
-    # machine then costs one round of a row, not its figure.
-    best = [float("inf")] * len(plans)
-    for _ in range(rounds):
-        for i, (profile, row) in enumerate(plans):
-            got = measure_plan(factory, transforms.replace(
-                activation_checkpointing=profile.activation_checkpointing), seq_len,
-                vocab_size, profile.precision, row.micro_batch_size, row.accumulation_steps,
-                steps=steps, peak=False)
-            best[i] = min(best[i], got.best_step_seconds)
+    budget = int(statistics.median(row.predicted_peak_bytes for _profile, row in plans))
+    auto = choose_plan(static, profiles, global_batch, 1, budget, headroom=1.0, speed=speed)
+    assert auto is not None, "the median peak fits at least one row"
+
+    def run(precision: str, ac: str, micro: int) -> PlanRun:
+        return PlanRun(factory, transforms.replace(activation_checkpointing=ac), seq_len,
+                       vocab_size, precision, micro, global_batch // micro)
+
+    # This machine's speed drifts by tens of percent within minutes, more than many rows
+    # differ: each row's steps alternate with auto's, and a row's figure is its speed relative
+    # to auto's measured beside it (the median over rounds, each the fastest of ``steps``
+    # steps of either), times auto's own tokens/s (the median of its figures).
+    reference = run(auto.precision, auto.activation_checkpointing, auto.micro_batch_size)
+    reference.step()
+    ratios: list[list[float]] = [[] for _ in plans]
+    reference_seconds = []
+    order = list(range(len(plans)))
+    for round_index in range(rounds):
+        random.Random(round_index).shuffle(order)  # drift within a round spread over the grid
+        for i in order:
+            _profile, row = plans[i]
+            candidate = run(row.precision, row.activation_checkpointing, row.micro_batch_size)
+            candidate.step()  # warm-up
+            mine, theirs = [], []
+            for _ in range(steps):
+                theirs.append(reference.step())
+                mine.append(candidate.step())
+            ratios[i].append(min(theirs) / min(mine))
+            reference_seconds.append(min(theirs))
+            del candidate
+    reference_tokens_per_s = global_batch * seq_len / statistics.median(reference_seconds)
     rows = []
-    for (_profile, row), seconds in zip(plans, best, strict=True):
+    for (_profile, row), ratio in zip(plans, ratios, strict=True):
+        relative = statistics.median(ratio)
         rows.append({"precision": row.precision, "ac": row.activation_checkpointing,
                      "micro_batch": row.micro_batch_size, "accumulation": row.accumulation_steps,
                      "predicted_peak_bytes": row.predicted_peak_bytes,
                      "predicted_tokens_per_s": row.tokens_per_s,
-                     "measured_tokens_per_s": global_batch * seq_len / seconds})
+                     "measured_relative_to_auto": relative,
+                     "measured_tokens_per_s": relative * reference_tokens_per_s})
         print(f"  {name}: {row.precision} {row.activation_checkpointing:9s} micro "
               f"{row.micro_batch_size:2d}  predicted {row.tokens_per_s:8,.0f}  measured "
-              f"{rows[-1]['measured_tokens_per_s']:8,.0f} tokens/s", flush=True)
-    budget = int(statistics.median(r["predicted_peak_bytes"] for r in rows))
-    auto = choose_plan(static, profiles, global_batch, 1, budget, headroom=1.0, speed=speed)
-    assert auto is not None, "the median peak fits at least one row"
+              f"{rows[-1]['measured_tokens_per_s']:8,.0f} tokens/s ({relative:.3f}x auto's)",
+              flush=True)
     fitting = [r for r in rows if r["predicted_peak_bytes"] <= budget]
     fastest = max(fitting, key=lambda r: r["measured_tokens_per_s"])
     picked = next(r for r in rows if (r["precision"], r["ac"], r["micro_batch"])
                   == (auto.precision, auto.activation_checkpointing, auto.micro_batch_size))
     return {"shape": name, "global_batch": global_batch, "budget_bytes": budget,
             "planning_seconds": planning, "rows": rows,
+            "reference_tokens_per_s": reference_tokens_per_s,
             "spearman": spearman([r["predicted_tokens_per_s"] for r in rows],
                                  [r["measured_tokens_per_s"] for r in rows]),
             "auto": picked, "best_fitting": fastest,
@@ -146,8 +172,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Planner: predicted against measured tokens/s ({report['date']})", "",
              f"Machine: {describe_cpu(report['cpu'])}, torch {report['torch']}, "
              f"{report['threads']} threads.",
-             f"Command: `make bench-plan`; one rank; each row's fastest of {report['steps']} "
-             f"timed steps in each of {report['rounds']} rounds over the grid.", "",
+             f"Command: `make bench-plan`; one rank; each row's steps alternate with the "
+             f"steps of auto's row; a row's figure: its speed relative to auto's (the fastest "
+             f"of {report['steps']} steps of each, the median of {report['rounds']} rounds over "
+             f"the grid in shuffled order) times auto's tokens/s.", "",
              "| shape | rows | Spearman | auto's pick | best measured that fits | auto / best "
              "| planning |", "|---|---|---|---|---|---|---|"]
     for shape in report["shapes"]:
@@ -174,7 +202,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--steps", type=int, default=2, help="Timed steps per row and round.")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="Passes over each grid; a row's fastest step is its figure.")
+                        help="Passes over each grid; a row's median ratio to auto's row is its "
+                             "figure.")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--quick", action="store_true",
                         help="One small shape, a small batch: the check that it runs.")

@@ -13,8 +13,12 @@ loss included. Each operator is of one kind:
   operator by the rows it touches, ``INDEXING_OPS``);
 - ``view``: a new view of the same data, no bytes.
 The micro-batch is recorded at 1 and 2 samples and drawn to any other (every count is linear
-in it). The optimizer step (gradient clipping and AdamW, as ``trainer.step.train_step`` runs
-them) is recorded on small real stand-ins of the parameters and scaled to their sizes.
+in it), but for two things: a matrix product that contracts over the batch's tokens (a weight's
+gradient) is sized for the batch predicted (``TOKENS_K``), and the chunked loss, which runs
+whole chunks, is recorded apart and counted for the batch's tokens at any chunk size
+(``loss_work``). The optimizer step (gradient clipping and AdamW, as
+``trainer.step.train_step`` runs them) is recorded on small real stand-ins of the parameters
+and scaled to their sizes.
 
 The speed is measured on this machine's CPU (``calibrate_cpu``, cached per machine by
 ``cpu_speed``): each kind's rate in fp32 and bf16, an operator's fixed cost and what a
@@ -835,35 +839,55 @@ class Measured:
     best_step_seconds: float = 0.0
 
 
+class PlanRun:
+    """A plan built once to be trained for real on this CPU, one rank: its model, optimizer and
+    random micro-batches, each ``step`` one optimizer step of the trainer's own ``train_step``
+    (``measure_plan`` times a few; ``make bench-plan`` alternates two plans' steps)."""
+
+    def __init__(self, factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
+                 vocab_size: int, precision: str, micro_batch: int, accumulation: int) -> None:
+        from trainer.step import build_optimizer
+
+        device = torch.device("cpu")
+        keep_freed_host_memory()  # as the trainer's CPU workers run
+        self.model = build_model(factory, transforms)
+        self.model.train()
+        self.policy = precision_policy(precision, device, warn=False)
+        self.scaler = self.policy.grad_scaler(device)
+        self.optimizer = build_optimizer(self.model, lr=1e-4)
+        generator = torch.Generator().manual_seed(0)
+        self.micro_batches = [torch.randint(0, vocab_size, (micro_batch, seq_len + 1),
+                                            generator=generator) for _ in range(accumulation)]
+        self.tokens = micro_batch * accumulation * seq_len
+
+    def step(self) -> float:
+        """Train one optimizer step; its seconds."""
+        from trainer.step import train_step
+
+        start = time.perf_counter()
+        train_step(self.model, self.optimizer, self.scaler, self.micro_batches, 1, self.policy,
+                   1.0)
+        return time.perf_counter() - start
+
+    def peak_bytes(self) -> int:
+        """One more step under the CPU allocator's record (``trainer.step.step_peak_bytes``)."""
+        from trainer.step import step_peak_bytes
+
+        return step_peak_bytes(self.model, self.optimizer, self.scaler, self.micro_batches[0],
+                               self.policy)
+
+
 def measure_plan(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                  vocab_size: int, precision: str, micro_batch: int, accumulation: int,
                  steps: int = 3, warmup: int = 1, peak: bool = True) -> Measured:
     """Train ``steps`` optimizer steps (after ``warmup``) of the plan with the trainer's own
     ``train_step`` on random tokens, one rank on this CPU; then, with ``peak``, one more step
     under the CPU allocator's record (``trainer.step.step_peak_bytes``)."""
-    from trainer.step import build_optimizer, step_peak_bytes, train_step
-
-    device = torch.device("cpu")
-    keep_freed_host_memory()  # as the trainer's CPU workers run
-    model = build_model(factory, transforms)
-    model.train()
-    policy = precision_policy(precision, device, warn=False)
-    scaler = policy.grad_scaler(device)
-    optimizer = build_optimizer(model, lr=1e-4)
-    generator = torch.Generator().manual_seed(0)
-    micro_batches = [torch.randint(0, vocab_size, (micro_batch, seq_len + 1),
-                                   generator=generator) for _ in range(accumulation)]
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        train_step(model, optimizer, scaler, micro_batches, 1, policy, 1.0)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    run = PlanRun(factory, transforms, seq_len, vocab_size, precision, micro_batch,
+                  accumulation)
+    times = [run.step() for _ in range(warmup + steps)][warmup:]
     seconds = statistics.median(times)
-    peak_bytes = step_peak_bytes(model, optimizer, scaler, micro_batches[0], policy) \
-        if peak else 0
-    return Measured(seconds, micro_batch * accumulation * seq_len / seconds, peak_bytes,
-                    min(times))
+    return Measured(seconds, run.tokens / seconds, run.peak_bytes() if peak else 0, min(times))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
