@@ -231,6 +231,7 @@ def plan_command(
     from monitoring.units import parse_bytes
     from trainer.launch.auto import precision_candidates, probe_config, speed_model
     from trainer.memory.planner import AC_MODES, HEADROOM, feasible_plans, plan_row
+    from trainer.memory.speed import GPU_COMPILED_SHARE
 
     cfg = load_config(config, list(overrides or []),
                       {"parallel.workers": workers} if workers else None)
@@ -251,8 +252,9 @@ def plan_command(
         cpu_speed(refresh=True)  # cached: speed_model and --measure read it
     speed = speed_model(cfg, gpu, measure_data=True)
     gib = 2**30
+    compiled = f"; compiled, element-wise work x {GPU_COMPILED_SHARE}" if speed.compiled else ""
     console.print(f"probed in {time.perf_counter() - start:.1f} s; speed: {speed.device.name} "
-                  f"({speed.device.source})")
+                  f"({speed.device.source}{compiled})")
     console.print(f"data loader: {speed.loader.source}, on {cfg.data.path}" if speed.loader
                   else f"data loader: not in the time model ({cfg.data.path} cannot be read "
                        "here)")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trainer.build import MemoryTransforms, build_model, compile_model
+from trainer.config import Config
 from trainer.memory.planner import (
     ActivationProfile,
     PlanRow,
@@ -275,6 +276,38 @@ def test_auto_config_resolves_before_launch(corpus_dir, tmp_path, caplog) -> Non
     # The loader was measured on the run's own dataset.
     assert any(r.getMessage().startswith("planner: data loader ") and str(corpus_dir) in
                r.getMessage() for r in caplog.records)
+
+
+def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, caplog) -> None:
+    """On CUDA, ``train.compile: auto`` is decided with the plan: each way's fastest plan,
+    compiled (the element-wise work fused, ``GPU_COMPILED_SHARE``) against eager, in numbers."""
+    from tests.conftest import tiny_config
+    from trainer.launch.auto import resolve_auto
+
+    def resolve(*overrides: str) -> Config:
+        return resolve_auto(tiny_config(
+            corpus_dir, tmp_path, "parallel.use_gpu=true", "train.micro_batch_size=auto",
+            "memory.activation_checkpointing=auto", "memory.device_memory=80GiB",
+            "memory.precision=bf16", *overrides))
+
+    with caplog.at_level("INFO", logger="memtrain"):
+        compiled = resolve()
+    assert compiled.train.compile is True
+    [why] = [r.getMessage() for r in caplog.records if "train.compile" in r.getMessage()]
+    numbers = re.search(r"auto: train.compile on \(predicted ([\d,]+) tokens/s compiled, "
+                        r"([\d,]+) tokens/s eager, each its fastest plan", why)
+    assert numbers, why
+    fused, eager = (float(n.replace(",", "")) for n in numbers.groups())
+    assert fused > eager
+    [chosen] = [r.getMessage() for r in caplog.records if "plans that fit" in r.getMessage()]
+    assert f"predicted {numbers.group(1)} tokens/s (H200" in chosen, chosen
+    caplog.clear()
+    with caplog.at_level("INFO", logger="memtrain"):
+        plain = resolve("train.compile=false")  # the user's choice stands, and is planned eager
+    assert plain.train.compile is False
+    assert not any("train.compile" in r.getMessage() for r in caplog.records)
+    assert any(f"predicted {numbers.group(2)} tokens/s (H200" in r.getMessage()
+               for r in caplog.records)
 
 
 class _ConvertingBlock(torch.nn.Module):

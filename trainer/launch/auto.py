@@ -12,6 +12,7 @@ with the most predicted tokens/s among those that fit one device's memory
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable
@@ -111,8 +112,9 @@ def speed_model(cfg: Config, gpu: str | None = None, measure_data: bool = False
                 ) -> SpeedModel:
     """The time model for ``cfg``'s device: this CPU, calibrated (``trainer.memory.speed.
     cpu_speed``, cached), or a GPU's peak figures: ``gpu`` by name, else the driver's own GPU,
-    else an H200's (said in the log). ``measure_data``: with the data loader's cost on the
-    configured dataset (``loader_cost``)."""
+    else an H200's (said in the log); compiled where ``train.compile`` is on (``auto``: on a
+    GPU). ``measure_data``: with the data loader's cost on the configured dataset
+    (``loader_cost``)."""
     if cfg.parallel.use_gpu:
         if gpu is None and torch.cuda.is_available():
             gpu = torch.cuda.get_device_name(0)
@@ -122,7 +124,8 @@ def speed_model(cfg: Config, gpu: str | None = None, measure_data: bool = False
     overlap = not oom_recovery_on(cfg.memory.oom_recovery,
                                   torch.device("cuda" if cfg.parallel.use_gpu else "cpu"))
     return SpeedModel(device, cfg.parallel.workers, overlap_allreduce=overlap,
-                      loader=loader_cost(cfg) if measure_data else None)
+                      loader=loader_cost(cfg) if measure_data else None,
+                      compiled=cfg.parallel.use_gpu and cfg.train.compile is not False)
 
 
 def precision_candidates(cfg: Config) -> list[str]:
@@ -189,13 +192,17 @@ def resolve_auto(cfg: Config) -> Config:
     # they are chosen between.
     speed = speed_model(cfg, measure_data=searching)
 
-    def plans_with(precision: str, norm: bool) -> list[PlanRow]:
+    probes: dict[tuple[str, bool], tuple[StaticBytes, list[ActivationProfile]]] = {}
+
+    def plans_with(precision: str, norm: bool, model: SpeedModel = speed) -> list[PlanRow]:
         """The fitting plans, fastest first (one per checkpointing mode)."""
-        static, profiles = probe_config(
-            cfg.model_copy(update={"memory": cfg.memory.model_copy(
-                update={"bf16_norm_inputs": norm})}), [precision], modes, work=True)
+        if (precision, norm) not in probes:
+            probes[precision, norm] = probe_config(
+                cfg.model_copy(update={"memory": cfg.memory.model_copy(
+                    update={"bf16_norm_inputs": norm})}), [precision], modes, work=True)
+        static, profiles = probes[precision, norm]
         return feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
-                              speed=speed, micro_batch_size=fixed, choose_loss_chunk=chunk_auto)
+                              speed=model, micro_batch_size=fixed, choose_loss_chunk=chunk_auto)
 
     fallback_norm = cfg.memory.bf16_norm_inputs
     norms: dict[str, bool | str] = {}
@@ -220,6 +227,22 @@ def resolve_auto(cfg: Config) -> Config:
                               f"precision {' or '.join(precisions)} (memory.device_memory); "
                               "try FSDP, a shorter sequence or a smaller model")
         return resolved(None, fallback_norm)  # the run's own OOM handling has the last word
+    compile_why = ""
+    if speed.compiled and cfg.train.compile == "auto" and searching:
+        # Each way's fastest plan: compiled (the model's fusion, GPU_COMPILED_SHARE) or eager.
+        eager_model = dataclasses.replace(speed, compiled=False)
+        eager = max((row for precision in found for row in plans_with(
+            precision, norms[precision] is True, eager_model)), key=lambda r: r.tokens_per_s,
+            default=None)
+        compiles = eager is None or rows[0].tokens_per_s > eager.tokens_per_s
+        if eager is not None:
+            compile_why = (f"predicted {_tokens(rows[0])} compiled, {_tokens(eager)} eager, "
+                           "each its fastest plan; compile time not counted")
+            if not compiles:
+                rows = [eager]
+        log.info("auto: train.compile %s (%s)", "on" if compiles else "off", compile_why)
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"compile": compiles})})
     plan, others = rows[0], rows[1:]
     runner_up = (f"; next: {others[0].precision}, checkpointing "
                  f"{others[0].activation_checkpointing}, micro-batch "

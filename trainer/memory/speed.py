@@ -40,7 +40,7 @@ Left out, and why the figures rank plans better than they promise a number: a ke
 at shapes far from the calibrated ones; page faults on CPU (the trainer and the calibration keep
 freed memory in glibc's heap, ``keep_freed_host_memory``, so large tensors reuse pages; under
 another allocator a larger micro-batch pays faults the model does not see); torch.compile's
-fusion; the kernels a GPU picks per shape; and several workers sharing one host's cores (a
+fusion on CPU, and on a GPU beyond one factor (``compiled_speed``), and the time it compiles; the kernels a GPU picks per shape; and several workers sharing one host's cores (a
 plan is timed at the planning process's thread count).
 ``memtrain plan --measure`` and ``make bench-plan`` measure the error.
 """
@@ -102,6 +102,13 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
 # model then predicts those rows' tokens/s within -8% to +4%, in the measured order.
 GPU_EFFICIENCY = {"fp32": 0.75, "bf16": 0.7, "fp16": 0.7, "memory": 0.6}
 GPU_LAUNCH_SECONDS = 6e-6
+# torch.compile (Inductor) fuses a step's elementwise, normalising and conversion operators into
+# fewer kernels that read and write less; matrix products and attention stay as they are. On a
+# GPU the model counts those operators' bytes and launches at this share
+# (``compiled_speed``), fitted to ``make gpu-check``'s compiled row of 2026-11-30 (H200, GPT-2
+# 124M, bf16, no checkpointing, micro-batch 16: 452,726 tokens/s compiled, 335,620 eager; the
+# model then predicts 1.35x). One row of one model: the fusion of other models is a guess.
+GPU_COMPILED_SHARE = 0.57
 # Collective bandwidth for DDP's all-reduce (bus bytes/s): NVLink between the GPUs of a node
 # (H100/H200 class, about a third of its 900 GB/s after NCCL's protocol); gloo over loopback
 # on CPU, an estimate of the order bench/trainer.py sees with 2 ranks.
@@ -464,6 +471,19 @@ def gpu_speed(name: str, efficiency: dict[str, float] | None = None) -> DeviceSp
                               f"{eff['fp32']:.0%} (fp32), {eff['memory']:.0%} (bandwidth)")
 
 
+def compiled_speed(device: DeviceSpeed, share: float = GPU_COMPILED_SHARE) -> DeviceSpeed:
+    """``device`` (a GPU) running a ``torch.compile``'d step: the byte-counted operators'
+    bytes and launches at ``share`` of the eager step's (``GPU_COMPILED_SHARE``)."""
+    if not device.asynchronous:
+        raise ValueError(f"{device.name}: the compiled step is modelled on GPUs only")
+    rates = {key: rate / share if key.split(":")[0] in BYTE_KINDS else rate
+             for key, rate in device.rates.items()}
+    op_seconds = {kind: seconds * share if kind in BYTE_KINDS else seconds
+                  for kind, seconds in device.op_seconds.items()}
+    return dataclasses.replace(device, rates=rates, op_seconds=op_seconds,
+                               source=f"{device.source}; compiled: element-wise work x {share}")
+
+
 def named_gpu_speed(name: str | None) -> DeviceSpeed:
     """``gpu_speed(name)``, or an H200's where no GPU is named or the name has no figures
     (said in the log)."""
@@ -821,10 +841,12 @@ class SpeedModel:
     world_size: int = 1
     overlap_allreduce: bool = True  # DDP's overlap with backward (off under OOM recovery)
     loader: LoaderCost | None = None  # the data loader's measured cost (measure_loader)
+    compiled: bool = False  # torch.compile on a GPU (compiled_speed)
 
     def predict(self, work: StepWork, micro_batch: int, accumulation: int,
                 loss_chunk_tokens: int | None = None) -> StepTime:
-        return step_time(work, self.device, micro_batch, accumulation, self.world_size,
+        device = compiled_speed(self.device) if self.compiled else self.device
+        return step_time(work, device, micro_batch, accumulation, self.world_size,
                          self.overlap_allreduce, self.loader, loss_chunk_tokens)
 
 
