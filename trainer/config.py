@@ -89,8 +89,9 @@ class TrainConfig(_Strict):
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after
     # activation checkpointing and before DDP/FSDP wrap it; "auto": on CUDA (where the planner
-    # runs, as its time model's choice, said in the log: trainer.launch.auto.resolve_auto). The first step
-    # pays the compile (reported in the summary); later recompilations are counted and warned.
+    # runs, its time model's choice, said in the log: trainer.launch.auto.resolve_auto). The
+    # first step pays the compile (reported in the summary); later recompilations are counted
+    # and warned.
     compile: bool | Literal["auto"] = "auto"
     # Stop after this many consecutive optimizer steps with a non-finite grad norm (fp16's
     # GradScaler skips a few while it calibrates; a run that keeps skipping is broken).

@@ -40,8 +40,9 @@ Left out, and why the figures rank plans better than they promise a number: a ke
 at shapes far from the calibrated ones; page faults on CPU (the trainer and the calibration keep
 freed memory in glibc's heap, ``keep_freed_host_memory``, so large tensors reuse pages; under
 another allocator a larger micro-batch pays faults the model does not see); torch.compile's
-fusion on CPU, and on a GPU beyond one factor (``compiled_speed``), and the time it compiles; the kernels a GPU picks per shape; and several workers sharing one host's cores (a
-plan is timed at the planning process's thread count).
+fusion on CPU, and on a GPU beyond one factor (``compiled_speed``), and the time it compiles;
+the kernels a GPU picks per shape; and several workers sharing one host's cores (a plan is
+timed at the planning process's thread count).
 ``memtrain plan --measure`` and ``make bench-plan`` measure the error.
 """
 
