@@ -363,16 +363,17 @@ def memory_cap(cfg: GPTConfig, cap: int, device: torch.device, steps: int, warmu
 
 
 def predict(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,
-            device: torch.device, loss_chunk_tokens: int) -> dict[str, Any]:
+            device: torch.device, loss_chunk_tokens: int, compiled: bool = False
+            ) -> dict[str, Any]:
     """The planner's prediction, probing on the same device the step runs on: the peak, and
-    tokens/s from the time model (this GPU's datasheet peaks, or this CPU's calibration in dry
-    mode)."""
+    tokens/s from the time model (this GPU's datasheet peaks, compiled as ``train.compile``'s
+    runs are planned, or this CPU's calibration in dry mode)."""
     release_memory(device)
     profile = profile_activations(partial(GPT, cfg), transforms(ac, loss_chunk_tokens),
                                   cfg.seq_len, cfg.vocab_size, precision, device=device,
                                   work=True)
     row = plan_row(static_bytes(GPT(cfg)), profile, micro_batch, 1,
-                   SpeedModel(device_speed(device)))
+                   SpeedModel(device_speed(device), compiled=compiled and device.type == "cuda"))
     release_memory(device)
     return row.as_dict()
 
@@ -581,10 +582,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       warmup, loss_chunk, compile_model=compiled, sdpa=sdpa)
         if row is None:
             continue
-        # Compiled rows too: the planner probes the eager model, and train.compile's runs
-        # are planned the same way (docs/benchmarks.md checks that on CPU).
+        # Compiled rows too: the planner probes the eager model (its peak; docs/benchmarks.md
+        # checks that on CPU) and counts the compiled step's fusion (GPU_COMPILED_SHARE).
         plan = section(f"plan {name}", predict, cfg, precision, ac, micro_batch, device,
-                       loss_chunk)
+                       loss_chunk, compiled)
         if plan is not None:
             row["predicted_peak_bytes"] = plan["predicted_peak_bytes"]
             row["predicted_activation_bytes"] = plan["activation_bytes"]
