@@ -287,8 +287,8 @@ def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, c
     def resolve(*overrides: str) -> Config:
         return resolve_auto(tiny_config(
             corpus_dir, tmp_path, "parallel.use_gpu=true", "train.micro_batch_size=auto",
-            "memory.activation_checkpointing=auto", "memory.device_memory=80GiB",
-            "memory.precision=bf16", *overrides))
+            "memory.activation_checkpointing=none", "memory.device_memory=80GiB",
+            "memory.precision=bf16", "memory.bf16_norm_inputs=true", *overrides))
 
     with caplog.at_level("INFO", logger="memtrain"):
         compiled = resolve()
