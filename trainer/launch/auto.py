@@ -250,7 +250,7 @@ def resolve_auto(cfg: Config) -> Config:
     loading = ""
     if speed.loader:
         data = speed.loader.seconds(plan.micro_batch_size) * plan.accumulation_steps
-        loading = f", of which the data loader {data * 1e3:,.1f} ms"
+        loading = f", of which the data loader {data * 1e3:,.2f} ms"
     chunk = f", loss chunks of {plan.loss_chunk_tokens:,} tokens" \
         if chunk_auto and plan.loss_chunk_tokens else ""
     log.info("auto: precision %s, activation checkpointing %s, micro-batch %d x accumulation %d"
