@@ -525,8 +525,7 @@ def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
     for profile in profiles:
         chunks: list[int | None] = [None]
         if choose_loss_chunk and speed is not None:
-            chunks = list(loss_chunk_candidates(profile, max(micros) * profile.seq_len)) \
-                or [None]
+            chunks = [*loss_chunk_candidates(profile, max(micros) * profile.seq_len)] or [None]
         fitting = [row for row in (plan_row(static, profile, micro, per_rank // micro, speed,
                                             chunk)
                                    for micro in micros for chunk in chunks)

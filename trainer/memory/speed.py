@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -309,8 +310,10 @@ class StepWork:
         return body.plus(loss_work(shape, batch * self.seq_len, self.loss_dtype))
 
 
+@functools.cache
 def _record_loss(shape: ChunkedLossShape, tokens: int, dtype: str) -> Work:
-    """The chunked loss's forward and backward over ``tokens`` tokens, on fake tensors."""
+    """The chunked loss's forward and backward over ``tokens`` tokens, on fake tensors (kept:
+    the planner asks for the same few shapes for every plan row)."""
     from trainer.memory.loss import linear_cross_entropy_sum
 
     by_size = {2: torch.bfloat16 if dtype == "bf16" else torch.float16, 4: torch.float32}
@@ -329,9 +332,6 @@ def _record_loss(shape: ChunkedLossShape, tokens: int, dtype: str) -> Work:
     return work
 
 
-_loss_works: dict[tuple[ChunkedLossShape, int, str], Work] = {}
-
-
 def loss_work(shape: ChunkedLossShape, tokens: int, dtype: str) -> Work:
     """The chunked loss's operators over ``tokens`` tokens in chunks of
     ``shape.chunk_tokens``: one chunk's and two chunks' recordings, the second's extra chunk
@@ -340,10 +340,7 @@ def loss_work(shape: ChunkedLossShape, tokens: int, dtype: str) -> Work:
     chunk = shape.chunk_tokens
 
     def recorded(n: int) -> Work:
-        key = (shape, n, dtype)
-        if key not in _loss_works:
-            _loss_works[key] = _record_loss(shape, n, dtype)
-        return _loss_works[key]
+        return _record_loss(shape, n, dtype)
 
     if tokens <= 2 * chunk:
         return recorded(tokens)
@@ -778,10 +775,9 @@ def measure_loader(path: str, column: str, world_size: int, batch_size: int, see
         with BatchLoader(path, column, rank=0, world_size=world_size, batch_size=size,
                          seed=seed, shuffle=shuffle, shuffle_window=shuffle_window) as loader:
             next(loader)
-            count, start = 0, time.perf_counter()
-            while count < min(4, len(loader) - 1) or (
-                    count < len(loader) - 1
-                    and time.perf_counter() - start < budget_seconds / 2):
+            count, start, limit = 0, time.perf_counter(), len(loader) - 1  # within the epoch
+            while count < limit and (count < 4
+                                     or time.perf_counter() - start < budget_seconds / 2):
                 next(loader)
                 count += 1
             return (time.perf_counter() - start) / max(1, count)
@@ -844,10 +840,14 @@ class SpeedModel:
     loader: LoaderCost | None = None  # the data loader's measured cost (measure_loader)
     compiled: bool = False  # torch.compile on a GPU (compiled_speed)
 
+    @functools.cached_property
+    def step_device(self) -> DeviceSpeed:
+        """The speed steps are predicted at: ``device``, compiled where ``compiled``."""
+        return compiled_speed(self.device) if self.compiled else self.device
+
     def predict(self, work: StepWork, micro_batch: int, accumulation: int,
                 loss_chunk_tokens: int | None = None) -> StepTime:
-        device = compiled_speed(self.device) if self.compiled else self.device
-        return step_time(work, device, micro_batch, accumulation, self.world_size,
+        return step_time(work, self.step_device, micro_batch, accumulation, self.world_size,
                          self.overlap_allreduce, self.loader, loss_chunk_tokens)
 
 
