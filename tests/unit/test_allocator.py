@@ -11,14 +11,14 @@ import pytest
 
 from tests.conftest import REPO
 
-# A step's large tensors, 64 and 12 MiB, written and freed, 12 times: each time's page faults
+# A step's large tensors, 64 and 12 MiB, written and freed, 16 times: each time's page faults
 # and the resident memory after it.
 SCRIPT = """
 import json, resource, sys, psutil, torch
 from trainer.memory.allocator import keep_freed_host_memory
 kept = keep_freed_host_memory() if sys.argv[1] == "keep" else False
 faults, rss = [], []
-for _ in range(12):
+for _ in range(16):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     a, b = torch.empty(16 * 2**20).fill_(1.0), torch.empty(3 * 2**20).fill_(1.0)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -37,14 +37,20 @@ def _steps(mode: str, **env: str) -> tuple[bool, list[int], list[int]]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
 def test_a_steps_large_tensors_reuse_the_last_steps_pages() -> None:
-    """Kept: after a few steps (glibc's aligned allocations need their freed neighbours to
-    coalesce first) no page faults at all, and resident memory level; by default every step
-    maps its large tensors afresh, 19,000 faults each (76 MiB of 4 KiB pages)."""
+    """Kept: after a few steps no page faults at all, and resident memory level; by default
+    every step maps its large tensors afresh, 19,000 faults each (76 MiB of 4 KiB pages).
+
+    How many steps the heap takes to settle varies from run to run (glibc's aligned allocations
+    need their freed neighbours to coalesce first, and the order of the interpreter's own small
+    allocations decides when): the third to the seventh step in 30 runs on a 2-core EPYC, so the
+    last eight of sixteen are checked."""
     kept, faults, rss = _steps("keep")
-    assert kept and faults[-6:] == [0] * 6, faults
-    assert rss[-1] == rss[5], rss  # a high-water mark, not a leak
+    assert kept and faults[-8:] == [0] * 8, faults
+    # A high-water mark, not a leak (which would add 76 MiB a step); the interpreter's own
+    # objects, these lists and psutil's, may still take a page or two.
+    assert rss[-1] - rss[-8] < 2**20, rss
     _, default, _ = _steps("default")
-    assert min(default[-6:]) > 10_000, default
+    assert min(default[-8:]) > 10_000, default
     # A user's own malloc settings are left as they are.
     kept, faults, _ = _steps("keep", MALLOC_MMAP_MAX_="65536")
-    assert not kept and min(faults[-6:]) > 10_000
+    assert not kept and min(faults[-8:]) > 10_000
