@@ -81,7 +81,7 @@ from trainer.memory.loss import (
 from trainer.memory.precision import precision_policy
 
 log = logging.getLogger("memtrain.planner")
-CALIBRATION_VERSION = 15
+CALIBRATION_VERSION = 16
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Operator kinds: which are counted in FLOPs (the rest in bytes read and written).
 FLOP_KINDS = ("matmul", "attention")
@@ -618,9 +618,11 @@ def calibrate_cpu() -> DeviceSpeed:
     return speed
 
 
-# The small GPT's batch sizes the calibration times: the fixed costs dominate the first, the
-# compute the last.
-IN_MODEL_BATCHES = (1, 4, 16)
+# The small GPT's steps the calibration times, (samples, positions): the fixed costs dominate
+# the first (a step of 8 tokens is mostly dispatch), the compute the last. Without the first,
+# the fixed costs were 5% of the smallest fp32 step, and their fitted scale ranged 1.0-3.4
+# between idle calibrations on a 2-core EPYC.
+IN_MODEL_STEPS = ((1, 8), (1, 256), (4, 256), (16, 256))
 
 
 def _interleaved_best(steps: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
@@ -638,18 +640,33 @@ def _interleaved_best(steps: dict[Any, Callable[[], object]], rounds: int) -> di
     return best
 
 
-def _fit_scales(rows: list[tuple[float, float, float, float]]) -> tuple[float, float]:
+def _fit_scales(rows: list[tuple[float, float, float, float]],
+                b_bounds: tuple[float, float] = (1.0, 4.0),
+                a_bounds: tuple[float, float] = (0.5, 8.0)) -> tuple[float, float]:
     """(a, b) minimising the relative error of ``a x fixed + b x own + other`` against
-    ``measured`` over ``rows`` (least squares, each row divided by its measured time)."""
+    ``measured`` over ``rows`` (least squares, each row divided by its measured time), within
+    bounds: where one scale is held at a bound, the other is fitted again with it held there
+    (the unconstrained pair, clipped apart, over-predicts every step)."""
     sff = sfc = scc = sfy = scy = 0.0
     for fixed, own, other, measured in rows:
         f, c, y = fixed / measured, own / measured, (measured - other) / measured
         sff, sfc, scc = sff + f * f, sfc + f * c, scc + c * c
         sfy, scy = sfy + f * y, scy + c * y
     det = sff * scc - sfc * sfc
-    if det <= 0:
+    if det <= 0 or sff <= 0 or scc <= 0:
         return 1.0, 1.0
-    return (sfy * scc - scy * sfc) / det, (sff * scy - sfc * sfy) / det
+
+    def clip(value: float, bounds: tuple[float, float]) -> float:
+        return min(max(value, bounds[0]), bounds[1])
+
+    a, b = (sfy * scc - scy * sfc) / det, (sff * scy - sfc * sfy) / det
+    if not a_bounds[0] <= a <= a_bounds[1]:
+        a = clip(a, a_bounds)
+        b = (scy - a * sfc) / scc
+    if not b_bounds[0] <= b <= b_bounds[1]:
+        b = clip(b, b_bounds)
+        a = clip((sfy - b * sfc) / sff, a_bounds)
+    return a, b
 
 
 def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
@@ -657,11 +674,11 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
     that come from memory, not from the cache of a repeated call (bf16's fast kernels lose the
     most), and autocast's dispatch on every operator.
 
-    A small GPT's real forward and backward (2 blocks of width 128, 256 positions) is timed at
-    ``IN_MODEL_BATCHES`` samples in fp32 and in bf16, all interleaved (``_interleaved_best``),
-    against what the isolated figures predict for the operators it ran. Its fixed costs are the
-    same at every size and its compute grows with it, so two scales are fitted to each dtype's
-    three steps (``_fit_scales``): the operators' fixed cost and the dtype's rates. fp32 first:
+    A small GPT's real forward and backward (2 blocks of width 128) is timed at each of
+    ``IN_MODEL_STEPS`` in fp32 and in bf16, all interleaved (``_interleaved_best``), against
+    what the isolated figures predict for the operators it ran. Its fixed costs are the same at
+    every size and its compute grows with it, so two scales are fitted to each dtype's steps
+    (``_fit_scales``): the operators' fixed cost and the dtype's rates. fp32 first:
     a bf16 step runs fp32 operators too, and its fixed-cost scale is autocast's
     (``op_seconds["autocast"]``, a factor)."""
     from trainer.model import GPT, GPTConfig
@@ -671,11 +688,11 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
     model = GPT(cfg)
     model.train()
     steps: dict[Any, Callable[[], object]] = {}
-    works: dict[tuple[str, int], Work] = {}
+    works: dict[tuple[str, int, int], Work] = {}
     for name in ("fp32", "bf16"):
         policy = precision_policy(name, torch.device("cpu"), warn=False)
-        for batch in IN_MODEL_BATCHES:
-            tokens_BT = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
+        for batch, positions in IN_MODEL_STEPS:
+            tokens_BT = torch.randint(0, cfg.vocab_size, (batch, positions + 1))
 
             def step(policy: Any = policy, tokens_BT: torch.Tensor = tokens_BT) -> None:
                 summed_loss(model, tokens_BT, policy).backward()
@@ -683,21 +700,20 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
 
             with recording() as work:
                 step()
-            steps[name, batch], works[name, batch] = step, work
+            steps[name, batch, positions], works[name, batch, positions] = step, work
     measured = _interleaved_best(steps, rounds=4)
     current = speed
     for name in ("fp32", "bf16"):
         rows = []  # (fixed, own compute, other compute, measured) seconds at each size
-        for batch in IN_MODEL_BATCHES:
-            work = works[name, batch]
+        for shape in IN_MODEL_STEPS:
+            work = works[(name, *shape)]
             fixed = current.seconds(work.scaled(0.0))
             own = current.seconds(work.only(name)) - current.seconds(work.only(name).scaled(0.0))
-            rows.append((fixed, own, current.seconds(work) - fixed - own, measured[name, batch]))
+            rows.append((fixed, own, current.seconds(work) - fixed - own,
+                         measured[(name, *shape)]))
+        # Rates never faster than alone, nor wildly slower; fixed costs within 0.5-8x the
+        # isolated figure: a noisy measurement stays bounded.
         fixed_scale, rate_scale = _fit_scales(rows)
-        log.debug("planner: %s in a model, unbounded: fixed costs x %.2f, rates / %.2f", name,
-                  fixed_scale, rate_scale)
-        # Never faster than alone, nor wildly slower: a noisy measurement stays bounded.
-        fixed_scale, rate_scale = min(max(fixed_scale, 0.5), 8.0), min(max(rate_scale, 1.0), 4.0)
         rates = {k: v / rate_scale if k.split(":")[1] == name else v
                  for k, v in current.rates.items()}
         log.debug("planner: %s in a model: fixed costs x %.2f, rates / %.2f", name, fixed_scale,
