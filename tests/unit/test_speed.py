@@ -161,8 +161,8 @@ def test_the_in_model_fit_refits_one_scale_where_the_other_is_held_at_its_bound(
     assert a == pytest.approx(2.0) and b == pytest.approx(1.5)
     a, b = speed._fit_scales(rows(2.0, 0.8))
     assert b == 1.0 and a < 2.0
-    for (f, c, o, measured) in rows(2.0, 0.8)[:1]:
-        assert abs(a * f + b * c + o - measured) / measured < 0.1
+    f, c, o, measured = rows(2.0, 0.8)[0]
+    assert abs(a * f + b * c + o - measured) / measured < 0.1
     assert speed._fit_scales(rows(20.0, 1.5))[0] == 8.0  # fixed costs at most 8x alone
 
 
