@@ -13,7 +13,11 @@
   checked against it on CPU (``tests/unit/test_planner.py``, ``bench/memory.py``).
 
 Counting live tensors walks every object gc tracks: it costs milliseconds, so the guard samples
-every ``memory.leak_check_every`` steps, not every step.
+every ``memory.leak_check_every`` steps, not every step. It reads each object's type and never
+the object itself: a ``weakref.proxy`` whose referent has died raises on any other look.
+
+A diagnostic must never cost the run: ``Diagnostics.run`` calls one, and a failure inside it
+costs one warning and turns that diagnostic off for the rest of the run.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +41,33 @@ log = logging.getLogger("memtrain")
 
 
 def live_tensor_count() -> int:
-    """Tensors that Python's gc tracks (tensors held by Python references, not by autograd)."""
-    with warnings.catch_warnings():  # isinstance on some deprecated torch objects warns
-        warnings.simplefilter("ignore", FutureWarning)
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+    """Tensors that Python's gc tracks (tensors held by Python references, not by autograd).
+
+    By ``type(obj)``, not ``isinstance``: ``isinstance`` falls back to ``obj.__class__``, which
+    a dead ``weakref.proxy`` answers with ``ReferenceError`` (and some deprecated torch objects
+    with a warning)."""
+    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+
+
+@dataclass
+class Diagnostics:
+    """Which of a run's diagnostics are still on: ``run(name, fn)`` calls ``fn`` unless
+    ``name`` was turned off; an exception inside it is logged once, as a warning naming the
+    diagnostic and the error, and turns ``name`` off. Training goes on either way."""
+
+    rank: int = 0
+    off: dict[str, str] = field(default_factory=dict)  # name -> the error that turned it off
+
+    def run(self, name: str, fn: Callable[[], object]) -> object:
+        if name in self.off:
+            return None
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 (a diagnostic must not cost the run: logged)
+            self.off[name] = f"{type(err).__name__}: {err}"
+            log.warning("%s failed on rank %d and is off for the rest of this run: %s", name,
+                        self.rank, self.off[name])
+            return None
 
 
 @dataclass

@@ -42,7 +42,7 @@ from trainer.build import (
 )
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
-from trainer.diagnostics import LeakGuard, profiler_window, write_memory_summary
+from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_memory_summary
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.loss import computes_own_loss
 from trainer.memory.oom import (
@@ -107,6 +107,7 @@ class Trainer:
             val_batches = self.validation_loader(resources)
             rows = self.row_record(resources)
             guard = LeakGuard() if cfg.memory.leak_check_every else None
+            diagnostics = Diagnostics(ctx.rank)
             profiler = resources.enter_context(profiler_window(
                 cfg.memory.profile_steps, state.step + 1, ctx.run_dir, ctx.rank, ctx.device))
             resources.enter_context(gc_policy(cfg.memory.gc_every))
@@ -135,9 +136,9 @@ class Trainer:
                     self.evaluate(metrics, state, val_batches)
                 if due(state.step, cfg.train.checkpoint_every, is_last):
                     self.checkpoint(metrics, state)
-                after_step(cfg.memory, ctx, state.step, guard, profiler)
+                after_step(cfg.memory, ctx, state.step, guard, profiler, diagnostics)
             recovery.finish(state.step)
-            summary = self.summary(metrics, state, resumed_from, guard)
+            summary = self.summary(metrics, state, resumed_from, guard, diagnostics)
             summary.update(recovery.summary())
             metrics.write_summary(summary)
         return summary
@@ -251,7 +252,7 @@ class Trainer:
         metrics.checkpoint_done(state.step, time.perf_counter() - start)
 
     def summary(self, metrics: RunMetrics, state: TrainState, resumed_from: int | None,
-                guard: LeakGuard | None) -> dict[str, Any]:
+                guard: LeakGuard | None, diagnostics: Diagnostics) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
         findings = guard.findings() if guard is not None else []
         for finding in findings:
@@ -265,6 +266,7 @@ class Trainer:
             "accumulation_steps": self.plan.running_accumulation,
             "oom_recoveries": self.plan.recoveries, "resumed_from_step": resumed_from,
             "final_step": state.step, "leak_findings": findings,
+            "diagnostics_off": diagnostics.off,
             "leak_samples": [[x.step, x.live_tensors, x.resident_bytes, x.cuda_allocated_bytes]
                              for x in (guard.samples if guard is not None else [])],
             **self.watch.summary()})
@@ -365,18 +367,21 @@ def due(step: int, every: int, is_last: bool) -> bool:
 
 
 def after_step(memory: MemoryConfig, ctx: WorkerContext, step: int, guard: LeakGuard | None,
-               profiler: Any) -> None:
-    """The memory hygiene and diagnostics of a step's end, each on its own cadence."""
+               profiler: Any, diagnostics: Diagnostics) -> None:
+    """The memory hygiene and diagnostics of a step's end, each on its own cadence; a
+    diagnostic that fails is turned off with a warning (``Diagnostics``), never the run."""
     if memory.gc_every and step % memory.gc_every == 0:
         gc.collect(1)
-    profiler.step()
+    diagnostics.run("the profiler", profiler.step)
     if step in memory.memory_summary_steps:
-        summary_path = write_memory_summary(ctx.run_dir, step, ctx.rank, ctx.device)
-        if summary_path is None and ctx.is_main and step == memory.memory_summary_steps[0]:
+        summary_path = diagnostics.run("memory.memory_summary_steps", lambda: write_memory_summary(
+            ctx.run_dir, step, ctx.rank, ctx.device))
+        if summary_path is None and ctx.is_main and step == memory.memory_summary_steps[0] \
+                and ctx.device.type != "cuda":
             log.warning("memory.memory_summary_steps: torch.cuda.memory_summary needs CUDA; "
                         "ignored on %s", ctx.device.type)
     if guard is not None and step % memory.leak_check_every == 0:
-        guard.sample(step, ctx.device)
+        diagnostics.run("the leak guard", lambda: guard.sample(step, ctx.device))
     faults.at_step_end(ctx.run_dir, step, ctx.rank)  # MEMTRAIN_FAULTS stall and kill
 
 
