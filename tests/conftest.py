@@ -56,6 +56,18 @@ def ray_cluster():
     reset_ray_address()
 
 
+RECORDED_CPU_SPEED = REPO / "tests" / "fixtures" / "cpu_speed_recorded.json"
+
+
+def recorded_cpu_speed() -> Any:
+    """A CPU calibration recorded on a quiet machine (``tests/fixtures/record_cpu_speed.py``
+    says which, and how to record it again): the tests of ``auto``'s decisions predict with
+    it, so their verdicts hold on every CPU kind and at any load."""
+    from trainer.memory.speed import DeviceSpeed
+
+    return DeviceSpeed(**json.loads(RECORDED_CPU_SPEED.read_text())["speed"])
+
+
 def require_tool(name: str, why: str = "") -> str:
     """The path of a command-line tool the test needs: skipped where it is missing, a failure
     in CI (CI=true), which must install everything the tests use."""

@@ -254,7 +254,7 @@ def plan_command(
     gib = 2**30
     compiled = f"; compiled, element-wise work x {GPU_COMPILED_SHARE}" if speed.compiled else ""
     console.print(f"probed in {time.perf_counter() - start:.1f} s; speed: {speed.device.name} "
-                  f"({speed.device.source}{compiled})")
+                  f"({speed.device.describe()}{compiled})")
     console.print(f"data loader: {speed.loader.source}, on {cfg.data.path}" if speed.loader
                   else f"data loader: not in the time model ({cfg.data.path} cannot be read "
                        "here)")

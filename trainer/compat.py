@@ -10,7 +10,13 @@ torch API is imported inside the function that wraps it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -154,6 +160,40 @@ def _event_tree(prof: torch.profiler.profile) -> list[Any]:
     assert prof.profiler is not None and prof.profiler.kineto_results is not None, \
         "the profile must have finished"
     return prof.profiler.kineto_results.experimental_event_tree()
+
+
+# torch's profiler library (Kineto) logs to file descriptor 2 from C++, bypassing Python's
+# logging, in glog's shape: "USDT:2026-12-03 13:05:48 8853:8853 SyncActivityProfilerHandler.cpp:52]
+# profiler_start". There is no setting for that level (KINETO_LOG_LEVEL leaves it on).
+_NATIVE_LOG_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ [\w.]+:\d+\] ")
+
+
+@contextlib.contextmanager
+def quiet_native_logs() -> Iterator[None]:
+    """Hold back what torch's native profiler logs to the process's stderr inside the block:
+    its lines go to the ``memtrain`` logger at DEBUG (``memtrain --debug`` shows them); any
+    other stderr output of the block is written back after it, unchanged. Where the logger is
+    at DEBUG already, nothing is held back."""
+    log = logging.getLogger("memtrain")
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held:
+                if _NATIVE_LOG_LINE.match(line):
+                    log.debug("torch: %s", line.decode(errors="replace").rstrip())
+                else:
+                    os.write(2, line)
 
 
 def cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:

@@ -34,7 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from monitoring.memory import resident_bytes
-from trainer.compat import cpu_allocation_events
+from trainer.compat import cpu_allocation_events, quiet_native_logs
 from trainer.sharding import local_tensor
 
 log = logging.getLogger("memtrain")
@@ -121,7 +121,8 @@ def cpu_peak_bytes(fn: Callable[[], object], held: Iterable[torch.Tensor] = ()) 
     for tensor in held:
         storage = local_tensor(tensor).untyped_storage()  # a DTensor: its shard
         storages[storage.data_ptr()] = storage.nbytes()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_native_logs(), profile(activities=[ProfilerActivity.CPU],
+                                      profile_memory=True) as prof:
         fn()
     events = cpu_allocation_events(prof)
     if not events:

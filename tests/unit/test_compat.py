@@ -194,3 +194,29 @@ def test_op_workspace_counts_what_an_op_frees_not_its_output() -> None:
         pytest.fail(_moved("the profiler's experimental_event_tree / _EventType", err))
     assert workspace == 1 << 18 and kept.numel() == 1 << 16
     assert compat.cpu_op_workspace_bytes(prof, frozenset({"aten::nothing"})) == 0
+
+
+_PROFILED_WITH_STDERR = """
+import logging, sys, torch
+from trainer.diagnostics import cpu_peak_bytes
+if sys.argv[1] == "debug":
+    logging.basicConfig(level=logging.DEBUG, format="%(name)s %(message)s")
+def noisy():
+    torch.ones(1000) + 1
+    sys.stderr.write("a line of the program's own\\n")
+print(cpu_peak_bytes(noisy) > 0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "debug"])
+def test_the_profilers_native_log_lines_are_held_back(mode: str) -> None:
+    """torch's profiler logs ``USDT:... profiler_start`` to stderr from C++ at every window:
+    held back (to the log at DEBUG), while the block's other stderr output comes through."""
+    out = subprocess.run([sys.executable, "-c", _PROFILED_WITH_STDERR, mode],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    assert "a line of the program's own" in out.stderr
+    if mode == "quiet":
+        assert "profiler_start" not in out.stderr, out.stderr
+    else:  # the logger at DEBUG shows them, as `memtrain --debug` would
+        assert "profiler_start" in out.stderr, out.stderr

@@ -50,7 +50,12 @@ import torch
 from torch import nn
 
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
-from trainer.compat import cpu_bf16_support, fake_tensor_mode, is_checkpoint_wrapper
+from trainer.compat import (
+    cpu_bf16_support,
+    fake_tensor_mode,
+    is_checkpoint_wrapper,
+    quiet_native_logs,
+)
 from trainer.errors import first_line
 from trainer.memory.loss import (
     MIN_AUTO_LOSS_CHUNK_TOKENS,
@@ -302,7 +307,8 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...],
     def workspace(precision: str, batch: int) -> int:
         x_BTC = torch.randn(batch, *sample_shape, requires_grad=True)
         policy = precision_policy(precision, x_BTC.device, warn=False)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with quiet_native_logs(), profile(activities=[ProfilerActivity.CPU],
+                                          profile_memory=True) as prof:
             with policy.autocast(x_BTC.device):
                 y_BTC = block(x_BTC, *args, **kwargs)
             if isinstance(y_BTC, tuple | list):  # a decoder layer that returns more

@@ -81,7 +81,12 @@ from trainer.memory.loss import (
 from trainer.memory.precision import precision_policy
 
 log = logging.getLogger("memtrain.planner")
-CALIBRATION_VERSION = 16
+CALIBRATION_VERSION = 17
+# A calibration is stable when the small GPT's steps it times take, at the median of their
+# repeats, at most this much longer than at their fastest (``repeat_spread``): 1-4% on an idle
+# 2-core EPYC, 10-40% beside a test suite's other process. An unstable one is used by the call
+# that took it, and taken again by the next process that finds it in the cache.
+CALIBRATION_SPREAD_BOUND = 0.10
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Operator kinds: which are counted in FLOPs (the rest in bytes read and written).
 FLOP_KINDS = ("matmul", "attention")
@@ -424,6 +429,25 @@ class DeviceSpeed:
     allreduce_bytes_per_s: float
     asynchronous: bool = False  # a GPU: the host launches while the device computes
     source: str = ""
+    # A CPU's calibration: when it was taken (Unix seconds) and how far its repeats spread
+    # (``CALIBRATION_SPREAD_BOUND``); 0 for a GPU's datasheet figures.
+    calibrated_at: float = 0.0
+    spread: float = 0.0
+
+    @property
+    def stable(self) -> bool:
+        return self.spread <= CALIBRATION_SPREAD_BOUND
+
+    def describe(self, now: float | None = None) -> str:
+        """Where the figures come from, and for a calibration its age and stability."""
+        if not self.calibrated_at:
+            return self.source
+        age = max(0.0, (time.time() if now is None else now) - self.calibrated_at)
+        ago = (f"{age / 86400:.0f} days" if age >= 2 * 86400 else
+               f"{age / 3600:.0f} h" if age >= 2 * 3600 else f"{age / 60:.0f} min")
+        verdict = "stable" if self.stable else \
+            f"over {CALIBRATION_SPREAD_BOUND:.0%}: unstable, measured again at the next plan"
+        return f"{self.source}, {ago} ago, repeats within {self.spread:.0%} ({verdict})"
 
     def rate(self, key: str) -> float:
         """The rate of ``key``, else of a less specific key (no size, then fp32)."""
@@ -610,8 +634,10 @@ def calibrate_cpu() -> DeviceSpeed:
     op_seconds = {kind: overhead for kind in BYTE_KINDS}
     op_seconds.update({kind: overhead + matmul_fixed for kind in FLOP_KINDS}, view=overhead / 2,
                       checkpoint=_checkpoint_seconds(overhead))
+    threads = torch.get_num_threads()
     speed = DeviceSpeed(cpu_name(), rates, op_seconds, ALLREDUCE_BYTES_PER_S["cpu"],
-                        source=f"measured on this CPU, {torch.get_num_threads()} threads")
+                        source=f"measured on this CPU, {threads} thread{'s' * (threads > 1)}",
+                        calibrated_at=time.time())
     speed = _in_model(speed)
     speed.rates.update({key.replace("bf16", "fp16"): rate for key, rate in
                         list(speed.rates.items()) if ":bf16" in key})  # CPU fp16 is rare
@@ -623,21 +649,37 @@ def calibrate_cpu() -> DeviceSpeed:
 # the fixed costs were 5% of the smallest fp32 step, and their fitted scale ranged 1.0-3.4
 # between idle calibrations on a 2-core EPYC.
 IN_MODEL_STEPS = ((1, 8), (1, 256), (4, 256), (16, 256))
+IN_MODEL_ROUNDS = 5
 
 
-def _interleaved_best(steps: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
-    """Each step's fastest time over ``rounds`` passes that take every step in turn: a
-    machine whose speed drifts (a shared VM's, by 15-30% within minutes) slows all of them
-    alike, rather than the ones timed during a slow spell."""
+def _interleaved_times(steps: dict[Any, Callable[[], object]],
+                       rounds: int) -> dict[Any, list[float]]:
+    """Each step's times over ``rounds`` passes that take every step in turn: a machine whose
+    speed drifts (a shared VM's, by 15-30% within minutes) slows all of them alike, rather than
+    the ones timed during a slow spell."""
     for fn in steps.values():
         fn()  # warm-up: first-call allocation and kernel selection
-    best = dict.fromkeys(steps, float("inf"))
+    times: dict[Any, list[float]] = {key: [] for key in steps}
     for _ in range(rounds):
         for key, fn in steps.items():
             start = time.perf_counter()
             fn()
-            best[key] = min(best[key], time.perf_counter() - start)
-    return best
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+def _interleaved_best(steps: dict[Any, Callable[[], object]], rounds: int) -> dict[Any, float]:
+    """Each step's fastest time over ``rounds`` interleaved passes (``_interleaved_times``)."""
+    return {key: min(times) for key, times in _interleaved_times(steps, rounds).items()}
+
+
+def repeat_spread(times: dict[Any, list[float]]) -> float:
+    """How far repeated timings disagree: the steps' medians added up, over their fastest
+    times added up, less 1 (0.08: a pass at the median took 8% longer than the fastest). Summed,
+    the longer steps weigh most: a step of a few milliseconds is mostly dispatch, and its
+    repeats spread 5-15% on an idle machine."""
+    best = sum(min(t) for t in times.values() if t)
+    return sum(statistics.median(t) for t in times.values() if t) / best - 1 if best else 0.0
 
 
 def _fit_scales(rows: list[tuple[float, float, float, float]],
@@ -703,8 +745,9 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
             with recording() as work:
                 step()
             steps[name, batch, positions], works[name, batch, positions] = step, work
-    measured = _interleaved_best(steps, rounds=4)
-    current = speed
+    times = _interleaved_times(steps, rounds=IN_MODEL_ROUNDS)
+    measured = {key: min(t) for key, t in times.items()}
+    current = dataclasses.replace(speed, spread=repeat_spread(times))
     for name in ("fp32", "bf16"):
         rows = []  # (fixed, own compute, other compute, measured) seconds at each size
         for shape in IN_MODEL_STEPS:
@@ -744,19 +787,37 @@ def cache_dir() -> Path:
     return Path(base) / "memtrain"
 
 
+# The calibrations this process took, by cache file: an unstable one is measured again once
+# per process, not at every call.
+_TAKEN: dict[Path, DeviceSpeed] = {}
+
+
 def cpu_speed(refresh: bool = False) -> DeviceSpeed:
-    """This CPU's calibration, measured once per machine, torch version and thread count."""
+    """This CPU's calibration, measured once per machine, torch version and thread count, and
+    kept in ``cache_dir()``. A stable one is kept until ``refresh``; an unstable one
+    (``CALIBRATION_SPREAD_BOUND``) is measured again by the next process that reads it, and the
+    steadier of the two is kept."""
     from trainer.compat import cpu_bf16_support, cpu_capability
 
     key = json.dumps([CALIBRATION_VERSION, cpu_name(), cpu_capability(), cpu_bf16_support(),
                       torch.__version__, torch.get_num_threads()])
     path = cache_dir() / f"cpu-speed-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if not refresh:
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            return DeviceSpeed(**json.loads(path.read_text()))
+    cached = None
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        cached = DeviceSpeed(**json.loads(path.read_text()))
+    if not refresh and cached is not None and (cached.stable or path in _TAKEN):
+        return cached
     start = time.perf_counter()
     speed = calibrate_cpu()
-    log.info("planner: calibrated this CPU in %.1f s (%s)", time.perf_counter() - start, path)
+    _TAKEN[path] = speed
+    log.info("planner: calibrated this CPU in %.1f s, repeats within %.0f%% (%s)",
+             time.perf_counter() - start, 100 * speed.spread, path)
+    if not speed.stable:
+        log.warning("planner: this CPU's calibration is unstable (its repeats spread %.0f%%, "
+                    "over %.0f%%: the machine is busy); it is used now and measured again at "
+                    "the next plan", 100 * speed.spread, 100 * CALIBRATION_SPREAD_BOUND)
+    if cached is not None and not refresh and cached.spread < speed.spread:
+        return cached  # the steadier of the two
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
