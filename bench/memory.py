@@ -3,12 +3,12 @@
 For the GPT at two sizes, every combination of precision (fp32, bf16) and activation
 checkpointing (none, selective, full) is measured against fp32 without checkpointing:
 - saved-activation bytes of one training forward, counted with ``saved_tensors_hooks`` at the
-  benchmark micro-batch (``trainer.memory.planner.measure_saved_bytes``);
+  benchmark micro-batch (``trainer.plan.peak.measure_saved_bytes``);
 - the planner's prediction for the same micro-batch, from probes at micro-batch 1 and 2;
 - the median step time of the trainer's own ``train_step`` (forward, backward, AdamW);
 - the peak of one more step as the CPU allocator recorded it (``trainer.diagnostics.
   cpu_peak_bytes``) beside the planner's predicted step peak
-  (``trainer.memory.planner.plan_row``): the check of the whole prediction, transients included,
+  (``trainer.plan.peak.plan_row``): the check of the whole prediction, transients included,
   not only of the saved bytes.
 
 Targets: full checkpointing >= 60% fewer activation bytes for <= 35% more step time;
@@ -29,9 +29,9 @@ import torch
 
 from bench.results import describe_cpu, result_path, write_json
 from trainer.build import MemoryTransforms, build_model
-from trainer.memory.planner import measure_saved_bytes, plan_row, profile_activations, static_bytes
-from trainer.memory.speed import measure_plan
 from trainer.model import GPT, GPTConfig
+from trainer.plan.peak import measure_saved_bytes, plan_row, profile_activations, static_bytes
+from trainer.plan.speed import measure_plan
 
 SIZES = {
     "gpt-small (4x128, seq 256)": GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128),

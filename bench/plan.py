@@ -4,10 +4,10 @@ plan that fits?
 For each model shape (memtrain's GPT at two sizes, and a Hugging Face Llama built from
 ``LlamaConfig``), every candidate of the grid precision (fp32, bf16) x activation checkpointing
 (none, selective, full) x micro-batch (the divisors of the global batch) is:
-- predicted: peak bytes (``trainer.memory.planner.plan_row``) and tokens/s
-  (``trainer.memory.speed``, this CPU's calibration);
+- predicted: peak bytes (``trainer.plan.peak.plan_row``) and tokens/s
+  (``trainer.plan.speed``, this CPU's calibration);
 - measured: optimizer steps of the trainer's own ``train_step``, one rank, after a warm-up
-  step (``trainer.memory.speed.PlanRun``), alternating with steps of ``auto``'s row: the row's
+  step (``trainer.plan.speed.PlanRun``), alternating with steps of ``auto``'s row: the row's
   speed relative to ``auto``'s (the fastest of ``--steps`` steps of each), the median over
   ``--rounds`` passes over the grid in shuffled order, times ``auto``'s own tokens/s. This
   machine's speed drifts by tens of percent within minutes; a ratio measured within a second
@@ -42,15 +42,10 @@ from torch import nn
 from bench.results import cpu_description, describe_cpu, write_json
 from trainer.build import MemoryTransforms, build_model
 from trainer.compat import fake_tensor_mode
-from trainer.memory.planner import (
-    AC_MODES,
-    choose_plan,
-    plan_row,
-    profile_all,
-    static_bytes,
-)
-from trainer.memory.speed import PlanRun, SpeedModel, cpu_speed, spearman
 from trainer.model import GPT, GPTConfig
+from trainer.plan.candidates import choose_plan
+from trainer.plan.peak import AC_MODES, plan_row, profile_all, static_bytes
+from trainer.plan.speed import PlanRun, SpeedModel, cpu_speed, spearman
 
 PRECISIONS = ("fp32", "bf16")
 TARGETS = {"spearman": 0.9, "auto_over_best": 0.95, "planning_seconds": 30.0}
@@ -159,7 +154,7 @@ def run_shape(name: str, factory: Callable[[], nn.Module], seq_len: int, vocab_s
 def gpt2_planning_seconds() -> float:
     """``memtrain plan``'s work for GPT-2 124M on 8 GPUs: every probe and operator count."""
     from trainer.config import load_config
-    from trainer.launch.auto import probe_config, speed_model
+    from trainer.plan.choose import probe_config, speed_model
 
     cfg = load_config(Path("configs/gpt2-124m-8xgpu.yaml"), [])
     start = time.perf_counter()

@@ -145,8 +145,8 @@ def memtrain_run(data: Path, steps: int, launcher: str, run_dir: Path,
 
 def _memtrain_rounds_worker(rank: int, port: int, out: str, agreement: bool) -> None:
     """memtrain's train_step on DDP with both counters: the comm hook and dist.all_reduce."""
-    from trainer.memory.oom import OOMAgreement
     from trainer.memory.precision import precision_policy
+    from trainer.oom import OOMAgreement
     from trainer.step import train_step
 
     model, rounds = _counted_ddp(rank, port)

@@ -239,7 +239,7 @@ class Trackers:
                 call(tracker)
             except Exception as err:  # a tracker never costs the run
                 message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-                log.warning("warning: tracker %s dropped (%s): %s%s", tracker.name, what,
+                log.warning("tracker %s dropped (%s): %s%s", tracker.name, what,
                             type(err).__name__, f": {message}" if message else "")
                 self.active.remove(tracker)
                 with contextlib.suppress(Exception):  # already reported; the run goes on

@@ -60,17 +60,12 @@ from trainer.compat import allocator_settings, record_memory_history
 from trainer.context import LocalContext
 from trainer.diagnostics import cpu_peak_bytes
 from trainer.memory.allocator import configure_allocator_env
-from trainer.memory.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
-from trainer.memory.planner import (
-    choose_plan,
-    feasible_plans,
-    plan_row,
-    profile_activations,
-    static_bytes,
-)
 from trainer.memory.precision import precision_policy
-from trainer.memory.speed import DeviceSpeed, SpeedModel, cpu_speed, named_gpu_speed, spearman
 from trainer.model import GPT, GPTConfig
+from trainer.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
+from trainer.plan.candidates import choose_plan, feasible_plans
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.speed import DeviceSpeed, SpeedModel, cpu_speed, named_gpu_speed, spearman
 from trainer.state import StepResult
 from trainer.step import build_optimizer, step_peak_bytes, train_step
 
@@ -415,7 +410,7 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
     """A micro-batch too large for the device: real OOM, recovery by halving, snapshot; the
     loop's own policy (``step_with_oom_recovery``). ``dry`` injects the OOM instead."""
     from trainer import faults
-    from trainer.memory.oom import step_with_oom_recovery
+    from trainer.oom import step_with_oom_recovery
 
     release_memory(device)
     run_dir = Path(tempfile.mkdtemp(prefix="memtrain-oom-"))  # snapshots can be large

@@ -8,6 +8,7 @@ traceback instead.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,9 +40,27 @@ TRAINING_MODULES = {"torch", "numpy", "pyarrow", "prometheus_client", "tokenizer
 
 @app.callback()
 def _root(ctx: typer.Context, debug: Annotated[bool, typer.Option(
-        "--debug", help="Show tracebacks, and Ray Train's own log lines.")] = False) -> None:
-    """``--debug`` is read by ``main`` before typer runs (it decides how errors print); the
-    commands read it from the context."""
+        "--debug", help="Show tracebacks, Ray Train's own log lines and DEBUG lines.")] = False,
+          log_level: Annotated[str | None, typer.Option(
+              "--log-level", help="debug | info (default) | warning | error.")] = None,
+          quiet: Annotated[bool, typer.Option(
+              "--quiet", "-q", help="Warnings and errors only (--log-level warning).")] = False,
+          verbose: Annotated[bool, typer.Option(
+              "--verbose", "-v", help="DEBUG lines too (--log-level debug).")] = False) -> None:
+    """Logging is set up here, before any command logs; a level given here is exported to the
+    workers (``trainer.logs``). ``--debug`` is also read by ``main`` before typer runs (it
+    decides how errors print); the commands read it from the context."""
+    from trainer.logs import LEVEL_ENV, setup_logging
+    from trainer.logs import log_level as parse_level
+
+    level = "debug" if debug or verbose else log_level or ("warning" if quiet else None)
+    if level is not None:
+        try:
+            parse_level(level)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--log-level") from None
+        os.environ[LEVEL_ENV] = level.lower()
+    setup_logging(level)
     ctx.obj = {"debug": debug}
 
 
@@ -64,7 +83,7 @@ def train_command(
                             ] = None,
 ) -> None:
     """Train a model; rerunning with the same --run-name resumes from its latest checkpoint."""
-    from trainer.launch.prepare import prepare_run, setup_logging
+    from trainer.launch.prepare import prepare_run
 
     options: dict[str, Any] = {
         "parallel.launcher": launcher, "parallel.workers": workers, "run.name": run_name,
@@ -73,8 +92,7 @@ def train_command(
     }
     cfg = load_config(config, list(overrides or []),
                       {key: value for key, value in options.items() if value is not None})
-    cfg, run_dir = prepare_run(cfg)
-    setup_logging()
+    cfg, run_dir = prepare_run(cfg)  # logs auto's choice, on the console set up by _root
     where = (f"{cfg.run.dir.rstrip('/')}/{cfg.run.name} (working copy {run_dir})"
              if is_remote(cfg.run.dir) else str(run_dir))
     console.print(f"[bold]memtrain[/] run [cyan]{cfg.run.name}[/]: launcher "
@@ -229,9 +247,10 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
-    from trainer.launch.auto import precision_candidates, probe_config, speed_model
-    from trainer.memory.planner import AC_MODES, HEADROOM, feasible_plans, plan_row
-    from trainer.memory.speed import GPU_COMPILED_SHARE
+    from trainer.plan.candidates import HEADROOM, feasible_plans
+    from trainer.plan.choose import precision_candidates, probe_config, speed_model
+    from trainer.plan.peak import AC_MODES, plan_row
+    from trainer.plan.speed import GPU_COMPILED_SHARE
 
     cfg = load_config(config, list(overrides or []),
                       {"parallel.workers": workers} if workers else None)
@@ -247,7 +266,7 @@ def plan_command(
     start = time.perf_counter()
     static, profiles = probe_config(cfg, precisions, AC_MODES, work=True)
     if calibrate:
-        from trainer.memory.speed import cpu_speed
+        from trainer.plan.speed import cpu_speed
 
         cpu_speed(refresh=True)  # cached: speed_model and --measure read it
     speed = speed_model(cfg, gpu, measure_data=True)
@@ -303,8 +322,9 @@ def _measure_plans(cfg: Any, static: Any, profiles: list[Any], budget: int, top:
     """``plan --measure``: the ``top`` fastest predicted plans (every fitting micro-batch),
     each trained ``steps`` steps as one rank on this CPU, predicted against measured."""
     from trainer.build import MemoryTransforms, model_factory
-    from trainer.memory.planner import HEADROOM, plan_row
-    from trainer.memory.speed import SpeedModel, cpu_speed, measure_plan
+    from trainer.plan.candidates import HEADROOM
+    from trainer.plan.peak import plan_row
+    from trainer.plan.speed import SpeedModel, cpu_speed, measure_plan
 
     one_rank = SpeedModel(cpu_speed())
     per_rank = cfg.train.global_batch_size // cfg.parallel.workers

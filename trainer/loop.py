@@ -10,7 +10,7 @@ checkpoint, a step loop, finish. Every concern of the loop is a named method or 
   the ``CompileWatch`` what to expect;
 - what a checkpoint holds: ``TrainState`` (``trainer.state``); counters, logs, the summary and
   the metrics sink: ``RunMetrics`` (``trainer.run_metrics``), which only records; the micro-batch
-  a step runs at: a ``BatchPlan`` (``trainer.memory.oom``);
+  a step runs at: a ``BatchPlan`` (``trainer.oom``);
 - gc policy, loader threads, profiler and the metrics log: one ``ExitStack``, released on any
   exception.
 
@@ -45,14 +45,14 @@ from trainer.context import WorkerContext
 from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_memory_summary
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.loss import computes_own_loss
-from trainer.memory.oom import (
+from trainer.memory.precision import precision_policy, resolve_precision
+from trainer.oom import (
     BatchPlan,
     OOMAgreement,
     oom_recovery_on,
     start_memory_history,
     step_with_oom_recovery,
 )
-from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.recovery import Recovery
 from trainer.run_metrics import RunMetrics, StepRecord
 from trainer.sharding import shard_model
@@ -277,7 +277,7 @@ class Trainer:
         if not ctx.is_main:
             return
         if precision.warning:
-            log.warning("warning: %s", precision.warning)
+            log.warning("%s", precision.warning)
         where = f"resuming from step {resumed_from}" if resumed_from is not None else \
             "from scratch"
         loader = state.loader

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.launch.worker_errors import (
+from trainer.worker_errors import (
     CONTROLLER_FILE,
     ERRORS_DIR,
     PREVIOUS_ERRORS_DIR,
@@ -200,7 +200,7 @@ class Recovery:
         a log line or a checkpoint, reports it)."""
         if not self._warned:
             self._warned = True
-            log.warning("warning: the restart records in %s cannot be written (%s); restarts "
+            log.warning("the restart records in %s cannot be written (%s); restarts "
                         "go uncounted until they can", self.run_dir, err.strerror or err)
 
 

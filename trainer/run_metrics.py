@@ -251,6 +251,6 @@ class RunMetrics:
         try:
             return [render_report(self.ctx.run_dir)]
         except Exception as err:
-            log.warning("warning: report.png not drawn for the trackers: %s: %s",
+            log.warning("report.png not drawn for the trackers: %s: %s",
                         type(err).__name__, err)
             return []

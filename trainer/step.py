@@ -34,8 +34,8 @@ from trainer import faults
 from trainer.diagnostics import cpu_peak_bytes
 from trainer.errors import first_line
 from trainer.memory.loss import summed_loss
-from trainer.memory.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
 from trainer.memory.precision import PrecisionPolicy
+from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
 from trainer.sharding import is_sharded
 from trainer.state import StepResult
 

@@ -299,7 +299,7 @@ class Campaign:
     def errors_since(self, since: float) -> bool:
         """Whether a rank (not a lost peer's echo) or the driver, for Ray Train's controller,
         recorded an error in the working copy after ``since``."""
-        from trainer.launch.worker_errors import CONTROLLER_FILE, error_records, is_peer_echo
+        from trainer.worker_errors import CONTROLLER_FILE, error_records, is_peer_echo
 
         with contextlib.suppress(OSError):
             if (self.run_copy / "errors" / CONTROLLER_FILE).stat().st_mtime > since:

@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.launch.local import free_port, start_workers
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
-from trainer.memory.oom import OOMAgreement
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
+from trainer.oom import OOMAgreement
 from trainer.step import train_step
 
 pytestmark = pytest.mark.distributed

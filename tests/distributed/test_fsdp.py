@@ -16,12 +16,12 @@ from trainer.build import MemoryTransforms
 from trainer.config import ConfigError, load_config
 from trainer.launch.local import free_port, launch_local, start_workers
 from trainer.launch.prepare import prepare_run
-from trainer.launch.worker_errors import WorkerError
-from trainer.memory.planner import plan_row, profile_activations, static_bytes
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.sharding import local_parameter_bytes, shard_model
 from trainer.step import create_optimizer_state, step_peak_bytes
+from trainer.worker_errors import WorkerError
 
 pytestmark = pytest.mark.distributed
 

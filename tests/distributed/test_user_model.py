@@ -156,7 +156,7 @@ def test_under_ray_a_shard_that_vanishes_is_one_line_naming_the_rank(
     from tests.conftest import tiny_config
     from trainer.launch.prepare import prepare_run
     from trainer.launch.ray import launch_ray
-    from trainer.launch.worker_errors import WorkerError
+    from trainer.worker_errors import WorkerError
 
     data = tmp_path / "train"
     shutil.copytree(corpus_dir / "train", data)

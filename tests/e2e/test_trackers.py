@@ -128,7 +128,7 @@ def test_a_tracker_that_cannot_be_reached_costs_one_warning(
             f"monitoring.mlflow_tracking_uri={nowhere}")))
     assert summary["final_step"] == 2
     warnings = [r.getMessage() for r in caplog.records if "tracker" in r.getMessage()]
-    assert warnings == [f"warning: tracker mlflow dropped (starting): TrackerError: the MLflow "
+    assert warnings == [f"tracker mlflow dropped (starting): TrackerError: the MLflow "
                         f"server at {nowhere} did not answer ([Errno 111] Connection refused)"]
     events = EventAccumulator(str(tmp_path / "unreachable" / "tensorboard"))
     events.Reload()

@@ -94,3 +94,52 @@ def test_the_cycle_finder_finds_a_cycle_through_a_type_checking_import() -> None
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# trainer/'s layers, lowest first: a module imports only from its own layer or below (the
+# cycle test above holds each layer free of loops). docs/architecture.md states the same order.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("trainer", "trainer.errors", "trainer.config", "trainer.compat", "trainer.faults"),
+    ("trainer.memory", "trainer.sharding"),  # the memory strategies
+    ("trainer.model", "trainer.hf"),
+    ("trainer.build",),
+    ("trainer.worker_errors", "trainer.recovery", "trainer.runstore", "trainer.checkpoint",
+     "trainer.context", "trainer.state", "trainer.run_metrics", "trainer.diagnostics",
+     "trainer.export"),
+    ("trainer.oom", "trainer.step"),
+    ("trainer.plan",),
+    ("trainer.loop",),
+    ("trainer.launch",),
+    ("trainer.cli",),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of the longest entry that is ``module`` or a package above it."""
+    found = [(len(entry), i) for i, entries in enumerate(LAYERS) for entry in entries
+             if module == entry or module.startswith(entry + ".")]
+    if not found:
+        raise AssertionError(f"{module} has no layer in tests/unit/test_boundaries.py LAYERS")
+    return max(found)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports in trainer/ from a lower layer to a higher one, as "a -> b"."""
+    return sorted(f"{module} -> {other}" for module, imported in graph.items()
+                  if module.startswith("trainer") for other in imported
+                  if other.startswith("trainer") and layer_of(other) > layer_of(module))
+
+
+def test_trainers_layers_import_only_downwards() -> None:
+    graph = import_graph(REPO)
+    assert "trainer.plan.choose" in graph and "trainer.memory.planner" not in graph
+    assert upward_imports(graph) == []
+    # The strategies plan nothing: trainer/memory/ imports nothing from the planner or above.
+    assert not any(other.startswith(("trainer.plan", "trainer.step", "trainer.build"))
+                   for module, imported in graph.items() if module.startswith("trainer.memory")
+                   for other in imported)
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {"trainer.memory.loss": {"trainer.plan.speed"}, "trainer.plan.speed": {"trainer.step"}}
+    assert upward_imports(graph) == ["trainer.memory.loss -> trainer.plan.speed"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -16,9 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo-cpu.yaml")
 
 
-def memtrain(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+def memtrain(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
+                          text=True, cwd=cwd, timeout=120,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def memtrain_here(capsys: pytest.CaptureFixture[str], *args: str
@@ -86,12 +89,16 @@ def test_help_lists_the_commands() -> None:
         assert command in result.stdout
 
 
-def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
+def test_plan_reports_every_precision_and_checkpointing_choice(tmp_path: Path) -> None:
     """Peaks and predicted tokens/s per row, ``auto``'s row marked, and ``--measure`` running
-    the fastest predicted plans on this CPU beside their predictions."""
+    the fastest predicted plans on this CPU beside their predictions; ``--calibrate`` measures
+    this CPU, and its log line reaches the console."""
     result = memtrain("plan", "-c", DEMO, "--device-memory", "1GiB", "--measure", "--top", "2",
-                      "--steps", "1")
+                      "--steps", "1", "--calibrate", env={"MEMTRAIN_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
+    assert re.search(r"^planner: calibrated this CPU in [\d.]+ s, repeats within \d+% ",
+                     result.stderr, re.M), result.stderr
+    assert list(tmp_path.glob("cpu-speed-*.json"))
     table = result.stdout
     for mode in ("none", "selective", "full"):
         assert mode in table
@@ -136,7 +143,7 @@ def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) ->
 def test_plan_calibrate_measures_this_cpu_again(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
-    from trainer.memory import speed
+    from trainer.plan import speed
 
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
     calls = []

@@ -21,8 +21,8 @@ from trainer.hf import HFCausalLM
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 from trainer.memory.loss import auto_loss_chunk_tokens
-from trainer.memory.planner import profile_activations
 from trainer.model import create_model
+from trainer.plan.peak import profile_activations
 
 
 # One test process imports transformers (several seconds of CPU), not both.
@@ -167,7 +167,7 @@ def test_a_decoder_layer_is_measured_with_its_own_arguments(tmp_path: Path) -> N
     rotary embeddings and position ids its model passed it, which the probe records (by shape:
     it may run on fake tensors). On every CPU kind the call runs; on one without native bf16
     the planner takes it before any bf16 run."""
-    from trainer.memory.planner import BlockCall, emulated_bf16_workspace
+    from trainer.plan.peak import BlockCall, emulated_bf16_workspace
 
     CONFIGS["llama"]().save_pretrained(tmp_path)
     model = build(f"hf:{tmp_path}")

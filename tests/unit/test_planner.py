@@ -8,20 +8,18 @@ import torch
 
 from trainer.build import MemoryTransforms, build_model, compile_model
 from trainer.config import Config
-from trainer.memory.planner import (
+from trainer.memory.precision import precision_policy
+from trainer.model import GPT, GPTConfig
+from trainer.plan.candidates import choose_norm_inputs, choose_plan, feasible_plans
+from trainer.plan.peak import (
     ActivationProfile,
     PlanRow,
     StaticBytes,
-    choose_norm_inputs,
-    choose_plan,
-    feasible_plans,
     measure_saved_bytes,
     plan_row,
     profile_activations,
     static_bytes,
 )
-from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 CFG = GPTConfig(seq_len=64, n_layer=4, n_head=2, n_embd=64)
@@ -246,43 +244,58 @@ def test_choose_plan_with_a_fixed_micro_batch_picks_the_mode() -> None:
         == ("full", 8, 1)
 
 
-def test_auto_config_resolves_before_launch(corpus_dir, tmp_path, caplog) -> None:
-    """Micro-batch, checkpointing and precision by predicted tokens/s, the first line saying
-    why in numbers; the run's config.yaml holds the choice."""
-    from tests.conftest import tiny_config
-    from trainer.launch.prepare import prepare_run
+def test_auto_config_resolves_before_launch_and_says_so_on_the_console(corpus_dir,
+                                                                     tmp_path) -> None:
+    """``memtrain train`` as a user runs it: micro-batch, checkpointing and precision by
+    predicted tokens/s, the choice on the console (stderr) in numbers before the first step;
+    the run's config.yaml holds the choice."""
+    import subprocess
+    import sys
 
-    with caplog.at_level("INFO", logger="memtrain"):
-        cfg, run_dir = prepare_run(tiny_config(
-            corpus_dir, tmp_path, "train.micro_batch_size=auto", "memory.precision=auto",
-            "memory.activation_checkpointing=auto", "memory.device_memory=64MiB",
-            "run.name=auto"))
-    assert isinstance(cfg.train.micro_batch_size, int)
-    assert cfg.memory.activation_checkpointing in ("none", "selective", "full")
-    assert cfg.memory.precision in ("fp32", "bf16")
-    assert isinstance(cfg.memory.bf16_norm_inputs, bool)  # its "auto" resolved too
-    if cfg.memory.precision == "fp32":
-        assert cfg.memory.bf16_norm_inputs is False  # the copies exist only under bf16
-    assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * 2) == 0
-    written = (run_dir / "config.yaml").read_text()
+    import yaml
+
+    from tests.conftest import REPO, tiny_overrides
+
+    overrides = [*tiny_overrides(corpus_dir, tmp_path, "train.micro_batch_size=auto",
+                                 "memory.precision=auto", "memory.activation_checkpointing=auto",
+                                 "memory.device_memory=64MiB", "train.steps=1",
+                                 "train.eval_every=0")]
+    done = subprocess.run([sys.executable, "-m", "trainer.cli", "train", "-c",
+                           str(REPO / "configs" / "demo-cpu.yaml"), "--launcher", "local",
+                           "--workers", "1", "--run-name", "auto",
+                           *(arg for value in overrides for arg in ("--set", value))],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = (tmp_path / "auto" / "config.yaml").read_text()
     assert "micro_batch_size: auto" not in written and "precision: auto" not in written
-    [line] = [r.getMessage() for r in caplog.records if "plans that fit" in r.getMessage()]
-    assert (f"auto: precision {cfg.memory.precision}, activation checkpointing "
-            f"{cfg.memory.activation_checkpointing}, micro-batch {cfg.train.micro_batch_size}"
+    cfg = yaml.safe_load(written)
+    train, memory = cfg["train"], cfg["memory"]
+    assert isinstance(train["micro_batch_size"], int)
+    assert memory["activation_checkpointing"] in ("none", "selective", "full")
+    assert memory["precision"] in ("fp32", "bf16")
+    assert isinstance(memory["bf16_norm_inputs"], bool)  # its "auto" resolved too
+    if memory["precision"] == "fp32":
+        assert memory["bf16_norm_inputs"] is False  # the copies exist only under bf16
+    assert train["global_batch_size"] % train["micro_batch_size"] == 0
+    [line] = [line for line in done.stderr.splitlines() if "plans that fit" in line]
+    assert (f"auto: precision {memory['precision']}, activation checkpointing "
+            f"{memory['activation_checkpointing']}, micro-batch {train['micro_batch_size']}"
             in line), line
     assert re.search(r"predicted [\d,]+ tokens/s \(.+; [\d.]+ ms a step, of which the data "
                      r"loader [\d.]+ ms\), the fastest of \d+ plans that fit; "
                      r"next: (fp32|bf16), checkpointing", line), line
-    # The loader was measured on the run's own dataset.
-    assert any(r.getMessage().startswith("planner: data loader ") and str(corpus_dir) in
-               r.getMessage() for r in caplog.records)
+    # The loader was measured on the run's own dataset, and said so before the choice.
+    lines = done.stderr.splitlines()
+    [loader] = [i for i, text in enumerate(lines) if text.startswith("planner: data loader ")
+                and str(corpus_dir) in text]
+    assert loader < lines.index(line)
 
 
 def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, caplog) -> None:
     """On CUDA, ``train.compile: auto`` is decided with the plan: each way's fastest plan,
     compiled (the element-wise work fused, ``GPU_COMPILED_SHARE``) against eager, in numbers."""
     from tests.conftest import tiny_config
-    from trainer.launch.auto import resolve_auto
+    from trainer.plan.choose import resolve_auto
 
     def resolve(*overrides: str) -> Config:
         return resolve_auto(tiny_config(
@@ -330,7 +343,7 @@ class _ConvertingBlock(torch.nn.Module):
 
 
 def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None:
-    from trainer.memory import planner
+    from trainer.plan import peak as planner
 
     block = _ConvertingBlock(32)
     measured = planner.emulated_bf16_workspace(block, (16, 32))
@@ -438,7 +451,7 @@ def test_bf16_norm_inputs_auto_resolves_before_launch(corpus_dir, tmp_path, capl
     from tests.conftest import tiny_config
     from trainer.build import MemoryTransforms
     from trainer.config import ConfigError
-    from trainer.launch.auto import device_memory_bytes, probe_config, resolve_auto
+    from trainer.plan.choose import device_memory_bytes, probe_config, resolve_auto
 
     base = ("memory.precision=bf16", "memory.activation_checkpointing=none",
             "memory.bf16_norm_inputs=auto")

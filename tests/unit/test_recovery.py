@@ -16,13 +16,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from monitoring.sinks import PrometheusSink
-from trainer.launch.worker_errors import (
+from trainer.recovery import ATTEMPTS, Recovery
+from trainer.worker_errors import (
     clear_worker_errors,
     record_controller_error,
     record_worker_error,
     record_worker_exit,
 )
-from trainer.recovery import ATTEMPTS, Recovery
 
 NODES = ["127.0.0.1", "127.0.0.2"]
 

@@ -14,14 +14,11 @@ import torch
 
 from tests.conftest import recorded_cpu_speed
 from trainer.build import MemoryTransforms
-from trainer.memory import speed
-from trainer.memory.planner import (
-    choose_plan,
-    plan_row,
-    profile_activations,
-    static_bytes,
-)
-from trainer.memory.speed import (
+from trainer.model import GPT, GPTConfig
+from trainer.plan import speed
+from trainer.plan.candidates import choose_plan
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.speed import (
     DeviceSpeed,
     LoaderCost,
     SpeedModel,
@@ -32,7 +29,6 @@ from trainer.memory.speed import (
     record_work,
     step_time,
 )
-from trainer.model import GPT, GPTConfig
 
 CFG = GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=32, vocab_size=256)
 
@@ -397,7 +393,7 @@ def test_auto_chooses_the_loss_chunk_with_the_plan() -> None:
     with room, the planner takes the chunk predicted fastest (which of the larger ones depends
     on this CPU's calibrated product sizes: 1,024 where AVX-512 runs them, 512 on AVX2);
     short of room, a smaller chunk that fits."""
-    from trainer.memory.planner import loss_chunk_candidates
+    from trainer.plan.candidates import loss_chunk_candidates
 
     cfg = dataclasses.replace(CFG, vocab_size=8192)
     profile = profile_activations(partial(GPT, cfg), MemoryTransforms(

@@ -29,15 +29,16 @@ import torch.multiprocessing as mp
 from trainer.config import Config
 from trainer.context import LocalContext
 from trainer.errors import first_line
-from trainer.launch.prepare import available_cpus, remote_run, setup_logging
-from trainer.launch.worker_errors import (
+from trainer.launch.prepare import available_cpus, remote_run
+from trainer.logs import setup_logging
+from trainer.loop import train
+from trainer.memory.allocator import configure_allocator_env
+from trainer.worker_errors import (
     clear_worker_errors,
     record_worker_error,
     record_worker_exit,
     recorded_worker_error,
 )
-from trainer.loop import train
-from trainer.memory.allocator import configure_allocator_env
 
 log = logging.getLogger("memtrain")
 

@@ -3,13 +3,12 @@
 ``prepare_run`` turns a loaded config into one the workers can use anywhere (absolute paths),
 checks what would otherwise fail late inside a worker (dataset present, batch arithmetic, worker
 count against CPUs, the run store reachable), resolves ``auto`` choices
-(``trainer.launch.auto``), and writes the resolved config into the run directory.
+(``trainer.plan.choose``), and writes the resolved config into the run directory.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from pathlib import Path
 
@@ -19,12 +18,8 @@ from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
 from trainer.hf import config_vocab_size
-from trainer.launch.auto import resolve_auto
+from trainer.plan.choose import resolve_auto
 from trainer.runstore import RemoteRun, default_work_dir
-
-
-def setup_logging() -> None:
-    logging.basicConfig(format="%(message)s", level=logging.INFO, force=True)
 
 
 def available_cpus() -> int:
@@ -65,13 +60,39 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
     if not cfg.parallel.use_gpu and not joins_cluster and workers > available_cpus():
         raise ConfigError(f"parallel.workers ({workers}) is more than the {available_cpus()} "
                           "CPUs of this machine and parallel.use_gpu is false")
-    cfg = resolve_auto(cfg)
     low, high = cfg.parallel.worker_range
     if low < high and cfg.parallel.launcher != "ray":
         raise ConfigError(f"parallel.workers [{low}, {high}]: an elastic range needs the Ray "
                           "launcher; the local launcher takes one number")
-    for world in range(low, high + 1):  # an elastic group may run at any size in the range
+    # Everything that can be checked before auto is planned: a config that cannot run fails
+    # in one line, before seconds of probing and lines about a plan that will not run.
+    if cfg.train.micro_batch_size != "auto":
+        _check_world_sizes(cfg)
+    _check_datasets(cfg)
+    cfg = resolve_auto(cfg)
+    _check_world_sizes(cfg)  # auto's micro-batch
+    run_dir = local_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if remote is not None:
+        try:
+            remote.fetch_logs(run_dir)
+            remote.upload_file(run_dir / "config.yaml", "config.yaml")
+        except OSError as err:
+            raise _store_error(cfg, err) from err
+    return cfg, run_dir
+
+
+def _check_world_sizes(cfg: Config) -> None:
+    """Every world size the run may take (an elastic range: any) keeps the global batch."""
+    low, high = cfg.parallel.worker_range
+    for world in range(low, high + 1):
         cfg.train.accumulation_steps(world)  # ConfigError naming the sizes that fit
+
+
+def _check_datasets(cfg: Config) -> None:
+    """``data.path`` and ``data.val_path`` hold valid datasets whose rows fit the model: one
+    ``ConfigError`` naming the field otherwise."""
     model_vocab = config_vocab_size(cfg.model.name)  # an hf: model's config.json, else None
     for field, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
         if path is None:
@@ -95,16 +116,6 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         if spec.shape != (cfg.model.seq_len + 1,):
             raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")
-    run_dir = local_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    if remote is not None:
-        try:
-            remote.fetch_logs(run_dir)
-            remote.upload_file(run_dir / "config.yaml", "config.yaml")
-        except OSError as err:
-            raise _store_error(cfg, err) from err
-    return cfg, run_dir
 
 
 def remote_run(cfg: Config) -> RemoteRun | None:

@@ -56,16 +56,17 @@ from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, first_line, is_user_error  # noqa: E402
 from trainer.hf import PREFIX as HF_PREFIX  # noqa: E402
 from trainer.launch.console import TracebackFilter  # noqa: E402
-from trainer.launch.prepare import available_cpus, remote_run, setup_logging  # noqa: E402
-from trainer.launch.worker_errors import (  # noqa: E402
+from trainer.launch.prepare import available_cpus, remote_run  # noqa: E402
+from trainer.logs import LEVEL_ENV, setup_logging  # noqa: E402
+from trainer.loop import train  # noqa: E402
+from trainer.memory.allocator import configure_allocator_env  # noqa: E402
+from trainer.worker_errors import (  # noqa: E402
     WorkerError,
     clear_worker_errors,
     record_controller_error,
     record_worker_error,
     recorded_worker_error,
 )
-from trainer.loop import train  # noqa: E402
-from trainer.memory.allocator import configure_allocator_env  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 log = logging.getLogger("memtrain")
@@ -175,7 +176,7 @@ class _RayInfoFilter(logging.Filter):
 
 
 def _worker_loop(loop_config: dict[str, Any]) -> None:
-    setup_logging()
+    setup_logging(loop_config.get("log_level") or None)  # the driver's level
     if not loop_config.get("ray_logs"):
         for handler in logging.getLogger().handlers:
             handler.addFilter(_RayInfoFilter())
@@ -291,6 +292,7 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
             _worker_loop,
             train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
                                "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
+                               "log_level": os.environ.get(LEVEL_ENV, ""),
                                "launch_id": launch_id, "remote": remote},
             scaling_config=ScalingConfig(num_workers=num_workers,
                                          use_gpu=cfg.parallel.use_gpu,
@@ -346,7 +348,7 @@ def restart_after_storage_failure(err: Exception, run_dir: Path,
     and say so in one line; the caller then fits again, from the latest checkpoint."""
     reason = first_line(getattr(err, "controller_failure", err))
     record_controller_error(run_dir, f"OSError: {reason}")
-    log.warning("warning: Ray Train's controller failed on the run's storage (%s); starting the "
+    log.warning("Ray Train's controller failed on the run's storage (%s); starting the "
                 "run again from its latest checkpoint (%d of %s)", reason, restarts,
                 "unlimited" if limit == -1 else limit)
     deadline = time.monotonic() + STORE_WAIT_SECONDS

@@ -6,8 +6,9 @@ auto`` and ``memory.bf16_norm_inputs: auto`` (and ``memory.precision: auto`` and
 ``memory.loss_chunk_tokens: auto`` where it searches micro-batch or checkpointing) by the plan
 with the most predicted tokens/s among those that fit one device's memory
 (``memory.device_memory``, or what the driver can read): the planner's peak
-(``trainer.memory.planner``) and step time (``trainer.memory.speed``). ``probe_config`` and
-``speed_model`` give the planner its inputs for a config; ``memtrain plan`` uses them too.
+(``trainer.plan.peak``), step time (``trainer.plan.speed``) and rules
+(``trainer.plan.candidates``). ``probe_config`` and ``speed_model`` give the planner its inputs
+for a config; ``memtrain plan`` uses them too.
 """
 
 from __future__ import annotations
@@ -24,19 +25,18 @@ from monitoring.units import parse_bytes
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.compat import fake_tensor_mode
 from trainer.config import Config, ConfigError
-from trainer.memory.oom import oom_recovery_on
-from trainer.memory.planner import (
+from trainer.memory.precision import resolve_precision
+from trainer.oom import oom_recovery_on
+from trainer.plan.candidates import choose_norm_inputs, feasible_plans
+from trainer.plan.peak import (
     AC_MODES,
     ActivationProfile,
     PlanRow,
     StaticBytes,
-    choose_norm_inputs,
-    feasible_plans,
     profile_all,
     static_bytes,
 )
-from trainer.memory.precision import resolve_precision
-from trainer.memory.speed import (
+from trainer.plan.speed import (
     LoaderCost,
     SpeedModel,
     cpu_speed,
@@ -93,7 +93,7 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
 
 def loader_cost(cfg: Config) -> LoaderCost | None:
     """The data loader's cost on ``cfg``'s dataset, measured here (about a second): rank 0's
-    share at the per-rank batch (``trainer.memory.speed.measure_loader``); None, said in the
+    share at the per-rank batch (``trainer.plan.speed.measure_loader``); None, said in the
     log, where this machine cannot read the dataset (the run checks it again)."""
     data = cfg.data
     try:
@@ -110,7 +110,7 @@ def loader_cost(cfg: Config) -> LoaderCost | None:
 
 def speed_model(cfg: Config, gpu: str | None = None, measure_data: bool = False
                 ) -> SpeedModel:
-    """The time model for ``cfg``'s device: this CPU, calibrated (``trainer.memory.speed.
+    """The time model for ``cfg``'s device: this CPU, calibrated (``trainer.plan.speed.
     cpu_speed``, cached), or a GPU's peak figures: ``gpu`` by name, else the driver's own GPU,
     else an H200's (said in the log); compiled where ``train.compile`` is on (``auto``: on a
     GPU). ``measure_data``: with the data loader's cost on the configured dataset
