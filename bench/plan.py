@@ -13,7 +13,8 @@ For each model shape (memtrain's GPT at two sizes, and a Hugging Face Llama buil
   machine's speed drifts by tens of percent within minutes; a ratio measured within a second
   does not.
 The memory budget of a shape is the median of its grid's predicted peaks, so that about half
-the grid fits; ``auto`` is ``choose_plan`` with the time model over the rows that fit.
+the grid fits; ``auto`` is what ``train`` decides (``trainer.plan.candidates.choose``, the
+time model over the rows that fit).
 
 Targets, per shape: Spearman rank correlation of predicted and measured tokens/s over the
 whole grid >= 0.9; the measured tokens/s of ``auto``'s row >= 0.95x the best measured row that
@@ -43,7 +44,7 @@ from bench.results import cpu_description, describe_cpu, write_json
 from trainer.build import MemoryTransforms, build_model
 from trainer.compat import fake_tensor_mode
 from trainer.model import GPT, GPTConfig
-from trainer.plan.candidates import choose_plan
+from trainer.plan.candidates import Request, choose
 from trainer.plan.peak import AC_MODES, plan_row, profile_all, static_bytes
 from trainer.plan.speed import PlanRun, SpeedModel, cpu_speed, spearman
 
@@ -94,7 +95,10 @@ def run_shape(name: str, factory: Callable[[], nn.Module], seq_len: int, vocab_s
     plans = [(profile, plan_row(static, profile, micro, global_batch // micro, speed))
              for profile in profiles for micro in micros]
     budget = int(statistics.median(row.predicted_peak_bytes for _profile, row in plans))
-    auto = choose_plan(static, profiles, global_batch, 1, budget, headroom=1.0, speed=speed)
+    # auto: train's own decision (trainer.plan.candidates.choose) over the probed grid
+    request = Request(global_batch, 1, budget, PRECISIONS, AC_MODES, headroom=1.0)
+    auto = choose(request, lambda precision, _norm: (
+        static, [p for p in profiles if p.precision == precision]), speed).plan
     assert auto is not None, "the median peak fits at least one row"
 
     def run(precision: str, ac: str, micro: int) -> PlanRun:

@@ -63,7 +63,7 @@ from trainer.memory.allocator import configure_allocator_env
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
-from trainer.plan.candidates import choose_plan, feasible_plans
+from trainer.plan.candidates import Request, choose, feasible_plans
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.plan.speed import DeviceSpeed, SpeedModel, cpu_speed, named_gpu_speed, spearman
 from trainer.state import StepResult
@@ -314,9 +314,9 @@ def _under_cap(measure: Any, cap: int, device: torch.device) -> dict[str, Any] |
 def memory_cap(cfg: GPTConfig, cap: int, device: torch.device, steps: int, warmup: int,
                loss_chunk_tokens: int, largest: int) -> dict[str, Any]:
     """Largest micro-batch under a memory cap, bf16: the plain loop's (doubled from 1 until
-    it no longer fits) against memtrain's, chosen by the planner for that cap (CPU probes, as
-    ``memtrain plan`` makes them; any checkpointing mode, least recomputation first), each
-    measured under the cap with tokens/s."""
+    it no longer fits) against memtrain's: ``auto``'s plan for that cap, as ``train`` decides
+    it (CPU probes, as ``memtrain plan`` makes them, and the time model), and the largest
+    micro-batch that fits, each measured under the cap with tokens/s."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
@@ -329,13 +329,18 @@ def memory_cap(cfg: GPTConfig, cap: int, device: torch.device, steps: int, warmu
                 break
             peer, micro = row, micro * 2
         profiles = [profile_activations(partial(GPT, cfg), transforms(ac, loss_chunk_tokens),
-                                        cfg.seq_len, cfg.vocab_size, "bf16", target="cuda")
+                                        cfg.seq_len, cfg.vocab_size, "bf16", target="cuda",
+                                        work=True)
                     for ac in AC_MODES]
         static = static_bytes(GPT(cfg))
-        # What ``auto`` picks (least recomputation with a useful micro-batch), and the largest
-        # micro-batch any checkpointing mode fits (feasible_plans: least recomputation first).
+        # What ``train``'s ``auto`` decides for this cap (trainer.plan.candidates.choose: the
+        # fastest predicted plan that fits), and the largest micro-batch any checkpointing mode
+        # fits (feasible_plans without a time model: least recomputation first).
         fitting = feasible_plans(static, profiles, largest, 1, cap)
-        plans = {"auto": choose_plan(static, profiles, largest, 1, cap),
+        auto = choose(Request(largest, 1, cap, ("bf16",), AC_MODES),
+                      lambda _precision, _norm: (static, profiles),
+                      SpeedModel(device_speed(device))).plan
+        plans = {"auto": auto,
                  "largest": max(fitting, key=lambda r: r.micro_batch_size, default=None)}
         rows: dict[str, Any] = {
             name: None if plan is None else _under_cap(

@@ -248,7 +248,7 @@ def plan_command(
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
     from trainer.plan.candidates import HEADROOM, feasible_plans
-    from trainer.plan.choose import precision_candidates, probe_config, speed_model
+    from trainer.plan.choose import probe_config, speed_model
     from trainer.plan.peak import AC_MODES, plan_row
     from trainer.plan.speed import GPU_COMPILED_SHARE
 
@@ -299,22 +299,57 @@ def plan_command(
                   "tokens/s: predicted, all workers together")
     rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
                           speed=speed, choose_loss_chunk=cfg.memory.loss_chunk_tokens == "auto")
-    candidates = precision_candidates(cfg)
-    auto = next((row for row in rows if row.precision in candidates), None)
+    console.print(_best_table(rows, _auto_plan(cfg, budget, speed, static, profiles),
+                              device_memory, cfg.train.global_batch_size)
+                  if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
+                               "sequence or a smaller model")
+    if measure and rows:
+        _measure_plans(cfg, static, profiles, budget, top, steps)
+
+
+def _auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[Any]) -> Any:
+    """The plan ``train`` would take for ``cfg`` with micro-batch and checkpointing ``auto``
+    on a device of ``budget`` bytes: ``trainer.plan.choose.decide`` itself (its lines go to the
+    log), on the profiles already probed where their bf16 norm inputs match. None: none fits."""
+    from trainer.plan.choose import config_probe, decide
+    from trainer.plan.peak import AC_MODES
+
+    searched = cfg.model_copy(update={
+        "train": cfg.train.model_copy(update={"micro_batch_size": "auto"}),
+        "memory": cfg.memory.model_copy(update={"activation_checkpointing": "auto",
+                                                "device_memory": str(budget)})})
+    probed_norm = cfg.memory.bf16_norm_inputs in (True, "auto")  # "auto" builds them on
+
+    def probe(precision: str, norm: bool) -> tuple[Any, list[Any]]:
+        if norm == probed_norm:
+            return static, [p for p in profiles if p.precision == precision]
+        return config_probe(searched, AC_MODES)(precision, norm)
+
+    try:
+        return decide(searched, speed, probe)[1].plan  # type: ignore[union-attr]
+    except ConfigError:  # nothing fits: the table says so
+        return None
+
+
+def _best_table(rows: list[Any], auto: Any, device_memory: str, global_batch: int) -> Table:
+    """Each precision and checkpointing mode's fastest fitting plan, ``auto``'s marked."""
+    from trainer.plan.candidates import HEADROOM
+
+    def key(row: Any) -> tuple[Any, ...]:
+        return (row.precision, row.activation_checkpointing, row.micro_batch_size,
+                row.loss_chunk_tokens)
+
     best = _plan_table(f"fastest micro-batch in {HEADROOM:.0%} of {device_memory}, global "
-                       f"batch {cfg.train.global_batch_size} kept",
+                       f"batch {global_batch} kept",
                        "precision", "act.\nckpt", "micro-\nbatch", "accumu-\nlation",
                        "loss\nchunk", "peak\nGiB", "tokens/s", "")
     for row in rows:
         best.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
                      str(row.accumulation_steps),
                      f"{row.loss_chunk_tokens:,}" if row.loss_chunk_tokens else "-",
-                     f"{row.predicted_peak_bytes / gib:.2f}", f"{row.tokens_per_s:,.0f}",
-                     "<- auto" if row is auto else "")
-    console.print(best if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
-                                    "sequence or a smaller model")
-    if measure and rows:
-        _measure_plans(cfg, static, profiles, budget, top, steps)
+                     f"{row.predicted_peak_bytes / 2**30:.2f}", f"{row.tokens_per_s:,.0f}",
+                     "<- auto" if auto is not None and key(row) == key(auto) else "")
+    return best
 
 
 def _measure_plans(cfg: Any, static: Any, profiles: list[Any], budget: int, top: int,

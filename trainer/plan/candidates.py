@@ -10,6 +10,10 @@ figures, and ``make gpu-check`` calls them on a machine without the config's dep
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 from trainer.memory.loss import MIN_AUTO_LOSS_CHUNK_TOKENS, ChunkedLossShape
 from trainer.plan.peak import ActivationProfile, PlanRow, StaticBytes, plan_row
 from trainer.plan.speed import SpeedModel
@@ -135,3 +139,128 @@ def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank:
                       f"{without.micro_batch_size} without")
     return False, (f"not needed: checkpointing {without.activation_checkpointing}, micro-batch "
                    f"{without.micro_batch_size} fits without them")
+
+
+# One (precision, bf16 norm inputs) pair's planner inputs: one rank's static bytes and an
+# activation profile per checkpointing mode, with the step's work recorded.
+Probe = Callable[[str, bool], tuple[StaticBytes, list[ActivationProfile]]]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``auto`` is asked to decide, with no config: ``trainer.plan.choose`` reads one from
+    a config, benches and gpu-check set one up for their shapes.
+
+    ``precisions``: the candidates, the device's own first. ``micro_batch_size`` None: every
+    divisor of the per-rank batch. ``norm_inputs`` ``"auto"``: with and without bf16 norm
+    inputs, under bf16. ``weigh_compile``: the speed model's compiled plans against eager ones
+    (``train.compile: auto`` on a GPU)."""
+
+    global_batch_size: int
+    world_size: int
+    device_memory_bytes: int
+    precisions: tuple[str, ...]
+    ac_modes: tuple[str, ...]
+    micro_batch_size: int | None = None
+    norm_inputs: bool | str = False
+    choose_loss_chunk: bool = False
+    weigh_compile: bool = False
+    headroom: float = HEADROOM
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``choose``'s answer: the plan (None: nothing fits), every fitting plan fastest first
+    (one per precision and checkpointing mode), the bf16 norm inputs each precision was planned
+    with, whether to compile (None: not weighed), and why, as the log's lines."""
+
+    plan: PlanRow | None
+    rows: list[PlanRow]
+    norm_inputs: dict[str, bool | str]
+    compile: bool | None
+    why: list[str] = field(default_factory=list)
+
+    @property
+    def runner_up(self) -> PlanRow | None:
+        return self.rows[1] if len(self.rows) > 1 and self.rows[0] is self.plan else None
+
+
+def _tokens(row: PlanRow) -> str:
+    return f"{row.tokens_per_s:,.0f} tokens/s"
+
+
+def choose(request: Request, probe: Probe, speed: SpeedModel) -> Decision:
+    """``auto``'s one decision: the fitting plan with the most predicted tokens/s over the
+    request's precisions, checkpointing modes, micro-batches and (``choose_loss_chunk``) loss
+    chunks; with bf16 norm inputs where they pay (``norm_inputs: "auto"``), compiled where that
+    is faster (``weigh_compile``). ``train`` (``trainer.plan.choose.resolve_auto``),
+    ``memtrain plan``, ``make bench-plan`` and ``make gpu-check`` all take their ``auto``
+    from here. Each pair's probe runs once."""
+    probes: dict[tuple[str, bool], tuple[StaticBytes, list[ActivationProfile]]] = {}
+
+    def plans_with(precision: str, norm: bool, model: SpeedModel = speed) -> list[PlanRow]:
+        if (precision, norm) not in probes:
+            probes[precision, norm] = probe(precision, norm)
+        static, profiles = probes[precision, norm]
+        return feasible_plans(static, profiles, request.global_batch_size, request.world_size,
+                              request.device_memory_bytes, request.headroom, speed=model,
+                              micro_batch_size=request.micro_batch_size,
+                              choose_loss_chunk=request.choose_loss_chunk)
+
+    why: list[str] = []
+    norms: dict[str, bool | str] = {}
+    found: dict[str, list[PlanRow]] = {}
+    for precision in request.precisions:
+        if precision == "bf16" and request.norm_inputs == "auto":
+            without, with_ = plans_with("bf16", False), plans_with("bf16", True)
+            on, reason = choose_norm_inputs(without[0] if without else None,
+                                            with_[0] if with_ else None,
+                                            request.global_batch_size // request.world_size)
+            why.append(f"auto: bf16 norm inputs {'on' if on else 'off'} ({reason})")
+            norms["bf16"], found["bf16"] = on, with_ if on else without
+        else:  # without bf16 an "auto" is off: the copies exist only under bf16 autocast
+            norms[precision] = False if request.norm_inputs == "auto" else request.norm_inputs
+            found[precision] = plans_with(precision, norms[precision] is True)
+    rows = sorted((row for plans in found.values() for row in plans),
+                  key=lambda r: -r.tokens_per_s)
+    if not rows:
+        return Decision(None, [], norms, None, why)
+    compiles = None
+    if speed.compiled and request.weigh_compile:
+        # Each way's fastest plan: compiled (the model's fusion, GPU_COMPILED_SHARE) or eager.
+        eager_model = dataclasses.replace(speed, compiled=False)
+        eager = max((row for precision in found for row in plans_with(
+            precision, norms[precision] is True, eager_model)), key=lambda r: r.tokens_per_s,
+            default=None)
+        compiles = eager is None or rows[0].tokens_per_s > eager.tokens_per_s
+        reason = ""
+        if eager is not None:
+            reason = (f"predicted {_tokens(rows[0])} compiled, {_tokens(eager)} eager, each "
+                      "its fastest plan; compile time not counted")
+            if not compiles:
+                rows = [eager]
+        why.append(f"auto: train.compile {'on' if compiles else 'off'} ({reason})")
+    decision = Decision(rows[0], rows, norms, compiles, why)
+    why.append(_plan_line(decision, request, speed))
+    return decision
+
+
+def _plan_line(decision: Decision, request: Request, speed: SpeedModel) -> str:
+    """The decision in one line: the plan, its predicted speed and peak, the runner-up."""
+    plan, other = decision.plan, decision.runner_up
+    assert plan is not None
+    runner_up = (f"; next: {other.precision}, checkpointing {other.activation_checkpointing}, "
+                 f"micro-batch {other.micro_batch_size}, {_tokens(other)}") if other else ""
+    loading = ""
+    if speed.loader:
+        data = speed.loader.seconds(plan.micro_batch_size) * plan.accumulation_steps
+        loading = f", of which the data loader {data * 1e3:,.2f} ms"
+    chunk = f", loss chunks of {plan.loss_chunk_tokens:,} tokens" \
+        if request.choose_loss_chunk and plan.loss_chunk_tokens else ""
+    return (f"auto: precision {plan.precision}, activation checkpointing "
+            f"{plan.activation_checkpointing}, micro-batch {plan.micro_batch_size} x "
+            f"accumulation {plan.accumulation_steps}{chunk}: predicted {_tokens(plan)} "
+            f"({speed.device.name}; {plan.step_seconds * 1e3:.1f} ms a step{loading}), the "
+            f"fastest of {len(decision.rows)} plans that fit{runner_up}; predicted peak "
+            f"{plan.predicted_peak_bytes / 2**30:.2f} GiB of "
+            f"{request.device_memory_bytes / 2**30:.2f} GiB")

@@ -13,7 +13,6 @@ for a config; ``memtrain plan`` uses them too.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Iterable
@@ -27,11 +26,10 @@ from trainer.compat import fake_tensor_mode
 from trainer.config import Config, ConfigError
 from trainer.memory.precision import resolve_precision
 from trainer.oom import oom_recovery_on
-from trainer.plan.candidates import choose_norm_inputs, feasible_plans
+from trainer.plan.candidates import Decision, Probe, Request, choose
 from trainer.plan.peak import (
     AC_MODES,
     ActivationProfile,
-    PlanRow,
     StaticBytes,
     profile_all,
     static_bytes,
@@ -137,47 +135,57 @@ def precision_candidates(cfg: Config) -> list[str]:
     return [planned, "bf16" if planned == "fp32" else "fp32"]
 
 
-def _tokens(row: PlanRow) -> str:
-    return f"{row.tokens_per_s:,.0f} tokens/s"
-
-
-def resolve_auto(cfg: Config) -> Config:
-    """Replace ``micro_batch_size: auto``, ``activation_checkpointing: auto`` and
-    ``bf16_norm_inputs: auto`` (and ``precision: auto`` with either of the first two) by the
-    fitting plan with the most predicted tokens/s; configs without ``auto`` pass unchanged."""
+def request_from(cfg: Config, budget: int) -> Request:
+    """The decision ``cfg``'s ``auto`` fields ask for, on a device of ``budget`` bytes: every
+    checkpointing mode where it is ``auto``, every micro-batch where that is, the precision
+    candidates (``precision_candidates``) where either is searched."""
     micro_auto = cfg.train.micro_batch_size == "auto"
     ac_auto = cfg.memory.activation_checkpointing == "auto"
-    norm_auto = cfg.memory.bf16_norm_inputs == "auto"
-    if not (micro_auto or ac_auto or norm_auto):
-        return cfg
-    world = cfg.parallel.workers
-    if cfg.train.global_batch_size % world:
-        raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
-                          f"multiple of the workers ({world})")
     searching = micro_auto or ac_auto
-    precisions = precision_candidates(cfg) if searching else [planned_precision(cfg)]
+    return Request(
+        global_batch_size=cfg.train.global_batch_size, world_size=cfg.parallel.workers,
+        device_memory_bytes=budget,
+        precisions=tuple(precision_candidates(cfg) if searching else [planned_precision(cfg)]),
+        ac_modes=AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,),
+        micro_batch_size=None if micro_auto else cfg.train.micro_batch(),
+        norm_inputs=cfg.memory.bf16_norm_inputs,
+        # The loss's chunk is chosen with the rest where it is "auto" and the model chunks it.
+        choose_loss_chunk=searching and cfg.memory.loss_chunk_tokens == "auto",
+        weigh_compile=searching and cfg.train.compile == "auto")
 
-    # The loss's chunk is chosen with the rest where it is "auto" and the model chunks it.
-    chunk_auto = searching and cfg.memory.loss_chunk_tokens == "auto"
 
-    def resolved(plan: PlanRow | None, norm: bool | str) -> Config:
-        memory: dict[str, Any] = {"bf16_norm_inputs": norm}
-        train: dict[str, Any] = {}
-        if plan is not None:
-            memory["activation_checkpointing"] = plan.activation_checkpointing
-            train["micro_batch_size"] = plan.micro_batch_size
-            if len(precisions) > 1:
-                memory["precision"] = plan.precision
-            if chunk_auto and plan.loss_chunk_tokens:
-                memory["loss_chunk_tokens"] = plan.loss_chunk_tokens
-        return cfg.model_copy(update={
-            "train": cfg.train.model_copy(update=train),
-            "memory": cfg.memory.model_copy(update=memory)})
+def config_probe(cfg: Config, ac_modes: Iterable[str]) -> Probe:
+    """``choose``'s probe for ``cfg``: its model at one precision, bf16 norm inputs on or off,
+    over ``ac_modes``, with the step's work recorded."""
+    def probe(precision: str, norm: bool) -> tuple[StaticBytes, list[ActivationProfile]]:
+        with_norm = cfg.model_copy(update={"memory": cfg.memory.model_copy(
+            update={"bf16_norm_inputs": norm})})
+        return probe_config(with_norm, [precision], ac_modes, work=True)
 
-    if norm_auto and "bf16" not in precisions:  # the copies exist only under bf16 autocast
-        cfg, norm_auto = resolved(None, False), False
-        if not searching:
-            return cfg
+    return probe
+
+
+def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = None
+           ) -> tuple[Config, Decision | None]:
+    """``cfg`` with ``micro_batch_size: auto``, ``activation_checkpointing: auto`` and
+    ``bf16_norm_inputs: auto`` (and ``precision``, ``loss_chunk_tokens`` and, on a GPU,
+    ``train.compile`` with either of the first two) resolved by ``choose``, with its
+    ``Decision`` (None where nothing was planned); configs without ``auto`` pass unchanged. The
+    decision's lines go to the log. ``speed``: the time model (default ``speed_model(cfg)``,
+    measuring the data loader where a micro-batch or checkpointing mode is chosen); ``probe``:
+    the planner's inputs (default ``config_probe``; ``memtrain plan`` passes the profiles it
+    has already probed)."""
+    searching = cfg.train.micro_batch_size == "auto" or \
+        cfg.memory.activation_checkpointing == "auto"
+    norm_auto = cfg.memory.bf16_norm_inputs == "auto"
+    if not (searching or norm_auto):
+        return cfg, None
+    if cfg.train.global_batch_size % cfg.parallel.workers:
+        raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
+                          f"multiple of the workers ({cfg.parallel.workers})")
+    if norm_auto and not searching and planned_precision(cfg) != "bf16":
+        # the copies exist only under bf16 autocast: nothing to plan
+        return resolved(cfg, None, False), None
     try:
         budget = device_memory_bytes(cfg)
     except ConfigError:
@@ -185,78 +193,47 @@ def resolve_auto(cfg: Config) -> Config:
             raise
         log.info("auto: bf16 norm inputs on (this machine cannot read the GPU's memory and "
                  "memory.device_memory is unset; on fits more)")
-        return resolved(None, True)
-    modes = AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,)
-    fixed = None if micro_auto else cfg.train.micro_batch()
+        return resolved(cfg, None, True), None
+    request = request_from(cfg, budget)
     # The loader's cost per batch weighs micro-batches against each other: measured only when
     # they are chosen between.
-    speed = speed_model(cfg, measure_data=searching)
-
-    probes: dict[tuple[str, bool], tuple[StaticBytes, list[ActivationProfile]]] = {}
-
-    def plans_with(precision: str, norm: bool, model: SpeedModel = speed) -> list[PlanRow]:
-        """The fitting plans, fastest first (one per checkpointing mode)."""
-        if (precision, norm) not in probes:
-            probes[precision, norm] = probe_config(
-                cfg.model_copy(update={"memory": cfg.memory.model_copy(
-                    update={"bf16_norm_inputs": norm})}), [precision], modes, work=True)
-        static, profiles = probes[precision, norm]
-        return feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
-                              speed=model, micro_batch_size=fixed, choose_loss_chunk=chunk_auto)
-
-    fallback_norm = cfg.memory.bf16_norm_inputs
-    norms: dict[str, bool | str] = {}
-    found: dict[str, list[PlanRow]] = {}
-    for precision in precisions:
-        if precision == "bf16" and norm_auto:
-            without, with_ = plans_with("bf16", False), plans_with("bf16", True)
-            on, why = choose_norm_inputs(without[0] if without else None,
-                                         with_[0] if with_ else None,
-                                         cfg.train.global_batch_size // world)
-            fallback_norm = on
-            log.info("auto: bf16 norm inputs %s (%s)", "on" if on else "off", why)
-            norms["bf16"], found["bf16"] = on, with_ if on else without
-        else:  # without bf16 an "auto" is off: the copies exist only under bf16 autocast
-            norms[precision] = False if norm_auto else cfg.memory.bf16_norm_inputs
-            found[precision] = plans_with(precision, norms[precision] is True)
-    rows = sorted((row for plans in found.values() for row in plans),
-                  key=lambda r: -r.tokens_per_s)
-    if not rows:
+    speed = speed or speed_model(cfg, measure_data=searching)
+    decision = choose(request, probe or config_probe(cfg, request.ac_modes), speed)
+    for line in decision.why:
+        log.info("%s", line)
+    if decision.plan is None:
         if searching:
             raise ConfigError(f"nothing fits {budget / 2**30:.1f} GiB per device with "
-                              f"precision {' or '.join(precisions)} (memory.device_memory); "
-                              "try FSDP, a shorter sequence or a smaller model")
-        return resolved(None, fallback_norm)  # the run's own OOM handling has the last word
-    compile_why = ""
-    if speed.compiled and cfg.train.compile == "auto" and searching:
-        # Each way's fastest plan: compiled (the model's fusion, GPU_COMPILED_SHARE) or eager.
-        eager_model = dataclasses.replace(speed, compiled=False)
-        eager = max((row for precision in found for row in plans_with(
-            precision, norms[precision] is True, eager_model)), key=lambda r: r.tokens_per_s,
-            default=None)
-        compiles = eager is None or rows[0].tokens_per_s > eager.tokens_per_s
-        if eager is not None:
-            compile_why = (f"predicted {_tokens(rows[0])} compiled, {_tokens(eager)} eager, "
-                           "each its fastest plan; compile time not counted")
-            if not compiles:
-                rows = [eager]
-        log.info("auto: train.compile %s (%s)", "on" if compiles else "off", compile_why)
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(
-            update={"compile": compiles})})
-    plan, others = rows[0], rows[1:]
-    runner_up = (f"; next: {others[0].precision}, checkpointing "
-                 f"{others[0].activation_checkpointing}, micro-batch "
-                 f"{others[0].micro_batch_size}, {_tokens(others[0])}") if others else ""
-    loading = ""
-    if speed.loader:
-        data = speed.loader.seconds(plan.micro_batch_size) * plan.accumulation_steps
-        loading = f", of which the data loader {data * 1e3:,.2f} ms"
-    chunk = f", loss chunks of {plan.loss_chunk_tokens:,} tokens" \
-        if chunk_auto and plan.loss_chunk_tokens else ""
-    log.info("auto: precision %s, activation checkpointing %s, micro-batch %d x accumulation %d"
-             "%s: predicted %s (%s; %.1f ms a step%s), the fastest of %d plans that fit%s; "
-             "predicted peak %.2f GiB of %.2f GiB", plan.precision, plan.activation_checkpointing,
-             plan.micro_batch_size, plan.accumulation_steps, chunk, _tokens(plan),
-             speed.device.name, plan.step_seconds * 1e3, loading, len(rows), runner_up,
-             plan.predicted_peak_bytes / 2**30, budget / 2**30)
-    return resolved(plan, norms[plan.precision])
+                              f"precision {' or '.join(request.precisions)} "
+                              "(memory.device_memory); try FSDP, a shorter sequence or a "
+                              "smaller model")
+        # the run's own OOM handling has the last word
+        norm = decision.norm_inputs.get("bf16", cfg.memory.bf16_norm_inputs)
+        return resolved(cfg, None, norm if norm != "auto" else True), decision
+    return resolved(cfg, decision, decision.norm_inputs[decision.plan.precision],
+                    request.choose_loss_chunk, len(request.precisions) > 1), decision
+
+
+def resolved(cfg: Config, decision: Decision | None, norm: bool | str,
+             chunk: bool = False, precision: bool = False) -> Config:
+    """``cfg`` with bf16 norm inputs ``norm`` and the decision's plan: its checkpointing and
+    micro-batch, its loss chunk (``chunk``), precision (``precision``) and compile choice."""
+    memory: dict[str, Any] = {"bf16_norm_inputs": norm}
+    train: dict[str, Any] = {}
+    plan = decision.plan if decision is not None else None
+    if plan is not None:
+        memory["activation_checkpointing"] = plan.activation_checkpointing
+        train["micro_batch_size"] = plan.micro_batch_size
+        if precision:
+            memory["precision"] = plan.precision
+        if chunk and plan.loss_chunk_tokens:
+            memory["loss_chunk_tokens"] = plan.loss_chunk_tokens
+    if decision is not None and decision.compile is not None:
+        train["compile"] = decision.compile
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train),
+                                  "memory": cfg.memory.model_copy(update=memory)})
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """``decide``'s config: what ``train`` runs (``trainer.launch.prepare``)."""
+    return decide(cfg)[0]
