@@ -45,7 +45,7 @@ from trainer.build import MemoryTransforms, build_model
 from trainer.compat import fake_tensor_mode
 from trainer.model import GPT, GPTConfig
 from trainer.plan.candidates import Request, choose
-from trainer.plan.peak import AC_MODES, plan_row, profile_all, static_bytes
+from trainer.plan.peak import AC_MODES, PlanRow, plan_row, profile_all, static_bytes
 from trainer.plan.speed import PlanRun, SpeedModel, cpu_speed, spearman
 
 PRECISIONS = ("fp32", "bf16")
@@ -105,28 +105,8 @@ def run_shape(name: str, factory: Callable[[], nn.Module], seq_len: int, vocab_s
         return PlanRun(factory, transforms.replace(activation_checkpointing=ac), seq_len,
                        vocab_size, precision, micro, global_batch // micro)
 
-    # This machine's speed drifts by tens of percent within minutes, more than many rows
-    # differ: each row's steps alternate with auto's, and a row's figure is its speed relative
-    # to auto's measured beside it (the median over rounds, each the fastest of ``steps``
-    # steps of either), times auto's own tokens/s (the median of its figures).
-    reference = run(auto.precision, auto.activation_checkpointing, auto.micro_batch_size)
-    reference.step()
-    ratios: list[list[float]] = [[] for _ in plans]
-    reference_seconds = []
-    order = list(range(len(plans)))
-    for round_index in range(rounds):
-        random.Random(round_index).shuffle(order)  # drift within a round spread over the grid
-        for i in order:
-            _profile, row = plans[i]
-            candidate = run(row.precision, row.activation_checkpointing, row.micro_batch_size)
-            candidate.step()  # warm-up
-            mine, theirs = [], []
-            for _ in range(steps):
-                theirs.append(reference.step())
-                mine.append(candidate.step())
-            ratios[i].append(min(theirs) / min(mine))
-            reference_seconds.append(min(theirs))
-            del candidate
+    ratios, reference_seconds = measure_against_auto(run, auto, [row for _p, row in plans],
+                                                     steps, rounds)
     reference_tokens_per_s = global_batch * seq_len / statistics.median(reference_seconds)
     rows = []
     for (_profile, row), ratio in zip(plans, ratios, strict=True):
@@ -153,6 +133,36 @@ def run_shape(name: str, factory: Callable[[], nn.Module], seq_len: int, vocab_s
             "auto": picked, "best_fitting": fastest,
             "auto_over_best": picked["measured_tokens_per_s"]
             / fastest["measured_tokens_per_s"]}
+
+
+def measure_against_auto(run: Callable[[str, str, int], PlanRun], auto: PlanRow,
+                         plans: list[PlanRow], steps: int, rounds: int
+                         ) -> tuple[list[list[float]], list[float]]:
+    """Each plan's speed relative to ``auto``'s, one figure a round, and ``auto``'s step times.
+
+    This machine's speed drifts by tens of percent within minutes, more than many rows
+    differ: each row's steps alternate with auto's, and a row's figure is its speed relative
+    to auto's measured beside it (each the fastest of ``steps`` steps of either), over
+    ``rounds`` passes over the grid in shuffled order."""
+    reference = run(auto.precision, auto.activation_checkpointing, auto.micro_batch_size)
+    reference.step()
+    ratios: list[list[float]] = [[] for _ in plans]
+    reference_seconds = []
+    order = list(range(len(plans)))
+    for round_index in range(rounds):
+        random.Random(round_index).shuffle(order)  # drift within a round spread over the grid
+        for i in order:
+            row = plans[i]
+            candidate = run(row.precision, row.activation_checkpointing, row.micro_batch_size)
+            candidate.step()  # warm-up
+            mine, theirs = [], []
+            for _ in range(steps):
+                theirs.append(reference.step())
+                mine.append(candidate.step())
+            ratios[i].append(min(theirs) / min(mine))
+            reference_seconds.append(min(theirs))
+            del candidate
+    return ratios, reference_seconds
 
 
 def gpt2_planning_seconds() -> float:

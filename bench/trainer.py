@@ -186,6 +186,48 @@ def steady(times: list[float], warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
+def overhead(data: Path, steps: int, runs: Path) -> dict[str, Any]:
+    """memtrain's step time against the hand-written DDP loop's, with and without the OOM
+    agreement. The runs alternate so that drift in the machine's speed hits all alike; the
+    best of each is kept."""
+    times: dict[str, list[float]] = {"naive": [], "memtrain": [], "memtrain_oom_agreement": []}
+    for _ in range(2):
+        times["naive"].append(steady(naive(data, steps)["step_seconds"], 10))
+        times["memtrain"].append(steady(memtrain_run(data, steps, "local", runs)
+                                        ["step_seconds"], 1))
+        times["memtrain_oom_agreement"].append(steady(memtrain_run(
+            data, steps, "local", runs, ("memory.oom_recovery=true",))["step_seconds"], 1))
+    best = {name: min(values) for name, values in times.items()}
+    found = {"naive_step_seconds": best["naive"], "memtrain_step_seconds": best["memtrain"],
+             "ratio": best["memtrain"] / best["naive"],
+             "ratio_with_oom_agreement": best["memtrain_oom_agreement"] / best["naive"],
+             "target": 1.03, "runs": times}
+    print(f"overhead: hand-written DDP {best['naive'] * 1e3:.1f} ms/step, memtrain "
+          f"{best['memtrain'] * 1e3:.1f} ms/step (ratio {found['ratio']:.3f}), with the OOM "
+          f"agreement {best['memtrain_oom_agreement'] * 1e3:.1f} ms/step (ratio "
+          f"{found['ratio_with_oom_agreement']:.3f})", flush=True)
+    return found
+
+
+def accumulation_rounds(data: Path) -> dict[str, Any]:
+    """All-reduce rounds and bytes per step with accumulation: the naive loop, the loop
+    under ``no_sync``, and memtrain's."""
+    plain = naive(data, 3, no_sync=False)
+    careful = naive(data, 3, no_sync=True)
+    mine = memtrain_rounds(agreement=True)
+    acc = {"micro_batches": ACCUM,
+           "naive_rounds_per_step": plain["rounds"] / plain["steps"],
+           "naive_bytes_per_step": plain["bytes"] / plain["steps"],
+           "no_sync_rounds_per_step": careful["rounds"] / careful["steps"],
+           "memtrain_rounds_per_step": mine["rounds"] / mine["steps"],
+           "memtrain_bytes_per_step": mine["bytes"] / mine["steps"]}
+    print(f"all-reduce rounds per step with {ACCUM} micro-batches: naive "
+          f"{acc['naive_rounds_per_step']:.0f} ({acc['naive_bytes_per_step'] / 1e6:.1f} MB),"
+          f" memtrain {acc['memtrain_rounds_per_step']:.0f} "
+          f"({acc['memtrain_bytes_per_step'] / 1e6:.1f} MB)", flush=True)
+    return acc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
@@ -205,40 +247,8 @@ def main() -> None:
                                   "cpus": len(os.sched_getaffinity(0)), "workers": WORKERS,
                                   "micro_batch": MICRO, "accumulation": ACCUM,
                                   "torch": torch.__version__, "precision": PRECISION}
-        # Alternate the runs so that drift in the machine's speed hits all alike; keep the best.
-        times: dict[str, list[float]] = {"naive": [], "memtrain": [], "memtrain_oom_agreement": []}
-        for _ in range(2):
-            times["naive"].append(steady(naive(data, args.steps)["step_seconds"], 10))
-            times["memtrain"].append(steady(memtrain_run(data, args.steps, "local", runs)
-                                            ["step_seconds"], 1))
-            times["memtrain_oom_agreement"].append(steady(memtrain_run(
-                data, args.steps, "local", runs, ("memory.oom_recovery=true",))
-                ["step_seconds"], 1))
-        best = {name: min(values) for name, values in times.items()}
-        report["overhead"] = {
-            "naive_step_seconds": best["naive"], "memtrain_step_seconds": best["memtrain"],
-            "ratio": best["memtrain"] / best["naive"],
-            "ratio_with_oom_agreement": best["memtrain_oom_agreement"] / best["naive"],
-            "target": 1.03, "runs": times}
-        print(f"overhead: hand-written DDP {best['naive'] * 1e3:.1f} ms/step, memtrain "
-              f"{best['memtrain'] * 1e3:.1f} ms/step (ratio {report['overhead']['ratio']:.3f}),"
-              f" with the OOM agreement {best['memtrain_oom_agreement'] * 1e3:.1f} ms/step "
-              f"(ratio {report['overhead']['ratio_with_oom_agreement']:.3f})", flush=True)
-        plain = naive(data, 3, no_sync=False)
-        careful = naive(data, 3, no_sync=True)
-        mine = memtrain_rounds(agreement=True)
-        report["accumulation"] = {
-            "micro_batches": ACCUM,
-            "naive_rounds_per_step": plain["rounds"] / plain["steps"],
-            "naive_bytes_per_step": plain["bytes"] / plain["steps"],
-            "no_sync_rounds_per_step": careful["rounds"] / careful["steps"],
-            "memtrain_rounds_per_step": mine["rounds"] / mine["steps"],
-            "memtrain_bytes_per_step": mine["bytes"] / mine["steps"]}
-        acc = report["accumulation"]
-        print(f"all-reduce rounds per step with {ACCUM} micro-batches: naive "
-              f"{acc['naive_rounds_per_step']:.0f} ({acc['naive_bytes_per_step'] / 1e6:.1f} MB),"
-              f" memtrain {acc['memtrain_rounds_per_step']:.0f} "
-              f"({acc['memtrain_bytes_per_step'] / 1e6:.1f} MB)", flush=True)
+        report["overhead"] = overhead(data, args.steps, runs)
+        report["accumulation"] = accumulation_rounds(data)
         first = {"local": memtrain_run(data, 2, "local", runs)}
         if not args.skip_ray:
             first["ray"] = memtrain_run(data, 2, "ray", runs)

@@ -155,6 +155,22 @@ def numpy_blocks(files: list[Path], column: str, block_rows: int = 65536) -> Ite
             yield {name: np.asarray(a[first:first + block_rows]) for name, a in arrays.items()}
 
 
+def _write_blocks(blocks: Iterator[Block], out: Path, shard_bytes: int,
+                  metadata: dict[str, str], progress: ProgressFn | None) -> DatasetWriter | None:
+    """Every block into shards of about ``shard_bytes`` at ``out``, the columns taken from the
+    first block; the writer, still open (None: there was no block)."""
+    writer: DatasetWriter | None = None
+    for block in blocks:
+        if writer is None:
+            specs = [ColumnSpec(name, array.dtype.name, tuple(array.shape[1:]))
+                     for name, array in block.items()]
+            row_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in specs)
+            writer = DatasetWriter(out, specs, rows_per_shard=max(1, shard_bytes // row_bytes),
+                                   metadata=metadata, progress=progress)
+        writer.write(block)
+    return writer
+
+
 def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
                   columns: list[str] | None = None, column: str = "tokens", seq_len: int = 256,
                   shard_bytes: int = 64 << 20, overwrite: bool = False,
@@ -200,15 +216,7 @@ def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
         }[kind]()
         if kind == "text":
             metadata["vocab_size"] = "256"  # byte tokens
-    writer: DatasetWriter | None = None
-    for block in blocks:
-        if writer is None:
-            specs = [ColumnSpec(name, array.dtype.name, tuple(array.shape[1:]))
-                     for name, array in block.items()]
-            row_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in specs)
-            writer = DatasetWriter(out, specs, rows_per_shard=max(1, shard_bytes // row_bytes),
-                                   metadata=metadata, progress=progress)
-        writer.write(block)
+    writer = _write_blocks(blocks, out, shard_bytes, metadata, progress)
     if writer is None:
         unit = "tokens" if tokenized else "bytes"
         raise DatasetError(f"no rows in {', '.join(map(str, sources))} (text needs at least "

@@ -526,6 +526,29 @@ def recorded_memory_stats(device: torch.device) -> dict[str, Any] | None:
             if isinstance(v, int | float)}
 
 
+class Sections:
+    """Runs gpu-check's sections within its time budget (``deadline``): each section's time
+    printed, and one section failing (its error in the report) never losing the others'
+    figures."""
+
+    def __init__(self, report: dict[str, Any], deadline: float) -> None:
+        self.report, self.deadline = report, deadline
+
+    def __call__(self, name: str, fn: Any, *fargs: Any, **fkwargs: Any) -> Any:
+        if time.perf_counter() > self.deadline:
+            self.report["errors"].append(f"{name}: skipped, time budget spent")
+            return None
+        start = time.perf_counter()
+        try:
+            value = fn(*fargs, **fkwargs)
+        except Exception as err:  # one section failing must not lose the others' figures
+            self.report["errors"].append(f"{name}: {type(err).__name__}: {err}"[:500])
+            traceback.print_exc()
+            value = None
+        print(f"[gpu-check] {name}: {time.perf_counter() - start:.1f}s", flush=True)
+        return value
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     setting = configure_allocator_env()
     cuda = torch.cuda.is_available() and not args.dry
@@ -534,7 +557,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = TINY if dry else GPT2_124M
     micro_batch = 4 if dry else args.micro_batch
     steps, warmup = (2, 1) if dry else (args.steps, 3)
-    deadline = time.perf_counter() + args.budget_seconds
     report: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(), "dry": dry, "device": torch.cuda.get_device_name(0)
@@ -547,24 +569,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.zeros(1, device=device)
         report["allocator_effective"] = allocator_settings()
         report["device_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
-
-    def section(name: str, fn, *fargs, **fkwargs):
-        if time.perf_counter() > deadline:
-            report["errors"].append(f"{name}: skipped, time budget spent")
-            return None
-        start = time.perf_counter()
-        try:
-            value = fn(*fargs, **fkwargs)
-        except Exception as err:  # one section failing must not lose the others' figures
-            report["errors"].append(f"{name}: {type(err).__name__}: {err}"[:500])
-            traceback.print_exc()
-            value = None
-        print(f"[gpu-check] {name}: {time.perf_counter() - start:.1f}s", flush=True)
-        return value
-
+    section = Sections(report, time.perf_counter() + args.budget_seconds)
     report["matmul_bf16_tflops"] = section("matmul peak", matmul_peak_tflops, device, dry)
-    flops_per_token = GPT(cfg).flops_per_token()
-    report["flops_per_token"] = flops_per_token
+    report["flops_per_token"] = GPT(cfg).flops_per_token()
+    step_rows(section, report, args, cfg, device, micro_batch, steps, warmup)
+    peers = [("bf16", False)] + ([("bf16", True)] if not dry and args.compile else [])
+    report["peer"] = [row for precision, compiled in peers
+                      if (row := section(f"peer {precision}{' compiled' if compiled else ''}",
+                                         measure_peer, cfg, precision, micro_batch, device,
+                                         steps, warmup, compiled)) is not None]
+    report["peer_ratios"] = peer_ratios(report)
+    report["memory_stats"] = recorded_memory_stats(device)
+    report["metrics"] = section("metric families", metric_families, cfg, device, micro_batch,
+                                args.loss_chunk_tokens)
+    input_stall(section, report, cfg, device, micro_batch, steps, warmup,
+                args.loss_chunk_tokens)
+    report["oom_recovery"] = section(
+        "oom recovery", oom_recovery, cfg, device, 4 if dry else args.oom_micro_batch, dry)
+    # Dry mode: a cap just above the plain loop's peak at micro-batch 4, so it fits 4 and not 8.
+    cap = (int(report["peer"][0]["peak_allocated_bytes"] * 1.2) if dry and report["peer"]
+           else int(args.memory_cap_gib * 2**30))
+    report["memory_cap"] = section("memory cap", memory_cap, cfg, cap, device, steps, warmup,
+                                   args.loss_chunk_tokens, 64 if dry else 512)
+    report["loss_kernels"] = section("loss kernels", loss_kernels, device, dry)
+    report["summary"] = summarize(report)
+    return report
+
+
+def step_rows(section: Sections, report: dict[str, Any], args: argparse.Namespace,
+              cfg: GPTConfig, device: torch.device, micro_batch: int, steps: int,
+              warmup: int) -> None:
+    """Every precision x checkpointing row (and the baselines, FlashAttention's and the
+    compiled row on CUDA), measured, each with the planner's prediction and its MFU, into
+    ``report["rows"]``."""
+    dry = device.type != "cuda"
     chunk = args.loss_chunk_tokens
     configs = [(p, a, chunk, False, "default") for p in PRECISIONS for a in AC_MODES]
     configs += [("fp32", "none", 0, False, "default"),  # the guide's baseline: full logits
@@ -595,43 +633,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["planner_error"] = (plan["predicted_peak_bytes"]
                                         / row["peak_allocated_bytes"] - 1)
         if report["matmul_bf16_tflops"]:
-            row["mfu"] = (row["tokens_per_second"] * flops_per_token
+            row["mfu"] = (row["tokens_per_second"] * report["flops_per_token"]
                           / (report["matmul_bf16_tflops"] * 1e12))
         report["rows"].append(row)
-    peers = [("bf16", False)] + ([("bf16", True)] if not dry and args.compile else [])
-    report["peer"] = [row for precision, compiled in peers
-                      if (row := section(f"peer {precision}{' compiled' if compiled else ''}",
-                                         measure_peer, cfg, precision, micro_batch, device,
-                                         steps, warmup, compiled)) is not None]
-    report["peer_ratios"] = peer_ratios(report)
-    report["memory_stats"] = recorded_memory_stats(device)
-    report["metrics"] = section("metric families", metric_families, cfg, device, micro_batch,
-                                args.loss_chunk_tokens)
 
+
+def input_stall(section: Sections, report: dict[str, Any], cfg: GPTConfig,
+                device: torch.device, micro_batch: int, steps: int, warmup: int,
+                loss_chunk_tokens: int) -> None:
+    """The loader's stall on a step fed from real shards, into ``report["input_stall"]``
+    (absent where the shards could not be written)."""
+    dry = device.type != "cuda"
     with tempfile.TemporaryDirectory(prefix="memtrain-gpu-check-") as tmp:
         shards = Path(tmp) / "tokens"
         section("write shards", write_token_shards, shards, cfg, 2048 if dry else 8192)
         if (shards / "manifest.json").exists():
             loader = BatchLoader(shards, "tokens", rank=0, world_size=1, batch_size=micro_batch,
                                  seed=0, device=device)
-            stall = section("input stall", measure_step, cfg, "bf16", "selective", micro_batch,
-                            device, steps, warmup, args.loss_chunk_tokens, batches=loader)
-            report["input_stall"] = stall
-    report["oom_recovery"] = section(
-        "oom recovery", oom_recovery, cfg, device, 4 if dry else args.oom_micro_batch, dry)
-    # Dry mode: a cap just above the plain loop's peak at micro-batch 4, so it fits 4 and not 8.
-    cap = (int(report["peer"][0]["peak_allocated_bytes"] * 1.2) if dry and report["peer"]
-           else int(args.memory_cap_gib * 2**30))
-    report["memory_cap"] = section("memory cap", memory_cap, cfg, cap, device, steps, warmup,
-                                   args.loss_chunk_tokens, 64 if dry else 512)
-    report["loss_kernels"] = section("loss kernels", loss_kernels, device, dry)
-    report["summary"] = summarize(report)
-    return report
+            report["input_stall"] = section("input stall", measure_step, cfg, "bf16",
+                                            "selective", micro_batch, device, steps, warmup,
+                                            loss_chunk_tokens, batches=loader)
 
 
 # The loss at a modern vocabulary: Llama 3's, its 1B model's width, 8 x 1024 tokens (dry: tiny).
 LOSS_SHAPE = {"tokens": 8192, "width": 2048, "vocab": 128256}
 LOSS_SHAPE_DRY = {"tokens": 512, "width": 64, "vocab": 8192}
+
+
+def _loss_row(step: Any, tokens: int, device: torch.device, dry: bool,
+              clear_grads: Any) -> dict[str, Any]:
+    """One loss's row: the peak bytes one forward and backward adds, its loss and tokens/s
+    (``step()`` runs both and returns the loss; ``clear_grads()`` drops the gradients)."""
+    step()  # warm-up: kernels chosen, autotuned
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        clear_grads()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        value = step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        clear_grads()
+        peak = cpu_peak_bytes(step)
+        value = step()
+    repeats = 3 if dry else 10
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / repeats
+    return {"peak_added_bytes": peak, "tokens_per_second": tokens / seconds, "loss": value}
 
 
 def loss_kernels(device: torch.device, dry: bool) -> dict[str, Any]:
@@ -668,36 +721,17 @@ def loss_kernels(device: torch.device, dry: bool) -> dict[str, Any]:
         except ImportError:
             liger = "liger_kernel not installed"
 
-    def step(loss_fn) -> float:
+    def clear_grads() -> None:
         hidden.grad = weight.grad = None
+
+    def step(loss_fn) -> float:
+        clear_grads()
         loss = loss_fn()
         loss.backward()
         return float(loss)
 
-    rows: dict[str, Any] = {}
-    for name, loss_fn in losses.items():
-        step(loss_fn)  # warm-up: kernels chosen, autotuned
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            hidden.grad = weight.grad = None
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            value = step(loss_fn)
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - base
-        else:
-            hidden.grad = weight.grad = None
-            peak = cpu_peak_bytes(lambda f=loss_fn: step(f))
-            value = step(loss_fn)
-        repeats = 3 if dry else 10
-        start = time.perf_counter()
-        for _ in range(repeats):
-            step(loss_fn)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = (time.perf_counter() - start) / repeats
-        rows[name] = {"peak_added_bytes": peak, "tokens_per_second": shape["tokens"] / seconds,
-                      "loss": value}
+    rows = {name: _loss_row(partial(step, loss_fn), shape["tokens"], device, dry, clear_grads)
+            for name, loss_fn in losses.items()}
     plain = rows["plain"]
     for row in rows.values():
         row["peak_vs_plain"] = row["peak_added_bytes"] / plain["peak_added_bytes"]
@@ -742,18 +776,9 @@ def gib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**30:.2f}"
 
 
-def markdown(report: dict[str, Any]) -> str:
-    lines = [f"### gpu-check on {report['device']} ({report['date']}"
-             f"{', dry mode on CPU' if report['dry'] else ''})", "",
-             f"torch {report['torch']}, CUDA {report['cuda']}, model "
-             f"{report['model']['n_layer']}x{report['model']['n_embd']} seq "
-             f"{report['model']['seq_len']}, micro-batch {report['micro_batch_size']}; "
-             f"bf16 matmul peak {report['matmul_bf16_tflops'] or 0:.1f} TFLOP/s; allocator "
-             f"{report.get('allocator_effective', report['allocator_requested'])}", "",
-             "| precision | act. ckpt | loss chunk | attention | compiled | peak alloc GiB | "
-             "peak reserved GiB | fwd / bwd / optim peak GiB | predicted GiB | planner error | "
-             "tokens/s | predicted tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def _step_lines(report: dict[str, Any]) -> list[str]:
+    """The measured rows beside their predictions, one table line each."""
+    lines: list[str] = []
     for r in report["rows"]:
         err = f"{100 * r['planner_error']:+.1f}%" if "planner_error" in r else "-"
         moment = f" ({r['predicted_peak_moment']})" if "predicted_peak_moment" in r else ""
@@ -767,6 +792,12 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{gib(r.get('predicted_peak_bytes'))}{moment} | "
                      f"{err} | {r['tokens_per_second']:,.0f} | "
                      f"{r.get('predicted_tokens_per_second') or 0:,.0f} | {mfu} |")
+    return lines
+
+
+def _peer_lines(report: dict[str, Any]) -> list[str]:
+    """The plain nanoGPT-style loop, and each memtrain row against it."""
+    lines: list[str] = []
     if report.get("peer"):
         lines += ["", "The peer, a plain nanoGPT-style loop (full logits, fused AdamW on CUDA, no "
                       "checkpointing), same model and micro-batch:", "",
@@ -780,6 +811,12 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{r['activation_checkpointing']}, {r['loss_chunk_tokens'] or 'off'} | "
                   f"{r['tokens_per_second_ratio']:.3f}x | {r['peak_ratio']:.3f}x |"
                   for r in report.get("peer_ratios", [])]
+    return lines
+
+
+def _target_lines(report: dict[str, Any]) -> list[str]:
+    """The summary's targets, met or not."""
+    lines: list[str] = []
     s = report["summary"]
     lines += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
     for key, goal in TARGETS.items():
@@ -787,6 +824,12 @@ def markdown(report: dict[str, Any]) -> str:
             shown = f"{100 * s[key]:.1f}%"
             lines.append(f"| {key} | {shown} | {'>=' if key == 'mfu_bf16' else '<='} "
                          f"{100 * goal:.0f}% | {'yes' if s['met'][key] else '**no**'} |")
+    return lines
+
+
+def _check_lines(report: dict[str, Any]) -> list[str]:
+    """The metric families and the OOM recovery, a line each."""
+    lines: list[str] = []
     metrics = report.get("metrics")
     if metrics:
         lines += ["", f"Metric families through the standalone exporter: "
@@ -798,6 +841,12 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{oom['recovered_micro_batch']} after {oom['ooms']} OOM(s), accumulation "
                       f"x{oom['accumulation_after']}, global batch kept; snapshot loads with "
                       f"pickle: {oom['snapshot_loads_with_pickle']}"]
+    return lines
+
+
+def _cap_lines(report: dict[str, Any]) -> list[str]:
+    """The largest micro-batch under a memory cap: the plain loop against memtrain's."""
+    lines: list[str] = []
     capped = report.get("memory_cap")
     if capped:
         cap = capped["cap_bytes"]
@@ -818,6 +867,12 @@ def markdown(report: dict[str, Any]) -> str:
                          f" | {row['tokens_per_second']:,.0f} | "
                          + (f"{ratio['micro_batch']:.1f}x | {ratio['tokens_per_second']:.3f}x |"
                             if ratio else "- | - |"))
+    return lines
+
+
+def _loss_lines(report: dict[str, Any]) -> list[str]:
+    """The output projection and loss alone, per kernel."""
+    lines: list[str] = []
     losses = report.get("loss_kernels")
     if losses:
         shape = losses["shape"]
@@ -833,6 +888,25 @@ def markdown(report: dict[str, Any]) -> str:
         if losses["liger_skipped"]:
             lines += ["", f"Liger-Kernel's fused linear cross-entropy: not measured "
                           f"({losses['liger_skipped']})."]
+    return lines
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as markdown, for docs/benchmarks.md."""
+    lines = [f"### gpu-check on {report['device']} ({report['date']}"
+             f"{', dry mode on CPU' if report['dry'] else ''})", "",
+             f"torch {report['torch']}, CUDA {report['cuda']}, model "
+             f"{report['model']['n_layer']}x{report['model']['n_embd']} seq "
+             f"{report['model']['seq_len']}, micro-batch {report['micro_batch_size']}; "
+             f"bf16 matmul peak {report['matmul_bf16_tflops'] or 0:.1f} TFLOP/s; allocator "
+             f"{report.get('allocator_effective', report['allocator_requested'])}", "",
+             "| precision | act. ckpt | loss chunk | attention | compiled | peak alloc GiB | "
+             "peak reserved GiB | fwd / bwd / optim peak GiB | predicted GiB | planner error | "
+             "tokens/s | predicted tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for part in (_step_lines, _peer_lines, _target_lines, _check_lines, _cap_lines,
+                 _loss_lines):
+        lines += part(report)
     if report["errors"]:
         lines += ["", "Errors: " + "; ".join(report["errors"])]
     return "\n".join(lines) + "\n"

@@ -247,10 +247,9 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
-    from trainer.plan.candidates import HEADROOM, feasible_plans
+    from trainer.plan.candidates import feasible_plans
     from trainer.plan.choose import probe_config, speed_model
-    from trainer.plan.peak import AC_MODES, plan_row
-    from trainer.plan.speed import GPU_COMPILED_SHARE
+    from trainer.plan.peak import AC_MODES
 
     cfg = load_config(config, list(overrides or []),
                       {"parallel.workers": workers} if workers else None)
@@ -259,7 +258,7 @@ def plan_command(
         _fail("--measure runs plans on this machine's CPU, and the config trains on GPUs "
               "(parallel.use_gpu: true); measure a CPU config", 2)
     world = cfg.parallel.workers
-    accumulation = cfg.train.accumulation_steps(world)
+    cfg.train.accumulation_steps(world)  # a ConfigError naming the sizes that fit
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} "
                   f"({len(precisions) * len(AC_MODES)} probes, fake tensors on CPU)...")
@@ -270,30 +269,8 @@ def plan_command(
 
         cpu_speed(refresh=True)  # cached: speed_model and --measure read it
     speed = speed_model(cfg, gpu, measure_data=True)
-    gib = 2**30
-    compiled = f"; compiled, element-wise work x {GPU_COMPILED_SHARE}" if speed.compiled else ""
-    console.print(f"probed in {time.perf_counter() - start:.1f} s; speed: {speed.device.name} "
-                  f"({speed.device.describe()}{compiled})")
-    console.print(f"data loader: {speed.loader.source}, on {cfg.data.path}" if speed.loader
-                  else f"data loader: not in the time model ({cfg.data.path} cannot be read "
-                       "here)")
-    console.print(f"per rank, {cfg.parallel.strategy} x {world} workers: params "
-                  f"{static.params / gib:.2f}, grads {static.grads / gib:.2f}, AdamW state "
-                  f"{static.optimizer / gib:.2f} GiB")
-    console.print(_loss_line(profiles[0].loss_shape, cfg.memory.loss_chunk_tokens))
-    # Headers in two lines and no vertical rules: both tables fit an 80-column terminal.
-    current = _plan_table(f"configured micro-batch {cfg.train.micro_batch()} x accumulation "
-                          f"{accumulation} x {world} workers",
-                          "precision", "act.\nckpt", "saved\nGiB", "temp.\nGiB", "peak\nGiB",
-                          "peak at", "fits", "tokens/s")
-    for profile in profiles:
-        row = plan_row(static, profile, cfg.train.micro_batch(), accumulation, speed)
-        current.add_row(row.precision, row.activation_checkpointing,
-                        f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
-                        f"{row.predicted_peak_bytes / gib:.2f}", row.peak_moment,
-                        "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
-                        f"{row.tokens_per_s:,.0f}")
-    console.print(current)
+    _print_inputs(cfg, speed, static, profiles, time.perf_counter() - start)
+    console.print(_current_table(cfg, static, profiles, speed, budget))
     console.print("saved: activations kept for backward; temp.: the largest temporaries\n"
                   "beside them; peak: with parameters and AdamW state, at the moment named;\n"
                   "tokens/s: predicted, all workers together")
@@ -305,6 +282,48 @@ def plan_command(
                                "sequence or a smaller model")
     if measure and rows:
         _measure_plans(cfg, static, profiles, budget, top, steps)
+
+
+def _print_inputs(cfg: Any, speed: Any, static: Any, profiles: list[Any],
+                  seconds: float) -> None:
+    """``memtrain plan``'s first lines: what the planner measured and from where."""
+    from monitoring.units import format_bytes
+    from trainer.plan.speed import GPU_COMPILED_SHARE
+
+    compiled = f"; compiled, element-wise work x {GPU_COMPILED_SHARE}" if speed.compiled else ""
+    console.print(f"probed in {seconds:.1f} s; speed: {speed.device.name} "
+                  f"({speed.device.describe()}{compiled})")
+    console.print(f"data loader: {speed.loader.source}, on {cfg.data.path}" if speed.loader
+                  else f"data loader: not in the time model ({cfg.data.path} cannot be read "
+                       "here)")
+    console.print(f"per rank, {cfg.parallel.strategy} x {cfg.parallel.workers} workers: params "
+                  f"{format_bytes(static.params)}, grads {format_bytes(static.grads)}, AdamW "
+                  f"state {format_bytes(static.optimizer)}")
+    console.print(_loss_line(profiles[0].loss_shape, cfg.memory.loss_chunk_tokens))
+
+
+def _current_table(cfg: Any, static: Any, profiles: list[Any], speed: Any, budget: int
+                   ) -> Table:
+    """Every precision and checkpointing mode at the configured micro-batch."""
+    from trainer.plan.candidates import HEADROOM
+    from trainer.plan.peak import plan_row
+
+    gib = 2**30
+    micro, world = cfg.train.micro_batch(), cfg.parallel.workers
+    accumulation = cfg.train.accumulation_steps(world)
+    # Headers in two lines and no vertical rules: both tables fit an 80-column terminal.
+    current = _plan_table(f"configured micro-batch {micro} x accumulation {accumulation} x "
+                          f"{world} workers",
+                          "precision", "act.\nckpt", "saved\nGiB", "temp.\nGiB", "peak\nGiB",
+                          "peak at", "fits", "tokens/s")
+    for profile in profiles:
+        row = plan_row(static, profile, micro, accumulation, speed)
+        current.add_row(row.precision, row.activation_checkpointing,
+                        f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
+                        f"{row.predicted_peak_bytes / gib:.2f}", row.peak_moment,
+                        "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
+                        f"{row.tokens_per_s:,.0f}")
+    return current
 
 
 def _auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[Any]) -> Any:

@@ -143,3 +143,26 @@ def test_trainers_layers_import_only_downwards() -> None:
 def test_the_layer_check_finds_an_upward_import() -> None:
     graph = {"trainer.memory.loss": {"trainer.plan.speed"}, "trainer.plan.speed": {"trainer.step"}}
     assert upward_imports(graph) == ["trainer.memory.loss -> trainer.plan.speed"]
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path) -> list[str]:
+    """Functions of more than ``MAX_FUNCTION_LINES`` lines (signature to last line) in the
+    product and bench code, as "path:function (lines)"."""
+    found = []
+    for package in (*PACKAGES, "bench", "scripts"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                    if lines > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(root)}:{node.name} ({lines})")
+    return found
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    """A function a newcomer reads whole: at most 60 lines. A longer one is split where its
+    parts have names."""
+    assert long_functions(REPO) == []

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -60,7 +61,9 @@ from trainer.launch.prepare import available_cpus, remote_run  # noqa: E402
 from trainer.logs import LEVEL_ENV, setup_logging  # noqa: E402
 from trainer.loop import train  # noqa: E402
 from trainer.memory.allocator import configure_allocator_env  # noqa: E402
+from trainer.runstore import RemoteRun  # noqa: E402
 from trainer.worker_errors import (  # noqa: E402
+    ERRORS_DIR,
     WorkerError,
     clear_worker_errors,
     record_controller_error,
@@ -273,47 +276,15 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
              runtime_env=runtime_env)
     if not ray_logs:  # tracebacks stay in Ray's logs (trainer/launch/console.py)
         ray_worker_output_filter(TracebackFilter())
-    # Checkpoints: Ray Train writes and restores them in the run directory, on object storage
-    # through the same pyarrow filesystem (trainer.runstore) when run.dir is a URI.
     remote = remote_run(cfg)
-    storage: dict[str, Any] = (
-        {"storage_path": remote.root.rsplit("/", 1)[0], "storage_filesystem": remote.fs}
-        if remote is not None else {"storage_path": str(Path(cfg.run.dir).resolve())})
-    low, high = cfg.parallel.worker_range
-    # (min, max): Train V2's elastic group, sized by what the cluster holds. V2's ScalingConfig
-    # takes it; the stubs describe V1's, which takes an int only.
-    num_workers: Any = (low, high) if low < high else high
-    elastic: dict[str, Any] = ({"elastic_resize_monitor_interval_s":
-                                cfg.parallel.resize_check_seconds} if low < high else {})
-    launch_id = uuid.uuid4().hex  # one launch, however often the controller is started again
-
-    def torch_trainer() -> TorchTrainer:
-        return TorchTrainer(
-            _worker_loop,
-            train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
-                               "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
-                               "log_level": os.environ.get(LEVEL_ENV, ""),
-                               "launch_id": launch_id, "remote": remote},
-            scaling_config=ScalingConfig(num_workers=num_workers,
-                                         use_gpu=cfg.parallel.use_gpu,
-                                         resources_per_worker={"CPU": 1}, **elastic),
-            run_config=RunConfig(
-                name=cfg.run.name, **storage,
-                checkpoint_config=CheckpointConfig(num_to_keep=3),
-                failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
-                # Train V2's RunConfig (RAY_TRAIN_V2_ENABLED); the stubs describe V1's
-                logging_config=LoggingConfig(  # type: ignore[call-arg]
-                    log_level="INFO" if ray_logs else "WARNING"),
-            ),
-        )
-
+    trainer = partial(_torch_trainer, cfg, run_dir, remote, uuid.uuid4().hex, ray_logs)
     clear_worker_errors(run_dir)
     if remote is not None:
         remote.clear_errors()
     restarts = 0
     while True:
         try:
-            torch_trainer().fit()
+            trainer().fit()
             break
         except ray.train.TrainingFailedError as err:
             limit = cfg.parallel.max_failures
@@ -323,11 +294,45 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
                 continue
             if remote is not None:  # rank errors recorded on other nodes
                 with contextlib.suppress(OSError):
-                    remote.download_dir("errors", run_dir / "errors")
+                    remote.download_dir(ERRORS_DIR, run_dir / ERRORS_DIR)
             raise worker_error(run_dir, err) from err
     if remote is not None:  # rank 0 may have run on another node
         return json.loads(remote.read_text("summary.json"))
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def _torch_trainer(cfg: Config, run_dir: Path, remote: RemoteRun | None, launch_id: str,
+                   ray_logs: bool) -> TorchTrainer:
+    """Ray Train's trainer for ``cfg``: one launch (``launch_id``), however often the
+    controller is started again. Checkpoints: Ray Train writes and restores them in the run
+    directory, on object storage through the same pyarrow filesystem (trainer.runstore) when
+    run.dir is a URI."""
+    storage: dict[str, Any] = (
+        {"storage_path": remote.root.rsplit("/", 1)[0], "storage_filesystem": remote.fs}
+        if remote is not None else {"storage_path": str(Path(cfg.run.dir).resolve())})
+    low, high = cfg.parallel.worker_range
+    # (min, max): Train V2's elastic group, sized by what the cluster holds. V2's ScalingConfig
+    # takes it; the stubs describe V1's, which takes an int only.
+    num_workers: Any = (low, high) if low < high else high
+    elastic: dict[str, Any] = ({"elastic_resize_monitor_interval_s":
+                                cfg.parallel.resize_check_seconds} if low < high else {})
+    return TorchTrainer(
+        _worker_loop,
+        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir),
+                           "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
+                           "log_level": os.environ.get(LEVEL_ENV, ""),
+                           "launch_id": launch_id, "remote": remote},
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=cfg.parallel.use_gpu,
+                                     resources_per_worker={"CPU": 1}, **elastic),
+        run_config=RunConfig(
+            name=cfg.run.name, **storage,
+            checkpoint_config=CheckpointConfig(num_to_keep=3),
+            failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
+            # Train V2's RunConfig (RAY_TRAIN_V2_ENABLED); the stubs describe V1's
+            logging_config=LoggingConfig(  # type: ignore[call-arg]
+                log_level="INFO" if ray_logs else "WARNING"),
+        ),
+    )
 
 
 # How long the driver waits for the run's store to answer again after a storage failure.
