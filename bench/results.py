@@ -25,21 +25,13 @@ def result_path(out: str | Path, name: str, suffix: str = ".json") -> Path:
 def cpu_description() -> dict[str, Any]:
     """Which CPU a figure came from: model, the instruction sets that change torch's kernels,
     and how it runs bf16 (``trainer.compat.cpu_bf16_support``)."""
-    import platform
-
+    from monitoring.host import cpu_info
     from trainer.compat import cpu_bf16_support, cpu_capability
 
-    model, flags = platform.processor() or platform.machine(), set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
+    cpu = cpu_info()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {"model": model, "flags": [f for f in wanted if f in flags],
+    return {"model": cpu.name, "family": cpu.family, "model_number": cpu.model,
+            "flags": [f for f in wanted if f in cpu.flags],
             "aten_capability": cpu_capability(), "bf16": cpu_bf16_support()}
 
 

@@ -253,10 +253,10 @@ def main() -> None:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-               "unknown CPU")
-    return f"{cpu}, {os.cpu_count()} CPUs, podman {podman('--version').stdout.split()[-1]}"
+    from monitoring.host import cpu_info
+
+    version = podman("--version").stdout.split()[-1]
+    return f"{cpu_info().describe()}, {os.cpu_count()} CPUs, podman {version}"
 
 
 if __name__ == "__main__":

@@ -56,7 +56,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +68,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from monitoring.host import cpu_info
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import fake_tensor_mode
 from trainer.memory.allocator import keep_freed_host_memory
@@ -771,11 +771,7 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
 
 
 def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return cpu_info().name
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,39 @@
+"""This machine's CPU, read once from /proc/cpuinfo: its model name, family and model numbers
+(the name alone, "AMD EPYC", does not tell one generation from another) and its instruction-set
+flags. The planner keys its calibration on it, the benches and reports name their machine
+with it."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    name: str
+    family: str = "?"
+    model: str = "?"
+    flags: frozenset[str] = frozenset()
+
+    def describe(self) -> str:
+        """``AMD EPYC (family 26, model 2)``."""
+        return f"{self.name} (family {self.family}, model {self.model})"
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """The first processor's entry of /proc/cpuinfo; the platform's name elsewhere."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return CpuInfo(fields.get("model name") or platform.processor() or platform.machine(),
+                   fields.get("cpu family", "?"), fields.get("model", "?"),
+                   frozenset(fields.get("flags", "").split()))
