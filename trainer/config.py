@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer.batch import accumulation_steps
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message is one line naming the file, field and value."""
@@ -109,16 +111,12 @@ class TrainConfig(_Strict):
         return self.micro_batch_size
 
     def accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches per optimizer step on each rank; the global batch is kept exactly."""
-        per_step = self.micro_batch() * world_size
-        if self.global_batch_size % per_step:
-            fits = [w for w in range(1, self.global_batch_size // self.micro_batch() + 1)
-                    if self.global_batch_size % (self.micro_batch() * w) == 0]
-            raise ConfigError(
-                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                f"train.micro_batch_size x workers ({self.micro_batch_size} x {world_size}); "
-                f"workers that keep this global batch: {', '.join(map(str, fits))}")
-        return self.global_batch_size // per_step
+        """Micro-batches per optimizer step on each rank; the global batch is kept exactly
+        (``trainer.batch``)."""
+        try:
+            return accumulation_steps(self.global_batch_size, self.micro_batch(), world_size)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 class MemoryConfig(_Strict):

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from trainer.batch import micro_batch_candidates, per_rank_batch
 from trainer.memory.loss import MIN_AUTO_LOSS_CHUNK_TOKENS, ChunkedLossShape
 from trainer.plan.peak import ActivationProfile, PlanRow, StaticBytes, plan_row
 from trainer.plan.speed import SpeedModel
@@ -61,13 +62,9 @@ def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
     predicted tokens/s, fastest first; ``choose_loss_chunk`` (with a chunked loss): each
     micro-batch with its fastest fitting chunk (``loss_chunk_candidates``).
     """
-    per_rank, remainder = divmod(global_batch_size, world_size)
-    if remainder:
-        raise ValueError(f"global batch {global_batch_size} is not divisible by world size "
-                         f"{world_size}")
+    per_rank = per_rank_batch(global_batch_size, world_size)
     budget = int(device_memory_bytes * headroom)
-    micros = [micro_batch_size] if micro_batch_size else \
-        sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True)
+    micros = [micro_batch_size] if micro_batch_size else micro_batch_candidates(per_rank)
     rows = []
     for profile in profiles:
         chunks: list[int | None] = [None]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from monitoring.units import parse_bytes
+from trainer.batch import per_rank_batch
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.compat import fake_tensor_mode
 from trainer.config import Config, ConfigError
@@ -180,9 +181,10 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
     norm_auto = cfg.memory.bf16_norm_inputs == "auto"
     if not (searching or norm_auto):
         return cfg, None
-    if cfg.train.global_batch_size % cfg.parallel.workers:
-        raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a "
-                          f"multiple of the workers ({cfg.parallel.workers})")
+    try:
+        per_rank_batch(cfg.train.global_batch_size, cfg.parallel.workers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if norm_auto and not searching and planned_precision(cfg) != "bf16":
         # the copies exist only under bf16 autocast: nothing to plan
         return resolved(cfg, None, False), None
