@@ -1,0 +1,175 @@
+"""``memtrain data``: build, inspect and verify datasets, and train a tokenizer for them.
+
+The commands of the datapipe package, mounted by the main CLI (``trainer.cli``), which turns
+their errors into one line (a ``ValueError``, ``DatasetError`` among them: exit 2). Like the
+rest of datapipe, nothing here imports the trainer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+data_app = typer.Typer(help="Build and inspect sharded Arrow datasets.", no_args_is_help=True)
+tokenizer_app = typer.Typer(help="Train a tokenizer for `data write --tokenizer`.",
+                            no_args_is_help=True)
+data_app.add_typer(tokenizer_app, name="tokenizer")
+console = Console(stderr=False)
+
+
+@data_app.command("corpus")
+def data_corpus(
+    out: Annotated[Path, typer.Argument(help="Output directory (gets train/ and val/).")],
+    seq_len: Annotated[int, typer.Option(help="Tokens per training sequence.")] = 256,
+    max_mb: Annotated[float, typer.Option(help="Source megabytes for the train split.")] = 8.0,
+    rows_per_shard: Annotated[int, typer.Option(help="Rows per Arrow shard file.")] = 4096,
+) -> None:
+    """Build a byte-level token dataset from the Python standard library's source files."""
+    from datapipe.corpus import build_stdlib_corpus
+
+    if max_mb <= 0:
+        raise ValueError(f"--max-mb must be > 0, got {max_mb}")
+    estimate = int(max_mb * (1 + 1 / 20) * 2**20 / (seq_len + 1))
+    with Progress(TextColumn("building corpus"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("rows"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("rows", total=estimate)
+        manifests = build_stdlib_corpus(out, seq_len=seq_len, max_bytes=int(max_mb * 2**20),
+                                        rows_per_shard=rows_per_shard,
+                                        progress=lambda n: progress.advance(task, n))
+        progress.update(task, total=sum(m.num_rows for m in manifests.values()),
+                        completed=sum(m.num_rows for m in manifests.values()))
+    for split, manifest in manifests.items():
+        console.print(f"{out / split}: {manifest.num_rows} rows of {seq_len + 1} tokens in "
+                      f"{len(manifest.shards)} shards, {manifest.num_bytes / 2**20:.1f} MiB")
+
+
+@data_app.command("write")
+def data_write(
+    sources: Annotated[list[Path], typer.Argument(help="Input files or directories.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output dataset directory.")],
+    fmt: Annotated[str, typer.Option(
+        "--format", help="auto | parquet | jsonl | text | numpy (auto: by file suffix).")
+                   ] = "auto",
+    columns: Annotated[str | None, typer.Option(
+        help="Parquet/JSON: the columns to keep, comma-separated (default: all).")] = None,
+    column: Annotated[str, typer.Option(help="Text/.npy: the column's name.")] = "tokens",
+    seq_len: Annotated[int, typer.Option(help="Text: tokens per row, plus one target.")] = 256,
+    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB.")] = "64MiB",
+    overwrite: Annotated[bool, typer.Option(help="Replace a dataset already at --out.")
+                         ] = False,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="A tokenizers tokenizer.json, or a model directory holding one: text, JSON lines "
+             "or Parquet text become tokens.")
+                         ] = None,
+    text_field: Annotated[str, typer.Option(
+        help="With --tokenizer: the JSON field or Parquet column holding the text.")] = "text",
+    token_dtype: Annotated[str, typer.Option(
+        help="With --tokenizer: auto (uint16 up to 65,536 tokens, else uint32) | uint16 | "
+             "uint32.")] = "auto",
+    eot_token: Annotated[str, typer.Option(
+        help="With --tokenizer: the token that ends each document.")] = "<|endoftext|>",
+) -> None:
+    """Convert Parquet, JSON lines, text files or numpy arrays into a memtrain dataset."""
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
+    from datapipe.convert import expand_sources, write_dataset
+    from monitoring.units import parse_bytes
+
+    if fmt not in ("auto", "parquet", "jsonl", "text", "numpy"):
+        raise ValueError(f"--format {fmt!r} is not one of auto, parquet, jsonl, text, numpy")
+    shard_bytes = parse_bytes(shard_size, "--shard-size")
+    if tokenizer is not None:  # progress in input bytes, with their rate
+        total = sum(f.stat().st_size for f in expand_sources(list(sources)))
+        columns_shown = [TextColumn("tokenizing"), BarColumn(), DownloadColumn(),
+                         TransferSpeedColumn(), TimeElapsedColumn()]
+    else:
+        total = None
+        columns_shown = [TextColumn("writing"), BarColumn(),
+                         TextColumn("{task.completed:,} rows"), TimeElapsedColumn()]
+    with Progress(*columns_shown, console=console) as progress:
+        task = progress.add_task("input", total=total)
+        manifest = write_dataset(
+            list(sources), out, fmt,  # type: ignore[arg-type]
+            columns=columns.split(",") if columns else None, column=column, seq_len=seq_len,
+            shard_bytes=shard_bytes, overwrite=overwrite, tokenizer=tokenizer,
+            text_field=text_field, token_dtype=token_dtype, eot_token=eot_token,
+            progress=None if tokenizer else lambda n: progress.advance(task, n),
+            input_progress=(lambda n: progress.advance(task, n)) if tokenizer else None)
+    described = ", ".join(f"{c.name} {c.dtype}{list(c.shape)}" for c in manifest.columns)
+    console.print(f"{out}: {manifest.num_rows} rows ({described}) in {len(manifest.shards)} "
+                  f"shards, {manifest.num_bytes / 2**20:.1f} MiB")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train(
+    sources: Annotated[list[Path], typer.Argument(help="Input files or directories.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write tokenizer.json.")],
+    vocab_size: Annotated[int, typer.Option(help="Vocabulary size, end-of-text included.")
+                          ] = 32768,
+    fmt: Annotated[str, typer.Option(
+        "--format", help="auto | text | jsonl | parquet (auto: by file suffix).")] = "auto",
+    text_field: Annotated[str, typer.Option(
+        help="The JSON field or Parquet column holding the text.")] = "text",
+    min_frequency: Annotated[int, typer.Option(help="Merges seen fewer times are not learned.")
+                             ] = 2,
+    overwrite: Annotated[bool, typer.Option(help="Replace a file already at --out.")] = False,
+) -> None:
+    """Train a byte-level BPE tokenizer on your text, offline (Hugging Face tokenizers)."""
+    from datapipe.convert import detect_format, expand_sources
+    from datapipe.tokenize import train_tokenizer
+
+    files = expand_sources(list(sources))
+    kind = detect_format(files) if fmt == "auto" else fmt
+    with console.status(f"training a {vocab_size:,}-token BPE tokenizer on {len(files)} files"):
+        info = train_tokenizer(files, kind, out, vocab_size, text_field=text_field,
+                               min_frequency=min_frequency, overwrite=overwrite)
+    console.print(f"{out}: vocabulary {info.vocab_size:,}, end-of-text id {info.eot_id}, "
+                  f"sha256 {info.sha256[:16]}")
+
+
+@data_app.command("inspect")
+def data_inspect(path: Annotated[str, typer.Argument(
+        help="Dataset directory or URI (s3://bucket/prefix).")]) -> None:
+    """Show a dataset's schema, shards, rows and bytes."""
+    from datapipe.manifest import read_manifest, shard_location
+
+    manifest = read_manifest(path)
+    for shard in manifest.shards:  # a shard path out of the dataset is an error here too
+        shard_location(path, shard)
+    console.print(f"[bold]{path}[/]  format v{manifest.format_version}  "
+                  f"{manifest.num_rows} rows  {manifest.num_bytes / 2**20:.2f} MiB  "
+                  f"{len(manifest.shards)} shards")
+    meta = manifest.metadata
+    if "tokenizer" in meta:
+        console.print(f"tokenizer {meta['tokenizer']} (sha256 "
+                      f"{meta.get('tokenizer_sha256', '?')[:16]}), vocabulary "
+                      f"{meta.get('vocab_size', '?')}, end-of-text id {meta.get('eot_id', '?')}")
+    elif "vocab_size" in meta:
+        console.print(f"vocabulary {meta['vocab_size']} (byte tokens)")
+    schema = Table("column", "dtype", "shape")
+    for column in manifest.columns:
+        schema.add_row(column.name, column.dtype, str(list(column.shape)))
+    console.print(schema)
+    shards = Table("shard", "rows", "bytes", "sha256")
+    for shard in manifest.shards:
+        shards.add_row(shard.path, str(shard.num_rows), str(shard.num_bytes), shard.sha256[:16])
+    console.print(shards)
+
+
+@data_app.command("verify")
+def data_verify(path: Annotated[str, typer.Argument(
+        help="Dataset directory or URI (s3://bucket/prefix).")]) -> None:
+    """Check every shard against the manifest, checksums included."""
+    from datapipe.manifest import DatasetError, read_manifest
+    from datapipe.shards import verify_dataset
+
+    problems = verify_dataset(path)
+    if problems:  # one line: the first problem and how many shards are bad
+        raise DatasetError(f"{problems[0]} ({len(problems)} bad of "
+                           f"{len(read_manifest(path).shards)} shards)")
+    console.print(f"{path}: {len(read_manifest(path).shards)} shards verified")
