@@ -132,7 +132,7 @@ gpu-check: ## CUDA: peak memory, tokens/s, MFU, planner error, OOM recovery (no 
 		if [ -x $(BIN)/python ]; then py=$(BIN)/python; echo "gpu-check: $(GPU_PYTHON) has no torch, using $$py"; \
 		else echo "error: gpu-check needs torch, pyarrow, numpy and prometheus-client; $(GPU_PYTHON) has no torch and there is no $(VENV) (make setup, or GPU_PYTHON=...)"; exit 2; fi; \
 	fi; \
-	PYTHONPATH=. $$py scripts/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+	PYTHONPATH=. $$py -m bench.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 up: ## Kubernetes: check prerequisites, then apply k8s/overlays/$(OVERLAY) (+ monitoring)
 	bash scripts/k8s.sh up $(OVERLAY)

@@ -42,8 +42,9 @@ def describe_cpu(cpu: dict[str, Any]) -> str:
 
 def write_json(out: str | Path, name: str, report: dict[str, Any],
                sort_keys: bool = False) -> Path:
-    """Write ``report`` (with the CPU it ran on added as ``cpu``) as today's ``name`` report."""
+    """Write ``report`` (with the CPU it ran on added as ``cpu``) as today's ``name`` report;
+    a value JSON has no type for (a dtype, a path) is written as its ``str``."""
     report.setdefault("cpu", cpu_description())
     path = result_path(out, name)
-    path.write_text(json.dumps(report, indent=2, sort_keys=sort_keys) + "\n")
+    path.write_text(json.dumps(report, indent=2, sort_keys=sort_keys, default=str) + "\n")
     return path

@@ -59,7 +59,7 @@ from trainer.sharding import shard_model
 from trainer.state import NonFiniteError, StepResult, TrainState
 from trainer.step import build_optimizer, evaluate, lr_lambda, step_seed, train_step
 
-if TYPE_CHECKING:  # the loop runs without pydantic too (scripts/gpu_check.py)
+if TYPE_CHECKING:  # the loop runs without pydantic too (bench/gpu_check.py)
     from trainer.config import Config, DataConfig, MemoryConfig
 
 log = logging.getLogger("memtrain")

@@ -39,7 +39,7 @@ from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
 from trainer.sharding import is_sharded
 from trainer.state import StepResult
 
-if TYPE_CHECKING:  # the step runs without pydantic too (scripts/gpu_check.py)
+if TYPE_CHECKING:  # the step runs without pydantic too (bench/gpu_check.py)
     from trainer.config import TrainConfig
 
 

@@ -16,7 +16,7 @@ PRELUDE = ("import sys, runpy\n"
            "for name in ('ray', 'pydantic', 'yaml', 'typer', 'rich', 'click'):\n"
            "    sys.modules[name] = None\n"
            "sys.argv = ['gpu_check.py', '--out', sys.argv[1], '--dry']\n"
-           "runpy.run_path('scripts/gpu_check.py', run_name='__main__')\n")
+           "runpy.run_module('bench.gpu_check', run_name='__main__')\n")
 
 
 def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: Path) -> None:
@@ -27,7 +27,7 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
                                     if k in ("OMP_NUM_THREADS", "MEMTRAIN_CACHE_DIR")}})
     # (both from tests/conftest.py)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    [report_file] = tmp_path.glob("gpu-check-*-dry.json")
+    [report_file] = tmp_path.glob("gpu-check-dry-*.json")
     report = json.loads(report_file.read_text())
     assert report["errors"] == []
     combos = {(r["precision"], r["activation_checkpointing"]) for r in report["rows"]}
@@ -81,7 +81,7 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
 @pytest.mark.gpu
 def test_on_a_gpu_every_section_runs_and_the_cuda_families_export(tmp_path: Path) -> None:
     """``make gpu-check`` itself on the CUDA device (skipped, saying so, without one)."""
-    result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path),
+    result = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path),
                              "--steps", "2", "--no-compile"], cwd=REPO, capture_output=True,
                             text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

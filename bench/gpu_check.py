@@ -1,7 +1,8 @@
 """GPU check: the CUDA-only claims of memtrain, measured on the real device in one short run.
 
 Needs only torch (2.6 or newer), pyarrow, numpy: no Ray, no pydantic, nothing installed. Run from
-the source tree: ``PYTHONPATH=. python3 scripts/gpu_check.py --out bench/results``.
+the source tree: ``make gpu-check`` (``PYTHONPATH=. python3 -m bench.gpu_check --out
+bench/results``).
 
 On a CUDA GPU it measures, for a GPT-2-124M-shaped model at sequence length 1024 and a fixed
 micro-batch, through the trainer's own ``train_step``:
@@ -24,7 +25,8 @@ micro-batch, through the trainer's own ``train_step``:
 - a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests.
 
 Without CUDA (``--dry`` is implied) it runs the same code paths on a tiny model on CPU, so the
-script cannot rot; CI runs that. It writes ``gpu-check-<date>-<host>.json`` and ``.md`` to --out.
+script cannot rot; CI runs that. It writes ``gpu-check-<date>-<host>.json`` and ``.md`` to --out
+(``gpu-check-dry-...`` in dry mode) through ``bench.results``, as every bench does.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
-import json
 import os
 import pickle
 import platform
@@ -51,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.results import result_path, write_json
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
 from datapipe.writer import write_rows
@@ -925,14 +927,11 @@ def main() -> int:
     parser.add_argument("--memory-cap-gib", type=float, default=24,
                         help="the cap of the largest-micro-batch rows (CUDA)")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report = run(args)
-    stem = f"gpu-check-{report['date'][:10]}-{report['host']}{'-dry' if report['dry'] else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, sort_keys=True,
-                                                 default=str) + "\n")
+    name = "gpu-check-dry" if report["dry"] else "gpu-check"
+    write_json(args.out, name, report, sort_keys=True)
     table = markdown(report)
-    (out / f"{stem}.md").write_text(table)
+    result_path(args.out, name, ".md").write_text(table)
     print(table)
     return 0 if not report["errors"] else 1
 
