@@ -30,8 +30,9 @@ class RowRecord:
     restart is recorded again, by the ranks of the group that redid it: a step's rows are those
     of the last group to train it (its latest lines, at that group's world size)."""
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int):
-        path = run_dir / "metrics" / f"rows-rank-{rank}.jsonl"
+    def __init__(self, path: Path, world_size: int):
+        """Append to ``path`` (the run directory's ``metrics/rows-rank-<r>.jsonl``,
+        ``monitoring.run_files.rank_rows``)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self.world_size = world_size

@@ -11,15 +11,18 @@ from pathlib import Path
 
 import matplotlib
 
+from monitoring.run_files import METRICS_DIR, REPORT
+
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 
 def load_metrics(run_dir: Path) -> dict[int, list[dict]]:
     """Training records per rank (evaluation records left out)."""
-    files = sorted((run_dir / "metrics").glob("rank-*.jsonl"))
+    files = sorted((run_dir / METRICS_DIR).glob("rank-*.jsonl"))
     if not files:
-        raise FileNotFoundError(f"{run_dir / 'metrics'} has no rank-*.jsonl: not a run directory")
+        raise FileNotFoundError(f"{run_dir / METRICS_DIR} has no rank-*.jsonl: not a run "
+                                "directory")
     per_rank = {}
     for path in files:
         rank = int(path.stem.removeprefix("rank-"))
@@ -31,7 +34,7 @@ def load_metrics(run_dir: Path) -> dict[int, list[dict]]:
 def render_report(run_dir: Path, out: Path | None = None) -> Path:
     """Write the report PNG (default ``RUN_DIR/report.png``); returns its path."""
     per_rank = load_metrics(run_dir)
-    out = out or run_dir / "report.png"
+    out = out or run_dir / REPORT
     fig, (memory, speed, wait) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     for rank, records in sorted(per_rank.items()):
         steps = [r["step"] for r in records]

@@ -45,10 +45,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from monitoring.run_files import TENSORBOARD_DIR, TRACKING_FILE
+
 log = logging.getLogger("memtrain")
 
-TRACKING_FILE = "tracking.json"  # in the run directory: the MLflow run to reopen on resume
-TENSORBOARD_DIR = "tensorboard"
 MLFLOW_DB = "mlflow.db"  # without a tracking URI: the run directory's own MLflow store
 MLFLOW_ARTIFACTS = "mlflow-artifacts"
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # what each tracker imports

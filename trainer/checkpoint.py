@@ -39,13 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from monitoring.run_files import CHECKPOINT_PREFIX
 from trainer.errors import first_line
 from trainer.faults import maybe_fail_checkpoint
 from trainer.runstore import RemoteRun
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
-CHECKPOINT_PREFIX = "checkpoint-"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 

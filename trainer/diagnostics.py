@@ -34,6 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from monitoring.memory import resident_bytes
+from monitoring.run_files import MEMORY_DIR, PROFILE_DIR
 from trainer.compat import cpu_allocation_events, quiet_native_logs
 from trainer.sharding import local_tensor
 
@@ -156,7 +157,7 @@ def profiler_window(steps: str | None, first_step: int, run_dir: Path, rank: int
         return _NoProfiler()
     first, last = window
     warmup = min(1, first - first_step)  # one warm-up step where there is room for it
-    path = run_dir / "profile" / f"rank-{rank}.trace.json"
+    path = run_dir / PROFILE_DIR / f"rank-{rank}.trace.json"
 
     def write_trace(prof: torch.profiler.profile) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +188,7 @@ def write_memory_summary(run_dir: Path, step: int, rank: int, device: torch.devi
     """``torch.cuda.memory_summary()`` into ``run_dir/memory/``; None on CPU."""
     if device.type != "cuda":
         return None
-    path = run_dir / "memory" / f"summary-step{step:08d}-rank{rank}.txt"
+    path = run_dir / MEMORY_DIR / f"summary-step{step:08d}-rank{rank}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(torch.cuda.memory_summary(device))
     return path

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from datapipe.manifest import DatasetError
 from datapipe.tokenize import TOKENIZER_FILE, dataset_tokenizer
+from monitoring.run_files import CONFIG
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.checkpoint import (
     CheckpointReadError,
@@ -41,7 +42,7 @@ class Exported(NamedTuple):
 def export_hf(run_dir: Path, out: Path, step: int | None = None) -> Exported:
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a ``save_pretrained``
     directory ``out``, with the dataset's tokenizer where it kept one."""
-    config_path = run_dir / "config.yaml"
+    config_path = run_dir / CONFIG
     if not config_path.is_file():
         raise ConfigError(f"{run_dir}: no config.yaml (not a memtrain run directory)")
     cfg = load_config(config_path)

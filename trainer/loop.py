@@ -31,6 +31,7 @@ import torch
 
 from datapipe.audit import RowRecord
 from datapipe.loader import BatchLoader
+from monitoring.run_files import rank_rows
 from monitoring.trackers import Trackers, flatten, open_trackers
 from trainer import faults
 from trainer.build import (
@@ -195,7 +196,7 @@ class Trainer:
     def row_record(self, resources: contextlib.ExitStack) -> RowRecord | None:
         if not self.cfg.data.record_rows:
             return None
-        rows = RowRecord(self.ctx.run_dir, self.ctx.rank, self.ctx.world_size)
+        rows = RowRecord(self.ctx.run_dir / rank_rows(self.ctx.rank), self.ctx.world_size)
         resources.callback(rows.close)
         return rows
 

@@ -35,6 +35,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from monitoring.run_files import MEMORY_DIR
 from trainer import faults
 from trainer.compat import dump_memory_snapshot, record_memory_history
 from trainer.context import WorkerContext
@@ -143,7 +144,7 @@ def write_oom_report(run_dir: Path, step: int, rank: int, device: torch.device,
 
     Returns the snapshot (CUDA) or report (CPU) path.
     """
-    out = run_dir / "memory"
+    out = run_dir / MEMORY_DIR
     out.mkdir(parents=True, exist_ok=True)
     stem = f"oom-step{step:08d}-rank{rank}"
     report = {"step": step, "rank": rank, "device": str(device), "detail": detail,

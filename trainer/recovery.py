@@ -47,18 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from monitoring.run_files import ATTEMPTS, ERRORS_DIR, PREVIOUS_ERRORS_DIR, PROGRESS
 from trainer.worker_errors import (
     CONTROLLER_FILE,
-    ERRORS_DIR,
-    PREVIOUS_ERRORS_DIR,
     as_worker_error,
     error_records,
     is_peer_echo,
 )
 
 log = logging.getLogger("memtrain")
-ATTEMPTS = "attempts.jsonl"
-PROGRESS = "progress"
 _WIDTH = 160  # the progress line's fixed width, padded with spaces
 
 # The causes a restart is counted under (the metric's ``cause`` label: a bounded set).

@@ -30,6 +30,7 @@ import torch
 from monitoring.memory import read_cuda_allocator, read_device_memory, read_host
 from monitoring.metrics import spec
 from monitoring.publisher import PeakTracker, Publisher
+from monitoring.run_files import CONFIG, SUMMARY, rank_metrics
 from monitoring.trackers import Trackers
 from monitoring.units import format_bytes
 from trainer.context import WorkerContext
@@ -106,7 +107,7 @@ class RunMetrics:
     recovery: Any = None  # trainer.recovery.Recovery: the run's restarts (rank 0's figures)
 
     def __post_init__(self) -> None:
-        path = self.ctx.run_dir / "metrics" / f"rank-{self.ctx.rank}.jsonl"
+        path = self.ctx.run_dir / rank_metrics(self.ctx.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self.peaks = peak_tracker(self.ctx.device, self.peak_window_seconds)
@@ -237,11 +238,11 @@ class RunMetrics:
     def write_summary(self, summary: dict[str, Any]) -> Path | None:
         if not self.ctx.is_main:
             return None
-        path = self.ctx.run_dir / "summary.json"
+        path = self.ctx.run_dir / SUMMARY
         path.write_text(json.dumps(summary, indent=2, sort_keys=True))
         if self.trackers:  # every rank's peaks, the run's files, the report drawn for them
             self.trackers.log_rank_peaks(self.ctx.run_dir, summary.get("resumed_from_step") or 0)
-            self.trackers.finish([path, self.ctx.run_dir / "config.yaml", *self._report()])
+            self.trackers.finish([path, self.ctx.run_dir / CONFIG, *self._report()])
         return path
 
     def _report(self) -> list[Path]:

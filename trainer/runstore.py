@@ -10,8 +10,9 @@ that can reach the bucket. The workers write into a local working copy (``run.wo
   them in the store itself, ``storage_filesystem``, in the same layout);
 - the logs (``config.yaml``, ``metrics/``, ``summary.json``, ``errors/``) with each checkpoint
   and when training ends, finished or failed (under Ray, from each node's copy). OOM reports,
-  memory snapshots and profiler traces (``memory/``) stay in the working copy: they can be
-  large, and the logs are uploaded whole each time.
+  memory snapshots (``memory/``) and profiler traces (``profile/``) stay in the working copy:
+  they can be large, and the logs are uploaded whole each time. Every name comes from
+  ``monitoring.run_files``.
 
 Resuming reads the store, not the working copy: its latest complete checkpoint is downloaded
 unless the copy already holds it, and a working copy without metrics logs gets the store's, so
@@ -29,10 +30,18 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
-from monitoring.trackers import TENSORBOARD_DIR, TRACKING_FILE
-from trainer.recovery import ATTEMPTS, PROGRESS
+from monitoring.run_files import (
+    ATTEMPTS,
+    CONFIG,
+    ERRORS_DIR,
+    METRICS_DIR,
+    PROGRESS,
+    SUMMARY,
+    TENSORBOARD_DIR,
+    TRACKING_FILE,
+)
 
-LOG_ENTRIES = ("config.yaml", "summary.json", "metrics", "errors", ATTEMPTS, PROGRESS,
+LOG_ENTRIES = (CONFIG, SUMMARY, METRICS_DIR, ERRORS_DIR, ATTEMPTS, PROGRESS,
                TRACKING_FILE, TENSORBOARD_DIR)  # the last two: the experiment trackers'
 
 
@@ -108,7 +117,7 @@ class RemoteRun:
 
     def clear_errors(self) -> None:
         """A new attempt's failures are its own: the store forgets the last one's error lines."""
-        self.fs.delete_dir_contents(self._path("errors"), missing_dir_ok=True)
+        self.fs.delete_dir_contents(self._path(ERRORS_DIR), missing_dir_ok=True)
 
     def download_dir(self, relative: str, local: Path) -> None:
         """The store's ``relative`` directory into ``local`` (replaced whole, never half)."""
@@ -123,7 +132,7 @@ class RemoteRun:
     def fetch_logs(self, run_dir: Path) -> None:
         """A working copy without metrics logs (another machine, a cleared cache) continues the
         store's, and the same tracked run (MLflow's run id, TensorBoard's events)."""
-        for directory in ("metrics", TENSORBOARD_DIR):
+        for directory in (METRICS_DIR, TENSORBOARD_DIR):
             if not (run_dir / directory).is_dir() and \
                     self.fs.get_file_info(self._path(directory)).type == pafs.FileType.Directory:
                 self.download_dir(directory, run_dir / directory)

@@ -13,11 +13,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from monitoring.run_files import ERRORS_DIR, PREVIOUS_ERRORS_DIR
 from trainer.errors import error_kind, first_line, is_user_error
 
 log = logging.getLogger("memtrain")
-ERRORS_DIR = "errors"  # run_dir/errors/rank-<r>.json: a failed worker's own error, one line
-PREVIOUS_ERRORS_DIR = "errors-previous"  # the launch before
 # A failing group's ranks record their errors within seconds of each other (Ray Train stops the
 # rest once one failed); a restarted group's next failure comes after a restart, which takes
 # longer.

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from monitoring.run_files import ATTEMPTS
 from monitoring.sinks import PrometheusSink
-from trainer.recovery import ATTEMPTS, Recovery
+from trainer.recovery import Recovery
 from trainer.worker_errors import (
     clear_worker_errors,
     record_controller_error,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from monitoring.run_files import SUMMARY
 from trainer.config import Config
 from trainer.context import LocalContext
 from trainer.errors import first_line
@@ -159,4 +160,4 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
             except OSError as err:  # the checkpoints are there; never hide the run's own error
                 log.warning("could not upload the run's logs to %s: %s", remote.uri,
                             first_line(err))
-    return json.loads((run_dir / "summary.json").read_text())
+    return json.loads((run_dir / SUMMARY).read_text())

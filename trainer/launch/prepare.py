@@ -14,6 +14,7 @@ from pathlib import Path
 
 from datapipe.manifest import read_manifest
 from datapipe.paths import is_remote
+from monitoring.run_files import CONFIG
 from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
@@ -73,11 +74,11 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
     _check_world_sizes(cfg)  # auto's micro-batch
     run_dir = local_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    (run_dir / CONFIG).write_text(cfg.to_yaml())
     if remote is not None:
         try:
             remote.fetch_logs(run_dir)
-            remote.upload_file(run_dir / "config.yaml", "config.yaml")
+            remote.upload_file(run_dir / CONFIG, CONFIG)
         except OSError as err:
             raise _store_error(cfg, err) from err
     return cfg, run_dir

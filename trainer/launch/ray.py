@@ -44,6 +44,7 @@ from ray.util.metrics import Counter, Gauge, Histogram  # noqa: E402
 
 from monitoring.memory import worker_labels  # noqa: E402
 from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E402
+from monitoring.run_files import ERRORS_DIR, SUMMARY  # noqa: E402
 from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
 from trainer.checkpoint import checkpoint_dir_name  # noqa: E402
@@ -63,7 +64,6 @@ from trainer.loop import train  # noqa: E402
 from trainer.memory.allocator import configure_allocator_env  # noqa: E402
 from trainer.runstore import RemoteRun  # noqa: E402
 from trainer.worker_errors import (  # noqa: E402
-    ERRORS_DIR,
     WorkerError,
     clear_worker_errors,
     record_controller_error,
@@ -297,8 +297,8 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
                     remote.download_dir(ERRORS_DIR, run_dir / ERRORS_DIR)
             raise worker_error(run_dir, err) from err
     if remote is not None:  # rank 0 may have run on another node
-        return json.loads(remote.read_text("summary.json"))
-    return json.loads((run_dir / "summary.json").read_text())
+        return json.loads(remote.read_text(SUMMARY))
+    return json.loads((run_dir / SUMMARY).read_text())
 
 
 def _torch_trainer(cfg: Config, run_dir: Path, remote: RemoteRun | None, launch_id: str,
