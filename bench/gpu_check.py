@@ -65,9 +65,12 @@ from trainer.memory.allocator import configure_allocator_env
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
+from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Request, choose, feasible_plans
+from trainer.plan.devices import DeviceSpeed, named_gpu_speed
+from trainer.plan.measure import spearman
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.plan.speed import DeviceSpeed, SpeedModel, cpu_speed, named_gpu_speed, spearman
+from trainer.plan.speed import SpeedModel
 from trainer.state import StepResult
 from trainer.step import build_optimizer, step_peak_bytes, train_step
 

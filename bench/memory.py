@@ -30,8 +30,8 @@ import torch
 from bench.results import describe_cpu, result_path, write_json
 from trainer.build import MemoryTransforms, build_model
 from trainer.model import GPT, GPTConfig
+from trainer.plan.measure import measure_plan
 from trainer.plan.peak import measure_saved_bytes, plan_row, profile_activations, static_bytes
-from trainer.plan.speed import measure_plan
 
 SIZES = {
     "gpt-small (4x128, seq 256)": GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128),

@@ -7,7 +7,7 @@ For each model shape (memtrain's GPT at two sizes, and a Hugging Face Llama buil
 - predicted: peak bytes (``trainer.plan.peak.plan_row``) and tokens/s
   (``trainer.plan.speed``, this CPU's calibration);
 - measured: optimizer steps of the trainer's own ``train_step``, one rank, after a warm-up
-  step (``trainer.plan.speed.PlanRun``), alternating with steps of ``auto``'s row: the row's
+  step (``trainer.plan.measure.PlanRun``), alternating with steps of ``auto``'s row: the row's
   speed relative to ``auto``'s (the fastest of ``--steps`` steps of each), the median over
   ``--rounds`` passes over the grid in shuffled order, times ``auto``'s own tokens/s. This
   machine's speed drifts by tens of percent within minutes; a ratio measured within a second
@@ -44,9 +44,11 @@ from bench.results import cpu_description, describe_cpu, write_json
 from trainer.build import MemoryTransforms, build_model
 from trainer.compat import fake_tensor_mode
 from trainer.model import GPT, GPTConfig
+from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Request, choose
+from trainer.plan.measure import PlanRun, spearman
 from trainer.plan.peak import AC_MODES, PlanRow, plan_row, profile_all, static_bytes
-from trainer.plan.speed import PlanRun, SpeedModel, cpu_speed, spearman
+from trainer.plan.speed import SpeedModel
 
 PRECISIONS = ("fp32", "bf16")
 TARGETS = {"spearman": 0.9, "auto_over_best": 0.95, "planning_seconds": 30.0}

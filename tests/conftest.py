@@ -63,7 +63,7 @@ def recorded_cpu_speed() -> Any:
     """A CPU calibration recorded on a quiet machine (``tests/fixtures/record_cpu_speed.py``
     says which, and how to record it again): the tests of ``auto``'s decisions predict with
     it, so their verdicts hold on every CPU kind and at any load."""
-    from trainer.plan.speed import DeviceSpeed
+    from trainer.plan.devices import DeviceSpeed
 
     return DeviceSpeed(**json.loads(RECORDED_CPU_SPEED.read_text())["speed"])
 
@@ -243,7 +243,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Ray reads this when first imported: with it, Ray on Linux uses 127.0.0.1 as the node IP.
 # trainer.launch.ray sets it too; setting it here covers any test that imports ray first.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# The planner's CPU calibration (trainer.plan.speed.cpu_speed) is cached here, shared by the
+# The planner's CPU calibration (trainer.plan.calibrate.cpu_speed) is cached here, shared by the
 # test processes and kept between runs (keyed by CPU, torch and thread count), not in ~/.cache.
 os.environ.setdefault("MEMTRAIN_CACHE_DIR",
                       str(Path(tempfile.gettempdir()) / f"memtrain-test-cache-{os.getuid()}"))

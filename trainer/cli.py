@@ -261,7 +261,7 @@ def plan_command(
     start = time.perf_counter()
     static, profiles = probe_config(cfg, precisions, AC_MODES, work=True)
     if calibrate:
-        from trainer.plan.speed import cpu_speed
+        from trainer.plan.calibrate import cpu_speed
 
         cpu_speed(refresh=True)  # cached: speed_model and --measure read it
     speed = speed_model(cfg, gpu, measure_data=True)
@@ -284,7 +284,7 @@ def _print_inputs(cfg: Any, speed: Any, static: Any, profiles: list[Any],
                   seconds: float) -> None:
     """``memtrain plan``'s first lines: what the planner measured and from where."""
     from monitoring.units import format_bytes
-    from trainer.plan.speed import GPU_COMPILED_SHARE
+    from trainer.plan.devices import GPU_COMPILED_SHARE
 
     compiled = f"; compiled, element-wise work x {GPU_COMPILED_SHARE}" if speed.compiled else ""
     console.print(f"probed in {seconds:.1f} s; speed: {speed.device.name} "
@@ -372,9 +372,11 @@ def _measure_plans(cfg: Any, static: Any, profiles: list[Any], budget: int, top:
     """``plan --measure``: the ``top`` fastest predicted plans (every fitting micro-batch),
     each trained ``steps`` steps as one rank on this CPU, predicted against measured."""
     from trainer.build import MemoryTransforms, model_factory
+    from trainer.plan.calibrate import cpu_speed
     from trainer.plan.candidates import HEADROOM
+    from trainer.plan.measure import measure_plan
     from trainer.plan.peak import plan_row
-    from trainer.plan.speed import SpeedModel, cpu_speed, measure_plan
+    from trainer.plan.speed import SpeedModel
 
     one_rank = SpeedModel(cpu_speed())
     per_rank = cfg.train.global_batch_size // cfg.parallel.workers

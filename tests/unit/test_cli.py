@@ -143,17 +143,19 @@ def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) ->
 def test_plan_calibrate_measures_this_cpu_again(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
-    from trainer.plan import speed
+    from trainer.plan import calibrate as calibration
+    from trainer.plan import devices as plan_devices
 
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def calibrate() -> speed.DeviceSpeed:
+    def calibrate() -> plan_devices.DeviceSpeed:
         calls.append(1)
-        return speed.DeviceSpeed("test CPU", {"matmul:fp32:k256": 1e11, "memory:fp32": 1e10},
-                                 {"matmul": 1e-5, "memory": 1e-5}, 1e9, source="a stand-in")
+        return plan_devices.DeviceSpeed(
+            "test CPU", {"matmul:fp32:k256": 1e11, "memory:fp32": 1e10},
+            {"matmul": 1e-5, "memory": 1e-5}, 1e9, source="a stand-in")
 
-    monkeypatch.setattr(speed, "calibrate_cpu", calibrate)
+    monkeypatch.setattr(calibration, "calibrate_cpu", calibrate)
     for _ in range(2):
         result = memtrain_here(capsys, "plan", "-c", DEMO, "--device-memory", "1GiB",
                                "--calibrate", "--set", "model.n_layer=1")

@@ -15,20 +15,14 @@ import torch
 from tests.conftest import recorded_cpu_speed
 from trainer.build import MemoryTransforms
 from trainer.model import GPT, GPTConfig
-from trainer.plan import speed
+from trainer.plan import calibrate as calibration
+from trainer.plan import measure as plan_measure
+from trainer.plan import work as plan_work
 from trainer.plan.candidates import choose_plan
+from trainer.plan.devices import DeviceSpeed, gpu_speed
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.plan.speed import (
-    DeviceSpeed,
-    LoaderCost,
-    SpeedModel,
-    StepWork,
-    Work,
-    gpu_speed,
-    measure_loader,
-    record_work,
-    step_time,
-)
+from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader, step_time
+from trainer.plan.work import StepWork, Work, record_work
 
 CFG = GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=32, vocab_size=256)
 
@@ -129,18 +123,18 @@ def test_the_calibration_is_measured_once_per_machine(tmp_path: Path, monkeypatc
         calls.append(1)
         return fake
 
-    monkeypatch.setattr(speed, "calibrate_cpu", calibrate)
-    assert speed.cpu_speed() == fake and speed.cpu_speed() == fake
+    monkeypatch.setattr(calibration, "calibrate_cpu", calibrate)
+    assert calibration.cpu_speed() == fake and calibration.cpu_speed() == fake
     assert len(calls) == 1
     [cached] = tmp_path.glob("cpu-speed-*.json")
     assert json.loads(cached.read_text())["rates"] == fake.rates
     cached.write_text("{not json")  # a damaged cache is measured again, not an error
-    assert speed.cpu_speed() == fake and len(calls) == 2
+    assert calibration.cpu_speed() == fake and len(calls) == 2
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another thread count: its own
-    speed.cpu_speed()
+    calibration.cpu_speed()
     assert len(calls) == 3 and len(list(tmp_path.glob("cpu-speed-*.json"))) == 2
-    speed.cpu_speed(refresh=True)  # `memtrain plan --calibrate`: measured again, cached
-    assert len(calls) == 4 and speed.cpu_speed() == fake and len(calls) == 4
+    calibration.cpu_speed(refresh=True)  # `memtrain plan --calibrate`: measured again, cached
+    assert len(calls) == 4 and calibration.cpu_speed() == fake and len(calls) == 4
 
 
 def test_an_unstable_calibration_is_measured_again_at_the_next_plan(
@@ -149,29 +143,29 @@ def test_an_unstable_calibration_is_measured_again_at_the_next_plan(
     call that took it and measured again by the next process that reads it; the steadier of
     the two is kept, and a stable one is kept until ``refresh``."""
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(speed, "_TAKEN", {})
+    monkeypatch.setattr(calibration, "_TAKEN", {})
     spreads = iter([0.40, 0.55, 0.03])
 
     def calibrate() -> DeviceSpeed:
         return DeviceSpeed("cpu", {"matmul:fp32": 1e11, "memory:fp32": 1e10}, {"matmul": 1e-5},
                            1e9, source="measured", calibrated_at=1.0, spread=next(spreads))
 
-    monkeypatch.setattr(speed, "calibrate_cpu", calibrate)
+    monkeypatch.setattr(calibration, "calibrate_cpu", calibrate)
     with caplog.at_level("INFO", logger="memtrain"):
-        first = speed.cpu_speed()
+        first = calibration.cpu_speed()
     assert first.spread == 0.40 and not first.stable
     assert any("calibration is unstable (its repeats spread 40%" in r.getMessage()
                for r in caplog.records)
-    assert speed.cpu_speed() == first  # the same process does not measure again
-    monkeypatch.setattr(speed, "_TAKEN", {})  # the next process
-    assert speed.cpu_speed().spread == 0.40  # measured again (0.55): the steadier one kept
-    monkeypatch.setattr(speed, "_TAKEN", {})
-    steady = speed.cpu_speed()
+    assert calibration.cpu_speed() == first  # the same process does not measure again
+    monkeypatch.setattr(calibration, "_TAKEN", {})  # the next process
+    assert calibration.cpu_speed().spread == 0.40  # measured again (0.55): the steadier one kept
+    monkeypatch.setattr(calibration, "_TAKEN", {})
+    steady = calibration.cpu_speed()
     assert steady.spread == 0.03 and steady.stable
-    monkeypatch.setattr(speed, "_TAKEN", {})
-    assert speed.cpu_speed() == steady  # stable: read from the cache, not measured
+    monkeypatch.setattr(calibration, "_TAKEN", {})
+    assert calibration.cpu_speed() == steady  # stable: read from the cache, not measured
     with pytest.raises(StopIteration):
-        speed.cpu_speed(refresh=True)
+        calibration.cpu_speed(refresh=True)
 
 
 def test_a_calibration_says_its_age_and_stability() -> None:
@@ -187,10 +181,10 @@ def test_a_calibration_says_its_age_and_stability() -> None:
 
 def test_repeat_spread_weighs_the_longer_steps() -> None:
     """Medians summed over fastest summed: a short step's jitter barely counts."""
-    assert speed.repeat_spread({"a": [0.001, 0.0015, 0.0014], "b": [1.0, 1.3, 1.2, 1.4]}) \
+    assert calibration.repeat_spread({"a": [0.001, 0.0015, 0.0014], "b": [1.0, 1.3, 1.2, 1.4]}) \
         == pytest.approx((0.0014 + 1.25) / 1.001 - 1)
-    assert speed.repeat_spread({"a": [1.0, 1.01, 1.0]}) == pytest.approx(0.0)
-    assert speed.repeat_spread({}) == 0.0
+    assert calibration.repeat_spread({"a": [1.0, 1.01, 1.0]}) == pytest.approx(0.0)
+    assert calibration.repeat_spread({}) == 0.0
 
 
 def test_the_in_model_fit_refits_one_scale_where_the_other_is_held_at_its_bound() -> None:
@@ -204,13 +198,13 @@ def test_the_in_model_fit_refits_one_scale_where_the_other_is_held_at_its_bound(
     def rows(a: float, b: float) -> list[tuple[float, float, float, float]]:
         return [(f, c, o, a * f + b * c + o) for f, c, o in shapes]
 
-    a, b = speed._fit_scales(rows(2.0, 1.5))
+    a, b = calibration._fit_scales(rows(2.0, 1.5))
     assert a == pytest.approx(2.0) and b == pytest.approx(1.5)
-    a, b = speed._fit_scales(rows(2.0, 0.8))
+    a, b = calibration._fit_scales(rows(2.0, 0.8))
     assert b == 1.0 and a < 2.0
     f, c, o, measured = rows(2.0, 0.8)[0]
     assert abs(a * f + b * c + o - measured) / measured < 0.1
-    assert speed._fit_scales(rows(20.0, 1.5))[0] == 8.0  # fixed costs at most 8x alone
+    assert calibration._fit_scales(rows(20.0, 1.5))[0] == 8.0  # fixed costs at most 8x alone
 
 
 def test_this_cpus_calibration_ranks_the_kernels_it_has() -> None:
@@ -220,7 +214,7 @@ def test_this_cpus_calibration_ranks_the_kernels_it_has() -> None:
     (so ``auto`` keeps fp32 there by the calibration alone)."""
     from trainer.compat import cpu_bf16_support
 
-    device = speed.cpu_speed()
+    device = calibration.cpu_speed()
     assert all(rate > 0 for rate in device.rates.values())
     assert 0 < device.op_seconds["memory"] < 1e-3
     assert device.rate("matmul:fp32:k256") > device.rate("math:fp32")
@@ -281,7 +275,7 @@ def _takes_no_checkpointing_at_micro_batch_2() -> None:
     # Measured: each plan's fastest of 5 steps (noise only slows), the two plans' steps
     # alternating, so that the machine's drift (and the other test process's load) falls on
     # both alike.
-    runs = {mode: speed.PlanRun(factory, transforms.replace(activation_checkpointing=mode),
+    runs = {mode: plan_measure.PlanRun(factory, transforms.replace(activation_checkpointing=mode),
                                 DEEP.seq_len, DEEP.vocab_size, "fp32", micro, 16 // micro)
             for mode, micro in (("none", 2), ("full", 16))}
     for run in runs.values():
@@ -334,7 +328,7 @@ def _step_work(chunk: int, batch: int, precision: str) -> Work:
         model = build_model(partial(GPT, cfg), MemoryTransforms("none", loss_chunk_tokens=chunk))
         tokens_BT = torch.zeros(batch, cfg.seq_len + 1, dtype=torch.long)
         policy = precision_policy(precision, torch.device("cpu"), warn=False)
-        with speed.recording() as work:
+        with plan_work.recording() as work:
             summed_loss(model, tokens_BT, policy).backward()
     return work
 
@@ -373,8 +367,8 @@ def test_the_loss_is_counted_in_whole_chunks_of_any_size(precision: str) -> None
     # The loss alone, from recordings of at most two chunks, against a recording of them all.
     for chunk, tokens in ((48, 192), (48, 320), (48, 30), (128, 1000), (256, 64)):
         shape = dataclasses.replace(work.loss, chunk_tokens=chunk)
-        _assert_same(speed.loss_work(shape, tokens, work.loss_dtype),
-                     speed._record_loss(shape, tokens, work.loss_dtype), chunk, tokens)
+        _assert_same(plan_work.loss_work(shape, tokens, work.loss_dtype),
+                     plan_work._record_loss(shape, tokens, work.loss_dtype), chunk, tokens)
     # In the step: another chunk changes the step's work as it changes the model's own
     # (compared as sums, predicted(c) + recorded(48) against recorded(c) + predicted(48), so
     # the rest of the step, drawn on a line through 1 and 2 rows, cancels out).

@@ -102,7 +102,7 @@ class PlainLossShape:
 LossShape = ChunkedLossShape | PlainLossShape
 _observed: list[LossShape] | None = None
 # Set while a chunked loss's forward runs: its products contract over a chunk's tokens, which
-# the time model counts apart from the rest of the step (trainer.plan.speed.loss_work).
+# the time model counts apart from the rest of the step (trainer.plan.work.loss_work).
 _in_chunked_loss = False
 
 

@@ -6,8 +6,15 @@ and below the loop and the launchers. One concern a module:
 
 - ``peak``: static bytes, activation profiles probed on CPU with fake tensors, and
   ``plan_row`` (one plan's predicted peak, the moment it falls at, and its step time);
-- ``speed``: the time model: the step's operators counted, a CPU's calibration or a GPU's
-  peaks, step time composed with the data loader's measured cost;
+- ``work``: a step's operators counted on fake tensors (FLOPs and bytes by kind and dtype);
+- ``devices``: how fast a device runs each kind of work (``DeviceSpeed``; a GPU's datasheet
+  figures);
+- ``calibrate``: this CPU's speed, measured, fitted to a small model's steps, cached with its
+  age and stability;
+- ``speed``: a plan's step time, composed from the three and the data loader's measured cost
+  (``SpeedModel``);
+- ``measure``: plans run for real, to hold the predictions against (``memtrain plan
+  --measure``, ``make bench-plan``);
 - ``candidates``: the plans that fit, fastest first, and the rules that pick among them (pure
   functions, no config: ``make gpu-check`` runs them without pydantic);
 - ``choose``: a config's ``auto`` resolved once, for ``train``, ``memtrain plan``,

@@ -27,7 +27,9 @@ from trainer.compat import fake_tensor_mode
 from trainer.config import Config, ConfigError
 from trainer.memory.precision import resolve_precision
 from trainer.oom import oom_recovery_on
+from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Decision, Probe, Request, choose
+from trainer.plan.devices import named_gpu_speed
 from trainer.plan.peak import (
     AC_MODES,
     ActivationProfile,
@@ -35,13 +37,7 @@ from trainer.plan.peak import (
     profile_all,
     static_bytes,
 )
-from trainer.plan.speed import (
-    LoaderCost,
-    SpeedModel,
-    cpu_speed,
-    measure_loader,
-    named_gpu_speed,
-)
+from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader
 
 log = logging.getLogger("memtrain")
 
@@ -109,11 +105,11 @@ def loader_cost(cfg: Config) -> LoaderCost | None:
 
 def speed_model(cfg: Config, gpu: str | None = None, measure_data: bool = False
                 ) -> SpeedModel:
-    """The time model for ``cfg``'s device: this CPU, calibrated (``trainer.plan.speed.
-    cpu_speed``, cached), or a GPU's peak figures: ``gpu`` by name, else the driver's own GPU,
-    else an H200's (said in the log); compiled where ``train.compile`` is on (``auto``: on a
-    GPU). ``measure_data``: with the data loader's cost on the configured dataset
-    (``loader_cost``)."""
+    """The time model for ``cfg``'s device: this CPU, calibrated
+    (``trainer.plan.calibrate.cpu_speed``, cached), or a GPU's peak figures: ``gpu`` by name,
+    else the driver's own GPU, else an H200's (said in the log); compiled where
+    ``train.compile`` is on (``auto``: on a GPU). ``measure_data``: with the data loader's cost
+    on the configured dataset (``loader_cost``)."""
     if cfg.parallel.use_gpu:
         if gpu is None and torch.cuda.is_available():
             gpu = torch.cuda.get_device_name(0)

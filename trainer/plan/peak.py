@@ -64,7 +64,8 @@ from trainer.memory.loss import (
     summed_loss,
 )
 from trainer.memory.precision import precision_policy
-from trainer.plan.speed import SpeedModel, StepWork, record_work
+from trainer.plan.speed import SpeedModel
+from trainer.plan.work import StepWork, record_work
 
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -334,7 +335,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     reads a value, calls numpy) is probed for real, with a log line that says so.
 
     ``work``: also count the step's operators for the time model
-    (``trainer.plan.speed.record_work``; on fake tensors, or real ones where those fail).
+    (``trainer.plan.work.record_work``; on fake tensors, or real ones where those fail).
     """
     device = device or torch.device("cpu")
     target = target or device.type
