@@ -1,11 +1,13 @@
-"""This machine's CPU, read once from /proc/cpuinfo: its model name, family and model numbers
-(the name alone, "AMD EPYC", does not tell one generation from another) and its instruction-set
-flags. The planner keys its calibration on it, the benches and reports name their machine
-with it."""
+"""This machine as memtrain sees it: its CPU, read once from /proc/cpuinfo (model name, family
+and model numbers: the name alone, "AMD EPYC", does not tell one generation from another; its
+instruction-set flags), and where memtrain keeps its caches (``cache_dir``). The planner keys
+its calibration on the CPU, the benches and reports name their machine with it; the planner's
+calibrations and the working copies of remote runs share the cache root."""
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,3 +39,12 @@ def cpu_info() -> CpuInfo:
     return CpuInfo(fields.get("model name") or platform.processor() or platform.machine(),
                    fields.get("cpu family", "?"), fields.get("model", "?"),
                    frozenset(fields.get("flags", "").split()))
+
+
+def cache_dir() -> Path:
+    """memtrain's cache root: ``$MEMTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/memtrain``, else
+    ``~/.cache/memtrain``."""
+    if os.environ.get("MEMTRAIN_CACHE_DIR"):
+        return Path(os.environ["MEMTRAIN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "memtrain"

@@ -29,7 +29,8 @@ class RunConfig(_Strict):
     name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     dir: str = "runs"  # run directories live at <dir>/<name>/; or s3://bucket/prefix
     # With dir on object storage: the workers' local working copy, <work_dir>/<name>/
-    # (trainer/runstore.py); default ~/.cache/memtrain/runs/<scheme>/<bucket>/<prefix>
+    # (trainer/runstore.py); default <cache>/runs/<scheme>/<bucket>/<prefix>, the cache
+    # $MEMTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/memtrain, else ~/.cache/memtrain
     work_dir: str | None = None
     seed: int = 0
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
+from monitoring.host import cache_dir
 from monitoring.run_files import (
     ATTEMPTS,
     CONFIG,
@@ -46,9 +47,10 @@ LOG_ENTRIES = (CONFIG, SUMMARY, METRICS_DIR, ERRORS_DIR, ATTEMPTS, PROGRESS,
 
 
 def default_work_dir(uri: str) -> Path:
-    """``~/.cache/memtrain/runs/<scheme>/<bucket>/<prefix>``: one working copy per remote run
-    directory, so two buckets' runs of one name never share it."""
-    return Path.home() / ".cache" / "memtrain" / "runs" / uri.replace("://", "/", 1).rstrip("/")
+    """``<cache>/runs/<scheme>/<bucket>/<prefix>`` (``monitoring.host.cache_dir``, by default
+    ``~/.cache/memtrain``): one working copy per remote run directory, so two buckets' runs of
+    one name never share it."""
+    return cache_dir() / "runs" / uri.replace("://", "/", 1).rstrip("/")
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from monitoring.host import cpu_info
+from monitoring.host import cache_dir, cpu_info
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.loss import (
     summed_loss,
@@ -298,15 +298,6 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
 
 def cpu_name() -> str:
     return cpu_info().name
-
-
-def cache_dir() -> Path:
-    """Where calibrations are kept: ``$MEMTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/memtrain``,
-    else ``~/.cache/memtrain``."""
-    if os.environ.get("MEMTRAIN_CACHE_DIR"):
-        return Path(os.environ["MEMTRAIN_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "memtrain"
 
 
 # The calibrations this process took, by cache file: an unstable one is measured again once
