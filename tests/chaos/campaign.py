@@ -277,12 +277,17 @@ class Campaign:
     # -- the faults ----------------------------------------------------------------------------
 
     def workers(self) -> list[Any]:
+        """This campaign's Ray Train workers: descendants of this process, whose cluster's
+        nodes it started. Not every such process on the machine: under the test suite another
+        cluster's workers run beside these, and killing one of those failed that run's test
+        (and left this campaign's fault without its restart)."""
         import psutil
 
         found = []
-        for process in psutil.process_iter(["name"]):
-            if (process.info["name"] or "").startswith("ray::RayTrainWo"):
-                found.append(process)
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if process.name().startswith("ray::RayTrainWo"):
+                    found.append(process)
         return found
 
     def recovered(self) -> bool:
