@@ -18,5 +18,6 @@ and below the loop and the launchers. One concern a module:
 - ``candidates``: the plans that fit, fastest first, and the rules that pick among them (pure
   functions, no config: ``make gpu-check`` runs them without pydantic);
 - ``choose``: a config's ``auto`` resolved once, for ``train``, ``memtrain plan``,
-  ``make bench-plan`` and ``make gpu-check``.
+  ``make bench-plan`` and ``make gpu-check``;
+- ``report``: what ``memtrain plan`` prints.
 """

@@ -1,0 +1,187 @@
+"""What ``memtrain plan`` prints: the planner's inputs (probe time, the device's speed and the
+calibration's age, the data loader's cost, static bytes, the loss), every precision and
+checkpointing mode at the configured micro-batch, the fastest fitting plan of each with
+``auto``'s decision marked (``trainer.plan.choose.decide``, as ``train`` takes it), and with
+``--measure`` the fastest predicted plans run on this CPU beside their predictions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from monitoring.units import format_bytes
+from trainer.batch import micro_batch_candidates, per_rank_batch
+from trainer.build import MemoryTransforms, model_factory
+from trainer.config import ConfigError
+from trainer.memory.loss import ChunkedLossShape
+from trainer.plan.calibrate import cpu_speed
+from trainer.plan.candidates import HEADROOM, feasible_plans
+from trainer.plan.choose import config_probe, decide, probe_config, speed_model
+from trainer.plan.devices import GPU_COMPILED_SHARE
+from trainer.plan.measure import measure_plan
+from trainer.plan.peak import AC_MODES, plan_row
+from trainer.plan.speed import SpeedModel
+
+
+def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
+               gpu: str | None = None, calibrate: bool = False, measure_top: int = 0,
+               measure_steps: int = 3) -> None:
+    """``memtrain plan``'s output for ``cfg`` on devices of ``budget`` bytes (as the user
+    wrote it: ``device_memory``), planned for ``gpu`` where the config trains on GPUs;
+    ``calibrate``: this CPU measured again first; ``measure_top``: that many plans run."""
+    world = cfg.parallel.workers
+    precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
+    console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} "
+                  f"({len(precisions) * len(AC_MODES)} probes, fake tensors on CPU)...")
+    start = time.perf_counter()
+    static, profiles = probe_config(cfg, precisions, AC_MODES, work=True)
+    if calibrate:
+        cpu_speed(refresh=True)  # cached: speed_model and --measure read it
+    speed = speed_model(cfg, gpu, measure_data=True)
+    print_inputs(console, cfg, speed, static, profiles, time.perf_counter() - start)
+    console.print(current_table(cfg, static, profiles, speed, budget))
+    console.print("saved: activations kept for backward; temp.: the largest temporaries\n"
+                  "beside them; peak: with parameters and AdamW state, at the moment named;\n"
+                  "tokens/s: predicted, all workers together")
+    rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
+                          speed=speed, choose_loss_chunk=cfg.memory.loss_chunk_tokens == "auto")
+    console.print(best_table(rows, auto_plan(cfg, budget, speed, static, profiles),
+                             device_memory, cfg.train.global_batch_size)
+                  if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
+                               "sequence or a smaller model")
+    if measure_top and rows:
+        measure_plans(console, cfg, static, profiles, budget, measure_top, measure_steps)
+
+
+def print_inputs(console: Console, cfg: Any, speed: Any, static: Any, profiles: list[Any],
+                 seconds: float) -> None:
+    """``memtrain plan``'s first lines: what the planner measured and from where."""
+    compiled = f"; compiled, element-wise work x {GPU_COMPILED_SHARE}" if speed.compiled else ""
+    console.print(f"probed in {seconds:.1f} s; speed: {speed.device.name} "
+                  f"({speed.device.describe()}{compiled})")
+    console.print(f"data loader: {speed.loader.source}, on {cfg.data.path}" if speed.loader
+                  else f"data loader: not in the time model ({cfg.data.path} cannot be read "
+                       "here)")
+    console.print(f"per rank, {cfg.parallel.strategy} x {cfg.parallel.workers} workers: params "
+                  f"{format_bytes(static.params)}, grads {format_bytes(static.grads)}, AdamW "
+                  f"state {format_bytes(static.optimizer)}")
+    console.print(loss_line(profiles[0].loss_shape, cfg.memory.loss_chunk_tokens))
+
+
+def current_table(cfg: Any, static: Any, profiles: list[Any], speed: Any, budget: int
+                  ) -> Table:
+    """Every precision and checkpointing mode at the configured micro-batch."""
+    gib = 2**30
+    micro, world = cfg.train.micro_batch(), cfg.parallel.workers
+    accumulation = cfg.train.accumulation_steps(world)
+    # Headers in two lines and no vertical rules: both tables fit an 80-column terminal.
+    current = plan_table(f"configured micro-batch {micro} x accumulation {accumulation} x "
+                          f"{world} workers",
+                          "precision", "act.\nckpt", "saved\nGiB", "temp.\nGiB", "peak\nGiB",
+                          "peak at", "fits", "tokens/s")
+    for profile in profiles:
+        row = plan_row(static, profile, micro, accumulation, speed)
+        current.add_row(row.precision, row.activation_checkpointing,
+                        f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
+                        f"{row.predicted_peak_bytes / gib:.2f}", row.peak_moment,
+                        "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
+                        f"{row.tokens_per_s:,.0f}")
+    return current
+
+
+def auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[Any]) -> Any:
+    """The plan ``train`` would take for ``cfg`` with micro-batch and checkpointing ``auto``
+    on a device of ``budget`` bytes: ``trainer.plan.choose.decide`` itself (its lines go to the
+    log), on the profiles already probed where their bf16 norm inputs match. None: none fits."""
+    searched = cfg.model_copy(update={
+        "train": cfg.train.model_copy(update={"micro_batch_size": "auto"}),
+        "memory": cfg.memory.model_copy(update={"activation_checkpointing": "auto",
+                                                "device_memory": str(budget)})})
+    probed_norm = cfg.memory.bf16_norm_inputs in (True, "auto")  # "auto" builds them on
+
+    def probe(precision: str, norm: bool) -> tuple[Any, list[Any]]:
+        if norm == probed_norm or precision != "bf16":  # the copies exist under bf16 only
+            return static, [p for p in profiles if p.precision == precision]
+        return config_probe(searched, AC_MODES)(precision, norm)
+
+    try:
+        return decide(searched, speed, probe)[1].plan  # type: ignore[union-attr]
+    except ConfigError:  # nothing fits: the table says so
+        return None
+
+
+def best_table(rows: list[Any], auto: Any, device_memory: str, global_batch: int) -> Table:
+    """Each precision and checkpointing mode's fastest fitting plan, ``auto``'s marked."""
+    def key(row: Any) -> tuple[Any, ...]:
+        return (row.precision, row.activation_checkpointing, row.micro_batch_size,
+                row.loss_chunk_tokens)
+
+    best = plan_table(f"fastest micro-batch in {HEADROOM:.0%} of {device_memory}, global "
+                       f"batch {global_batch} kept",
+                       "precision", "act.\nckpt", "micro-\nbatch", "accumu-\nlation",
+                       "loss\nchunk", "peak\nGiB", "tokens/s", "")
+    for row in rows:
+        best.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
+                     str(row.accumulation_steps),
+                     f"{row.loss_chunk_tokens:,}" if row.loss_chunk_tokens else "-",
+                     f"{row.predicted_peak_bytes / 2**30:.2f}", f"{row.tokens_per_s:,.0f}",
+                     "<- auto" if auto is not None and key(row) == key(auto) else "")
+    return best
+
+
+def measure_plans(console: Console, cfg: Any, static: Any, profiles: list[Any], budget: int,
+                  top: int, steps: int) -> None:
+    """``plan --measure``: the ``top`` fastest predicted plans (every fitting micro-batch),
+    each trained ``steps`` steps as one rank on this CPU, predicted against measured."""
+    one_rank = SpeedModel(cpu_speed())
+    per_rank = per_rank_batch(cfg.train.global_batch_size, cfg.parallel.workers)
+    fitting = [row for profile in profiles
+               for row in (plan_row(static, profile, micro, per_rank // micro, one_rank)
+                           for micro in micro_batch_candidates(per_rank))
+               if row.predicted_peak_bytes <= HEADROOM * budget]
+    chosen = sorted(fitting, key=lambda row: -row.tokens_per_s)[:top]
+    table = plan_table(f"measured: {len(chosen)} fastest predicted plans, one rank on this "
+                        f"CPU, {steps} steps each", "precision", "act.\nckpt", "micro-\nbatch",
+                        "predicted\ntokens/s", "measured\ntokens/s", "predicted\npeak GiB",
+                        "measured\npeak GiB")
+    factory = model_factory(cfg.model)
+    transforms = MemoryTransforms.of(cfg.memory)
+    gib = 2**30
+    for row in chosen:
+        console.print(f"measuring {row.precision}, {row.activation_checkpointing}, micro-batch "
+                      f"{row.micro_batch_size} x {row.accumulation_steps}...")
+        got = measure_plan(factory, transforms.replace(
+            activation_checkpointing=row.activation_checkpointing), cfg.model.seq_len,
+            cfg.model.vocab_size, row.precision, row.micro_batch_size, row.accumulation_steps,
+            steps=steps)
+        table.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
+                      f"{row.tokens_per_s:,.0f}", f"{got.tokens_per_s:,.0f}",
+                      f"{row.predicted_peak_bytes / gib:.2f}", f"{got.peak_bytes / gib:.2f}")
+    console.print(table)
+
+
+def loss_line(shape: Any, setting: int | str) -> str:
+    """What the planned loss is: chunked (how many tokens a chunk, its fp32 logits) or plain."""
+    if isinstance(shape, ChunkedLossShape):
+        logits = shape.chunk_tokens * shape.vocab_size * 4
+        return (f"loss: chunks of {shape.chunk_tokens} tokens (memory.loss_chunk_tokens "
+                f"{setting}), each {logits / 2**30:.2f} GiB\n      of fp32 logits at vocabulary "
+                f"{shape.vocab_size:,}")
+    return f"loss: full logits, then cross-entropy (memory.loss_chunk_tokens {setting})"
+
+
+def plan_table(title: str, *headers: str) -> Table:
+    """A table that fits an 80-column terminal: headers of two lines, no vertical rules,
+    numbers right-aligned."""
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
+    for header in headers:
+        table.add_column(header, no_wrap=True,
+                         justify="right" if "GiB" in header or "-" in header
+                         or header.endswith("tokens/s") else "left")
+    return table
