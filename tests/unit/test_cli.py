@@ -158,7 +158,8 @@ def test_plan_calibrate_measures_this_cpu_again(capsys: pytest.CaptureFixture[st
     monkeypatch.setattr(calibration, "calibrate_cpu", calibrate)
     for _ in range(2):
         result = memtrain_here(capsys, "plan", "-c", DEMO, "--device-memory", "1GiB",
-                               "--calibrate", "--set", "model.n_layer=1")
+                               "--calibrate", "--set", "model.n_layer=1",
+                               "--set", "memory.bf16_norm_inputs=true")
         assert result.returncode == 0, result.stderr
         assert "speed: test CPU (a stand-in)" in result.stdout
     assert len(calls) == 2  # measured on each --calibrate, read from the cache otherwise
