@@ -3,9 +3,10 @@
 Pure functions over the planner's figures (``trainer.plan.peak``: static bytes, activation
 profiles, ``plan_row``) and its time model (``trainer.plan.speed``): which (precision,
 checkpointing, micro-batch, loss chunk) keep the global batch and fit the device, fastest first
-(``feasible_plans``); the one ``auto`` takes (``choose_plan``); whether bf16 norm inputs pay
-(``choose_norm_inputs``). No config here: ``trainer.plan.choose`` reads a config into these
-figures, and ``make gpu-check`` calls them on a machine without the config's dependencies.
+(``feasible_plans``); whether bf16 norm inputs pay (``choose_norm_inputs``); and ``auto``'s one
+decision over a request's precisions, norm inputs and compile (``choose``). No config here:
+``trainer.plan.choose`` reads a config into a ``Request``, and ``make gpu-check`` calls
+``choose`` on a machine without the config's dependencies.
 """
 
 from __future__ import annotations
@@ -86,13 +87,15 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
                 min_micro_batch: int = MIN_MICRO_BATCH, headroom: float = HEADROOM,
                 speed: SpeedModel | None = None, choose_loss_chunk: bool = False
                 ) -> PlanRow | None:
-    """The plan for ``auto``; None when nothing fits.
+    """One set of profiles' pick; None when nothing fits. ``auto`` itself is ``choose``,
+    which searches a request's precisions, norm inputs and compile on top of this rule.
 
     ``micro_batch_size`` None means auto: every divisor of the per-rank batch is a candidate.
     With a ``speed`` model (and profiles with their work recorded): the fitting row with the
-    most predicted tokens/s. Without: the least recomputation, provided its
-    micro-batch is at least ``min_micro_batch`` (or the whole per-rank batch, if smaller);
-    otherwise the row with the largest micro-batch.
+    most predicted tokens/s, ``choose``'s rule. Without: the rule from before the time model,
+    which the tests keep as the baseline it is judged against: the least recomputation,
+    provided its micro-batch is at least ``min_micro_batch`` (or the whole per-rank batch, if
+    smaller); otherwise the row with the largest micro-batch.
     """
     rows = feasible_plans(static, profiles, global_batch_size, world_size, device_memory_bytes,
                           headroom, speed, micro_batch_size, choose_loss_chunk)
