@@ -67,11 +67,13 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
                           "launcher; the local launcher takes one number")
     # Everything that can be checked before auto is planned: a config that cannot run fails
     # in one line, before seconds of probing and lines about a plan that will not run.
-    if cfg.train.micro_batch_size != "auto":
+    micro_auto = cfg.train.micro_batch_size == "auto"
+    if not micro_auto:
         _check_world_sizes(cfg)
     _check_datasets(cfg)
     cfg = resolve_auto(cfg)
-    _check_world_sizes(cfg)  # auto's micro-batch
+    if micro_auto:
+        _check_world_sizes(cfg)  # with the micro-batch auto chose
     run_dir = local_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG).write_text(cfg.to_yaml())

@@ -205,9 +205,9 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
                               f"precision {' or '.join(request.precisions)} "
                               "(memory.device_memory); try FSDP, a shorter sequence or a "
                               "smaller model")
-        # the run's own OOM handling has the last word
-        norm = decision.norm_inputs.get("bf16", cfg.memory.bf16_norm_inputs)
-        return resolved(cfg, None, norm if norm != "auto" else True), decision
+        # Only the norm inputs were asked, and planned under bf16 (other precisions returned
+        # above): the run's own OOM handling has the last word.
+        return resolved(cfg, None, decision.norm_inputs["bf16"]), decision
     return resolved(cfg, decision, decision.norm_inputs[decision.plan.precision],
                     request.choose_loss_chunk, len(request.precisions) > 1), decision
 

@@ -110,9 +110,10 @@ def auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[Any
         return config_probe(searched, AC_MODES)(precision, norm)
 
     try:
-        return decide(searched, speed, probe)[1].plan  # type: ignore[union-attr]
+        _, decision = decide(searched, speed, probe)
     except ConfigError:  # nothing fits: the table says so
         return None
+    return decision.plan if decision is not None else None
 
 
 def best_table(rows: list[Any], auto: Any, device_memory: str, global_batch: int) -> Table:
