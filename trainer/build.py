@@ -11,23 +11,31 @@ config's slice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from trainer import meta_init
 from trainer.compat import is_checkpoint_wrapper
+from trainer.errors import first_line
+from trainer.hf import SafetensorsRows, initialise_on_meta
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
-from trainer.model import create_model
+from trainer.model import ModelError, create_model
+from trainer.sharding import FsdpSettings, fill_local, shard_model
 
 if TYPE_CHECKING:
     from trainer.config import MemoryConfig, ModelConfig
 
+log = logging.getLogger(__name__)
 ModelFactory = Callable[[], nn.Module]
 
 
@@ -50,10 +58,11 @@ class MemoryTransforms:
         return dataclasses.replace(self, **changes)
 
 
-def model_factory(model: ModelConfig) -> ModelFactory:
-    """The configured model (a registered name or ``module:function``), without transforms."""
+def model_factory(model: ModelConfig, load_weights: bool = True) -> ModelFactory:
+    """The configured model (a registered name or ``module:function``), without transforms
+    (``load_weights=False``: an ``hf:`` directory's weights are left to the sharded build)."""
     kwargs = model.model_dump(exclude={"name"})
-    return lambda: create_model(model.name, **kwargs)
+    return lambda: create_model(model.name, load_weights=load_weights, **kwargs)
 
 
 def build_model(factory: ModelFactory, transforms: MemoryTransforms,
@@ -68,11 +77,15 @@ def build_model(factory: ModelFactory, transforms: MemoryTransforms,
     model = factory()
     if device is not None:
         model = model.to(device)
+    apply_transforms(model, transforms)
+    return model
+
+
+def apply_transforms(model: nn.Module, transforms: MemoryTransforms) -> None:
     apply_activation_checkpointing(model, transforms.activation_checkpointing,
                                    transforms.checkpoint_every_k)
     set_loss_chunking(model, transforms.loss_chunk_tokens)
     bf16_norm_inputs(model, transforms.bf16_norm_inputs)
-    return model
 
 
 def checkpointed_blocks(model: nn.Module) -> list[int]:
@@ -94,3 +107,96 @@ def compile_model(model: nn.Module) -> str:
         return f"each of the {len(blocks)} blocks"
     model.compile()
     return "the whole model"
+
+
+@dataclass
+class _Owner:
+    """Where a parameter or buffer of the meta-built model lives: its module and name."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+    meta: torch.Tensor
+
+
+def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
+    """Every parameter and buffer of ``model`` by its storage (tied weights share one), with
+    the names they had before any wrapper was applied."""
+    owners: dict[int, list[_Owner]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is not None:
+                fqn = f"{prefix}.{name}" if prefix else name
+                owners.setdefault(meta_init.storage_key(tensor), []).append(
+                    _Owner(module, name, fqn, tensor))
+    return owners
+
+
+def _meta_build(factory: ModelFactory, hf_init: bool) -> tuple[nn.Module, meta_init.MetaRecording]:
+    with initialise_on_meta() if hf_init else contextlib.nullcontext():
+        return meta_init.record(factory)
+
+
+def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
+                  seed: int | None, settings: FsdpSettings, *, model_name: str = "",
+                  before_shard: Callable[[nn.Module], None] = lambda model: None,
+                  weights: SafetensorsRows | None = None) -> nn.Module:
+    """The FSDP model, built so that no rank holds it whole (the module docstring of
+    ``trainer.sharding``): on meta, transformed, ``before_shard`` (torch.compile), sharded, then
+    each rank's shards allocated and filled with the seeded host build's values, or with
+    ``weights``' rows where the directory has them (``factory`` then builds without them). A
+    model that cannot be built on meta is built whole on the host and sharded, with one
+    warning naming the reason."""
+    try:
+        model, recording = _meta_build(factory, hf_init=":" in model_name)
+    except ModelError:
+        raise
+    except Exception as err:  # the factory needed real values (an .item(), a data branch)
+        log.warning("model.name %r cannot be built on the meta device (%s); building it whole "
+                    "on the host, then sharding", model_name, first_line(err, type(err).__name__))
+        model, recording = build_model(factory, MemoryTransforms(), device, seed), None
+    owners = _owners(model)
+    apply_transforms(model, transforms)
+    before_shard(model)
+    shard_model(model, settings, device)
+    if recording is None:
+        _fill_from_file(owners, weights)
+        return model
+    host = torch.device("cpu")
+    model.to_empty(device=host if settings.offload == "cpu" else device)
+    from_file = _fill_from_file(owners, weights)
+
+    def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for owner in owners[key]:
+            _fill_owner(owner, real(owner.meta))
+
+    meta_init.replay(recording, set(owners) - from_file, seed, take)
+    if settings.offload == "cpu" and device != host:  # the buffers stay with the compute
+        for module in model.modules():
+            module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
+                                    if b is not None})
+    return model
+
+
+def _fill_owner(owner: _Owner, value: torch.Tensor) -> None:
+    fill_local(getattr(owner.module, owner.name),
+               lambda rows: value if rows is None else value[rows], owner.meta.shape)
+
+
+def _fill_from_file(owners: dict[int, list[_Owner]], weights: SafetensorsRows | None
+                    ) -> set[int]:
+    """Each rank's rows of every tensor ``weights`` holds (by the Hugging Face model's own
+    names); returns the storages filled."""
+    if weights is None:
+        return set()
+    filled = set()
+    for key, found in owners.items():
+        names = [o.fqn.removeprefix("hf.") for o in found if o.fqn.removeprefix("hf.") in weights]
+        if not names:
+            continue
+        for owner in found:
+            target = getattr(owner.module, owner.name)
+            fill_local(target, partial(weights.read, names[0], dtype=target.dtype),
+                       owner.meta.shape)
+        filled.add(key)
+    return filled

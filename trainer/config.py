@@ -165,6 +165,24 @@ class MemoryConfig(_Strict):
     memory_summary_steps: list[int] = []
 
 
+class FsdpConfig(_Strict):
+    """How FSDP2 shards (``parallel.strategy: fsdp``; trainer/sharding.py)."""
+
+    # The dtype blocks compute in and all-gather (MixedPrecisionPolicy.param_dtype): bf16 keeps
+    # fp32 shards and casts them once per all-gather, in place of autocast. auto: bf16 when
+    # memory.precision is bf16 (or auto and resolves to it), else fp32.
+    param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    # The dtype gradients are reduce-scattered in (MixedPrecisionPolicy.reduce_dtype).
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # After a block's forward: true frees its all-gathered parameters (gathered again for
+    # backward), false keeps them to backward, N >= 2 keeps a copy sharded over N ranks (N
+    # must divide the world size).
+    reshard_after_forward: bool | Annotated[int, Field(ge=2)] = True
+    # cpu: shards, gradients and optimizer state live in host memory (CPUOffloadPolicy); the
+    # optimizer steps on the host, and each block's shards are copied to the device to gather.
+    offload: Literal["none", "cpu"] = "none"
+
+
 class ParallelConfig(_Strict):
     launcher: Literal["ray", "local"] = "ray"
     # N, or [min, max] for elastic training under Ray (Train V2's ScalingConfig(num_workers=
@@ -177,6 +195,7 @@ class ParallelConfig(_Strict):
     # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state
     # sharded across ranks (FSDP2), checkpoints sharded (torch.distributed.checkpoint).
     strategy: Literal["ddp", "fsdp"] = "ddp"
+    fsdp: FsdpConfig = FsdpConfig()
     # Ray: how many times a failed worker group is restarted from the latest checkpoint
     # (-1: without limit). A preempted or killed worker costs the steps since that checkpoint.
     max_failures: int = Field(1, ge=-1)
@@ -243,7 +262,30 @@ class Config(_Strict):
         if self.parallel.strategy == "fsdp" and self.memory.precision == "fp16":
             raise ValueError("parallel.strategy 'fsdp' with memory.precision 'fp16' is not "
                              "supported (GradScaler over sharded gradients); use bf16")
+        fsdp = self.parallel.fsdp
+        if fsdp.param_dtype == "bf16" and self.memory.precision == "fp32":
+            raise ValueError("parallel.fsdp.param_dtype 'bf16' with memory.precision 'fp32': "
+                             "bf16 parameters are mixed precision; set memory.precision bf16 "
+                             "(or auto), or param_dtype fp32")
+        if fsdp.reduce_dtype == "bf16" and self.fsdp_param_dtype(resolved=None) == "fp32" \
+                and self.memory.precision == "fp32":
+            raise ValueError("parallel.fsdp.reduce_dtype 'bf16' with memory.precision 'fp32': "
+                             "bf16 gradient reduction is mixed precision; set "
+                             "memory.precision bf16 (or auto), or reduce_dtype fp32")
+        workers = self.parallel.workers
+        group = fsdp.reshard_after_forward
+        if not isinstance(group, bool) and (group > workers or workers % group):
+            raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide "
+                             f"parallel.workers {workers}")
         return self
+
+    def fsdp_param_dtype(self, resolved: str | None) -> str:
+        """FSDP's parameter dtype, given the run's resolved precision (None: not yet known)."""
+        wanted = self.parallel.fsdp.param_dtype
+        if wanted != "auto":
+            return wanted
+        precision = resolved or self.memory.precision
+        return "bf16" if precision == "bf16" else "fp32"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -24,8 +24,11 @@ only when such a model is built.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +135,11 @@ def _transformers() -> Any:
     return transformers
 
 
-def build_hf_model(spec: str, vocab_size: int, seq_len: int, **fields: Any) -> HFCausalLM:
+def build_hf_model(spec: str, vocab_size: int, seq_len: int, load_weights: bool = True,
+                   **fields: Any) -> HFCausalLM:
     """``hf:<spec>``: the model of a directory (or its ``config.json``), with its weights where
-    the directory has them. ``vocab_size`` and ``seq_len`` are the data's, checked against the
+    the directory has them (and ``load_weights``: the sharded build reads them per rank,
+    ``SafetensorsRows``). ``vocab_size`` and ``seq_len`` are the data's, checked against the
     model's config; the other GPT ``fields`` are ignored (warned where they differ)."""
     directory = _config_json(spec).parent
     if not (directory / "config.json").is_file():
@@ -156,8 +161,66 @@ def build_hf_model(spec: str, vocab_size: int, seq_len: int, **fields: Any) -> H
         warnings.warn(f"hf:{spec}: its own config is the truth; ignored: {', '.join(differing)}",
                       stacklevel=2)
     auto = transformers.AutoModelForCausalLM
-    if any((directory / name).is_file() for name in _WEIGHT_FILES):
+    if load_weights and any((directory / name).is_file() for name in _WEIGHT_FILES):
         model = auto.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
     else:
         model = auto.from_config(config, dtype=torch.float32)
     return HFCausalLM(model)
+
+
+@contextlib.contextmanager
+def initialise_on_meta() -> Iterator[None]:
+    """Let ``transformers`` run its weight initialisation while a model is built on the meta
+    device. It skips it there (``init_weights`` asks for the context's device), and the
+    meta-device build (``trainer.meta_init``) must record the same random draws as the host
+    build makes; a test holds the replayed weights to ``from_config``'s bit for bit."""
+    if importlib.util.find_spec("transformers") is None:
+        yield
+        return
+    from transformers import modeling_utils
+
+    original = modeling_utils.get_torch_context_manager_or_global_device
+    modeling_utils.get_torch_context_manager_or_global_device = lambda: None
+    try:
+        yield
+    finally:
+        modeling_utils.get_torch_context_manager_or_global_device = original
+
+
+class SafetensorsRows:
+    """The safetensors weights of an ``hf:`` directory, read a tensor's rows at a time: a rank
+    reads its own shard's bytes and never the whole state dict."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: directory / file for name, file in weight_map.items()}
+        else:
+            with safe_open(directory / "model.safetensors", framework="pt") as handle:
+                files = dict.fromkeys(handle.keys(), directory / "model.safetensors")
+        self.files = files
+        self._open = safe_open
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str, rows: slice | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``rows`` (None: all) of tensor ``name``, as ``dtype``."""
+        with self._open(self.files[name], framework="pt") as handle:
+            part = handle.get_slice(name)
+            tensor = part[rows] if rows is not None else part[:]
+        return tensor.to(dtype)
+
+
+def weights_of(model_name: str) -> SafetensorsRows | None:
+    """The safetensors an ``hf:`` model's directory holds, or None (another model, or a
+    directory without weights)."""
+    if not model_name.startswith(PREFIX):
+        return None
+    directory = _config_json(model_name.removeprefix(PREFIX)).parent
+    if not any((directory / name).is_file() for name in _WEIGHT_FILES):
+        return None
+    return SafetensorsRows(directory)

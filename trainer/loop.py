@@ -21,6 +21,7 @@ objects it calls do one thing each.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -37,6 +38,7 @@ from trainer import faults
 from trainer.build import (
     MemoryTransforms,
     build_model,
+    build_sharded,
     checkpointed_blocks,
     compile_model,
     model_factory,
@@ -44,6 +46,7 @@ from trainer.build import (
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_memory_summary
+from trainer.hf import weights_of
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.loss import computes_own_loss
 from trainer.memory.precision import precision_policy, resolve_precision
@@ -56,7 +59,7 @@ from trainer.oom import (
 )
 from trainer.recovery import Recovery
 from trainer.run_metrics import RunMetrics, StepRecord
-from trainer.sharding import shard_model
+from trainer.sharding import FsdpSettings
 from trainer.state import NonFiniteError, StepResult, TrainState
 from trainer.step import build_optimizer, evaluate, lr_lambda, step_seed, train_step
 
@@ -87,6 +90,11 @@ class Trainer:
         self.plan = BatchPlan(cfg.train.micro_batch(), cfg.train.accumulation_steps(ctx.world_size))
         self.precision = resolve_precision(cfg.memory.precision, ctx.device, cfg.parallel.strategy)
         self.policy = precision_policy(self.precision.name, ctx.device)
+        self.fsdp = fsdp_settings(cfg, self.precision.name, ctx.world_size) \
+            if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1 else None
+        if self.fsdp is not None and self.fsdp.param_dtype != "fp32":
+            # MixedPrecisionPolicy casts the parameters for compute: autocast has nothing to do.
+            self.policy = dataclasses.replace(self.policy, autocast_dtype=None)
         compiles = cfg.train.compile is True or (cfg.train.compile == "auto"
                                                  and ctx.device.type == "cuda")
         self.watch = CompileWatch(ctx.rank, enabled=compiles)
@@ -148,14 +156,15 @@ class Trainer:
         """The model with its memory transforms (compiled, sharded where asked), AdamW, the
         schedule, the GradScaler and this rank's loader: everything a checkpoint holds."""
         cfg, ctx = self.cfg, self.ctx
-        model = build_model(model_factory(cfg.model), MemoryTransforms.of(cfg.memory),
-                            ctx.device, seed=cfg.run.seed)  # identical weights on every rank
-        if self.watch.enabled:  # after checkpointing's wrappers, before DDP's or FSDP's
-            compiled = compile_model(model)
-            if ctx.is_main:
-                log.info("torch.compile: %s (the first step compiles)", compiled)
-        if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1:
-            shard_model(model)  # before the optimizer: it must see the sharded parameters
+        transforms = MemoryTransforms.of(cfg.memory)
+        if self.fsdp is not None:  # no rank holds the whole model; before the optimizer
+            model = build_sharded(model_factory(cfg.model, load_weights=False), transforms,
+                                  ctx.device, cfg.run.seed, self.fsdp, model_name=cfg.model.name,
+                                  before_shard=self.compile, weights=weights_of(cfg.model.name))
+        else:
+            model = build_model(model_factory(cfg.model), transforms, ctx.device,
+                                seed=cfg.run.seed)  # identical weights on every rank
+            self.compile(model)
         fused = cfg.train.fused_optimizer
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
                                     cfg.train.betas, None if fused == "auto" else fused)
@@ -165,6 +174,13 @@ class Trainer:
             resources.enter_context(build_loader(cfg.data, ctx, self.plan.micro_batch_size,
                                                  cfg.run.seed)),
             cfg.parallel.strategy)
+
+    def compile(self, model: torch.nn.Module) -> None:
+        """torch.compile where asked: after checkpointing's wrappers, before DDP's or FSDP's."""
+        if self.watch.enabled:
+            compiled = compile_model(model)
+            if self.ctx.is_main:
+                log.info("torch.compile: %s (the first step compiles)", compiled)
 
     def start_metrics(self, resources: contextlib.ExitStack, state: TrainState,
                       resumed_from: int | None) -> RunMetrics:
@@ -294,6 +310,11 @@ class Trainer:
                  f"{precision.name} ({precision.reason})", cfg.memory.activation_checkpointing,
                  checkpointed_blocks(state.unwrapped), plan.micro_batch_size,
                  plan.accumulation_steps, ctx.world_size, cfg.train.global_batch_size, where)
+        if self.fsdp is not None:
+            log.info("FSDP: %s; %s", self.fsdp.describe(),
+                     "bf16 compute through MixedPrecisionPolicy, autocast off"
+                     if self.fsdp.param_dtype == "bf16" else
+                     f"fp32 parameters, compute under precision {precision.name}")
         chunk = getattr(state.unwrapped, "loss_chunk_tokens", 0)
         log.info("loss: %s (memory.loss_chunk_tokens %s)",
                  f"output projection and cross-entropy in chunks of {chunk} tokens" if chunk else
@@ -304,6 +325,17 @@ class Trainer:
         if ctx.device.type == "cuda":
             log.info("CUDA allocator settings: %s; memory history %s",
                      allocator_settings(), "recording" if recording_history else "off")
+
+
+def fsdp_settings(cfg: Config, precision: str, world_size: int) -> FsdpSettings:
+    """``parallel.fsdp`` for this run (``auto`` resolved by the run's precision); raises
+    ValueError where the reshard group does not divide the world size."""
+    fsdp = cfg.parallel.fsdp
+    group = fsdp.reshard_after_forward
+    if not isinstance(group, bool) and world_size % group:
+        raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide the world "
+                         f"size ({world_size} workers)")
+    return FsdpSettings(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, fsdp.offload)
 
 
 class CompileWatch:

@@ -164,13 +164,15 @@ class ModelError(Exception):
                    2 if isinstance(err, ValueError | FileNotFoundError) else 1)
 
 
-def create_model(name: str, **kwargs: object) -> nn.Module:
-    """Build a registered model or call a ``module:function`` entry point with ``kwargs``.
+def create_model(name: str, load_weights: bool = True, **kwargs: object) -> nn.Module:
+    """Build a registered model or call a ``module:function`` entry point with ``kwargs``
+    (``load_weights=False``: an ``hf:`` model without its weights, read later per rank).
 
     Raises ValueError for a name that does not resolve, and ``ModelError`` for an entry point
     that raised."""
     if name.startswith(PREFIX):
-        return build_hf_model(name.removeprefix(PREFIX), **kwargs)  # type: ignore[arg-type]
+        return build_hf_model(name.removeprefix(PREFIX), load_weights=load_weights,
+                              **kwargs)  # type: ignore[arg-type]
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:

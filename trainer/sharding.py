@@ -1,4 +1,4 @@
-"""Sharded data parallelism with FSDP2 (``fully_shard``).
+"""Sharded data parallelism with FSDP2 (``fully_shard``), built so no rank holds the whole model.
 
 ``parallel.strategy: fsdp`` shards every block of ``model.blocks`` and then the root module, so
 parameters, gradients and optimizer state are split across ranks (each holds 1/world of them) and
@@ -7,13 +7,27 @@ a block's parameters are all-gathered only while it runs. Its checkpoints are DC
 reads and writes the same files without a process group, so a run moves between 1 and N workers
 either way.
 
+``build_sharded`` builds the model on the meta device, applies the memory transforms, shards it,
+allocates each rank's shards and fills them: with the values a seeded host build would have made
+(``trainer.meta_init``: the same weights as DDP's build, at any world size), or, for an ``hf:``
+directory with safetensors, with each rank's rows read from the files (``trainer.hf``). A model
+that cannot be built on meta is built whole on the host, with one line saying so.
+
+``FsdpSettings`` (``parallel.fsdp``): the parameter and reduction dtypes (``MixedPrecisionPolicy``:
+bf16 parameters replace autocast under FSDP), ``reshard_after_forward`` and CPU offload
+(``CPUOffloadPolicy``: pinned host memory where the device is a GPU, plain host memory on a CPU
+run, where host and device are the same memory).
+
 Gradient accumulation uses ``set_requires_gradient_sync(False)`` on all but the last micro-batch,
 FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,18 +35,56 @@ from torch import nn
 # FSDP is imported where it is used: it brings in DTensor (about 1.5 s of CPU per process), which
 # every DDP worker, CLI call and Ray worker would otherwise pay for nothing.
 
+log = logging.getLogger(__name__)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def shard_model(model: nn.Module) -> nn.Module:
-    """``fully_shard`` each block of ``model.blocks``, then the root; returns the model."""
+
+@dataclass(frozen=True)
+class FsdpSettings:
+    """``parallel.fsdp`` with its ``auto`` resolved (a plain dataclass: gpu-check and the benches
+    build without pydantic)."""
+
+    param_dtype: str = "fp32"  # fp32 | bf16
+    reduce_dtype: str = "fp32"  # fp32 | bf16
+    reshard_after_forward: bool | int = True
+    offload: str = "none"  # none | cpu
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.param_dtype != "fp32" or self.reduce_dtype != "fp32"
+
+    def describe(self) -> str:
+        return (f"parameters {self.param_dtype}, gradients reduced in {self.reduce_dtype}, "
+                f"reshard_after_forward {self.reshard_after_forward}, offload {self.offload}")
+
+
+def _fsdp_kwargs(settings: FsdpSettings, device: torch.device) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    kwargs: dict = {"offload_policy": OffloadPolicy()}
+    if settings.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[settings.param_dtype],
+                                                   reduce_dtype=_DTYPES[settings.reduce_dtype])
+    if settings.offload == "cpu":
+        # Pinned pages speed copies to a GPU; on a CPU run there is nothing to copy to.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return kwargs
+
+
+def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
+                device: torch.device | None = None) -> nn.Module:
+    """``fully_shard`` each block of ``model.blocks``, then the root; returns the model. The root
+    keeps its parameters gathered after forward (backward needs them first)."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"parallel.strategy 'fsdp' needs the model to expose its blocks as "
                          f"`model.blocks` (an nn.ModuleList); {type(model).__name__} does not")
     from torch.distributed.fsdp import fully_shard
 
+    kwargs = _fsdp_kwargs(settings, device or torch.device("cpu"))
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 
@@ -51,3 +103,32 @@ def local_parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds (its shards under FSDP, everything otherwise)."""
     return sum(local_tensor(p).numel() * local_tensor(p).element_size()
                for p in model.parameters())
+
+
+def shard_rows(full: torch.Tensor, rank: int, world_size: int) -> slice:
+    """The rows of ``full`` FSDP2 gives ``rank``: ``torch.chunk``'s split of dim 0 (ranks past
+    the last chunk hold none)."""
+    if full.dim() == 0:
+        return slice(0, 0)
+    rows = full.shape[0]
+    per_rank = -(-rows // world_size)
+    start = min(rank * per_rank, rows)
+    return slice(start, min(start + per_rank, rows))
+
+
+def fill_local(target: torch.Tensor, read: Callable[[slice | None], torch.Tensor],
+               shape: torch.Size) -> None:
+    """Copy this rank's part of a whole tensor of ``shape`` into ``target``: its rows of a
+    sharded parameter, all of anything else. ``read(rows)`` gives those rows of the whole
+    tensor (``None``: all of it)."""
+    with torch.no_grad():
+        if not hasattr(target, "to_local"):
+            target.copy_(read(None))
+            return
+        import torch.distributed as dist
+
+        local = target.to_local()
+        if local.numel():
+            rows = shard_rows(torch.empty(shape, device="meta"), dist.get_rank(),
+                              dist.get_world_size())
+            local.copy_(read(rows))

@@ -103,7 +103,7 @@ def test_the_cycle_finder_finds_a_cycle_through_a_type_checking_import() -> None
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer", "trainer.errors", "trainer.config", "trainer.compat", "trainer.faults",
      "trainer.batch", "trainer.logs"),
-    ("trainer.memory", "trainer.sharding"),  # the memory strategies
+    ("trainer.memory", "trainer.sharding", "trainer.meta_init"),  # the memory strategies
     ("trainer.model", "trainer.hf"),
     ("trainer.build",),
     ("trainer.worker_errors", "trainer.recovery", "trainer.runstore", "trainer.checkpoint",
