@@ -1,0 +1,88 @@
+"""The meta-device record and its replay: the replayed weights are a seeded host build's, bit
+for bit, and a factory that needs real values while it builds cannot be recorded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import meta_init
+from trainer.hf import initialise_on_meta
+from trainer.model import GPT, GPTConfig
+
+
+def _replayed(factory: Callable[[], nn.Module], seed: int, hf: bool = False
+              ) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``factory``'s model as the replay makes them, by name."""
+    with initialise_on_meta() if hf else torch.no_grad():
+        meta, recording = meta_init.record(factory)
+    names: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in meta_init.module_tensors(meta):
+        names.setdefault(meta_init.storage_key(tensor), []).append((name, tensor))
+    got: dict[str, torch.Tensor] = {}
+
+    def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name, tensor in names[key]:
+            got[name] = real(tensor).clone()
+
+    meta_init.replay(recording, set(names), seed, take)
+    return got
+
+
+def _host(factory: Callable[[], nn.Module], seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return dict(meta_init.module_tensors(factory()))
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert different == []
+
+
+def test_the_replayed_gpt_is_the_seeded_host_build() -> None:
+    factory = lambda: GPT(GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, n_embd=32))
+    _assert_same(_replayed(factory, 11), _host(factory, 11))
+    assert not torch.equal(_replayed(factory, 12)["wte.weight"], _host(factory, 11)["wte.weight"])
+
+
+@pytest.mark.xdist_group("hf")
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_replayed_hf_llama_is_from_configs_build(tied: bool) -> None:
+    """Its weights through Hugging Face's own initialisation, its rotary buffers computed."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=tied)
+    factory = lambda: transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    got = _replayed(factory, 3, hf=True)
+    _assert_same(got, _host(factory, 3))
+    assert "model.rotary_emb.inv_freq" in got
+
+
+def test_only_what_reaches_the_weights_is_replayed_whole() -> None:
+    """A first init overwritten by a later one runs on scratch (the random stream advances as
+    the host build's did); the storage is allocated by the write that fills it."""
+    def factory() -> nn.Module:
+        layer = nn.Linear(64, 64, bias=False)  # kaiming_uniform_, then overwritten
+        nn.init.normal_(layer.weight)
+        return layer
+    meta, recording = meta_init.record(factory)
+    needed, _ = meta_init._needed(recording.ops, {meta_init.storage_key(meta.weight)})
+    ops = [(op.name, keep) for op, keep in zip(recording.ops, needed, strict=True)]
+    assert ops == [("empty", False), ("uniform_", False), ("normal_", True)]
+    _assert_same(_replayed(factory, 4), _host(factory, 4))
+
+
+def test_a_factory_that_reads_values_cannot_be_recorded() -> None:
+    def factory() -> nn.Module:
+        layer = nn.Linear(4, 4)
+        if layer.weight.sum().item() > 0:  # a branch on data: meta tensors have none
+            layer.weight.data.zero_()
+        return layer
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        meta_init.record(factory)
