@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from trainer.batch import accumulation_steps
 
@@ -177,10 +185,17 @@ class FsdpConfig(_Strict):
     # After a block's forward: true frees its all-gathered parameters (gathered again for
     # backward), false keeps them to backward, N >= 2 keeps a copy sharded over N ranks (N
     # must divide the world size).
-    reshard_after_forward: bool | Annotated[int, Field(ge=2)] = True
+    reshard_after_forward: StrictBool | Annotated[int, Field(ge=2)] = True
     # cpu: shards, gradients and optimizer state live in host memory (CPUOffloadPolicy); the
     # optimizer steps on the host, and each block's shards are copied to the device to gather.
     offload: Literal["none", "cpu"] = "none"
+
+    @field_validator("reshard_after_forward", mode="before")
+    @classmethod
+    def _group(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and not (isinstance(value, int) and value >= 2):
+            raise ValueError("expected true, false or a group size of at least 2")
+        return value
 
 
 class ParallelConfig(_Strict):

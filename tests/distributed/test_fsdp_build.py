@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -55,7 +55,8 @@ class PeakResident:
 
 def _full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole of every tensor, by the names the unwrapped model gives them."""
-    return {name.replace("_checkpoint_wrapped_module.", ""): getattr(t, "full_tensor", lambda t=t: t)()
+    return {name.replace("_checkpoint_wrapped_module.", ""):
+            t.full_tensor() if hasattr(t, "full_tensor") else t
             for name, t in model.state_dict().items()}
 
 

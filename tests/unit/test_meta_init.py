@@ -4,6 +4,7 @@ for bit, and a factory that needs real values while it builds cannot be recorded
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 
 def test_the_replayed_gpt_is_the_seeded_host_build() -> None:
-    factory = lambda: GPT(GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, n_embd=32))
+    factory = partial(GPT, GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, n_embd=32))
     _assert_same(_replayed(factory, 11), _host(factory, 11))
     assert not torch.equal(_replayed(factory, 12)["wte.weight"], _host(factory, 11)["wte.weight"])
 
@@ -58,7 +59,7 @@ def test_the_replayed_hf_llama_is_from_configs_build(tied: bool) -> None:
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=tied)
-    factory = lambda: transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    factory = partial(transformers.AutoModelForCausalLM.from_config, config, dtype=torch.float32)
     got = _replayed(factory, 3, hf=True)
     _assert_same(got, _host(factory, 3))
     assert "model.rotary_emb.inv_freq" in got
