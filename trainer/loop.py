@@ -175,6 +175,12 @@ class Trainer:
                                                  cfg.run.seed)),
             cfg.parallel.strategy)
 
+    def precision_route(self) -> str:
+        """How the precision is applied, where FSDP's policy does it instead of autocast."""
+        if self.fsdp is None or self.fsdp.param_dtype == "fp32":
+            return ""
+        return "; bf16 parameters through FSDP's MixedPrecisionPolicy, autocast off"
+
     def compile(self, model: torch.nn.Module) -> None:
         """torch.compile where asked: after checkpointing's wrappers, before DDP's or FSDP's."""
         if self.watch.enabled:
@@ -307,14 +313,12 @@ class Trainer:
         log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
                  "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch "
                  "%d; %s", cfg.run.name, ctx.world_size, ctx.device.type,
-                 f"{precision.name} ({precision.reason})", cfg.memory.activation_checkpointing,
+                 f"{precision.name} ({precision.reason}{self.precision_route()})",
+                 cfg.memory.activation_checkpointing,
                  checkpointed_blocks(state.unwrapped), plan.micro_batch_size,
                  plan.accumulation_steps, ctx.world_size, cfg.train.global_batch_size, where)
         if self.fsdp is not None:
-            log.info("FSDP: %s; %s", self.fsdp.describe(),
-                     "bf16 compute through MixedPrecisionPolicy, autocast off"
-                     if self.fsdp.param_dtype == "bf16" else
-                     f"fp32 parameters, compute under precision {precision.name}")
+            log.info("FSDP: %s", self.fsdp.describe())
         chunk = getattr(state.unwrapped, "loss_chunk_tokens", 0)
         log.info("loss: %s (memory.loss_chunk_tokens %s)",
                  f"output projection and cross-entropy in chunks of {chunk} tokens" if chunk else
