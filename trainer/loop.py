@@ -90,7 +90,7 @@ class Trainer:
         self.plan = BatchPlan(cfg.train.micro_batch(), cfg.train.accumulation_steps(ctx.world_size))
         self.precision = resolve_precision(cfg.memory.precision, ctx.device, cfg.parallel.strategy)
         self.policy = precision_policy(self.precision.name, ctx.device)
-        self.fsdp = fsdp_settings(cfg, self.precision.name, ctx.world_size) \
+        self.fsdp = FsdpSettings.of(cfg, self.precision.name, ctx.world_size) \
             if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1 else None
         if self.fsdp is not None and self.fsdp.param_dtype != "fp32":
             # MixedPrecisionPolicy casts the parameters for compute: autocast has nothing to do.
@@ -329,17 +329,6 @@ class Trainer:
         if ctx.device.type == "cuda":
             log.info("CUDA allocator settings: %s; memory history %s",
                      allocator_settings(), "recording" if recording_history else "off")
-
-
-def fsdp_settings(cfg: Config, precision: str, world_size: int) -> FsdpSettings:
-    """``parallel.fsdp`` for this run (``auto`` resolved by the run's precision); raises
-    ValueError where the reshard group does not divide the world size."""
-    fsdp = cfg.parallel.fsdp
-    group = fsdp.reshard_after_forward
-    if not isinstance(group, bool) and world_size % group:
-        raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide the world "
-                         f"size ({world_size} workers)")
-    return FsdpSettings(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, fsdp.offload)
 
 
 class CompileWatch:

@@ -28,9 +28,13 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from trainer.config import Config
 
 # FSDP is imported where it is used: it brings in DTensor (about 1.5 s of CPU per process), which
 # every DDP worker, CLI call and Ray worker would otherwise pay for nothing.
@@ -48,6 +52,17 @@ class FsdpSettings:
     reduce_dtype: str = "fp32"  # fp32 | bf16
     reshard_after_forward: bool | int = True
     offload: str = "none"  # none | cpu
+
+    @classmethod
+    def of(cls, cfg: Config, precision: str, world_size: int) -> FsdpSettings:
+        """``cfg``'s ``parallel.fsdp`` on ``world_size`` ranks, ``auto`` resolved by the run's
+        ``precision``; raises ValueError where the reshard group does not divide the world."""
+        fsdp = cfg.parallel.fsdp
+        group = fsdp.reshard_after_forward
+        if not isinstance(group, bool) and world_size % group:
+            raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide the "
+                             f"world size ({world_size} workers)")
+        return cls(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, fsdp.offload)
 
     @property
     def mixed_precision(self) -> bool:

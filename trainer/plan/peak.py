@@ -66,6 +66,7 @@ from trainer.memory.loss import (
 from trainer.memory.precision import precision_policy
 from trainer.plan.speed import SpeedModel
 from trainer.plan.work import StepWork, record_work
+from trainer.sharding import FsdpSettings
 
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -79,10 +80,23 @@ class StaticBytes:
     optimizer: int
     world_size: int = 1
     sharded: bool = False  # FSDP: the bytes above are one rank's shards
+    # FSDP (``parallel.fsdp``, ``trainer.sharding.FsdpSettings``): how it shards.
+    fsdp: FsdpSettings | None = None
+    full_param_bytes: int = 0  # the whole model's parameters, unsharded
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def offloaded(self) -> bool:
+        """FSDP's CPU offload: the shards, gradients and AdamW state live in host memory."""
+        return self.fsdp is not None and self.fsdp.offload == "cpu"
+
+    @property
+    def device_static(self) -> int:
+        """Parameters and AdamW state held on the device through the step."""
+        return 0 if self.offloaded else self.params + self.optimizer
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,7 @@ class PlanRow:
     step_seconds: float = 0.0
     tokens_per_s: float = 0.0  # all ranks together
     loss_chunk_tokens: int = 0  # the chunked loss's chunk (0: a plain loss)
+    host_bytes: int = 0  # host memory the plan holds (FSDP's CPU offload), beside the device's
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -149,8 +164,10 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1) -> StaticBytes:
-    """Bytes of parameters, gradients and AdamW state held by one rank."""
+def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
+                 fsdp: FsdpSettings | None = None) -> StaticBytes:
+    """Bytes of parameters, gradients and AdamW state held by one rank (under FSDP, with
+    ``fsdp``'s settings: the defaults where None)."""
     unique = {id(p): p for p in model.parameters()}.values()  # tied weights count once
     param_bytes = _nbytes(unique)
     numel = sum(p.numel() for p in unique if p.requires_grad)
@@ -159,7 +176,8 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1) -
     if parallel == "fsdp":
         params, grads, optimizer = (-(-b // world_size) for b in (param_bytes, grad_bytes,
                                                                    optimizer_bytes))
-        return StaticBytes(params, grads, optimizer, world_size=world_size, sharded=True)
+        return StaticBytes(params, grads, optimizer, world_size=world_size, sharded=True,
+                           fsdp=fsdp or FsdpSettings(), full_param_bytes=param_bytes)
     if parallel != "ddp":
         raise ValueError(f"parallel {parallel!r} is not ddp|fsdp")
     return StaticBytes(param_bytes, grad_bytes, optimizer_bytes)
@@ -432,6 +450,11 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     work, its predicted step time and tokens/s. ``loss_chunk_tokens``: the chunked loss in
     chunks of that many tokens instead of the probed ones (a chunk changes only the loss's
     temporaries and operators: what it saves for backward is the same)."""
+    if static.fsdp is not None and static.fsdp.param_dtype == "bf16":
+        # FSDP's bf16 parameters replace autocast: its weight copies (the probe's fixed saved
+        # bytes, its cache) do not exist; the gathered bf16 blocks are in ``fsdp_in_flight``.
+        profile = dataclasses.replace(profile, fixed_bytes=0, autocast_cache_bytes=0,
+                                      recompute_block_fixed_bytes=0)
     activations = profile.saved_bytes(micro_batch_size)
     tokens = micro_batch_size * profile.seq_len
     shape = profile.loss_shape
@@ -440,43 +463,79 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     loss = shape.transient_bytes(tokens) if shape else 0
     loss_backward = shape.backward_bytes(tokens) if shape else 0
     # Under FSDP the output head's gradients are sharded like the rest.
-    outside_grads = min(profile.outside_blocks_grad_bytes, static.grads)
-    in_flight = 0
+    outside_grads = 0 if static.offloaded else min(profile.outside_blocks_grad_bytes,
+                                                   static.grads)
+    forward_kept = in_flight = backward_grads = 0
     if static.sharded:
-        # FSDP (``trainer.sharding``): the root is not resharded after forward, so its
-        # parameters stay whole through forward and backward; and about four blocks' worth is in
-        # flight: two blocks' parameters all-gathered (the one running and the one prefetched)
-        # and, in backward, two blocks' unsharded gradients before their reduce-scatter.
-        # Calibrated on CPU with gloo (2 ranks), not yet measured on CUDA.
-        root = profile.outside_blocks_param_bytes
-        in_flight = root - root // static.world_size + 4 * profile.block_param_bytes
+        in_flight, backward_grads, forward_kept = fsdp_in_flight(static, profile)
     # Emulated bf16 on CPU: a matrix product's conversion buffers at either moment.
     emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
-        + emulation,
-        "backward start": activations + outside_grads + in_flight + emulation
-        + profile.recompute_block_fixed_bytes
+        + forward_kept + emulation,
+        "backward start": activations + outside_grads + in_flight + forward_kept
+        + backward_grads + emulation + profile.recompute_block_fixed_bytes
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
-        "optimizer step": static.grads + static.optimizer // 2,
+        "optimizer step": 0 if static.offloaded else static.grads + static.optimizer // 2,
     }
     if loss_backward:  # the plain loss: its backward runs first, before any block's
-        moments["loss backward"] = activations + loss_backward + in_flight + emulation
+        moments["loss backward"] = activations + loss_backward + in_flight + forward_kept \
+            + emulation
     if static.sharded:
-        moments["backward end"] = static.grads + in_flight
+        moments["backward end"] = (0 if static.offloaded else static.grads) + in_flight \
+            + backward_grads
     moment = max(moments, key=lambda name: moments[name])
-    peak = static.params + static.optimizer + moments[moment]
+    peak = static.device_static + moments[moment]
+    # Offloaded: the shards, their gradients and AdamW's state (and its step's temporary).
+    host = static.total + static.optimizer // 2 if static.offloaded else 0
     chunk = shape.chunk_tokens if isinstance(shape, ChunkedLossShape) else 0
     timing = speed.predict(profile.work, micro_batch_size, accumulation_steps,
                            chunk or None) \
         if speed is not None and profile.work is not None else None
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations,
-                   peak - static.params - static.optimizer - activations, peak,
+                   peak - static.device_static - activations, peak,
                    profile.recompute_fraction, moment,
                    timing.seconds if timing else 0.0, timing.tokens_per_s if timing else 0.0,
-                   chunk)
+                   chunk, host)
+
+
+def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int, int, int]:
+    """What FSDP holds whole beside one rank's shards (``trainer.sharding``), as (throughout
+    forward and backward, backward's unsharded gradients, kept from forward to backward):
+
+    - the root's parameters, gathered for the whole step (it is not resharded after forward),
+      in the parameter dtype; without mixed precision its own shard is part of the gather;
+    - two blocks' parameters all-gathered (the one running and the one prefetched), in the
+      parameter dtype, and under CPU offload their shards copied to the device first;
+    - in backward, two blocks' unsharded gradients (parameter dtype) before their
+      reduce-scatter, and where the reduction dtype differs one block's copy in it (the
+      reduce-scatter's input, made as the block's own gradients are freed);
+    - ``reshard_after_forward`` false: every block's gathered parameters from its forward to its
+      backward; a group of N: every block's parameters sharded N ways, as long.
+    Calibrated on CPU with gloo (2 ranks: fp32, bf16 autocast, bf16 parameters, kept after
+    forward, offload; ``tests/distributed/test_fsdp.py``), not yet measured on CUDA."""
+    fsdp = static.fsdp or FsdpSettings()
+    param_share = 0.5 if fsdp.param_dtype == "bf16" else 1.0
+    reduce_share = 0.5 if fsdp.reduce_dtype == "bf16" else 1.0
+    root, block, world = (profile.outside_blocks_param_bytes, profile.block_param_bytes,
+                          static.world_size)
+    root_gathered = int(root * param_share)
+    if param_share == 1.0 and not static.offloaded:
+        root_gathered -= root // world
+    blocks = 2 * int(block * param_share)
+    if static.offloaded:
+        blocks += 2 * -(-block // world)
+    grads = 2 * int(block * param_share)
+    if reduce_share != param_share:  # one block's copy at a time: its reduce-scatter's input
+        grads += int(block * reduce_share)
+    all_blocks = int(max(static.full_param_bytes - root, 0) * param_share)
+    reshard = fsdp.reshard_after_forward
+    kept = 0 if reshard is True else all_blocks if reshard is False else all_blocks // reshard
+    # The two gathered blocks are among those kept whole; a group's copies are apart from them.
+    kept = max(0, kept - int(2 * block * param_share)) if reshard is False else kept
+    return root_gathered + blocks, grads, kept
 
 
 def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
