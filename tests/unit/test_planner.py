@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import partial
 
@@ -20,6 +21,7 @@ from trainer.plan.peak import (
     profile_activations,
     static_bytes,
 )
+from trainer.sharding import FsdpSettings
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 CFG = GPTConfig(seq_len=64, n_layer=4, n_head=2, n_embd=64)
@@ -482,3 +484,34 @@ def test_bf16_norm_inputs_auto_resolves_before_launch(corpus_dir, tmp_path, capl
     # An "auto" that reaches a model unresolved builds it with the copies on.
     assert MemoryTransforms.of(tiny_config(corpus_dir, tmp_path, *base).memory) \
         .bf16_norm_inputs is True
+
+
+def test_fsdp_settings_move_bytes_between_device_and_host() -> None:
+    """One rank's FSDP row for each ``parallel.fsdp`` setting, on a profile with two blocks of
+    1,000 B and a 400 B root: CPU offload moves the shards, gradients and AdamW state to the host
+    column (and the optimizer step off the device); bf16 parameters halve what is gathered;
+    blocks kept after forward add the blocks not already in flight."""
+    profile = ActivationProfile("bf16", "none", 100, 0, 0, 0.0, seq_len=64,
+                                outside_blocks_grad_bytes=400, outside_blocks_param_bytes=400,
+                                block_param_bytes=1000)
+
+    def row(settings: FsdpSettings) -> PlanRow:
+        static = StaticBytes(params=1200, grads=1200, optimizer=2400, world_size=2, sharded=True,
+                             fsdp=settings, full_param_bytes=2400 + 6000)
+        return plan_row(static, profile, 1, 1)
+
+    default, offload = row(FsdpSettings()), row(FsdpSettings(offload="cpu"))
+    assert default.host_bytes == 0
+    assert offload.host_bytes == 1200 + 1200 + 2400 + 1200  # and AdamW's step temporary
+    assert offload.predicted_peak_bytes < default.predicted_peak_bytes - 2400  # at least AdamW
+    bf16 = row(FsdpSettings(param_dtype="bf16"))
+    assert bf16.predicted_peak_bytes < default.predicted_peak_bytes
+    kept, grouped = (row(FsdpSettings(reshard_after_forward=False)),
+                     row(FsdpSettings(reshard_after_forward=2)))
+    assert default.predicted_peak_bytes < grouped.predicted_peak_bytes \
+        < kept.predicted_peak_bytes
+    # fp32 rows of a run whose parameters follow the precision ("auto") stay fp32.
+    fp32 = dataclasses.replace(profile, precision="fp32")
+    static = StaticBytes(1200, 1200, 2400, 2, True, FsdpSettings(param_dtype="bf16"), 8400)
+    assert plan_row(static, fp32, 1, 1) == plan_row(dataclasses.replace(
+        static, fsdp=FsdpSettings()), fp32, 1, 1)

@@ -38,6 +38,7 @@ from trainer.plan.peak import (
     static_bytes,
 )
 from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader
+from trainer.sharding import FsdpSettings
 
 log = logging.getLogger("memtrain")
 
@@ -82,7 +83,9 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
                            target="cuda" if cfg.parallel.use_gpu else "cpu", work=work)
     with fake_tensor_mode():  # only sizes are counted: no memory, no initialisation
         plain = build_model(factory, transforms.replace(activation_checkpointing="none"))
-        static = static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers)
+        fsdp = FsdpSettings.of(cfg, planned_precision(cfg), cfg.parallel.workers) \
+            if cfg.parallel.strategy == "fsdp" else None
+        static = static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers, fsdp)
     return static, profiles
 
 

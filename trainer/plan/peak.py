@@ -450,6 +450,9 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     work, its predicted step time and tokens/s. ``loss_chunk_tokens``: the chunked loss in
     chunks of that many tokens instead of the probed ones (a chunk changes only the loss's
     temporaries and operators: what it saves for backward is the same)."""
+    if static.fsdp is not None and profile.precision != "bf16":  # bf16 parameters need bf16
+        static = dataclasses.replace(static, fsdp=dataclasses.replace(
+            static.fsdp, param_dtype="fp32", reduce_dtype="fp32"))
     if static.fsdp is not None and static.fsdp.param_dtype == "bf16":
         # FSDP's bf16 parameters replace autocast: its weight copies (the probe's fixed saved
         # bytes, its cache) do not exist; the gathered bf16 blocks are in ``fsdp_in_flight``.

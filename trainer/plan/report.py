@@ -69,7 +69,10 @@ def print_inputs(console: Console, cfg: Any, speed: Any, static: Any, profiles: 
                        "here)")
     console.print(f"per rank, {cfg.parallel.strategy} x {cfg.parallel.workers} workers: params "
                   f"{format_bytes(static.params)}, grads {format_bytes(static.grads)}, AdamW "
-                  f"state {format_bytes(static.optimizer)}")
+                  f"state {format_bytes(static.optimizer)}"
+                  + (" (in host memory: CPU offload)" if static.offloaded else ""))
+    if static.fsdp is not None:
+        console.print(f"FSDP: {static.fsdp.describe()}")
     console.print(loss_line(profiles[0].loss_shape, cfg.memory.loss_chunk_tokens))
 
 
@@ -80,15 +83,17 @@ def current_table(cfg: Any, static: Any, profiles: list[Any], speed: Any, budget
     micro, world = cfg.train.micro_batch(), cfg.parallel.workers
     accumulation = cfg.train.accumulation_steps(world)
     # Headers in two lines and no vertical rules: both tables fit an 80-column terminal.
+    host = ("host\nGiB",) if static.sharded else ()  # FSDP: what CPU offload keeps there
     current = plan_table(f"configured micro-batch {micro} x accumulation {accumulation} x "
                           f"{world} workers",
                           "precision", "act.\nckpt", "saved\nGiB", "temp.\nGiB", "peak\nGiB",
-                          "peak at", "fits", "tokens/s")
+                          *host, "peak at", "fits", "tokens/s")
     for profile in profiles:
         row = plan_row(static, profile, micro, accumulation, speed)
+        host_cell = (f"{row.host_bytes / gib:.2f}",) if static.sharded else ()
         current.add_row(row.precision, row.activation_checkpointing,
                         f"{row.activation_bytes / gib:.2f}", f"{row.transient_bytes / gib:.2f}",
-                        f"{row.predicted_peak_bytes / gib:.2f}", row.peak_moment,
+                        f"{row.predicted_peak_bytes / gib:.2f}", *host_cell, row.peak_moment,
                         "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
                         f"{row.tokens_per_s:,.0f}")
     return current
