@@ -251,15 +251,16 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
     model.load_state_dict(state_dict)
 
 
-def load_sharded_model(directory: Path, model: nn.Module) -> None:
-    """Only the model's part of DCP files written by ``save_sharded`` (one process: export)."""
+def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
+                         ) -> dict[str, torch.Tensor]:
+    """Some of the model's tensors from DCP files written by ``save_sharded``, by the names of
+    its state dict, into ``tensors`` (sized to match; one process: export). Only the bytes of
+    those tensors are read."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    model_state = get_model_state_dict(model)
     with _quiet_single_process():
-        dcp.load({"model": model_state}, checkpoint_id=str(directory))
-    set_model_state_dict(model, model_state)
+        dcp.load({"model": tensors}, checkpoint_id=str(directory))
+    return tensors
 
 
 def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

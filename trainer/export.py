@@ -2,8 +2,12 @@
 
 For a run of a Hugging Face model (``model.name: hf:<dir>``), the checkpoint's weights (a plain
 ``state.pt`` or FSDP's DCP shards, at any world size) are loaded into the model built from its
-config and written with ``save_pretrained``: ``AutoModelForCausalLM.from_pretrained(OUT)`` then
-gives the trained model. The tokenizer the run's dataset was written with (the dataset's copy,
+config and written as ``save_pretrained`` would: ``AutoModelForCausalLM.from_pretrained(OUT)``
+then gives the trained model. FSDP's DCP shards are converted a safetensors file at a time: the
+model is built on the meta device, each file's tensors are read from the DCP shards alone
+(``--max-shard-size``'s worth, 2 GB by default), written, and freed, so the whole model is never
+in memory. A DDP checkpoint is one ``state.pt`` holding the whole model: it is loaded whole,
+and the log says so. The tokenizer the run's dataset was written with (the dataset's copy,
 checked against its manifest) is written beside it, so ``AutoTokenizer.from_pretrained(OUT)``
 works too. The run directory must be local (a run on object storage: its working copy,
 ``run.work_dir``).
@@ -16,6 +20,8 @@ import logging
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from datapipe.manifest import DatasetError
 from datapipe.tokenize import TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
@@ -25,7 +31,7 @@ from trainer.checkpoint import (
     complete_checkpoints,
     load_checkpoint,
     load_model_state,
-    load_sharded_model,
+    load_sharded_tensors,
 )
 from trainer.config import ConfigError, load_config
 from trainer.hf import PREFIX, HFCausalLM
@@ -39,7 +45,11 @@ class Exported(NamedTuple):
     tokenizer: bool  # whether the dataset's tokenizer.json was written beside the model
 
 
-def export_hf(run_dir: Path, out: Path, step: int | None = None) -> Exported:
+DEFAULT_MAX_SHARD_BYTES = 2 * 10**9
+
+
+def export_hf(run_dir: Path, out: Path, step: int | None = None,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Exported:
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a ``save_pretrained``
     directory ``out``, with the dataset's tokenizer where it kept one."""
     config_path = run_dir / CONFIG
@@ -56,15 +66,24 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None) -> Exported:
     if step not in checkpoints:
         raise CheckpointReadError(f"{run_dir}: no checkpoint of step {step} (there are "
                                   f"{sorted(checkpoints)})")
-    model = build_model(model_factory(cfg.model), MemoryTransforms(), seed=None)
-    assert isinstance(model, HFCausalLM), type(model)
     directory = checkpoints[step]
     state = load_checkpoint(directory)
     if state.get("sharded"):
-        load_sharded_model(directory, model)
+        with torch.device("meta"):  # sizes and names only: no weights in memory
+            model = build_model(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
+                                seed=None)
+        assert isinstance(model, HFCausalLM), type(model)
+        files = write_safetensors_from_dcp(directory, model, out, max_shard_bytes)
+        log.info("exported %s a file at a time from the DCP shards (%d file(s), at most %s of "
+                 "weights in memory)", directory.name, files, _megabytes(max_shard_bytes))
     else:
+        model = build_model(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
+                            seed=None)
+        assert isinstance(model, HFCausalLM), type(model)
         load_model_state(model, state["model"], str(directory))
-    model.hf.save_pretrained(out)
+        log.info("exported %s from its state.pt, the whole model in memory (a DDP checkpoint is "
+                 "one file)", directory.name)
+        model.hf.save_pretrained(out)
     try:
         tokenizer = dataset_tokenizer(cfg.data.path)
     except DatasetError as err:  # the weights are written; say why the tokenizer is not
@@ -79,3 +98,66 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None) -> Exported:
         eos = Tokenizer.from_str(raw.decode("utf-8")).id_to_token(eot_id)
         (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}, indent=2))
     return Exported(out, step, tokenizer is not None)
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def _saved_names(model: HFCausalLM) -> list[tuple[str, torch.Tensor]]:
+    """The tensors ``save_pretrained`` writes, by the Hugging Face model's names: its state
+    dict, a tied weight once (under its first name, the input embedding)."""
+    seen: set[int] = set()
+    names = []
+    for name, tensor in model.hf.state_dict(keep_vars=True).items():
+        key = tensor.untyped_storage()._cdata
+        if key not in seen:
+            seen.add(key)
+            names.append((name, tensor))
+    return names
+
+
+def _files(tensors: list[tuple[str, torch.Tensor]], max_bytes: int
+           ) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors in files of at most ``max_bytes`` (a larger tensor alone)."""
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append((name, tensor))
+        size += nbytes
+    return files
+
+
+def write_safetensors_from_dcp(directory: Path, model: HFCausalLM, out: Path,
+                               max_shard_bytes: int) -> int:
+    """``model``'s weights from the DCP checkpoint ``directory`` into ``out`` as safetensors,
+    one file's tensors in memory at a time, with the index ``from_pretrained`` reads when
+    there is more than one, and the model's config; returns the number of files."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    groups = _files(_saved_names(model), max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, group in enumerate(groups, start=1):
+        file = "model.safetensors" if len(groups) == 1 else \
+            f"model-{index:05d}-of-{len(groups):05d}.safetensors"
+        tensors = load_sharded_tensors(directory, {
+            "hf." + name: torch.empty(meta.shape, dtype=meta.dtype) for name, meta in group})
+        save_file({name.removeprefix("hf."): t.contiguous() for name, t in tensors.items()},
+                  str(out / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({name: file for name, _ in group})
+        del tensors
+    if len(groups) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    model.hf.config.save_pretrained(out)
+    generation = getattr(model.hf, "generation_config", None)
+    if generation is not None and model.hf.can_generate():
+        generation.save_pretrained(out)
+    return len(groups)

@@ -4,9 +4,11 @@ tests that import transformers, so that one test process pays for its import."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import logged_losses, tiny_config
 from trainer.launch.local import launch_local
@@ -50,3 +52,23 @@ def test_a_hf_model_on_two_ranks_resumes_exactly_under_ddp_and_follows_it_under_
     assert logged_losses(tmp_path / "fsdp") == pytest.approx(logged_losses(straight), rel=1e-4)
     checkpoint = tmp_path / "fsdp" / "checkpoint-00000004"
     assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in checkpoint.iterdir()}
+    _exports_a_file_at_a_time(tmp_path, tmp_path / "fsdp")
+
+
+def _exports_a_file_at_a_time(tmp_path: Path, run_dir: Path) -> None:
+    """The FSDP run's export: one file, or files of at most 40 kB (a larger tensor alone), read
+    from the DCP shards a file at a time; ``from_pretrained`` loads both to the same weights
+    (that they are the trained ones: ``tests/unit/test_hf.py``'s export test)."""
+    from trainer.export import export_hf
+
+    transformers = _transformers()
+    export_hf(run_dir, tmp_path / "whole")
+    export_hf(run_dir, tmp_path / "files", max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "files" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "files").glob("model-*.safetensors"))
+    assert len(files) >= 3 and set(index["weight_map"].values()) == set(files)
+    assert all((tmp_path / "files" / f).stat().st_size < 40_000 + 4_096 for f in files)
+    whole, split = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name)
+                    for name in ("whole", "files"))
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, split.state_dict()[name]), name
