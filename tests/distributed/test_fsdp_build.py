@@ -118,3 +118,63 @@ def test_the_host_build_holds_the_whole_model_on_every_rank(tmp_path: Path) -> N
     """The measure above fails on the build sharding had before the meta device."""
     for rank, result in enumerate(_results(tmp_path, 4, "host")):
         assert result["peak"] > _FULL_BYTES / 2, (rank, result)
+
+
+def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                ) -> dict[str, torch.Tensor]:
+    """Every weight and AdamW moment, whole (a collective)."""
+    state = {f"w.{k}": v for k, v in _full_weights(model).items()}
+    for i, p in enumerate(model.parameters()):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state[f"{moment}.{i}"] = optimizer.state[p][moment].full_tensor()
+    return state
+
+
+def _phase(rank: int, port: int, world_size: int, load: str, save: str, out: str) -> None:
+    """Build on meta, load ``load`` (a DCP checkpoint; "": none), train a step on data of its
+    own (every world size draws the same global batch), save to ``save``; rank 0 records the
+    whole state it loaded and the one it saved."""
+    from trainer.checkpoint import load_sharded, save_sharded
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        model = build_sharded(partial(GPT, _TINY), MemoryTransforms(), torch.device("cpu"), 1,
+                              FsdpSettings(), model_name="gpt")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loaded = None
+        if load:
+            for p in model.parameters():  # AdamW's state exists before DCP loads into it
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            load_sharded(Path(load), model, optimizer)
+            loaded = _full_state(model, optimizer)
+        batch = torch.randint(0, _TINY.vocab_size, (4, _TINY.seq_len + 1),
+                              generator=torch.Generator().manual_seed(len(load)))
+        rows = batch.chunk(world_size)[rank]
+        (model(rows[:, :-1], rows[:, 1:]) / batch[:, 1:].numel()).backward()
+        optimizer.step()
+        save_sharded(Path(save), model, optimizer)
+        saved = _full_state(model, optimizer)
+        if rank == 0:
+            torch.save({"loaded": loaded, "saved": saved}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_run_resumes_on_4_then_2_then_4_ranks(tmp_path: Path) -> None:
+    """The DCP checkpoint of 4 ranks loads on 2 and theirs on 4 again: every weight and moment
+    as it was saved, bit for bit."""
+    previous = ""
+    for step, world_size in enumerate((4, 2, 4)):
+        save, out = str(tmp_path / f"checkpoint-{step}"), str(tmp_path / f"state-{step}.pt")
+        start_workers(_phase, (free_port(), world_size, previous, save, out), world_size)
+        state = torch.load(out, weights_only=True)
+        if previous:
+            before = torch.load(str(tmp_path / f"state-{step - 1}.pt"), weights_only=True)
+            assert state["loaded"].keys() == before["saved"].keys()
+            for name, tensor in before["saved"].items():
+                assert torch.equal(state["loaded"][name], tensor), (world_size, name)
+        previous = save
