@@ -8,6 +8,7 @@ import os
 import re
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.sharding import FsdpSettings, local_parameter_bytes, shard_model
-from trainer.step import create_optimizer_state, step_peak_bytes
+from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 from trainer.worker_errors import WorkerError
 
 pytestmark = pytest.mark.distributed
@@ -183,6 +184,19 @@ def test_fsdp_in_bf16_follows_ddp_with_autocast(corpus_dir: Path, tmp_path: Path
 _WIDE = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=512)
 
 
+def _tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+                  tokens: torch.Tensor, policy: Any) -> int:
+    """torch's own FSDP2 estimate (``FSDPMemTracker``: every tensor by its role, on the
+    device the run uses) of one more step's peak."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_external(model, optimizer)
+    with tracker:
+        train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
+    return int(sum(by_type["Total"] for by_type in tracker.get_tracker_snapshot("peak").values()))
+
+
 _PLANNED = {
     "fp32": ("fp32", FsdpSettings()),
     "bf16 autocast": ("bf16", FsdpSettings()),
@@ -208,8 +222,9 @@ def _step_peak(rank: int, port: int, case: str, out: str) -> None:
         tokens = torch.randint(0, _WIDE.vocab_size, (2, _WIDE.seq_len + 1))
         create_optimizer_state(optimizer)  # the first measured step also runs FSDP's lazy init
         peak = min(step_peak_bytes(model, optimizer, scaler, tokens, policy) for _ in range(3))
+        tracked = _tracked_peak(model, optimizer, scaler, tokens, policy)
         if rank == 0:
-            torch.save({"peak": peak}, out)
+            torch.save({"peak": peak, "tracked": tracked}, out)
     finally:
         dist.destroy_process_group()
 
@@ -222,22 +237,27 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, case: str) -> None:
     Counting only the shards predicted 15-30% too little here (the root's whole parameters and
     the blocks in flight were missing). On CPU, gloo's collectives run on their own threads, so
     how many buffers overlap varies from step to step (fp32 142-154 MiB, bf16 153-175 MiB in
-    six runs): the least of three steps is compared. Seen (measured, predicted MiB): fp32 142,
-    146; bf16 autocast 153, 156; bf16 parameters 126, 134; kept after forward 158, 164; CPU
-    offload 142, 78 on the device and 122 on the host. Under CPU offload host and device are the
-    same memory here: the allocator's peak is the device's and the host's together, at most
-    their sum (they peak at different moments) and at least the larger.
+    six runs): the least of three steps is compared. torch's ``FSDPMemTracker`` on the same
+    step is the second reference. Seen (MiB: allocator, tracker, planner): fp32 142, 140, 146;
+    bf16 autocast 153, 147, 156; bf16 parameters 126, 126, 128; kept after forward 158, 158,
+    164; CPU offload 142, 140, and 78 on the device with 122 on the host. Under CPU offload host
+    and device are the same memory here: the allocator's peak is the device's and the host's
+    together, at most their sum (they peak at different moments) and at least the larger.
     """
     out = tmp_path / "peak.pt"
     start_workers(_step_peak, (free_port(), case, str(out)), 2)
-    measured = torch.load(out, weights_only=True)["peak"]
+    result = torch.load(out, weights_only=True)
+    measured = result["peak"]
     precision, settings = _PLANNED[case]
     profile = profile_activations(partial(GPT, _WIDE), MemoryTransforms(bf16_norm_inputs=False),
                                   _WIDE.seq_len, _WIDE.vocab_size, precision)
     row = plan_row(static_bytes(GPT(_WIDE), "fsdp", 2, settings), profile, 2, 1)
     if settings.offload == "cpu":
         assert row.host_bytes > row.predicted_peak_bytes  # the shards moved to the host
-        assert max(row.predicted_peak_bytes, row.host_bytes) <= measured * 1.12, row
-        assert measured <= (row.predicted_peak_bytes + row.host_bytes) * 1.12, row
+        for peak in (measured, result["tracked"]):
+            assert max(row.predicted_peak_bytes, row.host_bytes) <= peak * 1.12, row
+            assert peak <= (row.predicted_peak_bytes + row.host_bytes) * 1.12, row
     else:
         assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.12), row
+        # docs/memory.md explains the gap to torch's tracker (under 5% but for bf16 autocast).
+        assert row.predicted_peak_bytes == pytest.approx(result["tracked"], rel=0.07), row

@@ -512,9 +512,8 @@ def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int
       in the parameter dtype; without mixed precision its own shard is part of the gather;
     - two blocks' parameters all-gathered (the one running and the one prefetched), in the
       parameter dtype, and under CPU offload their shards copied to the device first;
-    - in backward, two blocks' unsharded gradients (parameter dtype) before their
-      reduce-scatter, and where the reduction dtype differs one block's copy in it (the
-      reduce-scatter's input, made as the block's own gradients are freed);
+    - in backward, a block's unsharded gradients (parameter dtype) and the reduce-scatter's
+      input they are copied into (reduction dtype), the next block's not yet begun;
     - ``reshard_after_forward`` false: every block's gathered parameters from its forward to its
       backward; a group of N: every block's parameters sharded N ways, as long.
     Calibrated on CPU with gloo (2 ranks: fp32, bf16 autocast, bf16 parameters, kept after
@@ -530,9 +529,7 @@ def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int
     blocks = 2 * int(block * param_share)
     if static.offloaded:
         blocks += 2 * -(-block // world)
-    grads = 2 * int(block * param_share)
-    if reduce_share != param_share:  # one block's copy at a time: its reduce-scatter's input
-        grads += int(block * reduce_share)
+    grads = int(block * param_share) + int(block * reduce_share)
     all_blocks = int(max(static.full_param_bytes - root, 0) * param_share)
     reshard = fsdp.reshard_after_forward
     kept = 0 if reshard is True else all_blocks if reshard is False else all_blocks // reshard
