@@ -27,7 +27,7 @@ TOKENIZER ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
-	bench-tokenize bench-hf bench-plan chaos tracker-screenshots up down status submit cluster-data grafana local local-down
+	bench-tokenize bench-hf bench-plan bench-fsdp chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -116,6 +116,9 @@ chaos: setup ## A seeded chaos campaign on a 2-node loopback Ray cluster (SEED=n
 
 bench-plan: setup ## CPU: the planner's predicted tokens/s against measured steps, 3 model shapes
 	$(BIN)/python -m bench.plan --out bench/results
+
+bench-fsdp: setup ## FSDP on 4 gloo ranks: the largest GPT under a per-rank budget, host build vs meta build
+	$(BIN)/python -m bench.fsdp --out bench/results
 
 bench-hf: setup ## A HF Llama at vocabulary 128,256: chunked loss vs its own labels= loss (peak, tokens/s)
 	$(BIN)/python -m bench.hf --out bench/results

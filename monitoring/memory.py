@@ -8,10 +8,12 @@ before CUDA starts, gives an empty result: the family is absent, not zero. ``rea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import socket
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -99,6 +101,33 @@ def resident_bytes() -> int:
     """This process's resident memory (Linux ``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+class PeakResident:
+    """The most resident memory above the baseline at entry, sampled every millisecond on a
+    thread while the block runs (a process's own high-water mark, ``ru_maxrss``, cannot be
+    reset, and its baseline includes whatever came before)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[PeakResident]:
+        baseline, stop = resident_bytes(), threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                self.peak = max(self.peak, resident_bytes() - baseline)
+                stop.wait(0.001)
+
+        sampler = threading.Thread(target=sample, name="peak-resident", daemon=True)
+        sampler.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            sampler.join()
+            self.peak = max(self.peak, resident_bytes() - baseline)
 
 
 def read_host(pinned_bytes: int) -> dict[str, float]:

@@ -5,9 +5,6 @@ starts from), and an ``hf:`` directory's safetensors load per rank."""
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -15,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from monitoring.memory import resident_bytes
+from monitoring.memory import PeakResident
 from trainer.build import MemoryTransforms, build_model, build_sharded
 from trainer.launch.local import free_port, start_workers
 from trainer.model import GPT, GPTConfig
@@ -26,31 +23,6 @@ pytestmark = pytest.mark.distributed
 # 29.4M parameters, 118 MB in fp32: at 4 ranks a shard is a quarter of it, at 8 an eighth.
 _BIG = GPTConfig(vocab_size=8192, seq_len=64, n_layer=8, n_head=8, n_embd=512)
 _TINY = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
-
-
-class PeakResident:
-    """The most resident memory above the baseline at entry, sampled every millisecond."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-
-    @contextmanager
-    def watch(self) -> Iterator[PeakResident]:
-        baseline, stop = resident_bytes(), threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                self.peak = max(self.peak, resident_bytes() - baseline)
-                stop.wait(0.001)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            yield self
-        finally:
-            stop.set()
-            sampler.join()
-            self.peak = max(self.peak, resident_bytes() - baseline)
 
 
 def _full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -83,3 +83,18 @@ def test_the_hf_bench_runs_and_the_chunked_loss_holds_less(tmp_path: Path) -> No
     assert report["loss_chunk_tokens"] == 4096  # auto at 16,384 tokens: 256 MiB of fp32 logits
     assert report["peak_bytes"]["peer"] > report["peak_bytes"]["memtrain"] > 0
     assert report["tokens_per_second"]["memtrain"] > 0
+
+
+def test_the_fsdp_bench_runs_and_the_meta_build_holds_less(tmp_path: Path) -> None:
+    """Two small sizes on 2 gloo ranks: the meta build's worst rank holds less than the host
+    build's, and each row has its planner figure."""
+    out = subprocess.run([sys.executable, "-m", "bench.fsdp", "--out", str(tmp_path), "--quick",
+                          "--workers", "2", "--budget-mib", "64"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [result] = tmp_path.glob("fsdp-*.json")
+    report = json.loads(result.read_text())
+    rows = {(row["path"], row["n_layer"]): row for row in report["rows"]}
+    assert rows[("meta", 2)]["build"] < rows[("host", 2)]["build"]
+    assert rows[("meta", 2)]["predicted_step"] > 0
+    assert "largest that builds:" in out.stdout

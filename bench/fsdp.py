@@ -1,0 +1,156 @@
+"""FSDP on gloo ranks: the largest GPT that builds, and builds and trains one step, with every
+rank under a resident-memory budget; the build before the meta device against memtrain's.
+
+Both paths shard the same models with FSDP2 (``trainer.sharding``) on ``--workers`` gloo ranks
+of this CPU, fp32, AdamW, activation checkpointing off:
+- (p) the host build: every rank builds the whole model (seeded), then shards it;
+- (m) memtrain's: built on the meta device, sharded, each rank's shards filled with the same
+  weights (``trainer.build.build_sharded``).
+Through the build, each rank's resident memory above its own baseline (a process that has built
+a tiny model the same way once, so code pages are not counted) is sampled every millisecond
+(``monitoring.memory.PeakResident``). Through the build and one step, the CPU allocator's record
+of live tensors is the measure (``trainer.diagnostics.cpu_peak_bytes``), as a device's allocator
+would hold them: resident memory there also counts gloo's own communication buffers, which are
+not torch's (2-4x the tensors at these sizes; printed beside it), and which NCCL on a GPU does
+not have.
+GPTs of width 512 (vocabulary 8,192, sequence 64) grow by layers until a path's worst rank
+goes over ``--budget``. For every size it also prints rank 0's step peak as the planner
+predicts it (``trainer.plan.peak.plan_row``) beside the one measured. Target: (m) builds a model
+at least 3x (p)'s parameters.
+Run: ``make bench-fsdp`` (writes ``bench/results/fsdp-<date>-<host>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench.results import describe_cpu, write_json
+from monitoring.memory import PeakResident
+from trainer.build import MemoryTransforms, build_model, build_sharded
+from trainer.diagnostics import cpu_peak_bytes
+from trainer.launch.local import free_port, start_workers
+from trainer.model import GPT, GPTConfig
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.sharding import FsdpSettings, shard_model
+
+LAYERS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+TINY = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def gpt(n_layer: int) -> GPTConfig:
+    return GPTConfig(vocab_size=8192, seq_len=64, n_layer=n_layer, n_head=8, n_embd=512)
+
+
+def _build(path: str, cfg: GPTConfig) -> torch.nn.Module:
+    factory = partial(GPT, cfg)
+    if path == "meta":
+        return build_sharded(factory, MemoryTransforms(), torch.device("cpu"), 0, FsdpSettings(),
+                             model_name="gpt")
+    return shard_model(build_model(factory, MemoryTransforms(), torch.device("cpu"), 0))
+
+
+def _rank(rank: int, port: int, world_size: int, path: str, n_layer: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        warm = _build(path, TINY)  # the baseline: code paths taken once
+        torch.optim.AdamW(warm.parameters()).step()
+        del warm
+        cfg = gpt(n_layer)
+        build = PeakResident()
+
+        def build_and_step() -> None:
+            with build.watch():
+                model = _build(path, cfg)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            optimizer.step()
+
+        with PeakResident().watch() as resident:
+            step = cpu_peak_bytes(build_and_step)
+        torch.save({"build": build.peak, "step": step, "step_resident": resident.peak},
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(path: str, n_layer: int, world_size: int) -> dict[str, int]:
+    """The worst rank's resident peaks through the build and through build and step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "peak")
+        start_workers(_rank, (free_port(), world_size, path, n_layer, out), world_size)
+        ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(world_size)]
+    return {key: max(r[key] for r in ranks) for key in ("build", "step", "step_resident")}
+
+
+def predicted_step(n_layer: int, world_size: int) -> int:
+    cfg = gpt(n_layer)
+    profile = profile_activations(partial(GPT, cfg), MemoryTransforms(bf16_norm_inputs=False),
+                                  cfg.seq_len, cfg.vocab_size, "fp32")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return plan_row(static_bytes(model, "fsdp", world_size), profile, 1, 1).predicted_peak_bytes
+
+
+def largest(path: str, budget: int, world_size: int, rows: list[dict[str, Any]],
+            layers: tuple[int, ...] = LAYERS) -> dict[str, int]:
+    """The most layers whose worst rank stays in ``budget``, through the build and through
+    the step (0: none), growing until both are over it."""
+    best = {"build": 0, "step": 0}
+    for n_layer in layers:
+        peaks = measure(path, n_layer, world_size)
+        params = sum(p.numel() for p in GPT(gpt(n_layer)).parameters())
+        row = {"path": path, "n_layer": n_layer, "params": params, **peaks,
+               "predicted_step": predicted_step(n_layer, world_size) if path == "meta" else None}
+        rows.append(row)
+        print(f"{path:5s} {n_layer:3d} layers {params / 1e6:7.1f}M params: build "
+              f"{peaks['build'] / 2**20:7.1f} MiB resident, build+step "
+              f"{peaks['step'] / 2**20:7.1f} MiB tensors ({peaks['step_resident'] / 2**20:.0f} "
+              f"resident)" + (f"; planner, step: {row['predicted_step'] / 2**20:.1f} MiB"
+                              if row["predicted_step"] else ""), flush=True)
+        for key in best:
+            if peaks[key] <= budget:
+                best[key] = params
+        if peaks["build"] > budget:
+            break
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--budget-mib", type=int, default=256)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true", help="1 and 2 layers only (the tests)")
+    args = parser.parse_args()
+    budget = args.budget_mib * 2**20
+    rows: list[dict[str, Any]] = []
+    layers = LAYERS[:2] if args.quick else LAYERS
+    host = largest("host", budget, args.workers, rows, layers)
+    meta = largest("meta", budget, args.workers, rows, layers)
+    ratios = {key: meta[key] / host[key] if host[key] else None for key in host}
+    report = {"workers": args.workers, "budget_bytes": budget, "host": host, "meta": meta,
+              "ratios": ratios, "rows": rows, "target": "meta / host params >= 3 (build+step)",
+              "measures": {"build": "resident, sampled", "step": "allocator's record"}}
+    path = write_json(args.out, "fsdp", report)
+    print(f"{args.workers} gloo ranks, each under {args.budget_mib} MiB, "
+          f"{describe_cpu(report['cpu'])}")
+    for key, label in (("build", "builds"), ("step", "builds and trains one step")):
+        ratio = ratios[key]
+        print(f"largest that {label}: host {host[key] / 1e6:.1f}M, meta {meta[key] / 1e6:.1f}M "
+              f"params ({f'{ratio:.2f}x' if ratio else 'n/a'})")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
