@@ -22,7 +22,9 @@ micro-batch, through the trainer's own ``train_step``:
   loss, memtrain's chunked one and, where ``liger_kernel`` installs, Liger-Kernel's fused linear
   cross-entropy (peak bytes and tokens/s);
 - every CUDA metric family of the contract, published through the standalone exporter;
-- a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests.
+- a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests;
+- FSDP2 on one rank (``bench.gpu_fsdp``): bf16 through autocast, through
+  ``MixedPrecisionPolicy``, and with CPU offload, each peak beside the planner's.
 
 Without CUDA (``--dry`` is implied) it runs the same code paths on a tiny model on CPU, so the
 script cannot rot; CI runs that. It writes ``gpu-check-<date>-<host>.json`` and ``.md`` to --out
@@ -52,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.gpu_fsdp import fsdp_rows
 from bench.results import result_path, write_json
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
@@ -597,6 +600,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["memory_cap"] = section("memory cap", memory_cap, cfg, cap, device, steps, warmup,
                                    args.loss_chunk_tokens, 64 if dry else 512)
     report["loss_kernels"] = section("loss kernels", loss_kernels, device, dry)
+    report["fsdp"] = fsdp_rows(section, cfg, device, micro_batch, steps, warmup)
     report["summary"] = summarize(report)
     return report
 
@@ -896,6 +900,22 @@ def _loss_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _fsdp_lines(report: dict[str, Any]) -> list[str]:
+    rows = report.get("fsdp") or []
+    if not rows:
+        return []
+    lines = ["", "FSDP2 on one rank (bench/gpu_fsdp.py):", "",
+             "| setting | peak alloc GiB | predicted GiB (host) | planner error | tokens/s |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        error = row["planner_error"]
+        lines.append(f"| {row['setting']} | {gib(row['peak_allocated_bytes'])} | "
+                     f"{gib(row['predicted_peak_bytes'])} ({gib(row['predicted_host_bytes'])}) "
+                     f"| {'-' if error is None else f'{error:+.1%}'} | "
+                     f"{row['tokens_per_second']:,.0f} |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as markdown, for docs/benchmarks.md."""
     lines = [f"### gpu-check on {report['device']} ({report['date']}"
@@ -910,7 +930,7 @@ def markdown(report: dict[str, Any]) -> str:
              "tokens/s | predicted tokens/s | MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for part in (_step_lines, _peer_lines, _target_lines, _check_lines, _cap_lines,
-                 _loss_lines):
+                 _loss_lines, _fsdp_lines):
         lines += part(report)
     if report["errors"]:
         lines += ["", "Errors: " + "; ".join(report["errors"])]

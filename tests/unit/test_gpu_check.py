@@ -44,6 +44,15 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     assert all(abs(r["planner_error"]) <= 0.15 for r in report["rows"]), \
         [(r["precision"], r["activation_checkpointing"], r["planner_error"])
          for r in report["rows"]]
+    # FSDP2 on one rank: each setting trained, its peak beside the planner's, offload's shards
+    # and AdamW state in the host column.
+    fsdp = {row["setting"]: row for row in report["fsdp"]}
+    assert set(fsdp) == {"bf16 autocast", "bf16 parameters", "bf16 parameters, cpu offload"}
+    assert all(row["peak_allocated_bytes"] > 0 and row["predicted_peak_bytes"] > 0
+               for row in fsdp.values())
+    offload = fsdp["bf16 parameters, cpu offload"]
+    assert offload["predicted_host_bytes"] > 0 == fsdp["bf16 parameters"]["predicted_host_bytes"]
+    assert "FSDP2 on one rank" in next(tmp_path.glob("gpu-check-dry-*.md")).read_text()
     # The peer (a plain nanoGPT-style loop, same model and batch) and memtrain's rows beside it
     [peer] = report["peer"]
     assert (peer["precision"], peer["compiled"]) == ("bf16", False)

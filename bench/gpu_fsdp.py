@@ -1,0 +1,99 @@
+"""gpu-check's FSDP rows: ``parallel.fsdp``'s settings on one device, measured and planned.
+
+One rank (a process group of one: NCCL on CUDA, gloo on CPU) still runs every part of FSDP2 that
+moves memory: the meta-device build (``trainer.build.build_sharded``), the all-gather into the
+parameter dtype (``MixedPrecisionPolicy``), the reduce-scatter's copies, and CPU offload's
+copies between pinned host memory and the device (``CPUOffloadPolicy``). Each row trains the
+model with the trainer's own ``train_step`` and records the device's peak (CUDA's
+``max_memory_allocated``; dry, on CPU, the allocator's record of one step) beside the planner's
+prediction for it (``trainer.plan.peak.plan_row`` with the same settings, its host bytes
+apart). Rows: bf16 through autocast over fp32 shards, bf16 parameters through
+``MixedPrecisionPolicy``, and the latter with CPU offload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.build import MemoryTransforms, build_sharded
+from trainer.memory.precision import precision_policy
+from trainer.model import GPT, GPTConfig
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.sharding import FsdpSettings
+from trainer.step import build_optimizer, step_peak_bytes, train_step
+
+CASES = {
+    "bf16 autocast": FsdpSettings(),
+    "bf16 parameters": FsdpSettings(param_dtype="bf16"),
+    "bf16 parameters, cpu offload": FsdpSettings(param_dtype="bf16", offload="cpu"),
+}
+
+
+@contextlib.contextmanager
+def one_rank(device: torch.device) -> Iterator[None]:
+    """A process group of this process alone (none outside it is touched)."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: int, steps: int,
+             warmup: int) -> dict[str, Any]:
+    """One setting's measured step (peak and tokens/s) and the planner's prediction of it."""
+    settings = CASES[name]
+    transforms = MemoryTransforms(activation_checkpointing="selective", bf16_norm_inputs=False)
+    model = build_sharded(partial(GPT, cfg), transforms, device, 0, settings, model_name="gpt")
+    policy = precision_policy("bf16", device, warn=False)
+    if settings.param_dtype == "bf16":  # the trainer's loop: the policy casts, not autocast
+        policy = dataclasses.replace(policy, autocast_dtype=None)
+    scaler = policy.grad_scaler(device)
+    optimizer = build_optimizer(model, lr=3e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
+    for i in range(warmup + steps):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+        train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = step_peak_bytes(model, optimizer, scaler, tokens, policy)
+    elapsed = time.perf_counter() - start
+    profile = profile_activations(partial(GPT, cfg), transforms, cfg.seq_len, cfg.vocab_size,
+                                  "bf16", device=device)
+    with torch.device("meta"):
+        shape = GPT(cfg)
+    plan = plan_row(static_bytes(shape, "fsdp", 1, settings), profile, micro_batch, 1)
+    del model, optimizer
+    return {"setting": name, **dataclasses.asdict(settings), "micro_batch_size": micro_batch,
+            "peak_allocated_bytes": peak,
+            "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_host_bytes": plan.host_bytes, "predicted_peak_moment": plan.peak_moment,
+            "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
+
+
+def fsdp_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int, steps: int,
+              warmup: int) -> list[dict[str, Any]]:
+    """Every setting's row, each a gpu-check section (one failing keeps the others)."""
+    with one_rank(device):
+        rows = [section(f"fsdp {name}", fsdp_row, cfg, name, device, micro_batch, steps, warmup)
+                for name in CASES]
+    return [row for row in rows if row is not None]
