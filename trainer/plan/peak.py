@@ -26,9 +26,9 @@ of the parameters and AdamW's state:
   down, each block frees at least as much activation memory as its parameters' gradients take;
 - the optimizer step: every gradient, and AdamW's temporary of one moment's size (CUDA's
   foreach path; on CPU, torch's per-parameter loop needs a few of the largest parameter's size).
-Under FSDP the static bytes are one rank's shards, and the other moments add what FSDP holds whole
-while it runs (the root's parameters, about four blocks of all-gathered parameters and unsharded
-gradients; calibrated on CPU, see ``plan_row``), with a fourth moment at the end of backward.
+Under FSDP the static bytes are one rank's shards (in host memory under CPU offload: the row's
+``host_bytes``), and the other moments add what FSDP holds whole while it runs, by its settings
+(``fsdp_in_flight``; calibrated on CPU), with a fourth moment at the end of backward.
 Gradients are not held during the forward pass: the loop zeroes them with ``set_to_none=True``.
 On CPU the whole formula is checked against the allocator's record of real steps
 (``trainer.diagnostics.cpu_peak_bytes``, ``tests/unit/test_planner.py``). The planner does not
