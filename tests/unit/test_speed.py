@@ -21,8 +21,15 @@ from trainer.plan import work as plan_work
 from trainer.plan.candidates import choose_plan
 from trainer.plan.devices import DeviceSpeed, gpu_speed
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader, step_time
+from trainer.plan.speed import (
+    LoaderCost,
+    SpeedModel,
+    fsdp_seconds,
+    measure_loader,
+    step_time,
+)
 from trainer.plan.work import StepWork, Work, record_work
+from trainer.sharding import FsdpSettings
 
 CFG = GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=32, vocab_size=256)
 
@@ -99,6 +106,34 @@ def test_a_step_is_accumulation_forward_backwards_an_optimizer_step_and_the_all_
     assert step_time(work, gpu, 4, 2, loader=loader).data == 0
     assert step_time(work, gpu, 4, 2, loader=LoaderCost(0.0, 2.0)).data \
         == pytest.approx(16 - 8.5)
+
+
+def test_fsdp_steps_count_their_collectives_and_offload_copies() -> None:
+    """2 GB of fp32 parameters on 4 ranks at 1 GB/s: each micro-batch all-gathers 3/4 of them
+    for forward and again for backward, the gradients are reduce-scattered once; 2/3 of the
+    micro-batches' compute hides them. Each setting moves what it says."""
+    fb = Work({"matmul:fp32": 10}, {"matmul:fp32": 1e9})  # 1 s a sample
+    work = StepWork(fb, Work({"matmul:fp32": 10}, {"matmul:fp32": 2e9}),
+                    Work({"memory:fp32": 1}, {"memory:fp32": 5e8}), int(2e9), 100)
+    device = dataclasses.replace(_device(), gather_bytes_per_s=1e9)
+
+    def comm(**settings: object) -> float:
+        fsdp = FsdpSettings(**settings)  # type: ignore[arg-type]
+        return fsdp_seconds(work.grad_bytes, device, fsdp, 4, accumulation=2)
+
+    assert comm() == pytest.approx((2 * 2 * 1.5e9 + 1.5e9) / 1e9)  # 7.5 s
+    assert comm(reshard_after_forward=False) == pytest.approx((2 * 1.5e9 + 1.5e9) / 1e9)
+    assert comm(reshard_after_forward=False) < comm(reshard_after_forward=2) < comm()
+    assert comm(param_dtype="bf16") == pytest.approx((2 * 2 * 0.75e9 + 1.5e9) / 1e9)
+    assert comm(param_dtype="bf16", reduce_dtype="bf16") == pytest.approx(3.75)
+    assert comm(offload="cpu") == comm()  # a CPU: host and device are the same memory
+    gpu = dataclasses.replace(device, host_link_bytes_per_s=0.5e9)
+    offloaded = fsdp_seconds(work.grad_bytes, gpu, FsdpSettings(offload="cpu"), 4, 2)
+    # 5 copies of a 0.5 GB shard: 4 before the gathers, 1 of the gradients back.
+    assert offloaded == pytest.approx(comm() + 5 * 0.5e9 / 0.5e9)
+    step = step_time(work, device, 4, 2, world_size=4, fsdp=FsdpSettings())
+    assert step.allreduce == pytest.approx(7.5 - 2 * 4 * 2 / 3)
+    assert step.seconds == pytest.approx(8 + 0.5 + step.allreduce)
 
 
 def test_gpus_are_planned_from_their_peaks() -> None:

@@ -45,6 +45,13 @@ GPU_COMPILED_SHARE = 0.57
 # (H100/H200 class, about a third of its 900 GB/s after NCCL's protocol); gloo over loopback
 # on CPU, an estimate of the order bench/trainer.py sees with 2 ranks.
 ALLREDUCE_BYTES_PER_S = {"cuda": 300e9, "cpu": 1.5e9}
+# FSDP's all-gather and reduce-scatter (bus bytes/s). NCCL moves them at its all-reduce's rate;
+# gloo over loopback far slower than its all-reduce: measured on the 2-core AMD EPYC (Zen 5),
+# 2 and 4 ranks, 16 MiB a rank, idle (``python -m bench.gloo_link``).
+GATHER_BYTES_PER_S = {"cuda": 300e9, "cpu": 0.3e9}
+# FSDP's CPU offload: a GPU's copies to and from pinned host memory (PCIe Gen5 x16, about 64 GB/s
+# each way on the datasheet, at the memory efficiency above). A CPU run copies nothing: 0.
+HOST_LINK_BYTES_PER_S = {"cuda": 64e9 * 0.6, "cpu": 0.0}
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,10 @@ class DeviceSpeed:
     # (``CALIBRATION_SPREAD_BOUND``); 0 for a GPU's datasheet figures.
     calibrated_at: float = 0.0
     spread: float = 0.0
+    # FSDP: all-gather and reduce-scatter bus bytes/s (0: the all-reduce's rate), and copies to
+    # and from the host under CPU offload (0: none, host and device being the same memory).
+    gather_bytes_per_s: float = GATHER_BYTES_PER_S["cpu"]
+    host_link_bytes_per_s: float = 0.0
 
     @property
     def stable(self) -> bool:
@@ -119,6 +130,8 @@ def gpu_speed(name: str, efficiency: dict[str, float] | None = None) -> DeviceSp
     launch = {kind: GPU_LAUNCH_SECONDS for kind in (*FLOP_KINDS, *BYTE_KINDS)}
     return DeviceSpeed(match.upper(), rates, {**launch, "view": 0.0},
                        ALLREDUCE_BYTES_PER_S["cuda"], asynchronous=True,
+                       gather_bytes_per_s=GATHER_BYTES_PER_S["cuda"],
+                       host_link_bytes_per_s=HOST_LINK_BYTES_PER_S["cuda"],
                        source=f"datasheet peaks x {eff['bf16']:.0%} (bf16), "
                               f"{eff['fp32']:.0%} (fp32), {eff['memory']:.0%} (bandwidth)")
 

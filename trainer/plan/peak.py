@@ -493,6 +493,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     # Offloaded: the shards, their gradients and AdamW's state (and its step's temporary).
     host = static.total + static.optimizer // 2 if static.offloaded else 0
     chunk = shape.chunk_tokens if isinstance(shape, ChunkedLossShape) else 0
+    if speed is not None and static.fsdp is not None:  # the row's own FSDP settings
+        speed = dataclasses.replace(speed, fsdp=static.fsdp)
     timing = speed.predict(profile.work, micro_batch_size, accumulation_steps,
                            chunk or None) \
         if speed is not None and profile.work is not None else None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from trainer.plan.devices import DeviceSpeed, compiled_speed
 from trainer.plan.work import StepWork
+from trainer.sharding import FsdpSettings
 
 log = logging.getLogger("memtrain.planner")
 
@@ -82,23 +83,52 @@ class StepTime:
     seconds: float
     forward_backward: float
     optimizer: float
-    allreduce: float
+    allreduce: float  # DDP's all-reduce, or FSDP's collectives and offload copies, not hidden
     data: float
     tokens_per_s: float
 
 
+def fsdp_seconds(param_bytes: int, speed: DeviceSpeed, fsdp: FsdpSettings, world_size: int,
+                 accumulation: int) -> float:
+    """FSDP's communication in one optimizer step, before any overlap: each micro-batch
+    all-gathers every block in the parameter dtype for forward, and again for backward unless
+    ``reshard_after_forward`` keeps them (a group of N gathers backward's within the group);
+    gradients are reduce-scattered once, in the reduction dtype; under CPU offload each gather's
+    shard is copied to the device first and each gradient shard back (over the host link:
+    nothing on a CPU run)."""
+    share = (world_size - 1) / world_size
+    param = 0.5 if fsdp.param_dtype == "bf16" else 1.0
+    reduce = 0.5 if fsdp.reduce_dtype == "bf16" else 1.0
+    reshard = fsdp.reshard_after_forward
+    backward = 1.0 if reshard is True else 0.0 if reshard is False else \
+        (reshard - 1) / reshard / share if share else 0.0
+    rate = speed.gather_bytes_per_s or speed.allreduce_bytes_per_s
+    moved = accumulation * (1 + backward) * share * param_bytes * param \
+        + share * param_bytes * reduce
+    seconds = moved / rate
+    if fsdp.offload == "cpu" and speed.host_link_bytes_per_s:
+        shard = param_bytes / world_size
+        seconds += (accumulation * (1 + backward) + 1) * shard / speed.host_link_bytes_per_s
+    return seconds
+
+
 def step_time(work: StepWork, speed: DeviceSpeed, micro_batch: int, accumulation: int,
               world_size: int = 1, overlap_allreduce: bool = True,
-              loader: LoaderCost | None = None, loss_chunk_tokens: int | None = None
-              ) -> StepTime:
+              loader: LoaderCost | None = None, loss_chunk_tokens: int | None = None,
+              fsdp: FsdpSettings | None = None) -> StepTime:
     """The predicted time of one optimizer step of ``accumulation`` micro-batches (``loader``:
     the data loader's measured cost, none where not given; ``loss_chunk_tokens``: the chunked
-    loss's chunk, else the recorded one)."""
+    loss's chunk, else the recorded one; ``fsdp``: FSDP's collectives in place of DDP's
+    all-reduce)."""
     fb = speed.seconds(work.forward_backward(micro_batch, loss_chunk_tokens), work.autocast) \
         + work.checkpointed_blocks * speed.op_seconds.get("checkpoint", 0.0)
     optimizer = speed.seconds(work.optimizer)
     allreduce = 0.0
-    if world_size > 1:
+    if fsdp is not None:
+        allreduce = fsdp_seconds(work.grad_bytes, speed, fsdp, world_size, accumulation)
+        # All-gathers are prefetched behind the blocks' compute: about 2/3 of it hides them.
+        allreduce = max(0.0, allreduce - accumulation * fb * 2 / 3)
+    elif world_size > 1:
         ring = 2 * (world_size - 1) / world_size * work.grad_bytes
         allreduce = ring / speed.allreduce_bytes_per_s
         if overlap_allreduce:  # behind the last micro-batch's backward, about 2/3 of it
@@ -123,6 +153,7 @@ class SpeedModel:
     overlap_allreduce: bool = True  # DDP's overlap with backward (off under OOM recovery)
     loader: LoaderCost | None = None  # the data loader's measured cost (measure_loader)
     compiled: bool = False  # torch.compile on a GPU (compiled_speed)
+    fsdp: FsdpSettings | None = None  # FSDP's settings: its collectives (None: DDP)
 
     @functools.cached_property
     def step_device(self) -> DeviceSpeed:
@@ -132,4 +163,4 @@ class SpeedModel:
     def predict(self, work: StepWork, micro_batch: int, accumulation: int,
                 loss_chunk_tokens: int | None = None) -> StepTime:
         return step_time(work, self.step_device, micro_batch, accumulation, self.world_size,
-                         self.overlap_allreduce, self.loader, loss_chunk_tokens)
+                         self.overlap_allreduce, self.loader, loss_chunk_tokens, self.fsdp)
