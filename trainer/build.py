@@ -29,7 +29,7 @@ from trainer.hf import SafetensorsRows, initialise_on_meta
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
-from trainer.model import ModelError, create_model
+from trainer.model import create_model
 from trainer.sharding import FsdpSettings, fill_local, shard_model
 
 if TYPE_CHECKING:
@@ -149,9 +149,8 @@ def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: t
     warning naming the reason."""
     try:
         model, recording = _meta_build(factory, hf_init=":" in model_name)
-    except ModelError:
-        raise
-    except Exception as err:  # the factory needed real values (an .item(), a data branch)
+    except Exception as err:  # the factory needed real values (an .item(), a data branch);
+        # an error of the model's own is raised again by the host build below.
         log.warning("model.name %r cannot be built on the meta device (%s); building it whole "
                     "on the host, then sharding", model_name, first_line(err, type(err).__name__))
         model, recording = build_model(factory, MemoryTransforms(), device, seed), None

@@ -145,7 +145,8 @@ def test_a_sharded_run_resumes_on_4_then_2_then_4_ranks(tmp_path: Path) -> None:
         start_workers(_phase, (free_port(), world_size, previous, save, out), world_size)
         state = torch.load(out, weights_only=True)
         if previous:
-            before = torch.load(str(tmp_path / f"state-{step - 1}.pt"), weights_only=True)
+            saved = tmp_path / f"state-{step - 1}.pt"
+            before = torch.load(saved, weights_only=True)
             assert state["loaded"].keys() == before["saved"].keys()
             for name, tensor in before["saved"].items():
                 assert torch.equal(state["loaded"][name], tensor), (world_size, name)

@@ -19,7 +19,7 @@ from trainer.build import MemoryTransforms, build_model, build_sharded, model_fa
 from trainer.config import load_config
 from trainer.hf import weights_of
 from trainer.launch.local import free_port, start_workers
-from trainer.model import GPT, GPTConfig
+from trainer.model import GPT, GPTConfig, create_model
 from trainer.sharding import FsdpSettings
 
 pytestmark = pytest.mark.distributed
@@ -141,6 +141,14 @@ class ReadsValues(nn.Module):
         return x
 
 
+def reads_values(**_fields: object) -> ReadsValues:
+    """The entry point ``model.name: tests.distributed.test_fsdp_settings:reads_values``."""
+    return ReadsValues()
+
+
+ENTRY_POINT = "tests.distributed.test_fsdp_settings:reads_values"
+
+
 def _falls_back(rank: int, port: int, out: str) -> None:
     _init(rank, port, 2)
     try:
@@ -148,9 +156,10 @@ def _falls_back(rank: int, port: int, out: str) -> None:
         handler = logging.Handler()
         handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
         logging.getLogger("trainer.build").addHandler(handler)
-        model = build_sharded(ReadsValues, MemoryTransforms(), torch.device("cpu"), 9,
-                              FsdpSettings(), model_name="tests:ReadsValues")
-        want = build_model(ReadsValues, MemoryTransforms(), seed=9).state_dict()
+        factory = partial(create_model, ENTRY_POINT)
+        model = build_sharded(factory, MemoryTransforms(), torch.device("cpu"), 9,
+                              FsdpSettings(), model_name=ENTRY_POINT)
+        want = build_model(factory, MemoryTransforms(), seed=9).state_dict()
         same = all(torch.equal(t.full_tensor(), want[name])
                    for name, t in model.state_dict().items())
         torch.save({"records": records, "same": same}, f"{out}.{rank}")
@@ -164,5 +173,5 @@ def test_a_model_that_cannot_be_built_on_meta_is_built_on_the_host(tmp_path: Pat
     result = torch.load(f"{out}.0", weights_only=True)
     assert result["same"]
     [line] = result["records"]
-    assert "'tests:ReadsValues' cannot be built on the meta device" in line
+    assert f"{ENTRY_POINT!r} cannot be built on the meta device" in line
     assert "building it whole on the host" in line
