@@ -39,7 +39,7 @@ from trainer.plan.work import MATMUL_K, Work, recording
 
 log = logging.getLogger("memtrain.planner")
 
-CALIBRATION_VERSION = 17
+CALIBRATION_VERSION = 18
 # Elements of the tensors the byte-counted kinds are calibrated on: 32 MiB in fp32, beyond a
 # core's cache, as a step's activations are.
 BYTE_ELEMENTS = 1 << 23

@@ -41,14 +41,14 @@ GPU_LAUNCH_SECONDS = 6e-6
 # 124M, bf16, no checkpointing, micro-batch 16: 452,726 tokens/s compiled, 335,620 eager; the
 # model then predicts 1.35x). One row of one model: the fusion of other models is a guess.
 GPU_COMPILED_SHARE = 0.57
-# Collective bandwidth for DDP's all-reduce (bus bytes/s): NVLink between the GPUs of a node
-# (H100/H200 class, about a third of its 900 GB/s after NCCL's protocol); gloo over loopback
-# on CPU, an estimate of the order bench/trainer.py sees with 2 ranks.
-ALLREDUCE_BYTES_PER_S = {"cuda": 300e9, "cpu": 1.5e9}
-# FSDP's all-gather and reduce-scatter (bus bytes/s). NCCL moves them at its all-reduce's rate;
-# gloo over loopback far slower than its all-reduce: measured on the 2-core AMD EPYC (Zen 5),
-# 2 and 4 ranks, 16 MiB a rank, idle (``python -m bench.gloo_link``).
-GATHER_BYTES_PER_S = {"cuda": 300e9, "cpu": 0.3e9}
+# Collective bandwidth (bus bytes/s). On a GPU, NCCL over NVLink between the GPUs of a node
+# (H100/H200 class, about a third of its 900 GB/s after NCCL's protocol), all-gather and
+# reduce-scatter at the all-reduce's rate. On CPU, gloo over loopback, measured on the 2-core
+# AMD EPYC (Zen 5), idle, 16 MiB a rank (``python -m bench.gloo_link``,
+# bench/results/gloo-link-2026-12-03-vm.json): all-reduce 1.23 GB/s at 2 ranks and 1.01 at 4,
+# all-gather 0.39 at both, reduce-scatter 0.34 and 0.29: FSDP's collectives are the slow ones.
+ALLREDUCE_BYTES_PER_S = {"cuda": 300e9, "cpu": 1.1e9}
+GATHER_BYTES_PER_S = {"cuda": 300e9, "cpu": 0.35e9}
 # FSDP's CPU offload: a GPU's copies to and from pinned host memory (PCIe Gen5 x16, about 64 GB/s
 # each way on the datasheet, at the memory efficiency above). A CPU run copies nothing: 0.
 HOST_LINK_BYTES_PER_S = {"cuda": 64e9 * 0.6, "cpu": 0.0}

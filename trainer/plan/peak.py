@@ -450,14 +450,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     work, its predicted step time and tokens/s. ``loss_chunk_tokens``: the chunked loss in
     chunks of that many tokens instead of the probed ones (a chunk changes only the loss's
     temporaries and operators: what it saves for backward is the same)."""
-    if static.fsdp is not None and profile.precision != "bf16":  # bf16 parameters need bf16
-        static = dataclasses.replace(static, fsdp=dataclasses.replace(
-            static.fsdp, param_dtype="fp32", reduce_dtype="fp32"))
-    if static.fsdp is not None and static.fsdp.param_dtype == "bf16":
-        # FSDP's bf16 parameters replace autocast: its weight copies (the probe's fixed saved
-        # bytes, its cache) do not exist; the gathered bf16 blocks are in ``fsdp_in_flight``.
-        profile = dataclasses.replace(profile, fixed_bytes=0, autocast_cache_bytes=0,
-                                      recompute_block_fixed_bytes=0)
+    static, profile = _under_fsdp(static, profile)
     activations = profile.saved_bytes(micro_batch_size)
     tokens = micro_batch_size * profile.seq_len
     shape = profile.loss_shape
@@ -504,6 +497,20 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
                    profile.recompute_fraction, moment,
                    timing.seconds if timing else 0.0, timing.tokens_per_s if timing else 0.0,
                    chunk, host)
+
+
+def _under_fsdp(static: StaticBytes, profile: ActivationProfile
+                ) -> tuple[StaticBytes, ActivationProfile]:
+    """The row's FSDP settings at its precision (bf16 parameters need bf16: an fp32 row keeps
+    fp32 ones), and its profile without autocast's weight copies where bf16 parameters replace
+    autocast (the gathered bf16 blocks are in ``fsdp_in_flight``)."""
+    if static.fsdp is not None and profile.precision != "bf16":
+        static = dataclasses.replace(static, fsdp=dataclasses.replace(
+            static.fsdp, param_dtype="fp32", reduce_dtype="fp32"))
+    if static.fsdp is not None and static.fsdp.param_dtype == "bf16":
+        profile = dataclasses.replace(profile, fixed_bytes=0, autocast_cache_bytes=0,
+                                      recompute_block_fixed_bytes=0)
+    return static, profile
 
 
 def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int, int, int]:
