@@ -184,17 +184,20 @@ class FsdpConfig(_Strict):
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # After a block's forward: true frees its all-gathered parameters (gathered again for
     # backward), false keeps them to backward, N >= 2 keeps a copy sharded over N ranks (N
-    # must divide the world size).
-    reshard_after_forward: StrictBool | Annotated[int, Field(ge=2)] = True
+    # must divide the world size); auto: true or false, by the planner (trainer/plan/choose.py).
+    reshard_after_forward: StrictBool | Annotated[int, Field(ge=2)] | Literal["auto"] = True
     # cpu: shards, gradients and optimizer state live in host memory (CPUOffloadPolicy); the
     # optimizer steps on the host, and each block's shards are copied to the device to gather.
-    offload: Literal["none", "cpu"] = "none"
+    # auto: cpu only where nothing fits on the GPU otherwise (never on a CPU run, where host and
+    # device are the same memory).
+    offload: Literal["none", "cpu", "auto"] = "none"
 
     @field_validator("reshard_after_forward", mode="before")
     @classmethod
     def _group(cls, value: Any) -> Any:
-        if not isinstance(value, bool) and not (isinstance(value, int) and value >= 2):
-            raise ValueError("expected true, false or a group size of at least 2")
+        if not isinstance(value, bool) and not (isinstance(value, int) and value >= 2) \
+                and value != "auto":
+            raise ValueError("expected true, false, auto or a group size of at least 2")
         return value
 
 
@@ -209,7 +212,9 @@ class ParallelConfig(_Strict):
     use_gpu: bool = False
     # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state
     # sharded across ranks (FSDP2), checkpoints sharded (torch.distributed.checkpoint).
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    # auto: ddp where the whole model fits a device, else fsdp, by the planner's predicted
+    # tokens/s (with parallel.fsdp's auto fields; trainer/plan/choose.py decide_sharding).
+    strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
     fsdp: FsdpConfig = FsdpConfig()
     # Ray: how many times a failed worker group is restarted from the latest checkpoint
     # (-1: without limit). A preempted or killed worker costs the steps since that checkpoint.
@@ -289,7 +294,8 @@ class Config(_Strict):
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
         workers = self.parallel.workers
         group = fsdp.reshard_after_forward
-        if not isinstance(group, bool) and (group > workers or workers % group):
+        if isinstance(group, int) and not isinstance(group, bool) and \
+                (group > workers or workers % group):
             raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide "
                              f"parallel.workers {workers}")
         return self

@@ -58,11 +58,13 @@ class FsdpSettings:
         """``cfg``'s ``parallel.fsdp`` on ``world_size`` ranks, ``auto`` resolved by the run's
         ``precision``; raises ValueError where the reshard group does not divide the world."""
         fsdp = cfg.parallel.fsdp
-        group = fsdp.reshard_after_forward
+        # An "auto" the planner has not resolved yet (it plans the defaults until it has).
+        group = True if fsdp.reshard_after_forward == "auto" else fsdp.reshard_after_forward
         if not isinstance(group, bool) and world_size % group:
             raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide the "
                              f"world size ({world_size} workers)")
-        return cls(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, fsdp.offload)
+        offload = "none" if fsdp.offload == "auto" else fsdp.offload
+        return cls(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, offload)
 
     @property
     def mixed_precision(self) -> bool:

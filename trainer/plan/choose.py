@@ -76,17 +76,21 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     """The planner's inputs for ``cfg``: one rank's static bytes and an activation profile per
     (precision, checkpointing) pair, probed on CPU for the configured device type (``work``:
     with the step's operators recorded, for ``speed_model``)."""
-    factory = model_factory(cfg.model)
-    transforms = MemoryTransforms.of(cfg.memory)
-    profiles = profile_all(factory, transforms, cfg.model.seq_len, cfg.model.vocab_size,
-                           precisions, ac_modes,
+    profiles = profile_all(model_factory(cfg.model), MemoryTransforms.of(cfg.memory),
+                           cfg.model.seq_len, cfg.model.vocab_size, precisions, ac_modes,
                            target="cuda" if cfg.parallel.use_gpu else "cpu", work=work)
-    with fake_tensor_mode():  # only sizes are counted: no memory, no initialisation
-        plain = build_model(factory, transforms.replace(activation_checkpointing="none"))
+    return config_static(cfg), profiles
+
+
+def config_static(cfg: Config) -> StaticBytes:
+    """One rank's parameters, gradients and AdamW state under ``cfg``'s strategy and
+    ``parallel.fsdp`` (counted on fake tensors: no memory, no initialisation)."""
+    transforms = MemoryTransforms.of(cfg.memory).replace(activation_checkpointing="none")
+    with fake_tensor_mode():
+        plain = build_model(model_factory(cfg.model), transforms)
         fsdp = FsdpSettings.of(cfg, planned_precision(cfg), cfg.parallel.workers) \
             if cfg.parallel.strategy == "fsdp" else None
-        static = static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers, fsdp)
-    return static, profiles
+        return static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers, fsdp)
 
 
 def loader_cost(cfg: Config) -> LoaderCost | None:
@@ -236,5 +240,9 @@ def resolved(cfg: Config, decision: Decision | None, norm: bool | str,
 
 
 def resolve_auto(cfg: Config) -> Config:
-    """``decide``'s config: what ``train`` runs (``trainer.launch.prepare``)."""
-    return decide(cfg)[0]
+    """``decide``'s config, the strategy and FSDP settings chosen first where ``auto``
+    (``trainer.plan.strategy.decide_sharding``): what ``train`` runs
+    (``trainer.launch.prepare``)."""
+    from trainer.plan.strategy import decide_sharding
+
+    return decide(decide_sharding(cfg))[0]

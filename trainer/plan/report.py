@@ -34,6 +34,12 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
     """``memtrain plan``'s output for ``cfg`` on devices of ``budget`` bytes (as the user
     wrote it: ``device_memory``), planned for ``gpu`` where the config trains on GPUs;
     ``calibrate``: this CPU measured again first; ``measure_top``: that many plans run."""
+    from trainer.plan.strategy import decide_sharding, describe, sharding_candidates
+
+    if len(sharding_candidates(cfg)) > 1:  # the strategy first, as train resolves it
+        cfg = decide_sharding(cfg.model_copy(update={"memory": cfg.memory.model_copy(
+            update={"device_memory": str(budget)})}))
+        console.print(f"auto: {describe(cfg)} (the log says why)")
     world = cfg.parallel.workers
     precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} "

@@ -1,0 +1,119 @@
+"""``parallel.strategy: auto`` and ``parallel.fsdp``'s ``auto`` fields, resolved before the rest
+of ``auto`` (``trainer.plan.choose.resolve_auto``).
+
+Each candidate (DDP; FSDP with ``reshard_after_forward`` true or false; FSDP with CPU offload)
+is planned as ``choose`` plans any config: its fastest fitting plan, over whatever else is
+``auto``. The candidates are taken in tiers, each only where nothing in the tiers before it
+fits: DDP (every rank holds the model, nothing is gathered), then FSDP on the device, then FSDP
+with CPU offload (its host-side optimizer step is not in the time model). Within a tier the most
+predicted tokens/s wins (blocks kept after forward gather once fewer, where they fit). The
+activation probes are shared: only the static bytes and the collectives differ between
+candidates. Offload is a candidate on a GPU only: on a CPU run host and device are the same
+memory, so it frees nothing. One log line says what was chosen and what each other candidate
+would give.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from monitoring.units import format_bytes
+from trainer.config import Config, ConfigError
+from trainer.plan.candidates import Decision, choose
+from trainer.plan.choose import (
+    config_probe,
+    config_static,
+    device_memory_bytes,
+    request_from,
+    speed_model,
+)
+from trainer.plan.peak import ActivationProfile, StaticBytes
+
+log = logging.getLogger("memtrain")
+
+
+def _with(cfg: Config, strategy: str, **fsdp: Any) -> Config:
+    parallel = cfg.parallel.model_copy(update={
+        "strategy": strategy, "fsdp": cfg.parallel.fsdp.model_copy(update=fsdp)})
+    return cfg.model_copy(update={"parallel": parallel})
+
+
+def sharding_candidates(cfg: Config) -> list[Config]:
+    """``cfg`` with each strategy and FSDP setting its ``auto`` fields allow, in the order ties
+    go to (DDP first, offload last); ``[cfg]`` where none is ``auto``."""
+    fsdp = cfg.parallel.fsdp
+    strategies = ["ddp", "fsdp"] if cfg.parallel.strategy == "auto" else [cfg.parallel.strategy]
+    if cfg.memory.precision == "fp16" or cfg.parallel.workers == 1:
+        strategies = [s for s in strategies if s != "fsdp"] or ["ddp"]
+    reshards = [True, False] if fsdp.reshard_after_forward == "auto" \
+        else [fsdp.reshard_after_forward]
+    offloads = (["none", "cpu"] if cfg.parallel.use_gpu else ["none"]) \
+        if fsdp.offload == "auto" else [fsdp.offload]
+    candidates = []
+    for strategy in strategies:
+        if strategy == "ddp":
+            candidates.append(_with(cfg, "ddp", reshard_after_forward=reshards[0],
+                                    offload=offloads[0]))
+            continue
+        candidates += [_with(cfg, "fsdp", reshard_after_forward=reshard, offload=offload)
+                       for offload in offloads for reshard in reshards]
+    return candidates
+
+
+def _tier(cfg: Config) -> int:
+    """DDP first, then FSDP on the device, then FSDP with offload: each only where nothing
+    before it fits."""
+    if cfg.parallel.strategy != "fsdp":
+        return 0
+    return 2 if cfg.parallel.fsdp.offload == "cpu" else 1
+
+
+def describe(cfg: Config) -> str:
+    if cfg.parallel.strategy != "fsdp":
+        return f"parallel.strategy {cfg.parallel.strategy}"
+    fsdp = cfg.parallel.fsdp
+    return (f"parallel.strategy fsdp (reshard_after_forward "
+            f"{str(fsdp.reshard_after_forward).lower()}, offload {fsdp.offload})")
+
+
+def decide_sharding(cfg: Config) -> Config:
+    """``cfg`` with its strategy and FSDP settings concrete: the candidate whose fastest fitting
+    plan predicts the most tokens/s (``cfg`` itself where nothing is ``auto``). Raises
+    ConfigError where no candidate fits."""
+    candidates = sharding_candidates(cfg)
+    if len(candidates) == 1:
+        return candidates[0]
+    budget = device_memory_bytes(cfg)
+    profiles: dict[tuple[str, bool], list[ActivationProfile]] = {}
+    decisions: list[tuple[Config, Decision]] = []
+    for candidate in candidates:
+        request = request_from(candidate, budget)
+        probe_profiles = config_probe(candidate, request.ac_modes)
+        static = config_static(candidate)
+
+        def probe(precision: str, norm: bool, static: StaticBytes = static, probe_profiles: Any
+                  = probe_profiles) -> tuple[StaticBytes, list[ActivationProfile]]:
+            if (precision, norm) not in profiles:  # the same for every candidate
+                profiles[precision, norm] = probe_profiles(precision, norm)[1]
+            return static, profiles[precision, norm]
+
+        decisions.append((candidate, choose(request, probe, speed_model(candidate))))
+    fitting = [(c, d) for c, d in decisions if d.plan is not None]
+    if not fitting:
+        raise ConfigError(f"nothing fits {format_bytes(budget)} per device under "
+                          + " or ".join(describe(c) for c, _ in decisions)
+                          + " (memory.device_memory); try more workers, a shorter sequence or "
+                            "a smaller model")
+    tier = min(_tier(c) for c, _ in fitting)
+    chosen, best = max(((c, d) for c, d in fitting if _tier(c) == tier),
+                       key=lambda pair: pair[1].plan.tokens_per_s)  # type: ignore[union-attr]
+    others = "; ".join(
+        f"{describe(c)}: " + (f"{d.plan.tokens_per_s:,.0f} tokens/s" if d.plan is not None
+                              else "does not fit")
+        for c, d in decisions if c is not chosen)
+    assert best.plan is not None
+    log.info("auto: %s: predicted %s tokens/s at a peak of %s of %s per device (%s)",
+             describe(chosen), f"{best.plan.tokens_per_s:,.0f}",
+             format_bytes(best.plan.predicted_peak_bytes), format_bytes(budget), others)
+    return chosen
