@@ -50,7 +50,7 @@ class MemoryTransforms:
 
     @classmethod
     def of(cls, memory: MemoryConfig) -> MemoryTransforms:
-        # An "auto" not resolved by trainer.plan.choose.resolve_auto: on, the choice that fits more.
+        # An "auto" not resolved (trainer.plan.strategy.resolve_auto): on, which fits more.
         return cls(memory.activation_checkpointing, memory.checkpoint_every_k,
                    memory.loss_chunk_tokens, memory.bf16_norm_inputs is not False)
 

@@ -100,7 +100,7 @@ class TrainConfig(_Strict):
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after
     # activation checkpointing and before DDP/FSDP wrap it; "auto": on CUDA (where the planner
-    # runs, its time model's choice, said in the log: trainer.plan.choose.resolve_auto). The
+    # runs, its time model's choice, said in the log: trainer.plan.strategy.resolve_auto). The
     # first step pays the compile (reported in the summary); later recompilations are counted
     # and warned.
     compile: bool | Literal["auto"] = "auto"
@@ -114,7 +114,7 @@ class TrainConfig(_Strict):
 
     def micro_batch(self) -> int:
         """The micro-batch size; "auto" must have been resolved first
-        (trainer.plan.choose.resolve_auto)."""
+        (trainer.plan.strategy.resolve_auto)."""
         if self.micro_batch_size == "auto":
             raise ConfigError("train.micro_batch_size is 'auto' and has not been resolved")
         return self.micro_batch_size
@@ -136,7 +136,7 @@ class MemoryConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # fp16: the GradScaler's starting scale (it halves on overflow, grows after stable steps).
     grad_scaler_init_scale: float = Field(2.0**16, gt=0)
-    # "auto": the mode of the fastest plan that fits (trainer.plan.choose.resolve_auto).
+    # "auto": the mode of the fastest plan that fits (trainer.plan.strategy.resolve_auto).
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = "full"
     checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
     # Memory of one device for the "auto" choices, e.g. "80GiB". Unset: the CUDA device's total

@@ -297,7 +297,7 @@ def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, c
     """On CUDA, ``train.compile: auto`` is decided with the plan: each way's fastest plan,
     compiled (the element-wise work fused, ``GPU_COMPILED_SHARE``) against eager, in numbers."""
     from tests.conftest import tiny_config
-    from trainer.plan.choose import resolve_auto
+    from trainer.plan.strategy import resolve_auto
 
     def resolve(*overrides: str) -> Config:
         return resolve_auto(tiny_config(
@@ -453,7 +453,8 @@ def test_bf16_norm_inputs_auto_resolves_before_launch(corpus_dir, tmp_path, capl
     from tests.conftest import tiny_config
     from trainer.build import MemoryTransforms
     from trainer.config import ConfigError
-    from trainer.plan.choose import device_memory_bytes, probe_config, resolve_auto
+    from trainer.plan.choose import device_memory_bytes, probe_config
+    from trainer.plan.strategy import resolve_auto
 
     base = ("memory.precision=bf16", "memory.activation_checkpointing=none",
             "memory.bf16_norm_inputs=auto")

@@ -19,7 +19,7 @@ from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
 from trainer.hf import config_vocab_size
-from trainer.plan.choose import resolve_auto
+from trainer.plan.strategy import resolve_auto
 from trainer.runstore import RemoteRun, default_work_dir
 
 

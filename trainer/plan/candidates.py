@@ -193,7 +193,7 @@ def choose(request: Request, probe: Probe, speed: SpeedModel) -> Decision:
     """``auto``'s one decision: the fitting plan with the most predicted tokens/s over the
     request's precisions, checkpointing modes, micro-batches and (``choose_loss_chunk``) loss
     chunks; with bf16 norm inputs where they pay (``norm_inputs: "auto"``), compiled where that
-    is faster (``weigh_compile``). ``train`` (``trainer.plan.choose.resolve_auto``),
+    is faster (``weigh_compile``). ``train`` (``trainer.plan.strategy.resolve_auto``),
     ``memtrain plan``, ``make bench-plan`` and ``make gpu-check`` all take their ``auto``
     from here. Each pair's probe runs once."""
     probes: dict[tuple[str, bool], tuple[StaticBytes, list[ActivationProfile]]] = {}

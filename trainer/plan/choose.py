@@ -1,13 +1,14 @@
 """``auto`` choices resolved in the driver before launch, with the memory planner and its time
 model.
 
-``resolve_auto`` replaces ``train.micro_batch_size: auto``, ``memory.activation_checkpointing:
+``decide`` replaces ``train.micro_batch_size: auto``, ``memory.activation_checkpointing:
 auto`` and ``memory.bf16_norm_inputs: auto`` (and ``memory.precision: auto`` and
 ``memory.loss_chunk_tokens: auto`` where it searches micro-batch or checkpointing) by the plan
 with the most predicted tokens/s among those that fit one device's memory
 (``memory.device_memory``, or what the driver can read): the planner's peak
 (``trainer.plan.peak``), step time (``trainer.plan.speed``) and rules
-(``trainer.plan.candidates``). ``probe_config`` and ``speed_model`` give the planner its inputs
+(``trainer.plan.candidates``), once the strategy is concrete (``trainer.plan.strategy``, whose
+``resolve_auto`` runs both). ``probe_config`` and ``speed_model`` give the planner its inputs
 for a config; ``memtrain plan`` uses them too.
 """
 
@@ -237,12 +238,3 @@ def resolved(cfg: Config, decision: Decision | None, norm: bool | str,
         train["compile"] = decision.compile
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=train),
                                   "memory": cfg.memory.model_copy(update=memory)})
-
-
-def resolve_auto(cfg: Config) -> Config:
-    """``decide``'s config, the strategy and FSDP settings chosen first where ``auto``
-    (``trainer.plan.strategy.decide_sharding``): what ``train`` runs
-    (``trainer.launch.prepare``)."""
-    from trainer.plan.strategy import decide_sharding
-
-    return decide(decide_sharding(cfg))[0]

@@ -1,5 +1,5 @@
 """``parallel.strategy: auto`` and ``parallel.fsdp``'s ``auto`` fields, resolved before the rest
-of ``auto`` (``trainer.plan.choose.resolve_auto``).
+of ``auto``: ``resolve_auto`` is the whole of it, what ``train`` runs.
 
 Each candidate (DDP; FSDP with ``reshard_after_forward`` true or false; FSDP with CPU offload)
 is planned as ``choose`` plans any config: its fastest fitting plan, over whatever else is
@@ -24,6 +24,7 @@ from trainer.plan.candidates import Decision, choose
 from trainer.plan.choose import (
     config_probe,
     config_static,
+    decide,
     device_memory_bytes,
     request_from,
     speed_model,
@@ -117,3 +118,10 @@ def decide_sharding(cfg: Config) -> Config:
              describe(chosen), f"{best.plan.tokens_per_s:,.0f}",
              format_bytes(best.plan.predicted_peak_bytes), format_bytes(budget), others)
     return chosen
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """Every ``auto`` of ``cfg`` resolved: the strategy and FSDP settings (``decide_sharding``),
+    then micro-batch, checkpointing, precision and the rest (``trainer.plan.choose.decide``):
+    what ``train`` runs (``trainer.launch.prepare``)."""
+    return decide(decide_sharding(cfg))[0]
