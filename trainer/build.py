@@ -189,13 +189,20 @@ def _fill_from_file(owners: dict[int, list[_Owner]], weights: SafetensorsRows | 
     if weights is None:
         return set()
     filled = set()
+    missing = []
     for key, found in owners.items():
         names = [o.fqn.removeprefix("hf.") for o in found if o.fqn.removeprefix("hf.") in weights]
         if not names:
+            missing += [o.fqn.removeprefix("hf.") for o in found
+                        if o.name in o.module._parameters]
             continue
         for owner in found:
             target = getattr(owner.module, owner.name)
             fill_local(target, partial(weights.read, names[0], dtype=target.dtype),
                        owner.meta.shape)
         filled.add(key)
+    if missing:  # as from_pretrained does: said, and left to the model's own initialisation
+        log.warning("%d parameter(s) not in the model's safetensors, initialised as the model "
+                    "initialises them: %s", len(missing), ", ".join(missing[:5])
+                    + (", ..." if len(missing) > 5 else ""))
     return filled

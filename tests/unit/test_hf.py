@@ -4,6 +4,7 @@ config classes (nothing downloaded), given by directory (``hf:<dir>``) or by an 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from functools import partial
 from pathlib import Path
@@ -127,6 +128,31 @@ def test_weights_in_the_directory_are_loaded(tmp_path: Path) -> None:
     model = build(f"hf:{tmp_path}")  # build_model seeds 0: other weights unless loaded
     for name, tensor in saved.state_dict().items():
         torch.testing.assert_close(model.hf.state_dict()[name], tensor, msg=name)
+
+
+def test_rows_read_per_rank_say_which_parameters_the_files_lack(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The sharded build's read of the safetensors (here whole: no process group, nothing
+    sharded), with one tensor taken out of the file: the others are the saved ones, and the
+    missing one is named, as ``from_pretrained`` names it."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer.build import _fill_from_file, _owners
+    from trainer.hf import SafetensorsRows
+
+    torch.manual_seed(7)
+    tiny_llama().save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = build_model(partial(create_model, f"hf:{tmp_path}", load_weights=False, **FIELDS),
+                        MemoryTransforms())
+    with caplog.at_level(logging.WARNING, logger="trainer.build"):
+        _fill_from_file(_owners(model), SafetensorsRows(tmp_path))
+    state = model.state_dict()
+    assert all(torch.equal(state["hf." + name], tensor) for name, tensor in tensors.items())
+    assert "1 parameter(s) not in the model's safetensors" in caplog.text
+    assert "model.norm.weight" in caplog.text
 
 
 def test_an_entry_point_returning_a_transformers_model_needs_no_wrapper() -> None:
