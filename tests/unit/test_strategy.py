@@ -42,6 +42,10 @@ def test_each_auto_field_adds_its_candidates() -> None:
         only = sharding_candidates(_cfg("parallel.strategy=auto", no_fsdp,
                                         "train.global_batch_size=2"))
         assert [c.parallel.strategy for c in only] == ["ddp"]
+    # An explicit strategy is kept as it is, one worker or not.
+    one = sharding_candidates(_cfg("parallel.strategy=fsdp", "parallel.workers=1",
+                                   "train.global_batch_size=2"))
+    assert [c.parallel.strategy for c in one] == ["fsdp"]
 
 
 @pytest.mark.parametrize(("budget", "chosen"), [

@@ -44,9 +44,10 @@ def sharding_candidates(cfg: Config) -> list[Config]:
     """``cfg`` with each strategy and FSDP setting its ``auto`` fields allow, in the order ties
     go to (DDP first, offload last); ``[cfg]`` where none is ``auto``."""
     fsdp = cfg.parallel.fsdp
-    strategies = ["ddp", "fsdp"] if cfg.parallel.strategy == "auto" else [cfg.parallel.strategy]
-    if cfg.memory.precision == "fp16" or cfg.parallel.workers == 1:
-        strategies = [s for s in strategies if s != "fsdp"] or ["ddp"]
+    strategies = [cfg.parallel.strategy]
+    if cfg.parallel.strategy == "auto":  # fp16 does not run under FSDP; one rank shards nothing
+        strategies = ["ddp"] if cfg.memory.precision == "fp16" or cfg.parallel.workers == 1 \
+            else ["ddp", "fsdp"]
     reshards = [True, False] if fsdp.reshard_after_forward == "auto" \
         else [fsdp.reshard_after_forward]
     offloads = (["none", "cpu"] if cfg.parallel.use_gpu else ["none"]) \
