@@ -15,8 +15,11 @@ import torch.distributed as dist
 from monitoring.memory import PeakResident
 from trainer.build import MemoryTransforms, build_model, build_sharded
 from trainer.launch.local import free_port, start_workers
+from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.sharding import FsdpSettings, local_parameter_bytes, shard_model
+from trainer.step import create_optimizer_state, step_peak_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -51,11 +54,7 @@ def _build(rank: int, port: int, world_size: int, path: str, out: str) -> None:
                 model = shard_model(build_model(factory, transforms, torch.device("cpu"), 5))
         result = {"peak": build.peak, "shard": local_parameter_bytes(model)}
         if path == "meta":
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            tokens = torch.randint(0, _BIG.vocab_size, (1, _BIG.seq_len + 1))
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-            optimizer.step()
-            result["loss_finite"] = True
+            result["steps"] = _step_peaks(model)
             sharded = build_sharded(factory, transforms, torch.device("cpu"), 5, FsdpSettings(),
                                     model_name="gpt")
             host = _full_weights(build_model(factory, MemoryTransforms(), seed=5))
@@ -64,6 +63,26 @@ def _build(rank: int, port: int, world_size: int, path: str, out: str) -> None:
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _step_peaks(model: torch.nn.Module) -> list[int]:
+    """The CPU allocator's record of the first four training steps (AdamW's state created
+    first, as the planner counts it), shards and state included."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = precision_policy("fp32", torch.device("cpu"))
+    scaler = policy.grad_scaler(torch.device("cpu"))
+    tokens = torch.randint(0, _BIG.vocab_size, (1, _BIG.seq_len + 1))
+    create_optimizer_state(optimizer)
+    return [step_peak_bytes(model, optimizer, scaler, tokens, policy) for _ in range(4)]
+
+
+def _planned_peak(world_size: int) -> int:
+    transforms = MemoryTransforms(activation_checkpointing="full")
+    profile = profile_activations(partial(GPT, _BIG), transforms, _BIG.seq_len, _BIG.vocab_size,
+                                  "fp32")
+    with torch.device("meta"):
+        shape = GPT(_BIG)
+    return plan_row(static_bytes(shape, "fsdp", world_size), profile, 1, 1).predicted_peak_bytes
 
 
 def _results(tmp_path: Path, world_size: int, path: str) -> list[dict]:
@@ -78,12 +97,24 @@ _FULL_BYTES = sum(p.numel() * 4 for p in GPT(_BIG).parameters())
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_size: int) -> None:
     """Each rank's resident memory through build and load stays below half the model's full
-    fp32 bytes (its shard is a quarter or an eighth of them); one step then trains; and the
-    shards are the host build's weights bit for bit."""
+    fp32 bytes (its shard is a quarter or an eighth of them); the shards are the host build's
+    weights bit for bit; and four steps train, each rank's peak held to the planner's
+    prediction for it.
+
+    The margins: the first step also runs FSDP2's lazy initialisation (its buffers allocated
+    once), which the planner does not count: seen up to 28% (4 ranks) and 33% (8) above the
+    prediction, held under 45%. Later steps are the steady step the planner models; gloo's
+    collectives run on their own threads, so how many buffers overlap varies from step to step
+    (as in ``tests/distributed/test_fsdp.py``'s planner test): the least of three is compared,
+    seen 7-14% (4 ranks) and 5-15% (8) above, held within 20%."""
+    planned = _planned_peak(world_size)
     for rank, result in enumerate(_results(tmp_path, world_size, "meta")):
         assert _FULL_BYTES >= 4 * result["shard"]
         assert result["peak"] < _FULL_BYTES / 2, (rank, result)
         assert result["same"], rank
+        first, *steady = result["steps"]
+        assert planned * 0.9 <= first <= planned * 1.45, (rank, first, planned)
+        assert min(steady) == pytest.approx(planned, rel=0.20), (rank, steady, planned)
 
 
 def test_the_host_build_holds_the_whole_model_on_every_rank(tmp_path: Path) -> None:
