@@ -57,9 +57,7 @@ def fsdp_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: int, 
     settings = CASES[name]
     transforms = MemoryTransforms(activation_checkpointing="selective", bf16_norm_inputs=False)
     model = build_sharded(partial(GPT, cfg), transforms, device, 0, settings, model_name="gpt")
-    policy = precision_policy("bf16", device, warn=False)
-    if settings.param_dtype == "bf16":  # the trainer's loop: the policy casts, not autocast
-        policy = dataclasses.replace(policy, autocast_dtype=None)
+    policy = settings.step_policy(precision_policy("bf16", device, warn=False))
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, lr=3e-4)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)

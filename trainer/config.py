@@ -184,7 +184,7 @@ class FsdpConfig(_Strict):
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # After a block's forward: true frees its all-gathered parameters (gathered again for
     # backward), false keeps them to backward, N >= 2 keeps a copy sharded over N ranks (N
-    # must divide the world size); auto: true or false, by the planner (trainer/plan/choose.py).
+    # must divide the world size); auto: true or false, by the planner (trainer/plan/strategy.py).
     reshard_after_forward: StrictBool | Annotated[int, Field(ge=2)] | Literal["auto"] = True
     # cpu: shards, gradients and optimizer state live in host memory (CPUOffloadPolicy); the
     # optimizer steps on the host, and each block's shards are copied to the device to gather.
@@ -213,7 +213,7 @@ class ParallelConfig(_Strict):
     # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state
     # sharded across ranks (FSDP2), checkpoints sharded (torch.distributed.checkpoint).
     # auto: ddp where the whole model fits a device, else fsdp, by the planner's predicted
-    # tokens/s (with parallel.fsdp's auto fields; trainer/plan/choose.py decide_sharding).
+    # tokens/s (with parallel.fsdp's auto fields; trainer/plan/strategy.py decide_sharding).
     strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
     fsdp: FsdpConfig = FsdpConfig()
     # Ray: how many times a failed worker group is restarted from the latest checkpoint
@@ -287,8 +287,7 @@ class Config(_Strict):
             raise ValueError("parallel.fsdp.param_dtype 'bf16' with memory.precision 'fp32': "
                              "bf16 parameters are mixed precision; set memory.precision bf16 "
                              "(or auto), or param_dtype fp32")
-        if fsdp.reduce_dtype == "bf16" and self.fsdp_param_dtype(resolved=None) == "fp32" \
-                and self.memory.precision == "fp32":
+        if fsdp.reduce_dtype == "bf16" and self.memory.precision == "fp32":
             raise ValueError("parallel.fsdp.reduce_dtype 'bf16' with memory.precision 'fp32': "
                              "bf16 gradient reduction is mixed precision; set "
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
@@ -300,12 +299,11 @@ class Config(_Strict):
                              f"parallel.workers {workers}")
         return self
 
-    def fsdp_param_dtype(self, resolved: str | None) -> str:
-        """FSDP's parameter dtype, given the run's resolved precision (None: not yet known)."""
+    def fsdp_param_dtype(self, precision: str) -> str:
+        """FSDP's parameter dtype, given the run's resolved ``precision``."""
         wanted = self.parallel.fsdp.param_dtype
         if wanted != "auto":
             return wanted
-        precision = resolved or self.memory.precision
         return "bf16" if precision == "bf16" else "fp32"
 
     def to_yaml(self) -> str:

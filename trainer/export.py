@@ -25,6 +25,7 @@ import torch
 from datapipe.manifest import DatasetError
 from datapipe.tokenize import TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
+from monitoring.units import format_bytes
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.checkpoint import (
     CheckpointReadError,
@@ -35,6 +36,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import ConfigError, load_config
 from trainer.hf import PREFIX, HFCausalLM
+from trainer.meta_init import storage_key
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
         assert isinstance(model, HFCausalLM), type(model)
         files = write_safetensors_from_dcp(directory, model, out, max_shard_bytes)
         log.info("exported %s a file at a time from the DCP shards (%d file(s), at most %s of "
-                 "weights in memory)", directory.name, files, _megabytes(max_shard_bytes))
+                 "weights in memory)", directory.name, files, format_bytes(max_shard_bytes))
     else:
         model = build_model(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
                             seed=None)
@@ -100,17 +102,13 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
     return Exported(out, step, tokenizer is not None)
 
 
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:,.0f} MB"
-
-
 def _saved_names(model: HFCausalLM) -> list[tuple[str, torch.Tensor]]:
     """The tensors ``save_pretrained`` writes, by the Hugging Face model's names: its state
     dict, a tied weight once (under its first name, the input embedding)."""
     seen: set[int] = set()
     names = []
     for name, tensor in model.hf.state_dict(keep_vars=True).items():
-        key = tensor.untyped_storage()._cdata
+        key = storage_key(tensor)
         if key not in seen:
             seen.add(key)
             names.append((name, tensor))

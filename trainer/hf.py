@@ -107,6 +107,10 @@ class HFCausalLM(nn.Module):
                                         targets_BT.flatten(), self.loss_chunk_tokens)
 
 
+def _has_weights(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in _WEIGHT_FILES)
+
+
 def _config_json(spec: str) -> Path:
     path = Path(spec).expanduser()
     return path if path.is_file() else path / "config.json"
@@ -161,7 +165,7 @@ def build_hf_model(spec: str, vocab_size: int, seq_len: int, load_weights: bool 
         warnings.warn(f"hf:{spec}: its own config is the truth; ignored: {', '.join(differing)}",
                       stacklevel=2)
     auto = transformers.AutoModelForCausalLM
-    if load_weights and any((directory / name).is_file() for name in _WEIGHT_FILES):
+    if load_weights and _has_weights(directory):
         model = auto.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
     else:
         model = auto.from_config(config, dtype=torch.float32)
@@ -189,30 +193,33 @@ def initialise_on_meta() -> Iterator[None]:
 
 class SafetensorsRows:
     """The safetensors weights of an ``hf:`` directory, read a tensor's rows at a time: a rank
-    reads its own shard's bytes and never the whole state dict."""
+    reads its own shard's bytes and never the whole state dict. Each file is opened (its
+    header parsed, the file mapped) once, when its first tensor is read."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
+        self._handles: dict[Path, Any] = {}
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: directory / file for name, file in weight_map.items()}
+            self.files = {name: directory / file for name, file in weight_map.items()}
         else:
-            with safe_open(directory / "model.safetensors", framework="pt") as handle:
-                files = dict.fromkeys(handle.keys(), directory / "model.safetensors")
-        self.files = files
-        self._open = safe_open
+            self.files = dict.fromkeys(self._handle(directory / "model.safetensors").keys(),
+                                       directory / "model.safetensors")
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path]
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def read(self, name: str, rows: slice | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``rows`` (None: all) of tensor ``name``, as ``dtype``."""
-        with self._open(self.files[name], framework="pt") as handle:
-            part = handle.get_slice(name)
-            tensor = part[rows] if rows is not None else part[:]
-        return tensor.to(dtype)
+        part = self._handle(self.files[name]).get_slice(name)
+        return (part[rows] if rows is not None else part[:]).to(dtype)
 
 
 def weights_of(model_name: str) -> SafetensorsRows | None:
@@ -221,6 +228,4 @@ def weights_of(model_name: str) -> SafetensorsRows | None:
     if not model_name.startswith(PREFIX):
         return None
     directory = _config_json(model_name.removeprefix(PREFIX)).parent
-    if not any((directory / name).is_file() for name in _WEIGHT_FILES):
-        return None
-    return SafetensorsRows(directory)
+    return SafetensorsRows(directory) if _has_weights(directory) else None

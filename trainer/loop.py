@@ -21,7 +21,6 @@ objects it calls do one thing each.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import time
@@ -92,9 +91,8 @@ class Trainer:
         self.policy = precision_policy(self.precision.name, ctx.device)
         self.fsdp = FsdpSettings.of(cfg, self.precision.name, ctx.world_size) \
             if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1 else None
-        if self.fsdp is not None and self.fsdp.param_dtype != "fp32":
-            # MixedPrecisionPolicy casts the parameters for compute: autocast has nothing to do.
-            self.policy = dataclasses.replace(self.policy, autocast_dtype=None)
+        if self.fsdp is not None:
+            self.policy = self.fsdp.step_policy(self.policy)
         compiles = cfg.train.compile is True or (cfg.train.compile == "auto"
                                                  and ctx.device.type == "cuda")
         self.watch = CompileWatch(ctx.rank, enabled=compiles)

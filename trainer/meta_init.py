@@ -16,7 +16,7 @@ then frees it. At no time does a rank hold more than the few whole tensors under
 Tensors are matched by their storage and geometry, not by Python identity, so views, ``.data``
 and ``nn.Parameter`` wrappers of one storage are the same tensor to the replay. A factory that
 needs real values while it builds (``.item()``, a branch on data) cannot run on meta: it raises
-there, and the caller builds on the host instead (``trainer.sharding.build_sharded``).
+there, and the caller builds on the host instead (``trainer.build.build_sharded``).
 """
 
 from __future__ import annotations
@@ -43,11 +43,9 @@ _HOST = torch.device("cpu")
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """Which storage a tensor views (the same for its views, ``.data`` and a Parameter of it)."""
+    """Which storage a tensor views (the same for its views, ``.data`` and a Parameter of it):
+    the storage's C++ object, not its data pointer, which meta and fake tensors do not have."""
     return tensor.untyped_storage()._cdata
-
-
-_key = storage_key
 
 
 @dataclass
@@ -92,8 +90,8 @@ class MetaRecording(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = _meta_tensors((args, kwargs))
         outputs = _meta_tensors(out)
-        in_keys = {_key(t) for t in inputs}
-        if all(_key(t) in in_keys for t in outputs) and not _mutated(func):
+        in_keys = {storage_key(t) for t in inputs}
+        if all(storage_key(t) in in_keys for t in outputs) and not _mutated(func):
             return out  # a view or a query: replayed through storages, never run again
         self.ops.append(_classify(_Op(func, args, kwargs, out), inputs, outputs, in_keys))
         return out
@@ -111,16 +109,17 @@ def _classify(op: _Op, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
     for i in _mutated(op.func):
         arg = op.args[i] if i < len(op.args) else op.kwargs.get(schema_args[i].name)
         written += _meta_tensors(arg)
-    written += [t for t in outputs if _key(t) not in in_keys]  # new storages
-    op.writes = {_key(t) for t in written}
+    written += [t for t in outputs if storage_key(t) not in in_keys]  # new storages
+    op.writes = {storage_key(t) for t in written}
     op.reads = set(in_keys)
     self_arg = op.args[0] if op.args else None
     if op.name in _OVERWRITES and isinstance(self_arg, torch.Tensor) and self_arg.is_meta \
             and _covers_storage(self_arg):
-        op.full_writes.add(_key(self_arg))
-        if not any(_key(t) == _key(self_arg) for t in _meta_tensors((op.args[1:], op.kwargs))):
-            op.reads.discard(_key(self_arg))
-    op.full_writes |= {_key(t) for t in outputs if _key(t) not in in_keys}
+        key = storage_key(self_arg)
+        op.full_writes.add(key)
+        if key not in {storage_key(t) for t in _meta_tensors((op.args[1:], op.kwargs))}:
+            op.reads.discard(key)
+    op.full_writes |= {storage_key(t) for t in outputs if storage_key(t) not in in_keys}
     return op
 
 
@@ -157,7 +156,7 @@ class _Storages:
         self.real: dict[int, torch.UntypedStorage] = {}
 
     def tensor(self, meta: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        key = _key(meta)
+        key = storage_key(meta)
         storage = None if scratch else self.real.get(key)
         if storage is None:
             storage = torch.UntypedStorage(meta.untyped_storage().nbytes())
@@ -178,8 +177,8 @@ class _Storages:
     def adopt(self, meta_out: Any, real_out: Any) -> None:
         """Take the new storages an operation returned as the ones its meta outputs stand for."""
         for meta, real in zip(tree_flatten(meta_out)[0], tree_flatten(real_out)[0], strict=True):
-            if isinstance(meta, torch.Tensor) and meta.is_meta and _key(meta) not in self.real:
-                self.real[_key(meta)] = real.untyped_storage()
+            if isinstance(meta, torch.Tensor) and meta.is_meta:
+                self.real.setdefault(storage_key(meta), real.untyped_storage())
 
     def free(self, key: int) -> None:
         self.real.pop(key, None)
@@ -201,15 +200,12 @@ def replay(recording: MetaRecording, finals: set[int], seed: int | None,
     for key, index in last_use.items():
         done_at.setdefault(index, []).append(key)
     for i, op in enumerate(ops):
-        if needed[i]:
-            storages.adopt(op.out, op.func(*storages.convert(op.args),
-                                           **storages.convert(op.kwargs)))
-        elif op.random and i < last_random:  # advance the random stream as the host build did
-            op.func(*storages.convert(op.args, scratch=True),
-                    **storages.convert(op.kwargs, scratch=True))
+        if not needed[i]:
+            if op.random and i < last_random:  # advance the random stream as the host build did
+                op.func(*storages.convert(op.args, scratch=True),
+                        **storages.convert(op.kwargs, scratch=True))
             continue
-        else:
-            continue
+        storages.adopt(op.out, op.func(*storages.convert(op.args), **storages.convert(op.kwargs)))
         for key in done_at.get(i, ()):
             if key in finals:
                 take(key, storages.tensor)

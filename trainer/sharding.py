@@ -24,7 +24,7 @@ FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,11 +35,11 @@ from torch import nn
 
 if TYPE_CHECKING:
     from trainer.config import Config
+    from trainer.memory.precision import PrecisionPolicy
 
 # FSDP is imported where it is used: it brings in DTensor (about 1.5 s of CPU per process), which
 # every DDP worker, CLI call and Ray worker would otherwise pay for nothing.
 
-log = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -65,6 +65,23 @@ class FsdpSettings:
                              f"world size ({world_size} workers)")
         offload = "none" if fsdp.offload == "auto" else fsdp.offload
         return cls(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, offload)
+
+    @property
+    def param_share(self) -> float:
+        """Bytes of a gathered parameter per byte of its fp32 shard (0.5 in bf16)."""
+        return _DTYPES[self.param_dtype].itemsize / 4
+
+    @property
+    def reduce_share(self) -> float:
+        """Bytes of a reduce-scattered gradient per fp32 byte."""
+        return _DTYPES[self.reduce_dtype].itemsize / 4
+
+    def step_policy(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        """``policy`` as a step runs under these settings: with bf16 parameters
+        MixedPrecisionPolicy casts them for compute, and autocast has nothing to do."""
+        if self.param_dtype == "fp32":
+            return policy
+        return dataclasses.replace(policy, autocast_dtype=None)
 
     @property
     def mixed_precision(self) -> bool:
@@ -122,12 +139,9 @@ def local_parameter_bytes(model: nn.Module) -> int:
                for p in model.parameters())
 
 
-def shard_rows(full: torch.Tensor, rank: int, world_size: int) -> slice:
-    """The rows of ``full`` FSDP2 gives ``rank``: ``torch.chunk``'s split of dim 0 (ranks past
-    the last chunk hold none)."""
-    if full.dim() == 0:
-        return slice(0, 0)
-    rows = full.shape[0]
+def shard_rows(rows: int, rank: int, world_size: int) -> slice:
+    """The rows of a tensor of ``rows`` rows FSDP2 gives ``rank``: ``torch.chunk``'s split of
+    dim 0 (ranks past the last chunk hold none)."""
     per_rank = -(-rows // world_size)
     start = min(rank * per_rank, rows)
     return slice(start, min(start + per_rank, rows))
@@ -146,6 +160,6 @@ def fill_local(target: torch.Tensor, read: Callable[[slice | None], torch.Tensor
 
         local = target.to_local()
         if local.numel():
-            rows = shard_rows(torch.empty(shape, device="meta"), dist.get_rank(),
+            rows = shard_rows(shape[0] if len(shape) else 0, dist.get_rank(),
                               dist.get_world_size())
             local.copy_(read(rows))

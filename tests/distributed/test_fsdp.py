@@ -3,7 +3,6 @@ and sharded checkpoints that resume."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from functools import partial
@@ -215,9 +214,8 @@ def _step_peak(rank: int, port: int, case: str, out: str) -> None:
         precision, settings = _PLANNED[case]
         model = shard_model(GPT(_WIDE), settings)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        policy = precision_policy(precision, torch.device("cpu"), warn=False)
-        if settings.param_dtype == "bf16":  # as the loop runs it: the policy casts, not autocast
-            policy = dataclasses.replace(policy, autocast_dtype=None)
+        policy = settings.step_policy(precision_policy(precision, torch.device("cpu"),
+                                                       warn=False))  # as the loop runs it
         scaler = policy.grad_scaler(torch.device("cpu"))
         tokens = torch.randint(0, _WIDE.vocab_size, (2, _WIDE.seq_len + 1))
         create_optimizer_state(optimizer)  # the first measured step also runs FSDP's lazy init

@@ -64,6 +64,7 @@ from trainer.memory.loss import (
     summed_loss,
 )
 from trainer.memory.precision import precision_policy
+from trainer.meta_init import storage_key
 from trainer.plan.speed import SpeedModel
 from trainer.plan.work import StepWork, record_work
 from trainer.sharding import FsdpSettings
@@ -186,15 +187,15 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
 @contextlib.contextmanager
 def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
     """Count bytes autograd saves inside the block (deduplicated by storage, no parameters)."""
-    # Storages are told apart by their C++ object (``_cdata``), not their data pointer, which
-    # fake tensors (``profile_activations``'s default probe) do not have.
-    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    # Storages are told apart by ``storage_key``: fake tensors (``profile_activations``'s
+    # default probe) have no data pointer.
+    param_storages = {storage_key(p) for p in model.parameters()}
     seen: set[int] = set()
     counts: dict[str, Any] = {"bytes": 0, "sizes": []}  # sizes: each storage, in save order
 
     def record(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_key(tensor)
         if key in param_storages or key in seen or storage.nbytes() == 0:
             return
         seen.add(key)
@@ -528,8 +529,7 @@ def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int
     Calibrated on CPU with gloo (2 ranks: fp32, bf16 autocast, bf16 parameters, kept after
     forward, offload; ``tests/distributed/test_fsdp.py``), not yet measured on CUDA."""
     fsdp = static.fsdp or FsdpSettings()
-    param_share = 0.5 if fsdp.param_dtype == "bf16" else 1.0
-    reduce_share = 0.5 if fsdp.reduce_dtype == "bf16" else 1.0
+    param_share, reduce_share = fsdp.param_share, fsdp.reduce_share
     root, block, world = (profile.outside_blocks_param_bytes, profile.block_param_bytes,
                           static.world_size)
     root_gathered = int(root * param_share)
@@ -541,9 +541,12 @@ def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int
     grads = int(block * param_share) + int(block * reduce_share)
     all_blocks = int(max(static.full_param_bytes - root, 0) * param_share)
     reshard = fsdp.reshard_after_forward
-    kept = 0 if reshard is True else all_blocks if reshard is False else all_blocks // reshard
-    # The two gathered blocks are among those kept whole; a group's copies are apart from them.
-    kept = max(0, kept - int(2 * block * param_share)) if reshard is False else kept
+    if reshard is True:
+        kept = 0
+    elif reshard is False:  # the two gathered blocks are among those kept whole
+        kept = max(0, all_blocks - int(2 * block * param_share))
+    else:  # a group's copies, apart from the gathered blocks
+        kept = all_blocks // reshard
     return root_gathered + blocks, grads, kept
 
 

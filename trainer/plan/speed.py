@@ -97,8 +97,7 @@ def fsdp_seconds(param_bytes: int, speed: DeviceSpeed, fsdp: FsdpSettings, world
     shard is copied to the device first and each gradient shard back (over the host link:
     nothing on a CPU run)."""
     share = (world_size - 1) / world_size
-    param = 0.5 if fsdp.param_dtype == "bf16" else 1.0
-    reduce = 0.5 if fsdp.reduce_dtype == "bf16" else 1.0
+    param, reduce = fsdp.param_share, fsdp.reduce_share
     reshard = fsdp.reshard_after_forward
     backward = 1.0 if reshard is True else 0.0 if reshard is False else \
         (reshard - 1) / reshard / share if share else 0.0

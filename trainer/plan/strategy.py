@@ -20,7 +20,7 @@ from typing import Any
 
 from monitoring.units import format_bytes
 from trainer.config import Config, ConfigError
-from trainer.plan.candidates import Decision, choose
+from trainer.plan.candidates import Probe, choose
 from trainer.plan.choose import (
     config_probe,
     config_static,
@@ -80,27 +80,30 @@ def describe(cfg: Config) -> str:
 
 
 def decide_sharding(cfg: Config) -> Config:
-    """``cfg`` with its strategy and FSDP settings concrete: the candidate whose fastest fitting
-    plan predicts the most tokens/s (``cfg`` itself where nothing is ``auto``). Raises
-    ConfigError where no candidate fits."""
+    """``cfg`` with its strategy and FSDP settings concrete: the first tier (``_tier``) with a
+    fitting candidate, and in it the candidate whose fastest fitting plan predicts the most
+    tokens/s (``cfg`` itself where nothing is ``auto``). Raises ConfigError where no candidate
+    fits."""
     candidates = sharding_candidates(cfg)
     if len(candidates) == 1:
         return candidates[0]
     budget = device_memory_bytes(cfg)
+    # The activations and the speed are the same under every candidate (a row's own FSDP
+    # settings time its collectives, ``plan_row``): probed once, each with its static bytes.
+    request = request_from(candidates[0], budget)
+    probe_profiles = config_probe(candidates[0], request.ac_modes)
     profiles: dict[tuple[str, bool], list[ActivationProfile]] = {}
-    decisions: list[tuple[Config, Decision]] = []
-    for candidate in candidates:
-        request = request_from(candidate, budget)
-        probe_profiles = config_probe(candidate, request.ac_modes)
-        static = config_static(candidate)
+    speed = speed_model(cfg)
 
-        def probe(precision: str, norm: bool, static: StaticBytes = static, probe_profiles: Any
-                  = probe_profiles) -> tuple[StaticBytes, list[ActivationProfile]]:
-            if (precision, norm) not in profiles:  # the same for every candidate
+    def probe_with(static: StaticBytes) -> Probe:
+        def probe(precision: str, norm: bool) -> tuple[StaticBytes, list[ActivationProfile]]:
+            if (precision, norm) not in profiles:
                 profiles[precision, norm] = probe_profiles(precision, norm)[1]
             return static, profiles[precision, norm]
+        return probe
 
-        decisions.append((candidate, choose(request, probe, speed_model(candidate))))
+    decisions = [(c, choose(request_from(c, budget), probe_with(config_static(c)), speed))
+                 for c in candidates]
     fitting = [(c, d) for c, d in decisions if d.plan is not None]
     if not fitting:
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device under "
