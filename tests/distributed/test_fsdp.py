@@ -3,6 +3,7 @@ and sharded checkpoints that resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from functools import partial
@@ -258,4 +259,9 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, case: str) -> None:
     else:
         assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.12), row
         # docs/memory.md explains the gap to torch's tracker (under 5% but for bf16 autocast).
-        assert row.predicted_peak_bytes == pytest.approx(result["tracked"], rel=0.07), row
+        # The tracker sees tensors between operators, not an emulated bf16 matrix product's
+        # conversion buffers inside one (the planner's emulation workspace, 0 where bf16 is
+        # native): the prediction without them is the one it can be held to.
+        seen = plan_row(static_bytes(GPT(_WIDE), "fsdp", 2, settings), dataclasses.replace(
+            profile, emulation_workspace_per_sample_bytes=0), 2, 1)
+        assert seen.predicted_peak_bytes == pytest.approx(result["tracked"], rel=0.07), seen
