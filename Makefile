@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (memtrain needs Python 3.11; set PYTHON=...)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -e '.[train,dev,hf,tracking]'
+	$(BIN)/pip install --quiet --no-compile -e '.[train,dev,hf,tracking,strategies]'
 	@# pip byte-compiles one file at a time (over a minute on 2 cores); compileall uses every
 	@# core. A file that does not compile is only imported slower, as pip would leave it.
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true

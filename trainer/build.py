@@ -3,7 +3,8 @@
 
 ``build_model(factory, transforms)`` seeds, builds, moves to the device and then applies, in
 this order: activation checkpointing (``model.blocks``), loss chunking (a model that computes
-its own loss) and bf16 norm inputs (LayerNorms under bf16 autocast). ``MemoryTransforms`` is a
+its own loss), bf16 norm inputs (LayerNorms under bf16 autocast) and activation offload (its
+hooks around the checkpointed blocks or the whole forward). ``MemoryTransforms`` is a
 small frozen dataclass, not the pydantic ``MemoryConfig``, so gpu-check and the benches (no
 pydantic there) build with exactly the same code; ``MemoryTransforms.of(cfg.memory)`` takes the
 config's slice.
@@ -27,8 +28,10 @@ from trainer.compat import is_checkpoint_wrapper
 from trainer.errors import first_line
 from trainer.hf import SafetensorsRows, initialise_on_meta
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
+from trainer.memory.lora import LoraSettings, apply_lora, base_name, is_adapter
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
+from trainer.memory.offload import install as install_offload
 from trainer.model import create_model
 from trainer.sharding import FsdpSettings, fill_local, shard_model
 
@@ -47,12 +50,14 @@ class MemoryTransforms:
     checkpoint_every_k: int = 2
     loss_chunk_tokens: int | str = 0  # 0: the plain loss; "auto": chunked if the model can
     bf16_norm_inputs: bool = True
+    activation_offload: str = "none"  # none | checkpointed | all (trainer/memory/offload.py)
 
     @classmethod
     def of(cls, memory: MemoryConfig) -> MemoryTransforms:
         # An "auto" not resolved (trainer.plan.strategy.resolve_auto): on, which fits more.
         return cls(memory.activation_checkpointing, memory.checkpoint_every_k,
-                   memory.loss_chunk_tokens, memory.bf16_norm_inputs is not False)
+                   memory.loss_chunk_tokens, memory.bf16_norm_inputs is not False,
+                   memory.activation_offload)
 
     def replace(self, **changes: Any) -> MemoryTransforms:
         return dataclasses.replace(self, **changes)
@@ -61,8 +66,13 @@ class MemoryTransforms:
 def model_factory(model: ModelConfig, load_weights: bool = True) -> ModelFactory:
     """The configured model (a registered name or ``module:function``), without transforms
     (``load_weights=False``: an ``hf:`` directory's weights are left to the sharded build)."""
-    kwargs = model.model_dump(exclude={"name"})
-    return lambda: create_model(model.name, load_weights=load_weights, **kwargs)
+    kwargs = model.model_dump(exclude={"name", "lora"})
+    if model.lora is None:
+        return lambda: create_model(model.name, load_weights=load_weights, **kwargs)
+    lora = LoraSettings(model.lora.rank, model.lora.alpha, model.lora.dropout,
+                        tuple(model.lora.targets), model.lora.base_dtype)
+    return lambda: apply_lora(create_model(model.name, load_weights=load_weights, **kwargs),
+                              lora)
 
 
 def build_model(factory: ModelFactory, transforms: MemoryTransforms,
@@ -86,6 +96,7 @@ def apply_transforms(model: nn.Module, transforms: MemoryTransforms) -> None:
                                    transforms.checkpoint_every_k)
     set_loss_chunking(model, transforms.loss_chunk_tokens)
     bf16_norm_inputs(model, transforms.bf16_norm_inputs)
+    install_offload(model, transforms.activation_offload)
 
 
 def checkpointed_blocks(model: nn.Module) -> list[int]:
@@ -190,11 +201,14 @@ def _fill_from_file(owners: dict[int, list[_Owner]], weights: SafetensorsRows | 
         return set()
     filled = set()
     missing = []
+    def file_name(fqn: str) -> str:  # a LoRA target's base weight is the file's weight
+        return base_name(fqn.removeprefix("hf."))
+
     for key, found in owners.items():
-        names = [o.fqn.removeprefix("hf.") for o in found if o.fqn.removeprefix("hf.") in weights]
+        names = [file_name(o.fqn) for o in found if file_name(o.fqn) in weights]
         if not names:
-            missing += [o.fqn.removeprefix("hf.") for o in found
-                        if o.name in o.module._parameters]
+            missing += [file_name(o.fqn) for o in found
+                        if o.name in o.module._parameters and not is_adapter(o.fqn)]
             continue
         for owner in found:
             target = getattr(owner.module, owner.name)

@@ -42,6 +42,7 @@ from torch import nn
 from monitoring.run_files import CHECKPOINT_PREFIX
 from trainer.errors import first_line
 from trainer.faults import maybe_fail_checkpoint
+from trainer.memory.lora import lora_of, trainable_state_dict
 from trainer.runstore import RemoteRun
 
 STATE_FILE = "state.pt"
@@ -135,7 +136,7 @@ def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
     with _quiet_single_process():
         dcp.save({"model": model_state, "optimizer": optimizer_state},
                  checkpoint_id=str(directory))
@@ -237,7 +238,7 @@ def load_checkpoint(directory: Path) -> dict[str, Any]:
 
 def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
     """``model.load_state_dict`` with shape and key mismatches reported as one clear line."""
-    own = model.state_dict()
+    own = trainable_state_dict(model)  # a LoRA model's checkpoints hold its adapters only
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
@@ -248,7 +249,7 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
             raise CheckpointReadError(
                 f"checkpoint {source} does not fit the model: {name} has shape "
                 f"{list(tensor.shape)} in the checkpoint, {list(own[name].shape)} in the model")
-    model.load_state_dict(state_dict)
+    model.load_state_dict(state_dict, strict=len(own) == len(model.state_dict()))
 
 
 def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
@@ -269,9 +270,20 @@ def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     with _quiet_single_process():
         dcp.load({"model": model_state, "optimizer": optimizer_state},
                  checkpoint_id=str(directory))  # loads into the dicts in place
     set_state_dict(model, optimizer, model_state_dict=model_state,
-                   optim_state_dict=optimizer_state)
+                   optim_state_dict=optimizer_state, options=options)
+
+
+def _options(model: nn.Module) -> Any:
+    """DCP's state-dict options: a LoRA model's frozen base is left out (its adapters only;
+    loading them leaves the base as built, ``strict`` off for it: DCP's load itself fails on
+    an adapter the files lack)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = lora_of(model) is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)

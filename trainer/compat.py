@@ -105,6 +105,13 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode()
 
 
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a fake tensor (``fake_tensor_mode``'s: no data to copy)."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return bool(_is_fake(tensor))
+
+
 def compile_counts() -> tuple[int, float]:
     """(frames torch.compile has compiled, seconds spent compiling) in this process so far:
     dynamo's own counters (private; every torch.compile user reads them, torchtitan included).

@@ -43,6 +43,19 @@ class RunConfig(_Strict):
     seed: int = 0
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters (``model.lora``; trainer/memory/lora.py, through PEFT)."""
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)  # the adapters' output is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Module names to adapt (the last part of a name, as PEFT matches); empty: every linear
+    # layer of the model's blocks (the output layer is never one).
+    targets: list[str] = []
+    # The frozen base weights' dtype: bf16 halves them (needs memory.precision bf16).
+    base_dtype: Literal["fp32", "bf16"] = "fp32"
+
+
 class ModelConfig(_Strict):
     # A registered name ("gpt"), a "module:function" entry point returning an nn.Module, or
     # "hf:<directory or config.json>": a Hugging Face causal LM (trainer/hf.py), whose own config
@@ -54,6 +67,9 @@ class ModelConfig(_Strict):
     n_head: int = Field(4, ge=1)
     n_embd: int = Field(128, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Train LoRA adapters on a frozen base (pip install 'memtrain[strategies]'); unset: the
+    # whole model trains.
+    lora: LoraConfig | None = None
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -93,7 +109,8 @@ class TrainConfig(_Strict):
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, gt=0)
+    # Clip the global gradient norm to this (0: no clipping; the norm is still logged).
+    grad_clip: float = Field(1.0, ge=0)
     # AdamW's fused kernel ("auto": on CUDA; measured 3.7% faster a step than foreach on an
     # H200, GPT-2 124M) or torch's default implementation (false). Checkpoints load
     # across the switch.
@@ -171,6 +188,20 @@ class MemoryConfig(_Strict):
     profile_steps: str | None = Field(None, pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
     # CUDA: write torch.cuda.memory_summary() after these steps.
     memory_summary_steps: list[int] = []
+    # AdamW's two moments per parameter: fp32 (8 bytes), bf16 (4), or block-quantized by
+    # torchao: 8bit (2.03), 4bit (1.06); tensors under 4,096 elements stay fp32
+    # (trainer/memory/optimizers.py; pip install 'memtrain[strategies]' for all but fp32).
+    optimizer_states: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"
+    # Each parameter steps as soon as its gradient is complete, and drops it: the gradients
+    # never all live at once. Needs train.grad_clip 0, no gradient accumulation, no fp16, no
+    # OOM retries (trainer/memory/optimizers.py BackwardSteps).
+    optimizer_in_backward: StrictBool = False
+    # What autograd saves for backward goes to host memory and comes back for backward
+    # (trainer/memory/offload.py): "checkpointed": only what the checkpointed blocks keep (their
+    # inputs; needs activation_checkpointing); "all": everything the forward saves. On CUDA
+    # through pinned buffers on a side stream; on CPU, where host and device are one memory, the
+    # same hooks copy within it.
+    activation_offload: Literal["none", "checkpointed", "all"] = "none"
 
 
 class FsdpConfig(_Strict):
@@ -291,6 +322,7 @@ class Config(_Strict):
             raise ValueError("parallel.fsdp.reduce_dtype 'bf16' with memory.precision 'fp32': "
                              "bf16 gradient reduction is mixed precision; set "
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
+        _strategy_combinations(self)
         workers = self.parallel.workers
         group = fsdp.reshard_after_forward
         if isinstance(group, int) and not isinstance(group, bool) and \
@@ -308,6 +340,49 @@ class Config(_Strict):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _strategy_combinations(cfg: Config) -> None:
+    """Refuse the memory strategies' combinations they cannot honour (one line each)."""
+    memory, train = cfg.memory, cfg.train
+    if memory.optimizer_in_backward:
+        if train.grad_clip:
+            raise ValueError(f"memory.optimizer_in_backward with train.grad_clip "
+                             f"{train.grad_clip}: each parameter steps before the global "
+                             "gradient norm exists; set train.grad_clip 0")
+        if memory.precision == "fp16":
+            raise ValueError("memory.optimizer_in_backward with memory.precision 'fp16': "
+                             "GradScaler must see every gradient before any step; use bf16")
+        if memory.oom_recovery is True:
+            raise ValueError("memory.optimizer_in_backward with memory.oom_recovery true: a "
+                             "retried step would step its parameters twice")
+        if train.micro_batch_size == "auto":
+            raise ValueError("memory.optimizer_in_backward with train.micro_batch_size "
+                             "'auto': without accumulation the micro-batch is the global "
+                             "batch over the workers; set it")
+        for workers in sorted(set(cfg.parallel.worker_range)):
+            if train.accumulation_steps(workers) > 1:
+                raise ValueError(
+                    f"memory.optimizer_in_backward needs one micro-batch per step: "
+                    f"train.global_batch_size {train.global_batch_size} over "
+                    f"train.micro_batch_size {train.micro_batch_size} x {workers} workers "
+                    "accumulates; set micro_batch_size to global_batch_size / workers")
+    if memory.activation_offload == "checkpointed" and \
+            memory.activation_checkpointing == "none":
+        raise ValueError("memory.activation_offload 'checkpointed' with "
+                         "memory.activation_checkpointing 'none': nothing is checkpointed; "
+                         "use 'all', or turn checkpointing on")
+    if memory.activation_offload != "none" and train.compile is True:
+        raise ValueError("memory.activation_offload with train.compile true: the offload "
+                         "hooks run in eager mode only; set train.compile false (or auto)")
+    lora = cfg.model.lora
+    if lora is not None and lora.base_dtype == "bf16" and memory.precision in ("fp32", "fp16"):
+        raise ValueError(f"model.lora.base_dtype 'bf16' with memory.precision "
+                         f"{memory.precision!r}: bf16 base weights compute under bf16 "
+                         "autocast; set memory.precision bf16 (or auto)")
+    if memory.optimizer_states != "fp32" and train.fused_optimizer is True:
+        raise ValueError(f"train.fused_optimizer true with memory.optimizer_states "
+                         f"{memory.optimizer_states!r}: torch's fused AdamW keeps fp32 states")
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

@@ -47,6 +47,7 @@ from trainer.context import WorkerContext
 from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_memory_summary
 from trainer.hf import weights_of
 from trainer.memory.allocator import keep_freed_host_memory
+from trainer.memory.lora import lora_of
 from trainer.memory.loss import computes_own_loss
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.oom import (
@@ -93,8 +94,9 @@ class Trainer:
             if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1 else None
         if self.fsdp is not None:
             self.policy = self.fsdp.step_policy(self.policy)
-        compiles = cfg.train.compile is True or (cfg.train.compile == "auto"
-                                                 and ctx.device.type == "cuda")
+        compiles = cfg.train.compile is True or (
+            cfg.train.compile == "auto" and ctx.device.type == "cuda"
+            and cfg.memory.activation_offload == "none")  # offload's hooks run eager
         self.watch = CompileWatch(ctx.rank, enabled=compiles)
         self.consecutive_skips = 0
 
@@ -165,13 +167,23 @@ class Trainer:
             self.compile(model)
         fused = cfg.train.fused_optimizer
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
-                                    cfg.train.betas, None if fused == "auto" else fused)
+                                    cfg.train.betas, None if fused == "auto" else fused,
+                                    cfg.memory.optimizer_states, self.in_backward())
         return TrainState(
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
             resources.enter_context(build_loader(cfg.data, ctx, self.plan.micro_batch_size,
                                                  cfg.run.seed)),
             cfg.parallel.strategy)
+
+    def in_backward(self) -> str | None:
+        """Where the optimizer steps in backward (``memory.optimizer_in_backward``): under
+        DDP's hook, FSDP's, or the parameters' own; None: after backward."""
+        if not self.cfg.memory.optimizer_in_backward:
+            return None
+        if self.fsdp is not None:
+            return "fsdp"
+        return "ddp" if self.ctx.world_size > 1 else "local"
 
     def precision_route(self) -> str:
         """How the precision is applied, where FSDP's policy does it instead of autocast."""
@@ -233,7 +245,8 @@ class Trainer:
             return train_step(state.model, state.optimizer, state.scaler, micro_batches,
                               splits, self.policy, cfg.train.grad_clip, agreement)
 
-        agree = oom_recovery_on(cfg.memory.oom_recovery, ctx.device) and not state.sharded
+        agree = oom_recovery_on(cfg.memory.oom_recovery, ctx.device) and not state.sharded \
+            and not cfg.memory.optimizer_in_backward  # a retry would step twice
         result, self.plan = step_with_oom_recovery(attempt, self.plan, ctx, state.step + 1,
                                                    agree, cfg.memory.max_oom_retries)
         return result
@@ -317,6 +330,9 @@ class Trainer:
                  plan.accumulation_steps, ctx.world_size, cfg.train.global_batch_size, where)
         if self.fsdp is not None:
             log.info("FSDP: %s", self.fsdp.describe())
+        strategies = describe_strategies(cfg.memory, state.unwrapped, ctx.device)
+        if strategies:
+            log.info("memory strategies: %s", "; ".join(strategies))
         chunk = getattr(state.unwrapped, "loss_chunk_tokens", 0)
         log.info("loss: %s (memory.loss_chunk_tokens %s)",
                  f"output projection and cross-entropy in chunks of {chunk} tokens" if chunk else
@@ -327,6 +343,29 @@ class Trainer:
         if ctx.device.type == "cuda":
             log.info("CUDA allocator settings: %s; memory history %s",
                      allocator_settings(), "recording" if recording_history else "off")
+
+
+def describe_strategies(memory: MemoryConfig, model: torch.nn.Module,
+                        device: torch.device) -> list[str]:
+    """The log's line on the memory strategies a run has on (none: an empty list)."""
+    said = []
+    lora = lora_of(model)
+    if lora is not None:
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        said.append(f"LoRA rank {lora.rank}, alpha {lora.alpha:g}: {trained:,} of {total:,} "
+                    f"parameters train ({trained / total:.2%}), the base frozen in "
+                    f"{lora.base_dtype}")
+    if memory.optimizer_states != "fp32":
+        said.append(f"AdamW states {memory.optimizer_states} (torchao)")
+    if memory.optimizer_in_backward:
+        said.append("the optimizer steps in backward, each parameter as its gradient completes")
+    if memory.activation_offload != "none":
+        where = "pinned host buffers on a side stream" if device.type == "cuda" else \
+            "copies within host memory: on CPU host and device are one memory, so it saves " \
+            "nothing here"
+        said.append(f"activation offload {memory.activation_offload} ({where})")
+    return said
 
 
 class CompileWatch:

@@ -34,6 +34,8 @@ from trainer.checkpoint import (
     write_checkpoint,
 )
 from trainer.context import WorkerContext
+from trainer.memory.lora import trainable_state_dict
+from trainer.memory.optimizers import BackwardSteps
 from trainer.sharding import is_sharded, local_tensor
 
 
@@ -83,6 +85,9 @@ class TrainState:
             device = ctx.device
             self.model = DDP(self.model,
                              device_ids=[device.index] if device.type == "cuda" else None)
+            in_backward = BackwardSteps.of(self.optimizer)
+            if in_backward is not None:  # each parameter steps once its bucket is reduced
+                in_backward.attach_ddp(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's ``state.pt``: model and optimizer too unless they go to DCP files
@@ -92,8 +97,8 @@ class TrainState:
             "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
             "sharded": self.dcp,
         }
-        if not self.dcp:
-            state.update(model=self.unwrapped.state_dict(),
+        if not self.dcp:  # a LoRA model: its adapters only
+            state.update(model=trainable_state_dict(self.unwrapped),
                          optimizer=self.optimizer.state_dict())
         return state
 

@@ -34,10 +34,11 @@ from trainer import faults
 from trainer.diagnostics import cpu_peak_bytes
 from trainer.errors import first_line
 from trainer.memory.loss import summed_loss
+from trainer.memory.optimizers import BackwardSteps, make_adamw
 from trainer.memory.precision import PrecisionPolicy
 from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
 from trainer.sharding import is_sharded
-from trainer.state import StepResult
+from trainer.state import NonFiniteError, StepResult
 
 if TYPE_CHECKING:  # the step runs without pydantic too (bench/gpu_check.py)
     from trainer.config import TrainConfig
@@ -60,6 +61,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     With an ``agreement``, an OOM on any rank raises ``StepOutOfMemory`` on every rank.
     """
     chunks = [chunk for mb in micro_batches for chunk in mb.chunk(splits)]  # views, no copies
+    in_backward = BackwardSteps.of(optimizer)
+    if in_backward is not None:
+        in_backward.begin()
     tokens_per_step = sum(chunk[:, 1:].numel() for chunk in chunks)
     loss_sum = torch.zeros((), device=chunks[0].device)
     # With OOM agreement across ranks, DDP must not all-reduce inside backward (a peer may have
@@ -91,10 +95,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         except StepOutOfMemory:
             optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
             raise
+    if in_backward is not None:  # every parameter has stepped already
+        return _stepped_in_backward(in_backward, loss_sum / tokens_per_step)
     if reduce_after_check:
         all_reduce_gradients(list(model.parameters()), dist.get_world_size())
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    # grad_clip 0: no clipping (an infinite bound scales every gradient by exactly 1).
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm is a DTensor
         grad_norm = grad_norm.full_tensor()
     finite = bool(torch.isfinite(grad_norm))  # host sync: once per optimizer step
@@ -103,6 +110,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum / tokens_per_step, grad_norm.detach(), not finite)
+
+
+def _stepped_in_backward(steps: BackwardSteps, loss: torch.Tensor) -> StepResult:
+    """The result of a step whose parameters stepped in backward: its gradient norm, summed
+    before each parameter's step. A non-finite one has been applied already (no step can be
+    skipped), so it stops the run; the last checkpoint stays the latest good one."""
+    grad_norm = steps.grad_norm()
+    if not bool(torch.isfinite(grad_norm)):  # host sync: once per optimizer step
+        raise NonFiniteError(
+            "non-finite gradient norm with memory.optimizer_in_backward: each parameter "
+            "stepped as its gradient arrived, so the step cannot be skipped; resume from the "
+            "last checkpoint (a lower train.lr, or bf16 in place of fp16, may avoid it)")
+    return StepResult(loss, grad_norm.detach(), False)
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
@@ -169,8 +189,14 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95),
-                    fused: bool | None = None) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms, biases).
+                    fused: bool | None = None, states: str = "fp32",
+                    in_backward: str | None = None) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms, biases), over the parameters
+    that train (``requires_grad``: all but a LoRA model's frozen base).
+
+    ``states``: the moments' dtype (``memory.optimizer_states``, trainer/memory/optimizers.py).
+    ``in_backward``: each parameter steps in backward (``memory.optimizer_in_backward``):
+    ``"ddp"`` where DDP will wrap the model, ``"fsdp"`` under FSDP2, ``"local"`` otherwise.
 
     ``fused``: torch's fused kernel, one launch per parameter group and no temporary of a
     moment's size (None: on CUDA parameters, as ``train.fused_optimizer: auto``); else torch's
@@ -182,5 +208,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if fused is None:
-        fused = any(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if fused else None)
+        fused = states == "fp32" and any(p.is_cuda for p in decay + no_decay)
+    optimizer = make_adamw(groups, lr, betas, states, bool(fused))
+    if in_backward is not None:
+        BackwardSteps(optimizer, ddp=in_backward == "ddp", sharded=in_backward == "fsdp")
+    return optimizer

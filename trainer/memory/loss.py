@@ -147,13 +147,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             weight = weight_VC.to(dtype)
             loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NC.device)
             grad_hidden = torch.empty_like(hidden_NC, dtype=torch.float32) if needs_grad else None
-            grad_weight = torch.zeros_like(weight_VC, dtype=torch.float32) if needs_grad else None
+            # A frozen output layer (LoRA's base) gets no gradient: none is computed or kept.
+            grad_weight = torch.zeros_like(weight_VC, dtype=torch.float32) \
+                if needs_grad and weight_VC.requires_grad else None
             for start in range(0, hidden_NC.shape[0], chunk_tokens):
                 h = hidden_NC[start: start + chunk_tokens].to(dtype)
                 t = targets_N[start: start + chunk_tokens]
                 logits = (h @ weight.t()).float()
                 loss_sum += F.cross_entropy(logits, t, reduction="sum")
-                if grad_hidden is None or grad_weight is None:
+                if grad_hidden is None:
                     continue  # no gradient wanted (evaluation)
                 # d(sum of losses)/d(logits) = softmax - one_hot, computed in place.
                 grad_logits = logits.softmax(dim=-1)
@@ -162,21 +164,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_logits_lp = grad_logits.to(dtype)
                 del grad_logits
                 grad_hidden[start: start + chunk_tokens] = grad_logits_lp @ weight
-                grad_weight += (grad_logits_lp.t() @ h).float()
+                if grad_weight is not None:
+                    grad_weight += (grad_logits_lp.t() @ h).float()
                 # Free this chunk's gradient before the next chunk's logits exist: kept to the
                 # next iteration, it held a second chunk (0.77 GiB for GPT-2 in fp32) at the peak.
                 del grad_logits_lp
         ctx.input_dtypes = (hidden_NC.dtype, weight_VC.dtype)
         if needs_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, *grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.input_dtypes
         return ((grad_hidden * grad_loss).to(hidden_dtype),
-                (grad_weight * grad_loss).to(weight_dtype), None, None)
+                (grad_weight[0] * grad_loss).to(weight_dtype) if grad_weight else None,
+                None, None)
 
 
 def _observe_plain(logits: torch.Tensor) -> None:

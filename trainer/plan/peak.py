@@ -63,6 +63,8 @@ from trainer.memory.loss import (
     observe_chunked_losses,
     summed_loss,
 )
+from trainer.memory.offload import offload_of
+from trainer.memory.optimizers import state_bytes
 from trainer.memory.precision import precision_policy
 from trainer.meta_init import storage_key
 from trainer.plan.speed import SpeedModel
@@ -84,6 +86,11 @@ class StaticBytes:
     # FSDP (``parallel.fsdp``, ``trainer.sharding.FsdpSettings``): how it shards.
     fsdp: FsdpSettings | None = None
     full_param_bytes: int = 0  # the whole model's parameters, unsharded
+    # memory.optimizer_in_backward: each gradient is stepped and dropped as it completes, so
+    # only the largest one (``largest_grad``, with its step's temporaries) is held at a time.
+    in_backward: bool = False
+    largest_grad: int = 0
+    optimizer_states: str = "fp32"  # memory.optimizer_states
 
     @property
     def total(self) -> int:
@@ -131,11 +138,20 @@ class ActivationProfile:
     # CPU without native bf16: what its emulated matrix products allocate beyond the fp32
     # kernels' own workspace, per sample (``emulated_bf16_workspace``; 0 elsewhere).
     emulation_workspace_per_sample_bytes: int = 0
+    # memory.activation_offload: the saved bytes above that go to host memory
+    # (``trainer.memory.offload``), as ``host_fixed + host_per_sample * batch``.
+    host_per_sample_bytes: int = 0
+    host_fixed_bytes: int = 0
     # The step's operators, for the time model (``trainer.plan.speed``; None: not recorded).
     work: StepWork | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def saved_bytes(self, batch: int) -> int:
+        """Everything the forward saves for backward, on the device or offloaded."""
         return self.fixed_bytes + self.per_sample_bytes * batch
+
+    def host_bytes(self, batch: int) -> int:
+        """What activation offload holds in host memory of ``saved_bytes``."""
+        return self.host_fixed_bytes + self.host_per_sample_bytes * batch
 
 
 @dataclass(frozen=True)
@@ -166,22 +182,34 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
-                 fsdp: FsdpSettings | None = None) -> StaticBytes:
+                 fsdp: FsdpSettings | None = None, states: str = "fp32",
+                 in_backward: bool = False) -> StaticBytes:
     """Bytes of parameters, gradients and AdamW state held by one rank (under FSDP, with
-    ``fsdp``'s settings: the defaults where None)."""
-    unique = {id(p): p for p in model.parameters()}.values()  # tied weights count once
+    ``fsdp``'s settings: the defaults where None). Only parameters that train have gradients
+    and state (a LoRA model's adapters); ``states``: the moments' dtype
+    (``memory.optimizer_states``, counted tensor by tensor as torchao keeps them);
+    ``in_backward``: ``memory.optimizer_in_backward``."""
+    unique = list({id(p): p for p in model.parameters()}.values())  # tied weights count once
+    trained = [p for p in unique if p.requires_grad]
     param_bytes = _nbytes(unique)
-    numel = sum(p.numel() for p in unique if p.requires_grad)
-    grad_bytes = _nbytes(p for p in unique if p.requires_grad)
-    optimizer_bytes = numel * ADAMW_STATE_BYTES_PER_PARAM
-    if parallel == "fsdp":
-        params, grads, optimizer = (-(-b // world_size) for b in (param_bytes, grad_bytes,
-                                                                   optimizer_bytes))
-        return StaticBytes(params, grads, optimizer, world_size=world_size, sharded=True,
-                           fsdp=fsdp or FsdpSettings(), full_param_bytes=param_bytes)
+    grad_bytes = _nbytes(trained)
+    sharded = parallel == "fsdp"
+    if states == "fp32":  # the same bytes for every tensor: the shards' total, split evenly
+        optimizer_bytes = -(-sum(p.numel() for p in trained) * ADAMW_STATE_BYTES_PER_PARAM
+                            // (world_size if sharded else 1))
+    else:  # torchao quantizes a shard by its own size
+        optimizer_bytes = state_bytes(trained, states, world_size if sharded else 1)
+    largest = max((_nbytes([p]) for p in trained), default=0)
+    if sharded:
+        params, grads = (-(-b // world_size) for b in (param_bytes, grad_bytes))
+        return StaticBytes(params, grads, optimizer_bytes, world_size=world_size, sharded=True,
+                           fsdp=fsdp or FsdpSettings(), full_param_bytes=param_bytes,
+                           in_backward=in_backward, largest_grad=-(-largest // world_size),
+                           optimizer_states=states)
     if parallel != "ddp":
         raise ValueError(f"parallel {parallel!r} is not ddp|fsdp")
-    return StaticBytes(param_bytes, grad_bytes, optimizer_bytes)
+    return StaticBytes(param_bytes, grad_bytes, optimizer_bytes, in_backward=in_backward,
+                       largest_grad=largest, optimizer_states=states)
 
 
 @contextlib.contextmanager
@@ -223,8 +251,9 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
             if isinstance(arg, torch.Tensor):
                 record(arg)
 
+    # With activation offload those inputs go to the host, and its hooks count them.
     handles = [module.register_forward_pre_hook(record_inputs) for module in model.modules()
-               if is_checkpoint_wrapper(module)]
+               if is_checkpoint_wrapper(module) and offload_of(model) is None]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield counts
@@ -237,18 +266,23 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
 def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: str
                         ) -> tuple[int, list[int]]:
     """(saved bytes, each saved storage's bytes in save order) of one training forward."""
-    bytes_, sizes, _shapes = _probe(model, tokens_BT, precision)
+    bytes_, sizes, _shapes, _host = _probe(model, tokens_BT, precision)
     return bytes_, sizes
 
 
 def _probe(model: nn.Module, tokens_BT: torch.Tensor, precision: str
-           ) -> tuple[int, list[int], list[LossShape]]:
+           ) -> tuple[int, list[int], list[LossShape], int]:
+    """(saved bytes, each saved storage's bytes, the loss's shapes, the offloaded bytes): the
+    saved bytes count the offloaded ones too (the offload's hooks see those in place of
+    ``count_saved_tensors``'s)."""
     device = tokens_BT.device
     policy = precision_policy(precision, device, warn=False)
     with count_saved_tensors(model) as counts, observe_chunked_losses() as shapes:
         loss = summed_loss(model, tokens_BT, policy)  # the loop's own forward
     del loss
-    return counts["bytes"], counts["sizes"], shapes
+    offload = offload_of(model)
+    host = offload.bytes_this_forward if offload is not None else 0
+    return counts["bytes"] + host, counts["sizes"], shapes, host
 
 
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
@@ -372,7 +406,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
                                        device)
     if (target == "cpu" and device.type == "cpu" and precision == "bf16"
             and block_call is not None and cpu_bf16_support() != "native"):
-        plain = transforms.replace(activation_checkpointing="none")
+        plain = transforms.replace(activation_checkpointing="none", activation_offload="none")
         first_block = build_model(factory, plain).get_submodule("blocks.0")
         profile = dataclasses.replace(profile, emulation_workspace_per_sample_bytes=(
             emulated_bf16_workspace(first_block, block_call.sample_shape, block_call)))
@@ -419,7 +453,8 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     largest_per_sample = max(growth, default=0)
     recompute_block = recompute_block_fixed = autocast_cache = 0
     if chosen:
-        plain, _ = _profile(factory, transforms.replace(activation_checkpointing="none"),
+        plain, _ = _profile(factory, transforms.replace(activation_checkpointing="none",
+                                                        activation_offload="none"),
                             seq_len, vocab_size, precision, device)
         recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
         autocast_cache = max(0, plain.fixed_bytes - fixed)
@@ -436,11 +471,14 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     outside = [p for p in {id(p): p for p in model.parameters()}.values()
                if id(p) not in in_blocks]
     block_params = max((_nbytes(block.parameters()) for block in blocks), default=0)
+    host_per_sample = measured[2][3] - measured[1][3]
     profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
                                 fixed, largest_per_sample, recompute, recompute_block,
                                 autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
                                 _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
-                                block_params, recompute_block_fixed)
+                                block_params, recompute_block_fixed,
+                                host_per_sample_bytes=host_per_sample,
+                                host_fixed_bytes=max(0, measured[1][3] - host_per_sample))
     return profile, (block_calls[0] if block_calls else None)
 
 
@@ -452,7 +490,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     chunks of that many tokens instead of the probed ones (a chunk changes only the loss's
     temporaries and operators: what it saves for backward is the same)."""
     static, profile = _under_fsdp(static, profile)
-    activations = profile.saved_bytes(micro_batch_size)
+    offloaded = profile.host_bytes(micro_batch_size)  # activation offload's, on the host
+    activations = profile.saved_bytes(micro_batch_size) - offloaded
     tokens = micro_batch_size * profile.seq_len
     shape = profile.loss_shape
     if loss_chunk_tokens is not None and isinstance(shape, ChunkedLossShape):
@@ -462,6 +501,9 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     # Under FSDP the output head's gradients are sharded like the rest.
     outside_grads = 0 if static.offloaded else min(profile.outside_blocks_grad_bytes,
                                                    static.grads)
+    held_grads = static.grads  # every gradient, at the end of backward
+    if static.in_backward:  # one gradient at a time, and its step's temporaries
+        outside_grads = held_grads = 0 if static.offloaded else in_backward_bytes(static)
     forward_kept = in_flight = backward_grads = 0
     if static.sharded:
         in_flight, backward_grads, forward_kept = fsdp_in_flight(static, profile)
@@ -474,18 +516,20 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
         + backward_grads + emulation + profile.recompute_block_fixed_bytes
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
-        "optimizer step": 0 if static.offloaded else static.grads + static.optimizer // 2,
+        "optimizer step": 0 if static.offloaded or static.in_backward
+        else static.grads + step_temporaries(static),
     }
     if loss_backward:  # the plain loss: its backward runs first, before any block's
         moments["loss backward"] = activations + loss_backward + in_flight + forward_kept \
             + emulation
     if static.sharded:
-        moments["backward end"] = (0 if static.offloaded else static.grads) + in_flight \
+        moments["backward end"] = (0 if static.offloaded else held_grads) + in_flight \
             + backward_grads
     moment = max(moments, key=lambda name: moments[name])
     peak = static.device_static + moments[moment]
     # Offloaded: the shards, their gradients and AdamW's state (and its step's temporary).
-    host = static.total + static.optimizer // 2 if static.offloaded else 0
+    host = static.total + step_temporaries(static) if static.offloaded else 0
+    host += offloaded
     chunk = shape.chunk_tokens if isinstance(shape, ChunkedLossShape) else 0
     if speed is not None and static.fsdp is not None:  # the row's own FSDP settings
         speed = dataclasses.replace(speed, fsdp=static.fsdp)
@@ -498,6 +542,24 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
                    profile.recompute_fraction, moment,
                    timing.seconds if timing else 0.0, timing.tokens_per_s if timing else 0.0,
                    chunk, host)
+
+
+def step_temporaries(static: StaticBytes) -> int:
+    """What AdamW's step allocates beside its state: a moment's size over every parameter for
+    fp32 AdamW (torch's multi-tensor path on CUDA; on CPU its loop's few temporaries of the
+    largest parameter stay under that); torchao's compiled step, parameter by parameter, about
+    two fp32 copies of the largest one."""
+    if static.optimizer_states == "fp32":
+        return static.optimizer // 2
+    return 2 * static.largest_grad
+
+
+def in_backward_bytes(static: StaticBytes) -> int:
+    """``memory.optimizer_in_backward``: the largest gradient while its parameter steps, with
+    the step's temporaries (one parameter's: fp32 AdamW's loop takes about two of its size)."""
+    if static.optimizer_states == "fp32":
+        return 3 * static.largest_grad
+    return static.largest_grad + step_temporaries(static)
 
 
 def _under_fsdp(static: StaticBytes, profile: ActivationProfile

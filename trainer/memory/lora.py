@@ -1,0 +1,153 @@
+"""LoRA adapters through PEFT (``model.lora``): the base model frozen, low-rank adapters trained.
+
+``apply_lora`` freezes every parameter of the model, casts the frozen ones to ``base_dtype``
+where asked (bf16 halves the base's bytes; it then computes under bf16 autocast), and injects
+PEFT's LoRA layers into the target linear layers in place (``peft.inject_adapter_in_model``:
+no ``PeftModel`` wrapper, so the model keeps memtrain's contract: ``blocks``, its own loss).
+Each target's weight becomes ``<target>.base_layer.weight`` beside ``<target>.lora_A.default``
+and ``lora_B.default``; only those adapters have gradients, optimizer state and a place in
+checkpoints (``trainable_state_dict``). The output layer cannot be a target: the loss reads its
+weight directly (chunked), so an adapter there would be skipped.
+
+Targets by default: memtrain's GPT ``qkv``, ``proj`` (attention's and the MLP's) and ``fc``; a
+Hugging Face model, every linear layer of its decoder layers (a Llama's ``q_proj`` ...
+``down_proj``), as PEFT's ``all-linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
+
+log = logging.getLogger(__name__)
+ADAPTER = "default"  # PEFT's adapter name: the one adapter memtrain trains
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``model.lora`` without pydantic (the benches and gpu-check build with it)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ()  # () : the model's defaults (the module docstring)
+    base_dtype: str = "fp32"  # fp32 | bf16: the frozen base's dtype
+
+
+def _peft() -> Any:
+    try:
+        with quiet_torchao_import():
+            import peft
+    except ImportError as err:
+        raise MissingExtraError("model.lora needs peft: pip install 'memtrain[strategies]'") \
+            from err
+    return peft
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    """The linear layers LoRA adapts when ``model.lora.targets`` is empty."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not len(blocks):
+        raise ValueError(f"model.lora: {type(model).__name__} has no blocks; name the linear "
+                         "layers to adapt in model.lora.targets")
+    names = {name.rsplit(".", 1)[-1] for name, module in blocks[0].named_modules()
+             if isinstance(module, nn.Linear)}
+    return sorted(names)
+
+
+def _output_layer(model: nn.Module) -> str | None:
+    """The module name of the output layer, whose weight the loss reads directly."""
+    hf = getattr(model, "hf", None)
+    output = hf.get_output_embeddings() if hf is not None else getattr(model, "lm_head", None)
+    for name, module in model.named_modules():
+        if module is output:
+            return name
+    return None
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Freeze ``model``, inject the adapters in place, and return it (the module docstring)."""
+    peft = _peft()
+    targets = list(settings.targets) or default_targets(model)
+    output = _output_layer(model)
+    if output is not None and output.rsplit(".", 1)[-1] in targets:
+        raise ValueError(f"model.lora.targets: {output.rsplit('.', 1)[-1]!r} names the output "
+                         "layer, whose weight the loss reads directly; adapt the blocks' layers")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if settings.base_dtype == "bf16":
+        model.to(torch.bfloat16)  # before the adapters: they stay fp32
+    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                             lora_dropout=settings.dropout, target_modules=targets)
+    try:
+        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as err:  # PEFT: a target that matches no module
+        raise ValueError(f"model.lora.targets {targets}: {err}") from None
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    model.lora_settings = settings  # type: ignore[assignment]
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter (or state-dict key) is one of LoRA's adapters."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_of(model: nn.Module) -> LoraSettings | None:
+    settings = getattr(model, "lora_settings", None)
+    return settings if isinstance(settings, LoraSettings) else None
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of ``model``: its state dict, or only the adapters of a LoRA
+    model (the base comes back from its weights or its seed)."""
+    state = model.state_dict()
+    if lora_of(model) is None:
+        return state
+    return {name: tensor for name, tensor in state.items() if is_adapter(name)}
+
+
+def base_name(name: str) -> str:
+    """A base weight's name as the model had it before the adapters (and as its files do)."""
+    return name.replace(".base_layer.", ".")
+
+
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold each adapter into its base weight and put the base layer back in its place: the
+    model as it was before ``apply_lora``, with the trained weights."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge(adapter_names=[ADAPTER])
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.get_base_layer())
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return model
+
+
+def peft_adapter_state(model: nn.Module, prefix: str = "hf.") -> dict[str, torch.Tensor]:
+    """The adapters by the names ``PeftModel.from_pretrained`` reads
+    (``base_model.model.<the Hugging Face model's name>.lora_A.weight``)."""
+    out = {}
+    for name, tensor in trainable_state_dict(model).items():
+        inner = name.removeprefix(prefix).replace(f".{ADAPTER}.", ".")
+        out[f"base_model.model.{inner}"] = tensor.detach().float().contiguous()
+    return out
+
+
+def peft_config(settings: LoraSettings, model: nn.Module, base: str) -> Any:
+    """PEFT's ``LoraConfig`` of ``settings`` for a causal LM whose base is ``base``."""
+    return _peft().LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.targets) or default_targets(model),
+        task_type="CAUSAL_LM", base_model_name_or_path=base)
