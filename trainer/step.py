@@ -34,7 +34,7 @@ from trainer import faults
 from trainer.diagnostics import cpu_peak_bytes
 from trainer.errors import first_line
 from trainer.memory.loss import summed_loss
-from trainer.memory.optimizers import BackwardSteps, make_adamw
+from trainer.memory.optimizers import BackwardSteps, make_adamw, state_tensors
 from trainer.memory.precision import PrecisionPolicy
 from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
 from trainer.sharding import is_sharded
@@ -148,8 +148,7 @@ def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
                     policy: PrecisionPolicy, grad_clip: float = 1.0) -> int:
     """CPU: the allocator's peak over one ``train_step`` on ``tokens_BT``, counting the
     parameters, optimizer state and tokens alive before it (``diagnostics.cpu_peak_bytes``)."""
-    state = [value for per_param in optimizer.state.values() for value in per_param.values()
-             if isinstance(value, torch.Tensor)]
+    state = state_tensors(optimizer)  # a quantized moment by its parts
     return cpu_peak_bytes(
         lambda: train_step(model, optimizer, scaler, [tokens_BT], 1, policy, grad_clip),
         held=[*model.parameters(), *state, tokens_BT])

@@ -91,7 +91,9 @@ def config_static(cfg: Config) -> StaticBytes:
         plain = build_model(model_factory(cfg.model), transforms)
         fsdp = FsdpSettings.of(cfg, planned_precision(cfg), cfg.parallel.workers) \
             if cfg.parallel.strategy == "fsdp" else None
-        return static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers, fsdp)
+        return static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers, fsdp,
+                            cfg.memory.optimizer_states, cfg.memory.optimizer_in_backward,
+                            "cuda" if cfg.parallel.use_gpu else "cpu")
 
 
 def loader_cost(cfg: Config) -> LoaderCost | None:

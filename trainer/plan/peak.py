@@ -67,7 +67,7 @@ from trainer.memory.offload import offload_of
 from trainer.memory.optimizers import state_bytes
 from trainer.memory.precision import precision_policy
 from trainer.meta_init import storage_key
-from trainer.plan.speed import SpeedModel
+from trainer.plan.speed import SpeedModel, strategy_seconds
 from trainer.plan.work import StepWork, record_work
 from trainer.sharding import FsdpSettings
 
@@ -91,6 +91,9 @@ class StaticBytes:
     in_backward: bool = False
     largest_grad: int = 0
     optimizer_states: str = "fp32"  # memory.optimizer_states
+    # Where the optimizer steps: torch's AdamW runs its multi-tensor path on CUDA, a loop over
+    # the parameters on CPU (``step_temporaries``).
+    step_device: str = "cuda"
 
     @property
     def total(self) -> int:
@@ -142,6 +145,9 @@ class ActivationProfile:
     # (``trainer.memory.offload``), as ``host_fixed + host_per_sample * batch``.
     host_per_sample_bytes: int = 0
     host_fixed_bytes: int = 0
+    # What the first block holds for its own backward, per sample, at the end of backward
+    # (recomputed where it is checkpointed), when every other gradient exists already.
+    first_block_per_sample_bytes: int = 0
     # The step's operators, for the time model (``trainer.plan.speed``; None: not recorded).
     work: StepWork | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -183,12 +189,13 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
                  fsdp: FsdpSettings | None = None, states: str = "fp32",
-                 in_backward: bool = False) -> StaticBytes:
+                 in_backward: bool = False, step_device: str = "cuda") -> StaticBytes:
     """Bytes of parameters, gradients and AdamW state held by one rank (under FSDP, with
     ``fsdp``'s settings: the defaults where None). Only parameters that train have gradients
     and state (a LoRA model's adapters); ``states``: the moments' dtype
     (``memory.optimizer_states``, counted tensor by tensor as torchao keeps them);
-    ``in_backward``: ``memory.optimizer_in_backward``."""
+    ``in_backward``: ``memory.optimizer_in_backward``; ``step_device``: where AdamW steps
+    (``step_temporaries``)."""
     unique = list({id(p): p for p in model.parameters()}.values())  # tied weights count once
     trained = [p for p in unique if p.requires_grad]
     param_bytes = _nbytes(unique)
@@ -205,11 +212,11 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
         return StaticBytes(params, grads, optimizer_bytes, world_size=world_size, sharded=True,
                            fsdp=fsdp or FsdpSettings(), full_param_bytes=param_bytes,
                            in_backward=in_backward, largest_grad=-(-largest // world_size),
-                           optimizer_states=states)
+                           optimizer_states=states, step_device=step_device)
     if parallel != "ddp":
         raise ValueError(f"parallel {parallel!r} is not ddp|fsdp")
     return StaticBytes(param_bytes, grad_bytes, optimizer_bytes, in_backward=in_backward,
-                       largest_grad=largest, optimizer_states=states)
+                       largest_grad=largest, optimizer_states=states, step_device=step_device)
 
 
 @contextlib.contextmanager
@@ -443,20 +450,16 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
         gc.collect()
         if num_blocks and batch == 1:
             hook.remove()
-    per_sample = measured[2][0] - measured[1][0]
-    fixed = max(0, measured[1][0] - per_sample)
-    # The largest tensor that grows with the batch (a fixed one, such as a weight-sized
-    # gradient buffer, is in ``fixed`` already): the same save order in both probes.
-    sizes_1, sizes_2 = measured[1][1], measured[2][1]
-    growth = [b - a for a, b in zip(sizes_1, sizes_2, strict=False)] \
-        if len(sizes_1) == len(sizes_2) else [max(sizes_2, default=0) - max(sizes_1, default=0)]
-    largest_per_sample = max(growth, default=0)
+    per_sample, fixed = _fit(measured[1][0], measured[2][0])
+    largest_per_sample = _largest_growth(measured[1][1], measured[2][1])
     recompute_block = recompute_block_fixed = autocast_cache = 0
+    first_block = per_sample // num_blocks if num_blocks else 0  # about one block's share
     if chosen:
         plain, _ = _profile(factory, transforms.replace(activation_checkpointing="none",
                                                         activation_offload="none"),
                             seq_len, vocab_size, precision, device)
         recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
+        first_block = recompute_block if 0 in chosen else plain.per_sample_bytes // num_blocks
         autocast_cache = max(0, plain.fixed_bytes - fixed)
         largest_per_sample = plain.largest_tensor_per_sample_bytes  # inside a recomputed block
         if num_blocks - 1 not in chosen:
@@ -471,15 +474,30 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     outside = [p for p in {id(p): p for p in model.parameters()}.values()
                if id(p) not in in_blocks]
     block_params = max((_nbytes(block.parameters()) for block in blocks), default=0)
-    host_per_sample = measured[2][3] - measured[1][3]
+    host_per_sample, host_fixed = _fit(measured[1][3], measured[2][3])
     profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
                                 fixed, largest_per_sample, recompute, recompute_block,
                                 autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
                                 _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
                                 block_params, recompute_block_fixed,
                                 host_per_sample_bytes=host_per_sample,
-                                host_fixed_bytes=max(0, measured[1][3] - host_per_sample))
+                                host_fixed_bytes=host_fixed,
+                                first_block_per_sample_bytes=first_block)
     return profile, (block_calls[0] if block_calls else None)
+
+
+def _largest_growth(sizes_1: list[int], sizes_2: list[int]) -> int:
+    """The largest saved tensor that grows with the batch (a fixed one, such as a weight-sized
+    gradient buffer, is in the fixed bytes already): the same save order in both probes."""
+    growth = [b - a for a, b in zip(sizes_1, sizes_2, strict=False)] \
+        if len(sizes_1) == len(sizes_2) else [max(sizes_2, default=0) - max(sizes_1, default=0)]
+    return max(growth, default=0)
+
+
+def _fit(at_one: int, at_two: int) -> tuple[int, int]:
+    """(per sample, fixed) bytes from a probe's bytes at batch 1 and batch 2."""
+    per_sample = at_two - at_one
+    return per_sample, max(0, at_one - per_sample)
 
 
 def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: int,
@@ -502,8 +520,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     outside_grads = 0 if static.offloaded else min(profile.outside_blocks_grad_bytes,
                                                    static.grads)
     held_grads = static.grads  # every gradient, at the end of backward
-    if static.in_backward:  # one gradient at a time, and its step's temporaries
-        outside_grads = held_grads = 0 if static.offloaded else in_backward_bytes(static)
+    if static.in_backward:  # one gradient at a time (the head's, tied, completes last)
+        held_grads = 0 if static.offloaded else in_backward_bytes(static)
     forward_kept = in_flight = backward_grads = 0
     if static.sharded:
         in_flight, backward_grads, forward_kept = fsdp_in_flight(static, profile)
@@ -525,6 +543,10 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     if static.sharded:
         moments["backward end"] = (0 if static.offloaded else held_grads) + in_flight \
             + backward_grads
+    else:  # the first block's backward: every other gradient exists, its activations too
+        moments["backward end"] = held_grads + emulation + profile.recompute_block_fixed_bytes \
+            + (profile.first_block_per_sample_bytes
+               + profile.largest_tensor_per_sample_bytes) * micro_batch_size
     moment = max(moments, key=lambda name: moments[name])
     peak = static.device_static + moments[moment]
     # Offloaded: the shards, their gradients and AdamW's state (and its step's temporary).
@@ -536,29 +558,37 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     timing = speed.predict(profile.work, micro_batch_size, accumulation_steps,
                            chunk or None) \
         if speed is not None and profile.work is not None else None
+    seconds = tokens_per_s = 0.0
+    if speed is not None and timing is not None:
+        seconds = timing.seconds + strategy_seconds(
+            speed.step_device, offloaded * accumulation_steps,
+            static.grads // 4, static.optimizer_states)  # this rank's (fp32) trained values
+        tokens_per_s = timing.tokens_per_s * timing.seconds / seconds
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations,
                    peak - static.device_static - activations, peak,
-                   profile.recompute_fraction, moment,
-                   timing.seconds if timing else 0.0, timing.tokens_per_s if timing else 0.0,
-                   chunk, host)
+                   profile.recompute_fraction, moment, seconds, tokens_per_s, chunk, host)
+
+
+# What one parameter's AdamW step allocates, in fp32 copies of that parameter: torch's loop on
+# CPU, torchao's compiled step per state dtype (measured on CPU with the allocator's record:
+# tests/unit/test_strategies.py).
+STEP_TEMPORARIES_PER_PARAM = {"fp32": 3.0, "bf16": 0.0, "8bit": 2.0, "4bit": 6.5}
 
 
 def step_temporaries(static: StaticBytes) -> int:
     """What AdamW's step allocates beside its state: a moment's size over every parameter for
-    fp32 AdamW (torch's multi-tensor path on CUDA; on CPU its loop's few temporaries of the
-    largest parameter stay under that); torchao's compiled step, parameter by parameter, about
-    two fp32 copies of the largest one."""
-    if static.optimizer_states == "fp32":
+    fp32 AdamW on CUDA (torch's multi-tensor path); else a loop over the parameters, whose
+    largest sets it (``STEP_TEMPORARIES_PER_PARAM``)."""
+    if static.optimizer_states == "fp32" and static.step_device == "cuda" \
+            and not static.in_backward:
         return static.optimizer // 2
-    return 2 * static.largest_grad
+    return int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * static.largest_grad)
 
 
 def in_backward_bytes(static: StaticBytes) -> int:
     """``memory.optimizer_in_backward``: the largest gradient while its parameter steps, with
-    the step's temporaries (one parameter's: fp32 AdamW's loop takes about two of its size)."""
-    if static.optimizer_states == "fp32":
-        return 3 * static.largest_grad
+    that step's temporaries."""
     return static.largest_grad + step_temporaries(static)
 
 

@@ -111,6 +111,29 @@ def fsdp_seconds(param_bytes: int, speed: DeviceSpeed, fsdp: FsdpSettings, world
     return seconds
 
 
+def strategy_seconds(speed: DeviceSpeed, offloaded_bytes: int, trained_numel: int,
+                     states: str) -> float:
+    """What the memory strategies add to a step, beyond the work the probe recorded (which
+    already holds a LoRA model's own forward and backward):
+
+    - activation offload: each offloaded byte to the host and back, over the host link on a GPU
+      (not overlapped with compute here: an upper bound; torchtune overlaps most of it), as
+      memory copies on a CPU (read and written, both ways);
+    - low-bit or bf16 AdamW states: the step dequantizes both moments to fp32 and quantizes them
+      back, as memory traffic (8 bytes read and 8 written per moment value beyond fp32's step).
+    The optimizer step in backward does the same arithmetic parameter by parameter: nothing.
+    """
+    seconds = 0.0
+    if offloaded_bytes:
+        if speed.host_link_bytes_per_s:
+            seconds += 2 * offloaded_bytes / speed.host_link_bytes_per_s
+        else:
+            seconds += 2 * 2 * offloaded_bytes / speed.rate("memory:fp32")
+    if states != "fp32":
+        seconds += 2 * 16 * trained_numel / speed.rate("memory:fp32")
+    return seconds
+
+
 def step_time(work: StepWork, speed: DeviceSpeed, micro_batch: int, accumulation: int,
               world_size: int = 1, overlap_allreduce: bool = True,
               loader: LoaderCost | None = None, loss_chunk_tokens: int | None = None,
