@@ -302,13 +302,17 @@ def export_command(
     max_shard_size: Annotated[str, typer.Option(
         help="Largest safetensors file written from an FSDP checkpoint (and the most weights "
              "held in memory meanwhile), e.g. 2GB, 500MiB.")] = "2GB",
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="A LoRA run: the model with its adapters merged into the weights, in "
+                        "place of PEFT's adapter directory.")] = False,
 ) -> None:
     """Write a run's trained weights in the model's own format (a Hugging Face model's
     save_pretrained directory)."""
     from monitoring.units import parse_bytes
     from trainer.export import export_hf
 
-    exported = export_hf(run_dir, hf, step, parse_bytes(max_shard_size, "--max-shard-size"))
+    exported = export_hf(run_dir, hf, step, parse_bytes(max_shard_size, "--max-shard-size"),
+                         merge)
     tokenizer = ", with the dataset's tokenizer.json" if exported.tokenizer else ""
     console.print(f"wrote {exported.out} (checkpoint of step {exported.step}{tokenizer})")
 

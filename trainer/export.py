@@ -9,8 +9,10 @@ model is built on the meta device, each file's tensors are read from the DCP sha
 in memory. A DDP checkpoint is one ``state.pt`` holding the whole model: it is loaded whole,
 and the log says so. The tokenizer the run's dataset was written with (the dataset's copy,
 checked against its manifest) is written beside it, so ``AutoTokenizer.from_pretrained(OUT)``
-works too. The run directory must be local (a run on object storage: its working copy,
-``run.work_dir``).
+works too. A LoRA run (``model.lora``) exports PEFT's adapter directory
+(``adapter_model.safetensors``, ``adapter_config.json``), or with ``--merge`` the model with the
+adapters folded into its weights. The run directory must be local (a run on object storage: its
+working copy, ``run.work_dir``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,8 +36,15 @@ from trainer.checkpoint import (
     load_model_state,
     load_sharded_tensors,
 )
-from trainer.config import ConfigError, load_config
-from trainer.hf import PREFIX, HFCausalLM
+from trainer.config import Config, ConfigError, load_config
+from trainer.hf import PREFIX, HFCausalLM, has_weights
+from trainer.memory.lora import (
+    lora_of,
+    merge_adapters,
+    peft_adapter_state,
+    peft_config,
+    trainable_state_dict,
+)
 from trainer.meta_init import storage_key
 
 log = logging.getLogger(__name__)
@@ -51,9 +60,11 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 10**9
 
 
 def export_hf(run_dir: Path, out: Path, step: int | None = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Exported:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, merge: bool = False) -> Exported:
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a ``save_pretrained``
-    directory ``out``, with the dataset's tokenizer where it kept one."""
+    directory ``out``, with the dataset's tokenizer where it kept one. A LoRA run
+    (``model.lora``): PEFT's adapter directory, or with ``merge`` the model with its adapters
+    folded in (``export_lora``)."""
     config_path = run_dir / CONFIG
     if not config_path.is_file():
         raise ConfigError(f"{run_dir}: no config.yaml (not a memtrain run directory)")
@@ -70,7 +81,9 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
                                   f"{sorted(checkpoints)})")
     directory = checkpoints[step]
     state = load_checkpoint(directory)
-    if state.get("sharded"):
+    if cfg.model.lora is not None:
+        export_lora(cfg, directory, state, out, merge)
+    elif state.get("sharded"):
         with torch.device("meta"):  # sizes and names only: no weights in memory
             model = build_model(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
                                 seed=None)
@@ -100,6 +113,42 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
         eos = Tokenizer.from_str(raw.decode("utf-8")).id_to_token(eot_id)
         (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}, indent=2))
     return Exported(out, step, tokenizer is not None)
+
+
+def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
+                merge: bool) -> None:
+    """A LoRA run's checkpoint: the base built as the run built it (its pretrained weights, or
+    its seeded initialisation), the checkpoint's adapters loaded, then PEFT's adapter
+    directory (``PeftModel.from_pretrained(base, out)``), or with ``merge`` the merged model
+    (``from_pretrained(out)``)."""
+    base = cfg.model.name.removeprefix(PREFIX)
+    if not merge and not has_weights(base):
+        raise ConfigError(f"{cfg.model.name} has no weights of its own (the run's base was its "
+                          "seeded initialisation), so an adapter directory would have nothing "
+                          "to apply to: export with --merge")
+    model = build_model(model_factory(cfg.model), MemoryTransforms(), seed=cfg.run.seed)
+    assert isinstance(model, HFCausalLM), type(model)
+    adapters = trainable_state_dict(model)
+    if state.get("sharded"):
+        loaded = load_sharded_tensors(directory, {
+            name: torch.empty_like(tensor) for name, tensor in adapters.items()})
+        model.load_state_dict(loaded, strict=False)
+    else:
+        load_model_state(model, state["model"], str(directory))
+    settings = lora_of(model)
+    assert settings is not None
+    if merge:
+        merge_adapters(model).hf.save_pretrained(out)
+        log.info("exported %s: the adapters merged into the base weights", directory.name)
+        return
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(peft_adapter_state(model), str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    peft_config(settings, model, str(Path(base).resolve())).save_pretrained(str(out))
+    log.info("exported %s: the adapters alone (%d tensors), for PeftModel.from_pretrained",
+             directory.name, len(adapters))
 
 
 def _saved_names(model: HFCausalLM) -> list[tuple[str, torch.Tensor]]:

@@ -111,6 +111,11 @@ def _has_weights(directory: Path) -> bool:
     return any((directory / name).is_file() for name in _WEIGHT_FILES)
 
 
+def has_weights(spec: str) -> bool:
+    """Whether an ``hf:`` spec's directory (or its config.json's) holds weights of its own."""
+    return _has_weights(_config_json(spec).parent)
+
+
 def _config_json(spec: str) -> Path:
     path = Path(spec).expanduser()
     return path if path.is_file() else path / "config.json"

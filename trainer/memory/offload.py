@@ -2,8 +2,9 @@
 backward needs it (``memory.activation_offload``).
 
 ``ActivationOffload`` is a pair of ``saved_tensors_hooks``. Its pack hook copies the storage of
-each saved tensor (parameters and storages under ``min_bytes`` excepted) into host memory, once
-however many views of it are saved, and returns where the view lies in the copy, so autograd
+each saved tensor (parameters excepted, and storages under ``min_bytes``: none by default) into
+host memory, once however many views of it are saved, and returns where the view lies in the
+copy, so autograd
 holds the host copy and the device storage is freed once the forward drops it; its unpack hook
 copies the view back. On CUDA, as torchtune's ``OffloadActivations``: the host buffers
 are pinned, the copies to the host run on a side stream (the device tensor is kept, recorded on
@@ -31,7 +32,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from trainer.compat import is_checkpoint_wrapper, is_fake
 from trainer.meta_init import storage_key
 
-MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors stay: a copy costs more than it saves
+# Smaller saved storages stay on the device. 0: every one moves, so the host bytes grow exactly
+# linearly with the batch, as the planner fits them (with a threshold, a tensor of a few hundred
+# bytes a sample would cross it between the probe's batch and the run's).
+MIN_OFFLOAD_BYTES = 0
 
 
 class ActivationOffload:

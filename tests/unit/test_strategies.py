@@ -1,0 +1,260 @@
+"""The memory strategies beyond the guide, one process on CPU: AdamW's state dtype, the optimizer
+step in backward, activation offload and LoRA (trainer/memory/optimizers.py, offload.py,
+lora.py): the same arithmetic where the math is the same, the bytes the planner counts, exact
+resume, what checkpoints hold, and every refusal. Two ranks (DDP and FSDP):
+tests/distributed/test_strategies.py."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import logged_losses, tiny_config
+from trainer.build import MemoryTransforms, build_model
+from trainer.checkpoint import STATE_FILE, load_checkpoint
+from trainer.config import ConfigError
+from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
+from trainer.memory.lora import LoraSettings, apply_lora, merge_adapters
+from trainer.memory.loss import summed_loss
+from trainer.memory.offload import offload_of
+from trainer.memory.optimizers import (
+    MissingExtraError,
+    adamw_class,
+    held_state_bytes,
+    state_bytes,
+    trainable,
+)
+from trainer.memory.precision import precision_policy
+from trainer.model import gpt
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.step import build_optimizer, create_optimizer_state, step_peak_bytes, train_step
+
+pytestmark = pytest.mark.unit
+FP32 = precision_policy("fp32", torch.device("cpu"))
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
+SMALL = partial(gpt, vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=64)
+
+
+def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
+           batch: int = 4, seed: int = 1, seq: int = 32) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        tokens_BT = torch.randint(0, 256, (batch, seq + 1), generator=generator)
+        result = train_step(model, optimizer, NO_SCALER, [tokens_BT], 1, FP32, 0.0)
+        losses.append(result.loss.item())
+    return losses
+
+
+def test_the_step_in_backward_is_adamw_after_backward_to_the_bit() -> None:
+    """Each parameter's step in its post-accumulate hook, with the schedule's learning rate:
+    the same weights, bit for bit, as one AdamW step after backward (clipping off in both), and
+    the gradients gone when backward ends."""
+    models = {}
+    for where in (None, "local"):
+        torch.manual_seed(0)
+        model = SMALL()
+        optimizer = build_optimizer(model, 1e-3, in_backward=where)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+        for _ in range(3):
+            _steps(model, optimizer, 1)
+            schedule.step()
+        assert all(p.grad is None for p in model.parameters())
+        models[where] = model
+    for a, b in zip(models[None].parameters(), models["local"].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("states", ["bf16", "8bit", "4bit"])
+def test_low_bit_states_hold_the_bytes_the_planner_counts(states: str) -> None:
+    """torchao's quantized moments (codes, block scales, code book) and bf16 ones, after real
+    steps, are the bytes ``state_bytes`` predicts, tensor by tensor (small tensors fp32), and
+    8-bit states cut the moments' bytes by at least 70% against fp32 AdamW's."""
+    torch.manual_seed(0)
+    model = gpt(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=128)
+    optimizer = build_optimizer(model, 1e-3, states=states)
+    _steps(model, optimizer, 1)
+    assert held_state_bytes(optimizer) == state_bytes(trainable(model), states)
+    fp32 = state_bytes(trainable(model), "fp32")
+    bound = {"bf16": 0.55, "8bit": 0.30, "4bit": 0.20}[states]
+    assert held_state_bytes(optimizer) <= bound * fp32
+
+
+def test_low_bit_states_train_as_fp32_adamw_does() -> None:
+    """A convergence check: 50 steps memorising 8 fixed sequences. fp32 AdamW takes the loss
+    from ln(256) to under a hundredth of it; bf16, 8-bit and 4-bit moments must take away at
+    least 98% of what fp32 takes away. (Quantizing the moments perturbs each update by a block's
+    quantization error relative to the moment, not a fixed amount: the check bounds the
+    descent, not a step's value.)"""
+    tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(3))
+    start, finals = 0.0, {}
+    for states in ("fp32", "bf16", "8bit", "4bit"):
+        torch.manual_seed(0)
+        model = gpt(vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=128)
+        optimizer = build_optimizer(model, 3e-3, states=states)
+        losses = [train_step(model, optimizer, NO_SCALER, [tokens], 1, FP32, 1.0).loss.item()
+                  for _ in range(50)]
+        start, finals[states] = losses[0], losses[-1]
+    assert finals["fp32"] < 0.01 * start
+    for states in ("bf16", "8bit", "4bit"):
+        assert start - finals[states] >= 0.98 * (start - finals["fp32"]), finals
+
+
+@pytest.mark.parametrize("ac, mode", [("none", "all"), ("full", "checkpointed"),
+                                      ("full", "all")])
+def test_offload_keeps_the_gradients_and_moves_what_the_planner_counts(ac: str,
+                                                                       mode: str) -> None:
+    """The saved tensors go through the offload's copies and come back: gradients equal to
+    the bit to those without offload; the bytes it moved are the planner's host bytes (its
+    probe on fake tensors), and with checkpointing only the checkpointed blocks' inputs."""
+    tokens_BT = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for offload in ("none", mode):
+        transforms = MemoryTransforms(ac, loss_chunk_tokens=16, activation_offload=offload)
+        model = build_model(SMALL, transforms)
+        summed_loss(model, tokens_BT, FP32).backward()
+        grads[offload] = [p.grad for p in model.parameters()]
+        hooks = offload_of(model)
+        if offload == "none":
+            assert hooks is None
+            continue
+        assert hooks is not None
+        profile = profile_activations(SMALL, transforms, 32, 256, "fp32")
+        assert hooks.bytes_this_forward == profile.host_bytes(4) > 0
+        if mode == "checkpointed":  # two blocks' inputs: 4 x 32 x 64 fp32 each
+            assert hooks.bytes_this_forward == 2 * 4 * 32 * 64 * 4
+    for a, b in zip(grads["none"], grads[mode], strict=True):
+        assert torch.equal(a, b)
+
+
+STRATEGY_PEAKS = [  # (checkpointing, offload, states, in backward)
+    ("none", "none", "fp32", True),
+    ("full", "checkpointed", "fp32", False),
+    ("full", "none", "8bit", False),
+    ("full", "none", "4bit", True),
+    ("full", "none", "bf16", False),
+]
+
+
+@pytest.mark.parametrize("ac, offload, states, in_backward", STRATEGY_PEAKS)
+def test_the_planner_predicts_each_strategys_step_peak(ac: str, offload: str, states: str,
+                                                       in_backward: bool) -> None:
+    """The planner's device peak against the allocator's record of a real step, within 5%
+    (activation offload on CPU: its copies share the one memory, so the measured peak also
+    holds what a GPU would hold on the host, at the moment they are alive: less the host bytes
+    the planner puts off the device, bounded by them)."""
+    factory = partial(gpt, vocab_size=512, seq_len=128, n_layer=4, n_head=4, n_embd=256)
+    transforms = MemoryTransforms(ac, loss_chunk_tokens=64, activation_offload=offload)
+    model = build_model(factory, transforms)
+    optimizer = build_optimizer(model, 1e-3, states=states,
+                                in_backward="local" if in_backward else None)
+    create_optimizer_state(optimizer)
+    tokens_BT = torch.randint(0, 512, (4, 129), generator=torch.Generator().manual_seed(0))
+    step_peak_bytes(model, optimizer, NO_SCALER, tokens_BT, FP32, 0.0)  # compiles torchao's
+    measured = step_peak_bytes(model, optimizer, NO_SCALER, tokens_BT, FP32, 0.0)
+    profile = profile_activations(factory, transforms, 128, 512, "fp32")
+    row = plan_row(static_bytes(model, states=states, in_backward=in_backward,
+                                step_device="cpu"), profile, 4, 1)
+    assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.05)
+    if offload != "none":
+        assert row.host_bytes == profile.host_bytes(4) > 0
+
+
+def test_lora_trains_only_its_adapters_and_merges_into_the_same_logits() -> None:
+    """PEFT's adapters on the GPT's blocks: the base frozen (and unchanged by training), only
+    the adapters in the optimizer; merged back, the plain model gives the trained logits."""
+    torch.manual_seed(0)
+    model = apply_lora(SMALL(), LoraSettings(rank=4, dropout=0.0))
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    optimizer = build_optimizer(model, 1e-2)
+    assert sum(len(group["params"]) for group in optimizer.param_groups) == len(trained)
+    losses = _steps(model, optimizer, 5)
+    assert losses[-1] < losses[0]
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in base.items())
+    tokens_BT = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+    model.eval()
+    with torch.no_grad():
+        adapted = model(tokens_BT)
+        merged = merge_adapters(model)
+        assert not any(".lora_" in n for n, _ in merged.named_parameters())
+        torch.testing.assert_close(merged(tokens_BT), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_refuses_the_output_layer_and_a_target_that_matches_nothing() -> None:
+    with pytest.raises(ValueError, match="lm_head.*output layer"):
+        apply_lora(SMALL(), LoraSettings(targets=("qkv", "lm_head")))
+    with pytest.raises(ValueError, match=r"model.lora.targets \['nothing_here'\]"):
+        apply_lora(SMALL(), LoraSettings(targets=("nothing_here",)))
+
+
+@pytest.mark.parametrize("overrides", [
+    ("memory.optimizer_states=8bit",),
+    ("memory.optimizer_states=bf16",),
+    ("memory.optimizer_in_backward=true", "train.grad_clip=0", "train.micro_batch_size=16"),
+    ("memory.activation_offload=checkpointed",),
+    ("model.lora.rank=4",),
+], ids=["8bit", "bf16", "in-backward", "offload", "lora"])
+def test_each_strategy_resumes_exactly(overrides: tuple[str, ...], corpus_dir: Path,
+                                       tmp_path: Path) -> None:
+    """12 steps straight, and 6, a stop and 6 more: the same losses to the bit (the moments'
+    dtype survives the checkpoint: torch's load would cast bf16 moments to fp32). A LoRA run's
+    checkpoint holds its adapters alone."""
+    settings = ("parallel.launcher=local", "parallel.workers=1", "train.eval_every=0",
+                "train.log_every=1", *overrides)
+    runs = {}
+    for name in ("straight", "split"):
+        cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *settings,
+                                               f"run.name={name}"))
+        if name == "split":
+            launch_local(cfg, run_dir, until_step=6)
+        summary = launch_local(cfg, run_dir)
+        runs[name] = run_dir
+    assert summary["resumed_from_step"] == 6
+    assert logged_losses(runs["split"]) == logged_losses(runs["straight"])
+    model_state = load_checkpoint(runs["split"] / "checkpoint-00000012")["model"]
+    adapters_only = all(".lora_A." in k or ".lora_B." in k for k in model_state)
+    assert adapters_only == ("model.lora.rank=4" in overrides)
+    assert (runs["split"] / "checkpoint-00000012" / STATE_FILE).is_file()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("memory.optimizer_in_backward=true",), "train.grad_clip 1.0"),
+    (("memory.optimizer_in_backward=true", "train.grad_clip=0"),
+     "needs one micro-batch per step: train.global_batch_size 16 over "
+     "train.micro_batch_size 4"),
+    (("memory.optimizer_in_backward=true", "train.grad_clip=0", "memory.precision=fp16"),
+     "memory.precision 'fp16'"),
+    (("memory.optimizer_in_backward=true", "train.grad_clip=0", "train.micro_batch_size=16",
+      "memory.oom_recovery=true"), "memory.oom_recovery true"),
+    (("memory.optimizer_in_backward=true", "train.grad_clip=0",
+      "train.micro_batch_size=auto"), "train.micro_batch_size 'auto'"),
+    (("memory.activation_offload=checkpointed", "memory.activation_checkpointing=none"),
+     "nothing is checkpointed"),
+    (("memory.activation_offload=all", "train.compile=true"), "train.compile true"),
+    (("memory.optimizer_states=8bit", "train.fused_optimizer=true"),
+     "train.fused_optimizer true"),
+    (("model.lora.base_dtype=bf16",), "model.lora.base_dtype 'bf16'"),
+])
+def test_combinations_a_strategy_cannot_honour_are_refused_in_one_line(
+        overrides: tuple[str, ...], message: str, corpus_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        tiny_config(corpus_dir, tmp_path, *overrides)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'memtrain\[strategies\]'"):
+        adamw_class("8bit")
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(MissingExtraError, match=r"model.lora needs peft"):
+        apply_lora(SMALL(), LoraSettings())
