@@ -138,7 +138,8 @@ def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
     settings = lora_of(model)
     assert settings is not None
     if merge:
-        merge_adapters(model).hf.save_pretrained(out)
+        merge_adapters(model)
+        model.hf.save_pretrained(out)
         log.info("exported %s: the adapters merged into the base weights", directory.name)
         return
     from safetensors.torch import save_file
