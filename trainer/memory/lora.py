@@ -16,6 +16,7 @@ Hugging Face model, every linear layer of its decoder layers (a Llama's ``q_proj
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +92,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         raise ValueError(f"model.lora.targets {targets}: {err}") from None
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
-    model.lora_settings = settings  # type: ignore[assignment]
+    # The targets as resolved: once injected, the blocks' linear layers include the adapters.
+    model.lora_settings = dataclasses.replace(settings, targets=tuple(targets))  # type: ignore[assignment]
     return model
 
 
@@ -149,5 +151,5 @@ def peft_config(settings: LoraSettings, model: nn.Module, base: str) -> Any:
     """PEFT's ``LoraConfig`` of ``settings`` for a causal LM whose base is ``base``."""
     return _peft().LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=list(settings.targets) or default_targets(model),
+        target_modules=list(settings.targets),
         task_type="CAUSAL_LM", base_model_name_or_path=base)
