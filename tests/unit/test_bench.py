@@ -98,3 +98,28 @@ def test_the_fsdp_bench_runs_and_the_meta_build_holds_less(tmp_path: Path) -> No
     assert rows[("meta", 2)]["build"] < rows[("host", 2)]["build"]
     assert rows[("meta", 2)]["predicted_step"] > 0
     assert "largest that builds:" in out.stdout
+
+
+@pytest.mark.xdist_group("hf")
+def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut(
+        tmp_path: Path) -> None:
+    """A small Llama through the six cumulative rows: checkpointing cuts the peak, 8-bit
+    states AdamW's state bytes, LoRA the trained parameters and the peak; each row has its
+    planner figure, and offload's row its host bytes."""
+    out = subprocess.run([sys.executable, "-m", "bench.strategies", "--out", str(tmp_path),
+                          "--vocab-size", "2048", "--seq-len", "128", "--width", "256",
+                          "--layers", "2", "--steps", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [result] = tmp_path.glob("strategies-*.json")
+    rows = {row["row"]: row for row in json.loads(result.read_text())["rows"]}
+    assert len(rows) == 6
+    full, ac = rows["full fine-tune"], rows["+ activation checkpointing"]
+    assert ac["peak_bytes"] < full["peak_bytes"]
+    assert rows["+ activation offload"]["predicted_host_bytes"] > 0
+    assert rows["+ 8-bit AdamW"]["optimizer_state_bytes"] < \
+        0.3 * ac["optimizer_state_bytes"]
+    lora = rows["+ LoRA"]
+    assert lora["trainable_params"] < 0.1 * full["trainable_params"]
+    assert lora["peak_bytes"] < rows["+ 8-bit AdamW"]["peak_bytes"]
+    assert all(row["predicted_peak_bytes"] > 0 for row in rows.values())

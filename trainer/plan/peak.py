@@ -171,7 +171,8 @@ class PlanRow:
     transient_bytes: int  # the peak less parameters, AdamW state and saved activations
     predicted_peak_bytes: int
     recompute_cost: float  # extra step time from recomputation, as a share of forward+backward
-    # forward end | loss backward | backward start | backward end | optimizer step
+    # forward end | loss backward | backward start | backward end | optimizer step | last step
+    # in backward
     peak_moment: str = "forward end"
     # Predicted by the time model (``trainer.plan.speed``); 0: not predicted.
     step_seconds: float = 0.0
@@ -520,8 +521,9 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     outside_grads = 0 if static.offloaded else min(profile.outside_blocks_grad_bytes,
                                                    static.grads)
     held_grads = static.grads  # every gradient, at the end of backward
-    if static.in_backward:  # one gradient at a time (the head's, tied, completes last)
-        held_grads = 0 if static.offloaded else in_backward_bytes(static)
+    if static.in_backward:  # a block's gradients at most, each stepped as it completes
+        held_grads = 0 if static.offloaded else min(static.grads, profile.block_param_bytes
+                                                    // static.world_size)
     forward_kept = in_flight = backward_grads = 0
     if static.sharded:
         in_flight, backward_grads, forward_kept = fsdp_in_flight(static, profile)
@@ -547,6 +549,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
         moments["backward end"] = held_grads + emulation + profile.recompute_block_fixed_bytes \
             + (profile.first_block_per_sample_bytes
                + profile.largest_tensor_per_sample_bytes) * micro_batch_size
+    if static.in_backward and not static.offloaded:  # the last step: a tied embedding's,
+        moments["last step in backward"] = in_backward_bytes(static)  # alone by then
     moment = max(moments, key=lambda name: moments[name])
     peak = static.device_static + moments[moment]
     # Offloaded: the shards, their gradients and AdamW's state (and its step's temporary).
@@ -588,7 +592,8 @@ def step_temporaries(static: StaticBytes) -> int:
 
 def in_backward_bytes(static: StaticBytes) -> int:
     """``memory.optimizer_in_backward``: the largest gradient while its parameter steps, with
-    that step's temporaries."""
+    that step's temporaries (the largest is an embedding, tied to the output layer: its gradient
+    completes last, when the activations are gone)."""
     return static.largest_grad + step_temporaries(static)
 
 
