@@ -108,6 +108,10 @@ def test_plan_reports_every_precision_and_checkpointing_choice(tmp_path: Path) -
     assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80, table
     assert "backward start" in table and "selective" in table
     assert "tokens/s" in table and table.count("<- auto") == 1, table
+    # Each memory strategy added to the configured plan: its own row, with host bytes.
+    for strategy in ("as configured", "8-bit AdamW states", "optimizer step in backward",
+                     "offload what checkpoints keep", "offload every saved tensor"):
+        assert strategy in table, table
     words = " ".join(table.split())  # rich wraps long lines at 80 columns
     assert re.search(r"speed: .+ \(measured on this CPU, \d+ threads?, \d+ (min|h|days) ago, "
                      r"repeats within \d+% \((stable|over 10%: unstable)", words), table

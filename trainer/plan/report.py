@@ -1,6 +1,7 @@
 """What ``memtrain plan`` prints: the planner's inputs (probe time, the device's speed and the
 calibration's age, the data loader's cost, static bytes, the loss), every precision and
-checkpointing mode at the configured micro-batch, the fastest fitting plan of each with
+checkpointing mode at the configured micro-batch, the memory strategies each added to the
+configured plan (device, host, AdamW state, tokens/s), the fastest fitting plan of each with
 ``auto``'s decision marked (``trainer.plan.choose.decide``, as ``train`` takes it), and with
 ``--measure`` the fastest predicted plans run on this CPU beside their predictions.
 """
@@ -21,7 +22,14 @@ from trainer.config import ConfigError
 from trainer.memory.loss import ChunkedLossShape
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import HEADROOM, feasible_plans
-from trainer.plan.choose import config_probe, decide, probe_config, speed_model
+from trainer.plan.choose import (
+    config_probe,
+    config_static,
+    decide,
+    planned_precision,
+    probe_config,
+    speed_model,
+)
 from trainer.plan.devices import GPU_COMPILED_SHARE
 from trainer.plan.measure import measure_plan
 from trainer.plan.peak import AC_MODES, plan_row
@@ -54,6 +62,8 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
     console.print("saved: activations kept for backward; temp.: the largest temporaries\n"
                   "beside them; peak: with parameters and AdamW state, at the moment named;\n"
                   "tokens/s: predicted, all workers together")
+    if cfg.train.micro_batch_size != "auto":
+        console.print(strategies_table(cfg, profiles, speed, budget))
     rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
                           speed=speed, choose_loss_chunk=cfg.memory.loss_chunk_tokens == "auto")
     console.print(best_table(rows, auto_plan(cfg, budget, speed, static, profiles),
@@ -103,6 +113,55 @@ def current_table(cfg: Any, static: Any, profiles: list[Any], speed: Any, budget
                         "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
                         f"{row.tokens_per_s:,.0f}")
     return current
+
+
+STRATEGY_VARIANTS = (  # (label, memory fields), each on top of the configured plan
+    ("8-bit AdamW states", {"optimizer_states": "8bit"}),
+    ("4-bit AdamW states", {"optimizer_states": "4bit"}),
+    ("bf16 AdamW states", {"optimizer_states": "bf16"}),
+    ("optimizer step in backward", {"optimizer_in_backward": True}),
+    ("offload what checkpoints keep", {"activation_offload": "checkpointed"}),
+    ("offload every saved tensor", {"activation_offload": "all"}),
+)
+
+
+def strategies_table(cfg: Any, profiles: list[Any], speed: Any, budget: int) -> Table:
+    """The configured plan (its precision and checkpointing, at its micro-batch) and each
+    memory strategy added to it alone: device peak, host bytes, AdamW's state, tokens/s. LoRA
+    is in the configured row where ``model.lora`` is set (``auto`` never picks it: it changes
+    what is trained)."""
+    gib = 2**30
+    precision = planned_precision(cfg)
+    ac = cfg.memory.activation_checkpointing
+    ac = "full" if ac == "auto" else ac
+    micro, world = cfg.train.micro_batch(), cfg.parallel.workers
+    accumulation = cfg.train.accumulation_steps(world)
+    [base] = [p for p in profiles if p.precision == precision
+              and p.activation_checkpointing == ac]
+    lora = " (LoRA)" if cfg.model.lora is not None else ""
+    table = plan_table(f"memory strategies on {precision}, {ac} checkpointing, micro-batch "
+                       f"{micro} x {accumulation}", "strategy", "peak\nGiB", "host\nGiB",
+                       "AdamW\nGiB", "fits", "tokens/s")
+    variants: list[tuple[str, dict[str, Any]]] = [(f"as configured{lora}", {})] + [
+        (label, fields) for label, fields in STRATEGY_VARIANTS
+        if any(getattr(cfg.memory, k) != v for k, v in fields.items())
+        and not (fields.get("activation_offload") == "checkpointed" and ac == "none")]
+    for label, fields in variants:
+        variant = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=fields)})
+        profile = base
+        if "activation_offload" in fields:
+            _, [profile] = probe_config(variant.model_copy(update={"memory": variant.memory.
+                                        model_copy(update={"activation_checkpointing": ac})}),
+                                        [precision], [ac], work=True)
+        row = plan_row(config_static(variant), profile, micro, accumulation, speed)
+        needs = " (accumulation 1)" if "optimizer_in_backward" in fields and accumulation > 1 \
+            else ""
+        table.add_row(label + needs, f"{row.predicted_peak_bytes / gib:.2f}",
+                      f"{row.host_bytes / gib:.2f}",
+                      f"{config_static(variant).optimizer / gib:.2f}",
+                      "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
+                      f"{row.tokens_per_s:,.0f}")
+    return table
 
 
 def auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[Any]) -> Any:
