@@ -24,7 +24,10 @@ micro-batch, through the trainer's own ``train_step``:
 - every CUDA metric family of the contract, published through the standalone exporter;
 - a recorded ``torch.cuda.memory_stats()`` dict, for the metric readers' CPU tests;
 - FSDP2 on one rank (``bench.gpu_fsdp``): bf16 through autocast, through
-  ``MixedPrecisionPolicy``, and with CPU offload, each peak beside the planner's.
+  ``MixedPrecisionPolicy``, and with CPU offload, each peak beside the planner's;
+- the memory strategies beyond the guide (``bench.gpu_strategies``): the step in backward,
+  activation offload, 8-bit AdamW and LoRA, each alone on bf16 with full checkpointing, each
+  peak beside the planner's (a row whose library is missing recorded as skipped).
 
 Without CUDA (``--dry`` is implied) it runs the same code paths on a tiny model on CPU, so the
 script cannot rot; CI runs that. It writes ``gpu-check-<date>-<host>.json`` and ``.md`` to --out
@@ -55,6 +58,7 @@ import numpy as np
 import torch
 
 from bench.gpu_fsdp import fsdp_rows
+from bench.gpu_strategies import strategy_rows
 from bench.results import result_path, write_json
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
@@ -601,6 +605,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    args.loss_chunk_tokens, 64 if dry else 512)
     report["loss_kernels"] = section("loss kernels", loss_kernels, device, dry)
     report["fsdp"] = fsdp_rows(section, cfg, device, micro_batch, steps, warmup)
+    report["strategies"] = strategy_rows(section, cfg, device, micro_batch, steps, warmup)
     report["summary"] = summarize(report)
     return report
 
@@ -916,6 +921,26 @@ def _fsdp_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _strategy_lines(report: dict[str, Any]) -> list[str]:
+    rows = report.get("strategies") or []
+    if not rows:
+        return []
+    lines = ["", "Memory strategies, each alone on bf16 + full checkpointing "
+             "(bench/gpu_strategies.py):", "",
+             "| strategy | peak alloc GiB | predicted GiB (host) | planner error | tokens/s |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['strategy']} | skipped: {row['skipped']} | | | |")
+            continue
+        error = row["planner_error"]
+        lines.append(f"| {row['strategy']} | {gib(row['peak_allocated_bytes'])} | "
+                     f"{gib(row['predicted_peak_bytes'])} ({gib(row['predicted_host_bytes'])}) "
+                     f"| {'-' if error is None else f'{error:+.1%}'} | "
+                     f"{row['tokens_per_second']:,.0f} |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as markdown, for docs/benchmarks.md."""
     lines = [f"### gpu-check on {report['device']} ({report['date']}"
@@ -930,7 +955,7 @@ def markdown(report: dict[str, Any]) -> str:
              "tokens/s | predicted tokens/s | MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for part in (_step_lines, _peer_lines, _target_lines, _check_lines, _cap_lines,
-                 _loss_lines, _fsdp_lines):
+                 _loss_lines, _fsdp_lines, _strategy_lines):
         lines += part(report)
     if report["errors"]:
         lines += ["", "Errors: " + "; ".join(report["errors"])]

@@ -53,6 +53,21 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     offload = fsdp["bf16 parameters, cpu offload"]
     assert offload["predicted_host_bytes"] > 0 == fsdp["bf16 parameters"]["predicted_host_bytes"]
     assert "FSDP2 on one rank" in next(tmp_path.glob("gpu-check-dry-*.md")).read_text()
+    # The memory strategies, each alone: measured beside the planner, offload's bytes in the
+    # host column; torch's own on any machine, torchao's and PEFT's where they import (PEFT
+    # needs yaml, hidden here: skipped, naming the extra).
+    strategies = {row["strategy"]: row for row in report["strategies"]}
+    assert set(strategies) == {"baseline", "step in backward", "offload checkpointed",
+                               "offload all", "8-bit AdamW", "LoRA"}
+    for name, row in strategies.items():
+        if name in ("8-bit AdamW", "LoRA") and "skipped" in row:
+            assert "pip install 'memtrain[strategies]'" in row["skipped"], row
+            continue
+        assert row["peak_allocated_bytes"] > 0 and row["predicted_peak_bytes"] > 0, row
+    assert strategies["offload all"]["predicted_host_bytes"] > 0 \
+        == strategies["baseline"]["predicted_host_bytes"]
+    assert "Memory strategies, each alone" in \
+        next(tmp_path.glob("gpu-check-dry-*.md")).read_text()
     # The peer (a plain nanoGPT-style loop, same model and batch) and memtrain's rows beside it
     [peer] = report["peer"]
     assert (peer["precision"], peer["compiled"]) == ("bf16", False)

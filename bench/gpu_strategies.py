@@ -1,0 +1,91 @@
+"""gpu-check's memory-strategy rows: the step in backward, activation offload, low-bit AdamW
+states and LoRA, each added alone to bf16 with full checkpointing, measured and planned.
+
+Each row trains the model with the trainer's own ``train_step`` and records the device's peak
+(CUDA's ``max_memory_allocated``; dry, on CPU, the allocator's record of one step) beside the
+planner's prediction (``trainer.plan.peak.plan_row``, with offload's host bytes apart: on CUDA
+they leave the device, which is what these rows are for; on CPU both are one memory). A row
+whose library is not installed (torchao for the low-bit states, PEFT for LoRA) is recorded as
+skipped, naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from trainer.build import MemoryTransforms, build_model
+from trainer.memory.lora import LoraSettings, apply_lora
+from trainer.memory.optimizers import MissingExtraError
+from trainer.memory.precision import precision_policy
+from trainer.model import GPT, GPTConfig
+from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.step import build_optimizer, create_optimizer_state, step_peak_bytes, train_step
+
+# (name, activation offload, AdamW states, step in backward, LoRA)
+CASES = {
+    "baseline": ("none", "fp32", False, False),
+    "step in backward": ("none", "fp32", True, False),
+    "offload checkpointed": ("checkpointed", "fp32", False, False),
+    "offload all": ("all", "fp32", False, False),
+    "8-bit AdamW": ("none", "8bit", False, False),
+    "LoRA": ("none", "fp32", False, True),
+}
+
+
+def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: int,
+                 steps: int, warmup: int) -> dict[str, Any]:
+    """One strategy's measured step (peak and tokens/s) and the planner's prediction of it."""
+    offload, states, in_backward, lora = CASES[name]
+
+    def factory() -> torch.nn.Module:
+        model = GPT(cfg)
+        return apply_lora(model, LoraSettings(rank=8)) if lora else model
+
+    transforms = MemoryTransforms("full", loss_chunk_tokens=1024, bf16_norm_inputs=False,
+                                  activation_offload=offload)
+    try:
+        model = build_model(factory, transforms, device, seed=0)
+        optimizer = build_optimizer(model, 3e-4, states=states,
+                                    in_backward="local" if in_backward else None)
+    except MissingExtraError as err:
+        return {"strategy": name, "skipped": str(err)}
+    create_optimizer_state(optimizer)
+    policy = precision_policy("bf16", device, warn=False)
+    scaler = policy.grad_scaler(device)
+    clip = 0.0 if in_backward else 1.0
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
+    for i in range(warmup + steps):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+        train_step(model, optimizer, scaler, [tokens], 1, policy, clip)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = step_peak_bytes(model, optimizer, scaler, tokens, policy, clip)
+    elapsed = time.perf_counter() - start
+    profile = profile_activations(factory, transforms, cfg.seq_len, cfg.vocab_size, "bf16",
+                                  device=device)
+    plan = plan_row(static_bytes(model, states=states, in_backward=in_backward,
+                                 step_device=device.type), profile, micro_batch, 1)
+    del model, optimizer
+    return {"strategy": name, "micro_batch_size": micro_batch, "peak_allocated_bytes": peak,
+            "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_host_bytes": plan.host_bytes, "predicted_peak_moment": plan.peak_moment,
+            "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
+
+
+def strategy_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int,
+                  steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Every strategy's row, each a gpu-check section (one failing keeps the others)."""
+    rows = [section(f"strategy {name}", strategy_row, cfg, name, device, micro_batch, steps,
+                    warmup) for name in CASES]
+    return [row for row in rows if row is not None]
+
