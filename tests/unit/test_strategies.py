@@ -258,3 +258,25 @@ def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(MissingExtraError, match=r"model.lora needs peft"):
         apply_lora(SMALL(), LoraSettings())
+
+
+def test_a_forward_that_raises_leaves_no_offload_hooks_behind() -> None:
+    """An OOM inside the forward (here: a block that raises) must not leave the saved-tensor
+    hooks pushed: the next forward offloads as the first would, and code outside the model
+    saves its tensors as usual."""
+    model = build_model(SMALL, MemoryTransforms("full", loss_chunk_tokens=16,
+                                                activation_offload="checkpointed"))
+    tokens_BT = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    block = model.blocks[1]
+    raising = block.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("injected")))
+    with pytest.raises(torch.OutOfMemoryError):
+        summed_loss(model, tokens_BT, FP32)
+    raising.remove()
+    summed_loss(model, tokens_BT, FP32).backward()
+    hooks = offload_of(model)
+    assert hooks is not None and hooks.tensors_this_forward == 2
+    x = torch.ones(4, requires_grad=True)
+    (x * x).sum().backward()  # no offload hooks here: its saved tensors stay themselves
+    assert torch.equal(x.grad, 2 * torch.ones(4))
+    assert hooks._hooks is None and hooks._depth == 0

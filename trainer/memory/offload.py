@@ -170,7 +170,11 @@ def install(model: nn.Module, mode: str) -> ActivationOffload | None:
 
 
 def _start(offload: ActivationOffload) -> None:
-    if offload._depth == 0 and torch.is_grad_enabled():
+    """The model's forward begins (the root's pre-hook, before any block's)."""
+    if offload._depth:  # the last forward raised (an OOM) before its hooks came off
+        offload._depth = 1
+        offload.exit()
+    if torch.is_grad_enabled():
         offload.start_forward()
 
 

@@ -159,24 +159,14 @@ def make_adamw(groups: list[dict[str, Any]], lr: float, betas: tuple[float, floa
 def held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the moments in ``optimizer``'s state, quantized ones by their parts (codes,
     scales, code book); the step counters left out, as ``state_bytes`` does."""
-    total = 0
-    for per_param in optimizer.state.values():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                total += _tensor_bytes(local_tensor(value))
-    return total
+    return sum(part.numel() * part.element_size()
+               for part in state_tensors(optimizer, with_steps=False))
 
 
-def _tensor_bytes(value: torch.Tensor) -> int:
-    flatten = getattr(value, "__tensor_flatten__", None)
-    if flatten is not None and type(value) is not torch.Tensor:
-        names, _ = flatten()
-        return sum(_tensor_bytes(getattr(value, name)) for name in names)
-    return value.numel() * value.element_size()
-
-
-def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor of ``optimizer``'s state, quantized ones by their parts."""
+def state_tensors(optimizer: torch.optim.Optimizer, with_steps: bool = True
+                  ) -> list[torch.Tensor]:
+    """Every tensor of ``optimizer``'s state (a DTensor by its shard), a quantized one by its
+    parts (``__tensor_flatten__``: torchao's codes, scales and code book)."""
     out: list[torch.Tensor] = []
 
     def add(value: torch.Tensor) -> None:
@@ -188,8 +178,8 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             out.append(value)
 
     for per_param in optimizer.state.values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and (with_steps or key != "step"):
                 add(local_tensor(value))
     return out
 
@@ -201,8 +191,9 @@ _BACKWARD_STEPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, BackwardSteps]
 class BackwardSteps:
     """Steps each parameter of ``optimizer`` in backward (the module docstring says where).
 
-    ``ddp``: the model will be wrapped in DDP, which then runs the steps after each bucket's
-    all-reduce. ``sharded``: FSDP2 (the norm's squares are summed over ranks at the end).
+    ``ddp``: the model will be wrapped in DDP, whose communication hook then steps each
+    bucket's parameters (``attach_ddp``). ``sharded``: FSDP2 (the norm's squares are summed
+    over ranks at the end).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, ddp: bool = False,
@@ -243,9 +234,9 @@ class BackwardSteps:
             single.state = self.optimizer.state
             single.param_groups[0].update(
                 {k: v for k, v in group.items() if k != "params" and k != "lr"})
-            lr = group["lr"]
-            if isinstance(single.param_groups[0]["lr"], torch.Tensor):
-                single.param_groups[0]["lr"].fill_(float(lr))
+            lr, own = group["lr"], single.param_groups[0]["lr"]
+            if isinstance(own, torch.Tensor):  # torchao keeps it a tensor: copied, no sync
+                own.copy_(lr if isinstance(lr, torch.Tensor) else torch.tensor(lr))
             else:
                 single.param_groups[0]["lr"] = lr
 
