@@ -50,6 +50,14 @@ class ChunkedLossShape:
     compute_itemsize: int  # the matmuls' dtype (autocast's, or the weight's)
     weight_itemsize: int
     hidden_itemsize: int
+    weight_trains: bool = True  # False: a frozen output layer (LoRA's base), no gradient
+
+    def saved_gradient_bytes(self, tokens: int) -> int:
+        """What the forward saves for backward: the fp32 gradients of the hidden states and,
+        when it trains, of the output weight. The loss's backward, the first of the step,
+        frees them (the weight's goes on as its gradient, counted with the parameters')."""
+        weight = 4 * self.vocab_size * self.width if self.weight_trains else 0
+        return 4 * tokens * self.width + weight
 
     def transient_bytes(self, tokens: int) -> int:
         """Peak bytes of the forward's temporaries for ``tokens`` tokens (not the saved ones).
@@ -64,7 +72,7 @@ class ChunkedLossShape:
         n = min(self.chunk_tokens, tokens)
         weight_copy = V * C * s if s != self.weight_itemsize else 0
         hidden_copy = n * C * s if s != self.hidden_itemsize else 0
-        weight_grad = V * C * (s + (4 if s != 4 else 0))
+        weight_grad = V * C * (s + (4 if s != 4 else 0)) if self.weight_trains else 0
         per_chunk = max(8 * n * V, s * n * V + weight_grad)
         return weight_copy + hidden_copy + per_chunk
 
@@ -141,7 +149,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if _observed is not None:
             _observed.append(ChunkedLossShape(
                 weight_VC.shape[0], weight_VC.shape[1], chunk_tokens, dtype.itemsize,
-                weight_VC.element_size(), hidden_NC.element_size()))
+                weight_VC.element_size(), hidden_NC.element_size(), weight_VC.requires_grad))
         needs_grad = hidden_NC.requires_grad or weight_VC.requires_grad
         with torch.autocast(weight_VC.device.type, enabled=False):
             weight = weight_VC.to(dtype)

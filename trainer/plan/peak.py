@@ -19,13 +19,20 @@ of the parameters and AdamW's state:
 - with the plain loss (``memory.loss_chunk_tokens: 0``), the loss's own backward, first: the
   saved activations (the fp32 log-probabilities among them) and the fp32 gradients of the
   log-probabilities and of the logits (``trainer.memory.loss.PlainLossShape``);
-- the start of backward: the saved activations, the gradients of the parameters outside the
+- the start of backward: the saved activations (less the chunked loss's saved gradients,
+  which its backward, the first, frees), the gradients of the parameters outside the
   repeated blocks (the output head's come first), the gradient of the largest tensor a block
   saves and, when the last block is checkpointed, that block's recomputed activations (measured
   as the difference to a probe without checkpointing) and its autocast weight copies. Further
   down, each block frees at least as much activation memory as its parameters' gradients take;
-- the optimizer step: every gradient, and AdamW's temporary of one moment's size (CUDA's
-  foreach path; on CPU, torch's per-parameter loop needs a few of the largest parameter's size).
+- the end of backward (``backward end``): every gradient but the first block's, beside that
+  block's activations (recomputed where checkpointed); with the optimizer step in backward, a
+  block's gradients, and the last step (a tied embedding's) alone;
+- the optimizer step: every gradient, and AdamW's temporaries (``step_temporaries``: one
+  moment's size on CUDA's foreach path; on CPU, and for torchao's low-bit states, a multiple of
+  the largest parameter). AdamW's state is counted by its dtype (``memory.optimizer_states``),
+  and only for the parameters that train (a LoRA model's adapters); activation offload's saved
+  bytes are the row's host bytes, not the device's.
 Under FSDP the static bytes are one rank's shards (in host memory under CPU offload: the row's
 ``host_bytes``), and the other moments add what FSDP holds whole while it runs, by its settings
 (``fsdp_in_flight``; calibrated on CPU), with a fourth moment at the end of backward.
@@ -148,6 +155,7 @@ class ActivationProfile:
     # What the first block holds for its own backward, per sample, at the end of backward
     # (recomputed where it is checkpointed), when every other gradient exists already.
     first_block_per_sample_bytes: int = 0
+    largest_block_param_bytes: int = 0  # the largest parameter inside the blocks
     # The step's operators, for the time model (``trainer.plan.speed``; None: not recorded).
     work: StepWork | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -471,20 +479,28 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     # is about their share of the blocks, and a forward is about a third of forward+backward.
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
     loss_shapes = measured[2][2]
-    in_blocks = {id(p) for p in blocks.parameters()}
-    outside = [p for p in {id(p): p for p in model.parameters()}.values()
-               if id(p) not in in_blocks]
-    block_params = max((_nbytes(block.parameters()) for block in blocks), default=0)
     host_per_sample, host_fixed = _fit(measured[1][3], measured[2][3])
     profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
                                 fixed, largest_per_sample, recompute, recompute_block,
                                 autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
-                                _nbytes(p for p in outside if p.requires_grad), _nbytes(outside),
-                                block_params, recompute_block_fixed,
+                                *_parameter_bytes(model, blocks), recompute_block_fixed,
                                 host_per_sample_bytes=host_per_sample,
                                 host_fixed_bytes=host_fixed,
-                                first_block_per_sample_bytes=first_block)
+                                first_block_per_sample_bytes=first_block,
+                                largest_block_param_bytes=max(
+                                    (_nbytes([p]) for p in blocks.parameters()
+                                     if p.requires_grad), default=0))
     return profile, (block_calls[0] if block_calls else None)
+
+
+def _parameter_bytes(model: nn.Module, blocks: nn.ModuleList) -> tuple[int, int, int]:
+    """(gradient bytes outside the blocks, parameter bytes outside them, the largest block's
+    parameter bytes)."""
+    in_blocks = {id(p) for p in blocks.parameters()}
+    outside = [p for p in {id(p): p for p in model.parameters()}.values()
+               if id(p) not in in_blocks]
+    block_params = max((_nbytes(block.parameters()) for block in blocks), default=0)
+    return _nbytes(p for p in outside if p.requires_grad), _nbytes(outside), block_params
 
 
 def _largest_growth(sizes_1: list[int], sizes_2: list[int]) -> int:
@@ -511,19 +527,14 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     static, profile = _under_fsdp(static, profile)
     offloaded = profile.host_bytes(micro_batch_size)  # activation offload's, on the host
     activations = profile.saved_bytes(micro_batch_size) - offloaded
-    tokens = micro_batch_size * profile.seq_len
-    shape = profile.loss_shape
-    if loss_chunk_tokens is not None and isinstance(shape, ChunkedLossShape):
-        shape = dataclasses.replace(shape, chunk_tokens=loss_chunk_tokens)
-    loss = shape.transient_bytes(tokens) if shape else 0
-    loss_backward = shape.backward_bytes(tokens) if shape else 0
+    shape, loss, loss_saved, loss_backward = _loss_terms(
+        profile, micro_batch_size * profile.seq_len, loss_chunk_tokens)
     # Under FSDP the output head's gradients are sharded like the rest.
     outside_grads = 0 if static.offloaded else min(profile.outside_blocks_grad_bytes,
                                                    static.grads)
     held_grads = static.grads  # every gradient, at the end of backward
-    if static.in_backward:  # a block's gradients at most, each stepped as it completes
-        held_grads = 0 if static.offloaded else min(static.grads, profile.block_param_bytes
-                                                    // static.world_size)
+    if static.in_backward and not static.offloaded:
+        held_grads = in_backward_held(static, profile, outside_grads)
     forward_kept = in_flight = backward_grads = 0
     if static.sharded:
         in_flight, backward_grads, forward_kept = fsdp_in_flight(static, profile)
@@ -532,7 +543,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation,
-        "backward start": activations + outside_grads + in_flight + forward_kept
+        "backward start": activations - loss_saved + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
@@ -557,21 +568,52 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     host = static.total + step_temporaries(static) if static.offloaded else 0
     host += offloaded
     chunk = shape.chunk_tokens if isinstance(shape, ChunkedLossShape) else 0
-    if speed is not None and static.fsdp is not None:  # the row's own FSDP settings
-        speed = dataclasses.replace(speed, fsdp=static.fsdp)
-    timing = speed.predict(profile.work, micro_batch_size, accumulation_steps,
-                           chunk or None) \
-        if speed is not None and profile.work is not None else None
-    seconds = tokens_per_s = 0.0
-    if speed is not None and timing is not None:
-        seconds = timing.seconds + strategy_seconds(
-            speed.step_device, offloaded * accumulation_steps,
-            static.grads // 4, static.optimizer_states)  # this rank's (fp32) trained values
-        tokens_per_s = timing.tokens_per_s * timing.seconds / seconds
+    seconds, tokens_per_s = _timing(static, profile, speed, micro_batch_size,
+                                    accumulation_steps, chunk, offloaded)
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations,
                    peak - static.device_static - activations, peak,
                    profile.recompute_fraction, moment, seconds, tokens_per_s, chunk, host)
+
+
+def _loss_terms(profile: ActivationProfile, tokens: int, loss_chunk_tokens: int | None
+                ) -> tuple[LossShape | None, int, int, int]:
+    """The loss's shape (re-chunked where asked) and its bytes: the forward's temporaries,
+    the chunked loss's saved gradients (freed by its backward, the first, before any block's),
+    the plain loss's backward."""
+    shape = profile.loss_shape
+    if loss_chunk_tokens is not None and isinstance(shape, ChunkedLossShape):
+        shape = dataclasses.replace(shape, chunk_tokens=loss_chunk_tokens)
+    if shape is None:
+        return None, 0, 0, 0
+    saved = shape.saved_gradient_bytes(tokens) if isinstance(shape, ChunkedLossShape) else 0
+    return shape, shape.transient_bytes(tokens), saved, shape.backward_bytes(tokens)
+
+
+def _timing(static: StaticBytes, profile: ActivationProfile, speed: SpeedModel | None,
+            micro_batch_size: int, accumulation_steps: int, chunk: int, offloaded: int
+            ) -> tuple[float, float]:
+    """(step seconds, tokens/s) of a row by the time model; (0, 0) without one."""
+    if speed is None or profile.work is None:
+        return 0.0, 0.0
+    if static.fsdp is not None:  # the row's own FSDP settings
+        speed = dataclasses.replace(speed, fsdp=static.fsdp)
+    timing = speed.predict(profile.work, micro_batch_size, accumulation_steps, chunk or None)
+    seconds = timing.seconds + strategy_seconds(
+        speed.step_device, offloaded * accumulation_steps,
+        static.grads // 4, static.optimizer_states)  # this rank's (fp32) trained values
+    return seconds, timing.tokens_per_s * timing.seconds / seconds
+
+
+def in_backward_held(static: StaticBytes, profile: ActivationProfile, outside_grads: int
+                     ) -> int:
+    """The step in backward at the first block's backward: the gradients outside the blocks
+    (a tied embedding's completes last), that block's, and the step of its largest parameter
+    with its temporaries."""
+    block = profile.block_param_bytes // static.world_size
+    largest = profile.largest_block_param_bytes // static.world_size
+    step = int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * largest)
+    return min(static.grads, outside_grads + block) + step
 
 
 # What one parameter's AdamW step allocates, in fp32 copies of that parameter: torch's loop on
