@@ -280,3 +280,26 @@ def test_a_forward_that_raises_leaves_no_offload_hooks_behind() -> None:
     (x * x).sum().backward()  # no offload hooks here: its saved tensors stay themselves
     assert torch.equal(x.grad, 2 * torch.ones(4))
     assert hooks._hooks is None and hooks._depth == 0
+
+
+def test_prepare_names_a_missing_library_and_a_bf16_base_auto_cannot_give(
+        corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any worker starts: a strategy whose library is not installed is one line naming
+    the extra; a LoRA base in bf16 where ``auto`` resolves to fp32 (a CPU without native bf16,
+    stood in for here: this machine's kind must not decide the test) is one line naming both
+    fields."""
+    import importlib.util
+
+    import trainer.plan.choose
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"memory.optimizer_states 8bit needs the torchao "
+                                          r"package: pip install 'memtrain\[strategies\]'"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, "memory.optimizer_states=8bit"))
+    monkeypatch.setattr(trainer.plan.choose, "planned_precision", lambda cfg: "fp32")
+    with pytest.raises(ConfigError, match="model.lora.base_dtype 'bf16': memory.precision auto "
+                                          "resolves to fp32 here"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, "model.lora.base_dtype=bf16",
+                                "memory.precision=auto"))

@@ -56,6 +56,7 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         monitoring = monitoring.model_copy(
             update={"mlflow_tracking_uri": os.environ["MLFLOW_TRACKING_URI"]})
     cfg = cfg.model_copy(update={"data": data, "run": run, "monitoring": monitoring})
+    check_strategies(cfg)
     workers = cfg.parallel.workers
     joins_cluster = cfg.parallel.launcher == "ray" and bool(os.environ.get("RAY_ADDRESS"))
     if not cfg.parallel.use_gpu and not joins_cluster and workers > available_cpus():
@@ -129,6 +130,26 @@ def remote_run(cfg: Config) -> RemoteRun | None:
         return RemoteRun(f"{cfg.run.dir.rstrip('/')}/{cfg.run.name}")
     except (OSError, ValueError) as err:  # pyarrow: an unknown scheme, a malformed URI
         raise _store_error(cfg, err) from err
+
+
+def check_strategies(cfg: Config) -> None:
+    """The memory strategies' libraries (the ``strategies`` extra) and, for a LoRA base in bf16,
+    the precision ``auto`` resolves to here: one line each, before any worker starts."""
+    needed = [("memory.optimizer_states " + cfg.memory.optimizer_states, "torchao")
+              ] if cfg.memory.optimizer_states != "fp32" else []
+    lora = cfg.model.lora
+    needed += [("model.lora", "peft")] if lora is not None else []
+    for field, package in needed:
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{field} needs the {package} package: pip install "
+                              "'memtrain[strategies]'")
+    if lora is not None and lora.base_dtype == "bf16" and cfg.memory.precision == "auto":
+        from trainer.plan.choose import planned_precision
+
+        if (precision := planned_precision(cfg)) != "bf16":
+            raise ConfigError(f"model.lora.base_dtype 'bf16': memory.precision auto resolves "
+                              f"to {precision} here, and bf16 base weights compute under bf16 "
+                              "autocast; set memory.precision bf16, or base_dtype fp32")
 
 
 def _store_error(cfg: Config, err: Exception) -> ConfigError:
