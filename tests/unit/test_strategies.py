@@ -303,3 +303,21 @@ def test_prepare_names_a_missing_library_and_a_bf16_base_auto_cannot_give(
                                           "resolves to fp32 here"):
         prepare_run(tiny_config(corpus_dir, tmp_path, "model.lora.base_dtype=bf16",
                                 "memory.precision=auto"))
+
+
+def test_the_planner_counts_a_lora_model_by_what_it_trains(corpus_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """The static bytes of a LoRA model with a bf16 base (built on the meta device, where
+    PEFT can inject its adapters): the base's weights at half their fp32 bytes, gradients and
+    AdamW state for the adapters alone."""
+    from trainer.plan.choose import config_static
+
+    full = config_static(tiny_config(corpus_dir, tmp_path, "memory.precision=bf16"))
+    lora = config_static(tiny_config(corpus_dir, tmp_path, "memory.precision=bf16",
+                                     "model.lora.rank=4", "model.lora.base_dtype=bf16"))
+    # Per block, rank 4 (A: 4 x in, B: out x 4): qkv 64 -> 192, the attention's proj 64 -> 64,
+    # fc 64 -> 256, the MLP's proj 256 -> 64.
+    adapters = 4 * (64 + 192) + 4 * (64 + 64) + 4 * (64 + 256) + 4 * (256 + 64)
+    assert lora.grads == 2 * adapters * 4  # two blocks, fp32
+    assert lora.optimizer == 2 * adapters * 8
+    assert lora.params == pytest.approx(full.params / 2 + lora.grads, rel=0.01)

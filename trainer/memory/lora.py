@@ -82,8 +82,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
                          "layer, whose weight the loss reads directly; adapt the blocks' layers")
     for param in model.parameters():
         param.requires_grad_(False)
-    if settings.base_dtype == "bf16":
-        model.to(torch.bfloat16)  # before the adapters: they stay fp32
     config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
                              lora_dropout=settings.dropout, target_modules=targets)
     try:
@@ -92,6 +90,10 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         raise ValueError(f"model.lora.targets {targets}: {err}") from None
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    if settings.base_dtype == "bf16":  # the frozen base only: the adapters stay fp32
+        for param in {id(p): p for p in model.parameters()}.values():
+            if not param.requires_grad:  # ``.data``, not ``module.to``: that swaps tensors,
+                param.data = param.data.to(torch.bfloat16)  # impossible for a tied fake one
     # The targets as resolved: once injected, the blocks' linear layers include the adapters.
     model.lora_settings = dataclasses.replace(settings, targets=tuple(targets))  # type: ignore[assignment]
     return model

@@ -24,7 +24,6 @@ import torch
 from monitoring.units import parse_bytes
 from trainer.batch import per_rank_batch
 from trainer.build import MemoryTransforms, build_model, model_factory
-from trainer.compat import fake_tensor_mode
 from trainer.config import Config, ConfigError
 from trainer.memory.precision import resolve_precision
 from trainer.oom import oom_recovery_on
@@ -85,12 +84,14 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
 
 def config_static(cfg: Config) -> StaticBytes:
     """One rank's parameters, gradients and AdamW state under ``cfg``'s strategy and
-    ``parallel.fsdp`` (counted on fake tensors: no memory, no initialisation)."""
+    ``parallel.fsdp`` (counted on the meta device: shapes, dtypes and which parameters train,
+    no memory, no initialisation, no weights read; PEFT's adapters cannot be injected into a
+    fake-tensor model, whose parameters it moves)."""
     transforms = MemoryTransforms.of(cfg.memory).replace(activation_checkpointing="none")
-    with fake_tensor_mode():
-        plain = build_model(model_factory(cfg.model), transforms)
-        fsdp = FsdpSettings.of(cfg, planned_precision(cfg), cfg.parallel.workers) \
-            if cfg.parallel.strategy == "fsdp" else None
+    fsdp = FsdpSettings.of(cfg, planned_precision(cfg), cfg.parallel.workers) \
+        if cfg.parallel.strategy == "fsdp" else None
+    with torch.device("meta"):
+        plain = build_model(model_factory(cfg.model, load_weights=False), transforms)
         return static_bytes(plain, cfg.parallel.strategy, cfg.parallel.workers, fsdp,
                             cfg.memory.optimizer_states, cfg.memory.optimizer_in_backward,
                             "cuda" if cfg.parallel.use_gpu else "cpu")
