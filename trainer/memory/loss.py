@@ -52,13 +52,6 @@ class ChunkedLossShape:
     hidden_itemsize: int
     weight_trains: bool = True  # False: a frozen output layer (LoRA's base), no gradient
 
-    def saved_gradient_bytes(self, tokens: int) -> int:
-        """What the forward saves for backward: the fp32 gradients of the hidden states and,
-        when it trains, of the output weight. The loss's backward, the first of the step,
-        frees them (the weight's goes on as its gradient, counted with the parameters')."""
-        weight = 4 * self.vocab_size * self.width if self.weight_trains else 0
-        return 4 * tokens * self.width + weight
-
     def transient_bytes(self, tokens: int) -> int:
         """Peak bytes of the forward's temporaries for ``tokens`` tokens (not the saved ones).
 

@@ -19,8 +19,7 @@ of the parameters and AdamW's state:
 - with the plain loss (``memory.loss_chunk_tokens: 0``), the loss's own backward, first: the
   saved activations (the fp32 log-probabilities among them) and the fp32 gradients of the
   log-probabilities and of the logits (``trainer.memory.loss.PlainLossShape``);
-- the start of backward: the saved activations (less the chunked loss's saved gradients,
-  which its backward, the first, frees), the gradients of the parameters outside the
+- the start of backward: the saved activations, the gradients of the parameters outside the
   repeated blocks (the output head's come first), the gradient of the largest tensor a block
   saves and, when the last block is checkpointed, that block's recomputed activations (measured
   as the difference to a probe without checkpointing) and its autocast weight copies. Further
@@ -527,7 +526,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     static, profile = _under_fsdp(static, profile)
     offloaded = profile.host_bytes(micro_batch_size)  # activation offload's, on the host
     activations = profile.saved_bytes(micro_batch_size) - offloaded
-    shape, loss, loss_saved, loss_backward = _loss_terms(
+    shape, loss, loss_backward = _loss_terms(
         profile, micro_batch_size * profile.seq_len, loss_chunk_tokens)
     # Under FSDP the output head's gradients are sharded like the rest.
     outside_grads = 0 if static.offloaded else min(profile.outside_blocks_grad_bytes,
@@ -543,7 +542,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation,
-        "backward start": activations - loss_saved + outside_grads + in_flight + forward_kept
+        "backward start": activations + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
@@ -577,17 +576,15 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
 
 
 def _loss_terms(profile: ActivationProfile, tokens: int, loss_chunk_tokens: int | None
-                ) -> tuple[LossShape | None, int, int, int]:
-    """The loss's shape (re-chunked where asked) and its bytes: the forward's temporaries,
-    the chunked loss's saved gradients (freed by its backward, the first, before any block's),
+                ) -> tuple[LossShape | None, int, int]:
+    """The loss's shape (re-chunked where asked) and its bytes: the forward's temporaries and
     the plain loss's backward."""
     shape = profile.loss_shape
     if loss_chunk_tokens is not None and isinstance(shape, ChunkedLossShape):
         shape = dataclasses.replace(shape, chunk_tokens=loss_chunk_tokens)
     if shape is None:
-        return None, 0, 0, 0
-    saved = shape.saved_gradient_bytes(tokens) if isinstance(shape, ChunkedLossShape) else 0
-    return shape, shape.transient_bytes(tokens), saved, shape.backward_bytes(tokens)
+        return None, 0, 0
+    return shape, shape.transient_bytes(tokens), shape.backward_bytes(tokens)
 
 
 def _timing(static: StaticBytes, profile: ActivationProfile, speed: SpeedModel | None,
