@@ -107,8 +107,8 @@ def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut
     states AdamW's state bytes, LoRA the trained parameters and the peak; each row has its
     planner figure, and offload's row its host bytes."""
     out = subprocess.run([sys.executable, "-m", "bench.strategies", "--out", str(tmp_path),
-                          "--vocab-size", "2048", "--seq-len", "128", "--width", "256",
-                          "--layers", "2", "--steps", "2"],
+                          "--vocab-size", "1024", "--seq-len", "64", "--width", "256",
+                          "--layers", "1", "--steps", "1"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     [result] = tmp_path.glob("strategies-*.json")
