@@ -61,19 +61,7 @@ def fsdp_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: int, 
     scaler = policy.grad_scaler(device)
     optimizer = build_optimizer(model, lr=3e-4)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
-    for i in range(warmup + steps):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
-        train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = step_peak_bytes(model, optimizer, scaler, tokens, policy)
-    elapsed = time.perf_counter() - start
+    peak, elapsed = measured_steps(model, optimizer, scaler, tokens, policy, 1.0, steps, warmup)
     profile = profile_activations(partial(GPT, cfg), transforms, cfg.seq_len, cfg.vocab_size,
                                   "bf16", device=device)
     with torch.device("meta"):
@@ -86,6 +74,28 @@ def fsdp_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: int, 
             "predicted_peak_bytes": plan.predicted_peak_bytes,
             "predicted_host_bytes": plan.host_bytes, "predicted_peak_moment": plan.peak_moment,
             "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
+
+
+def measured_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+                   tokens: torch.Tensor, policy: Any, grad_clip: float, steps: int,
+                   warmup: int) -> tuple[int, float]:
+    """``warmup`` then ``steps`` of the trainer's ``train_step`` on ``tokens``: (the peak bytes
+    of the timed steps, CUDA's ``max_memory_allocated``, or dry on CPU the allocator's record of
+    one more step; the seconds the timed steps took)."""
+    device = tokens.device
+    for i in range(warmup + steps):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+        train_step(model, optimizer, scaler, [tokens], 1, policy, grad_clip)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = step_peak_bytes(model, optimizer, scaler, tokens, policy, grad_clip)
+    return peak, time.perf_counter() - start
 
 
 def fsdp_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int, steps: int,

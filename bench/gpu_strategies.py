@@ -11,18 +11,18 @@ skipped, naming it.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
+from bench.gpu_fsdp import measured_steps
 from trainer.build import MemoryTransforms, build_model
 from trainer.memory.lora import LoraSettings, apply_lora
 from trainer.memory.optimizers import MissingExtraError
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.step import build_optimizer, create_optimizer_state, step_peak_bytes, train_step
+from trainer.step import build_optimizer, create_optimizer_state
 
 # (name, activation offload, AdamW states, step in backward, LoRA)
 CASES = {
@@ -57,19 +57,7 @@ def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
     scaler = policy.grad_scaler(device)
     clip = 0.0 if in_backward else 1.0
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
-    for i in range(warmup + steps):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
-        train_step(model, optimizer, scaler, [tokens], 1, policy, clip)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = step_peak_bytes(model, optimizer, scaler, tokens, policy, clip)
-    elapsed = time.perf_counter() - start
+    peak, elapsed = measured_steps(model, optimizer, scaler, tokens, policy, clip, steps, warmup)
     profile = profile_activations(factory, transforms, cfg.seq_len, cfg.vocab_size, "bf16",
                                   device=device)
     plan = plan_row(static_bytes(model, states=states, in_backward=in_backward,

@@ -203,7 +203,6 @@ class BackwardSteps:
         # checkpoint's load replaces the group dicts themselves)
         self.singles: list[tuple[torch.optim.Optimizer, int]] = []
         self.squares: list[torch.Tensor] = []
-        self.handles: list[Any] = []
         self.steppers: dict[int, _Stepper] = {}  # by id(parameter), for DDP's hook
         make: Any = type(optimizer)
         for index, group in enumerate(optimizer.param_groups):
@@ -214,8 +213,7 @@ class BackwardSteps:
                 stepper = _Stepper(self, single)
                 self.steppers[id(param)] = stepper
                 if not ddp:  # DDP: its communication hook steps (``attach_ddp``)
-                    self.handles.append(param.register_post_accumulate_grad_hook(
-                        stepper.step_param))
+                    param.register_post_accumulate_grad_hook(stepper.step_param)
         _BACKWARD_STEPS[optimizer] = self
         self.begin()
 
@@ -260,10 +258,6 @@ class BackwardSteps:
         mode, whose hook needs a CUDA stream; this one runs on gloo too)."""
         model.register_comm_hook(self, _all_reduce_then_step)
         model.reducer._set_optimizer_in_backward()
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def _all_reduce_then_step(steps, bucket):  # type: ignore[no-untyped-def]

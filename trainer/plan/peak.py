@@ -70,7 +70,7 @@ from trainer.memory.loss import (
     summed_loss,
 )
 from trainer.memory.offload import offload_of
-from trainer.memory.optimizers import state_bytes
+from trainer.memory.optimizers import state_bytes, trainable
 from trainer.memory.precision import precision_policy
 from trainer.meta_init import storage_key
 from trainer.plan.speed import SpeedModel, strategy_seconds
@@ -205,7 +205,7 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
     ``in_backward``: ``memory.optimizer_in_backward``; ``step_device``: where AdamW steps
     (``step_temporaries``)."""
     unique = list({id(p): p for p in model.parameters()}.values())  # tied weights count once
-    trained = [p for p in unique if p.requires_grad]
+    trained = trainable(model)
     param_bytes = _nbytes(unique)
     grad_bytes = _nbytes(trained)
     sharded = parallel == "fsdp"

@@ -153,12 +153,13 @@ def strategies_table(cfg: Any, profiles: list[Any], speed: Any, budget: int) -> 
             _, [profile] = probe_config(variant.model_copy(update={"memory": variant.memory.
                                         model_copy(update={"activation_checkpointing": ac})}),
                                         [precision], [ac], work=True)
-        row = plan_row(config_static(variant), profile, micro, accumulation, speed)
+        static = config_static(variant)
+        row = plan_row(static, profile, micro, accumulation, speed)
         needs = " (accumulation 1)" if "optimizer_in_backward" in fields and accumulation > 1 \
             else ""
         table.add_row(label + needs, f"{row.predicted_peak_bytes / gib:.2f}",
                       f"{row.host_bytes / gib:.2f}",
-                      f"{config_static(variant).optimizer / gib:.2f}",
+                      f"{static.optimizer / gib:.2f}",
                       "yes" if row.predicted_peak_bytes <= HEADROOM * budget else "no",
                       f"{row.tokens_per_s:,.0f}")
     return table
