@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.request
 from pathlib import Path
@@ -9,7 +10,8 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from monitoring.memory import CUDA_ALLOCATOR_KEYS, read_cuda_allocator
+import monitoring.memory
+from monitoring.memory import CUDA_ALLOCATOR_KEYS, read_cuda_allocator, resident_bytes
 from monitoring.metrics import LABELS, METRICS
 from monitoring.sinks import PrometheusSink
 from tests.conftest import tiny_config
@@ -41,6 +43,18 @@ def test_reader_maps_a_recorded_h200_memory_stats_dict() -> None:
     assert values["memtrain_gpu_memory_reserved_bytes"] >= \
         values["memtrain_gpu_memory_allocated_bytes"] > 0
     assert values["memtrain_gpu_ooms_total"] == stats["num_ooms"]
+
+
+def test_resident_memory_counts_the_kernels_page_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/proc/self/statm`` counts pages: a 64 KiB-page kernel (aarch64 servers) reads 16 times
+    the bytes a 4 KiB one does for the same count of pages."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert resident_bytes() == pytest.approx(pages * page, rel=0.05)
+    monkeypatch.setattr(monitoring.memory.os, "sysconf",
+                        lambda name: 65536 if name == "SC_PAGE_SIZE" else 0)
+    assert resident_bytes() == pytest.approx(pages * 65536, rel=0.05)
 
 
 def test_cuda_family_is_absent_not_zero_on_cpu() -> None:
