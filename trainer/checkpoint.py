@@ -11,11 +11,13 @@ world, whatever the world that wrote them).
 - **Writing**: into a staging directory (``write_checkpoint``), which the worker context
   publishes: the local launcher by an atomic rename in the run directory (``publish_checkpoint``)
   and, for a run directory on object storage, an upload with ``meta.json`` last
-  (``upload_checkpoint``: object stores have no rename, so a checkpoint is complete once its
-  ``meta.json`` exists); Ray Train through ``ray.train.report``, under the same names.
-- **Finding**: the latest complete checkpoint of a run directory (``complete_checkpoints``) or
-  of its store (``stored_checkpoints``, ``fetch_latest``); staging and download directories
-  never match a checkpoint's name.
+  (``upload_checkpoint``: object stores have no rename); Ray Train through
+  ``ray.train.report``, under the same names, in no fixed order.
+- **Finding**: the latest whole checkpoint of a run directory (``latest_whole``) or of its store
+  (``stored_checkpoints``, ``fetch_latest``): ``meta.json`` is a manifest of every file with its
+  size and SHA-256 (``trainer.manifest``), checked before a checkpoint is trusted; one that is
+  not whole is skipped with a line naming what is missing, and the one before it is used.
+  Staging and download directories never match a checkpoint's name.
 - **Reading**: ``torch.load(..., weights_only=True)``: everything in ``state.pt`` is tensors and
   plain containers, so a checkpoint can never run code. A checkpoint that cannot be used raises
   ``CheckpointReadError`` (exit 2) naming the file and the problem, not an error deep inside
@@ -26,7 +28,7 @@ world, whatever the world that wrote them).
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
 import pickle
 import re
@@ -42,11 +44,21 @@ from torch import nn
 from monitoring.run_files import CHECKPOINT_PREFIX
 from trainer.errors import first_line
 from trainer.faults import maybe_fail_checkpoint
+from trainer.manifest import (
+    MANIFEST,
+    STATE,
+    describe,
+    local_problem,
+    parse,
+    size_problem,
+    write_manifest,
+)
 from trainer.memory.lora import lora_of, trainable_state_dict
 from trainer.runstore import RemoteRun
 
-STATE_FILE = "state.pt"
-META_FILE = "meta.json"
+STATE_FILE = STATE
+META_FILE = MANIFEST
+log = logging.getLogger("memtrain")
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
@@ -75,12 +87,40 @@ def checkpoint_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Published checkpoints in ``run_dir``, oldest first."""
+def published_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The checkpoint directories in ``run_dir`` by their names, oldest first, whole or not."""
     if not run_dir.is_dir():
         return []
     return sorted((step, child) for child in run_dir.iterdir()
                   if (step := checkpoint_step(child.name)) is not None and child.is_dir())
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The checkpoints in ``run_dir`` that hold every file their manifest lists, at its size;
+    oldest first."""
+    return [(step, path) for step, path in published_checkpoints(run_dir)
+            if local_problem(path, hashes=False) is None]
+
+
+def latest_whole(candidates: list[tuple[int, Path]], hashes: bool) -> Path | None:
+    """The newest of ``candidates`` (local checkpoints, oldest first) that is whole (sizes
+    and, with ``hashes``, bytes); each newer one that is not is skipped with one line."""
+    for _, path in reversed(candidates):
+        problem = local_problem(path, hashes)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s is not whole (%s): skipped, the one before it is used",
+                    path, problem)
+    return None
+
+
+def verified(directory: Path, hashes: bool) -> Path:
+    """``directory`` when it is a whole checkpoint; else CheckpointReadError naming why (a
+    checkpoint chosen by someone else: Ray's latest, a step asked for by number)."""
+    problem = local_problem(directory, hashes)
+    if problem is not None:
+        raise CheckpointReadError(f"checkpoint {directory} is not whole: {problem}")
+    return directory
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -99,12 +139,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` (``trainer.state.TrainState.state_dict``) into ``directory``; returns the
-    state file."""
+    """Write ``state`` (``trainer.state.TrainState.state_dict``) into ``directory``, with the
+    manifest of every file there; returns the state file."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / STATE_FILE
     torch.save(state, path)
-    (directory / META_FILE).write_text(json.dumps({"step": state["step"]}, sort_keys=True))
+    write_manifest(directory, state["step"], describe(directory))
     return path
 
 
@@ -112,12 +152,32 @@ def write_checkpoint(directory: Path, state: dict[str, Any] | None,
                      shards: tuple[nn.Module, torch.optim.Optimizer] | None) -> Path | None:
     """One rank's part of a checkpoint, into ``directory``: the model's and optimizer's DCP
     shards where ``shards`` is given (every rank, a collective), and ``state.pt`` where
-    ``state`` is (rank 0). Returns ``directory``, or None when this rank wrote nothing."""
-    if shards is not None:
-        save_sharded(directory, *shards)
+    ``state`` is (rank 0). Returns ``directory``, or None when this rank wrote nothing.
+
+    The manifest (``meta.json``, rank 0's) lists every rank's files: under FSDP each rank
+    hashes its own shards and rank 0 gathers the lists (a collective)."""
+    if shards is None:
+        return save_checkpoint(directory, state).parent if state is not None else None
+    save_sharded(directory, *shards)
     if state is not None:
-        save_checkpoint(directory, state)
-    return directory if shards is not None or state is not None else None
+        torch.save(state, directory / STATE_FILE)
+    files: dict[str, Any] = {}
+    for part in _gathered(describe(directory)):
+        files.update(part)
+    if state is not None:
+        write_manifest(directory, state["step"], files)
+    return directory
+
+
+def _gathered(part: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``part`` (a collective where there is a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [part]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return parts
 
 
 @contextlib.contextmanager
@@ -176,7 +236,7 @@ def publish_checkpoint(run_dir: Path, step: int, files: Path | None, rank: int,
         if final.exists():  # a rerun reached the same step: replace it whole
             shutil.rmtree(final)
         os.replace(staging, final)
-        for _, old in complete_checkpoints(run_dir)[:-keep]:
+        for _, old in published_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -187,10 +247,15 @@ def upload_checkpoint(remote: RemoteRun, checkpoint: Path, keep: int) -> None:
     gets the run's logs as they are at this checkpoint."""
     step = checkpoint_step(checkpoint.name)
     try:
+        if checkpoint.name in remote.directories():  # a rerun's, or a partial upload's
+            remote.delete_dir(checkpoint.name)
         files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
-        remote.upload_files(checkpoint.parent, sorted(files, key=lambda p: p.name == META_FILE))
-        for _step, name in stored_checkpoints(remote)[:-keep]:
-            remote.delete_dir(name)
+        remote.upload_files(checkpoint.parent, files, last=META_FILE)
+        stored = _stored(remote)
+        whole = [name for _step, name, problem in stored if problem is None]
+        for _step, name, problem in stored:  # the older whole ones beyond keep, partial ones
+            if name != checkpoint.name and (problem is not None or name in whole[:-keep]):
+                remote.delete_dir(name)
         remote.upload_logs(checkpoint.parent)
     except OSError as err:  # the store's latest complete checkpoint stays the latest
         raise CheckpointWriteError(
@@ -200,24 +265,39 @@ def upload_checkpoint(remote: RemoteRun, checkpoint: Path, keep: int) -> None:
 
 # -- finding -------------------------------------------------------------------------------------
 
+def _stored(remote: RemoteRun) -> list[tuple[int, str, str | None]]:
+    """(step, name, what is missing or None) of every checkpoint directory in the store,
+    oldest first: one listing of each, no bytes read but its manifest's."""
+    found = []
+    for name in remote.directories():
+        if (step := checkpoint_step(name)) is None:
+            continue
+        sizes = remote.file_sizes(name)
+        manifest = parse(remote.read_text(f"{name}/{META_FILE}")) if META_FILE in sizes else None
+        found.append((step, name, size_problem(manifest, sizes)))
+    return sorted(found)
+
+
 def stored_checkpoints(remote: RemoteRun) -> list[tuple[int, str]]:
-    """(step, name) of the complete checkpoints in the run store, oldest first."""
-    return sorted((step, name) for name in remote.directories()
-                  if (step := checkpoint_step(name)) is not None
-                  and remote.is_file(f"{name}/{META_FILE}"))
+    """(step, name) of the checkpoints in the run store that hold every file their manifest
+    lists, at its size; oldest first."""
+    return [(step, name) for step, name, problem in _stored(remote) if problem is None]
 
 
-def fetch_latest(remote: RemoteRun, run_dir: Path) -> Path | None:
-    """The store's latest complete checkpoint in the working copy ``run_dir`` (downloaded
-    unless there already, complete); None when the store has none."""
-    checkpoints = stored_checkpoints(remote)
-    if not checkpoints:
-        return None
-    name = checkpoints[-1][1]
-    local = run_dir / name
-    if not (local / META_FILE).is_file():
-        remote.download_dir(name, local)
-    return local
+def fetch_latest(remote: RemoteRun, run_dir: Path, hashes: bool = True) -> Path | None:
+    """The store's latest whole checkpoint in the working copy ``run_dir`` (downloaded unless
+    the copy holds it whole); None when the store has none. Each newer one that is not whole,
+    on the store or once downloaded, is skipped with one line."""
+    for _, name, problem in reversed(_stored(remote)):
+        local = run_dir / name
+        if problem is None and local_problem(local, hashes) is not None:
+            remote.download_dir(name, local)
+            problem = local_problem(local, hashes)
+        if problem is None:
+            return local
+        log.warning("checkpoint %s/%s is not whole (%s): skipped, the one before it is used",
+                    remote.uri, name, problem)
+    return None
 
 
 # -- reading -------------------------------------------------------------------------------------

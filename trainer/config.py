@@ -41,6 +41,11 @@ class RunConfig(_Strict):
     # $MEMTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/memtrain, else ~/.cache/memtrain
     work_dir: str | None = None
     seed: int = 0
+    # Checkpoints kept in the run directory (and its store): the newest ones.
+    keep_checkpoints: int = Field(3, ge=1)
+    # What is checked before a checkpoint is read (trainer/manifest.py): every file's size and
+    # SHA-256 against meta.json ("hashes", about 1.1 s per GiB), or the sizes alone ("sizes").
+    checkpoint_verify: Literal["hashes", "sizes"] = "hashes"
 
 
 class LoraConfig(_Strict):

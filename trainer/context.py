@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import (
-    complete_checkpoints,
     fetch_latest,
+    latest_whole,
     publish_checkpoint,
-    stored_checkpoints,
+    published_checkpoints,
     upload_checkpoint,
 )
 from trainer.runstore import RemoteRun
@@ -44,6 +44,10 @@ class WorkerContext(ABC):
     # The launch this worker belongs to (an id the launcher draws): a start under another
     # launch than the previous attempt's is a relaunch (trainer.recovery).
     launch_id: str = field(default="", kw_only=True)
+    # How many checkpoints are kept (``run.keep_checkpoints``), and whether a checkpoint's
+    # bytes are checked against their hashes before it is read (``run.checkpoint_verify``).
+    keep_checkpoints: int = field(default=3, kw_only=True)
+    verify_hashes: bool = field(default=True, kw_only=True)
 
     @property
     def is_main(self) -> bool:
@@ -61,6 +65,14 @@ class WorkerContext(ABC):
     def barrier(self) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a collective: every rank calls)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def node_address(self) -> str:
         """The address of the node this worker runs on."""
@@ -88,7 +100,6 @@ class LocalContext(WorkerContext):
     working copy: rank 0 uploads each checkpoint once published here, and the store's latest
     is what resumes."""
 
-    keep_checkpoints: int = 3
     remote: RemoteRun | None = field(default=None, kw_only=True)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
@@ -100,14 +111,11 @@ class LocalContext(WorkerContext):
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:
-        if self.remote is None:
-            checkpoints = complete_checkpoints(self.run_dir)
-            yield checkpoints[-1][1] if checkpoints else None
-            return
-        # The store decides: rank 0 brings its latest into the working copy, the others wait.
-        latest = fetch_latest(self.remote, self.run_dir) if self.is_main else None
-        self.barrier()
-        if not self.is_main:
-            published = stored_checkpoints(self.remote)
-            latest = self.run_dir / published[-1][1] if published else None
-        yield latest
+        # Rank 0 decides (the run directory's latest whole checkpoint, or the store's, brought
+        # into the working copy); the others take its choice.
+        latest = None
+        if self.is_main and self.remote is None:
+            latest = latest_whole(published_checkpoints(self.run_dir), self.verify_hashes)
+        elif self.is_main and self.remote is not None:
+            latest = fetch_latest(self.remote, self.run_dir, self.verify_hashes)
+        yield self.broadcast(latest)

@@ -31,10 +31,12 @@ from monitoring.units import format_bytes
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.checkpoint import (
     CheckpointReadError,
-    complete_checkpoints,
+    latest_whole,
     load_checkpoint,
     load_model_state,
     load_sharded_tensors,
+    published_checkpoints,
+    verified,
 )
 from trainer.config import Config, ConfigError, load_config
 from trainer.hf import PREFIX, HFCausalLM, has_weights
@@ -72,14 +74,18 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
     if not cfg.model.name.startswith(PREFIX):
         raise ConfigError(f"--hf needs a run of a Hugging Face model (model.name hf:...); "
                           f"{run_dir}'s is {cfg.model.name!r}")
-    checkpoints = dict(complete_checkpoints(run_dir))
-    if not checkpoints:
-        raise CheckpointReadError(f"{run_dir}: no complete checkpoint to export")
-    step = max(checkpoints) if step is None else step
-    if step not in checkpoints:
+    checkpoints = dict(published_checkpoints(run_dir))
+    hashes = cfg.run.checkpoint_verify == "hashes"
+    if step is None:  # the latest whole one, past any that is not
+        latest = latest_whole(sorted(checkpoints.items()), hashes)
+        if latest is None:
+            raise CheckpointReadError(f"{run_dir}: no complete checkpoint to export")
+        directory = latest
+    elif step not in checkpoints:
         raise CheckpointReadError(f"{run_dir}: no checkpoint of step {step} (there are "
                                   f"{sorted(checkpoints)})")
-    directory = checkpoints[step]
+    else:
+        directory = verified(checkpoints[step], hashes)
     state = load_checkpoint(directory)
     if cfg.model.lora is not None:
         export_lora(cfg, directory, state, out, merge)
@@ -112,7 +118,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
         # The special token ``AutoTokenizer`` cannot know from tokenizer.json alone.
         eos = Tokenizer.from_str(raw.decode("utf-8")).id_to_token(eot_id)
         (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}, indent=2))
-    return Exported(out, step, tokenizer is not None)
+    return Exported(out, int(state["step"]), tokenizer is not None)
 
 
 def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,

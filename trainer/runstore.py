@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,13 @@ from monitoring.run_files import (
 
 LOG_ENTRIES = (CONFIG, SUMMARY, METRICS_DIR, ERRORS_DIR, ATTEMPTS, PROGRESS,
                TRACKING_FILE, TENSORBOARD_DIR)  # the last two: the experiment trackers'
+
+
+# The AWS SDK retries a failed request (throttling, 5xx, a dropped connection) with backoff, up
+# to this many attempts in all: the one place transient errors are retried (pyarrow builds its
+# S3 filesystem with no retry strategy unless told).
+S3_ATTEMPTS = 5
+UPLOAD_THREADS = 8  # files of one checkpoint in flight at once (FSDP: one or more per rank)
 
 
 def default_work_dir(uri: str) -> Path:
@@ -68,7 +76,9 @@ def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         "region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")}
     if host:
         options.update(endpoint_override=host, scheme=scheme)
-    return pafs.S3FileSystem(**{k: v for k, v in options.items() if v}), uri.removeprefix("s3://")
+    options = {k: v for k, v in options.items() if v}
+    return (pafs.S3FileSystem(**options, retry_strategy=pafs.AwsStandardS3RetryStrategy(
+        max_attempts=S3_ATTEMPTS)), uri.removeprefix("s3://"))
 
 
 class RemoteRun:
@@ -92,6 +102,8 @@ class RemoteRun:
         return f"{self.root}/{relative}"
 
     def upload_file(self, local: Path, relative: str) -> None:
+        if isinstance(self.fs, pafs.LocalFileSystem):  # object stores have no directories
+            self.fs.create_dir(self._path(relative).rsplit("/", 1)[0], recursive=True)
         with local.open("rb") as source, self.fs.open_output_stream(self._path(relative)) as out:
             shutil.copyfileobj(source, out, length=8 << 20)
 
@@ -99,10 +111,26 @@ class RemoteRun:
         with self.fs.open_input_stream(self._path(relative)) as stream:
             return stream.read().decode()
 
-    def upload_files(self, root: Path, files: list[Path]) -> None:
-        """``files``, in this order, each under its name relative to ``root``."""
+    def upload_files(self, root: Path, files: list[Path], last: str | None = None) -> None:
+        """``files``, each under its name relative to ``root``, ``UPLOAD_THREADS`` at a time;
+        the file named ``last`` alone once every other one is whole on the store."""
+        first = [path for path in files if path.name != last]
+        with ThreadPoolExecutor(UPLOAD_THREADS) as pool:  # pyarrow's streams release the GIL
+            for done in [pool.submit(self.upload_file, path, path.relative_to(root).as_posix())
+                         for path in first]:
+                done.result()  # the first error, raised
         for path in files:
-            self.upload_file(path, path.relative_to(root).as_posix())
+            if path.name == last:
+                self.upload_file(path, path.relative_to(root).as_posix())
+
+    def file_sizes(self, relative: str) -> dict[str, int]:
+        """Every file under the directory ``relative``: its path below it, its bytes (one
+        listing of the store)."""
+        base = self._path(relative)
+        infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True,
+                                                        allow_not_found=True))
+        return {info.path[len(base) + 1:]: info.size for info in infos
+                if info.type == pafs.FileType.File}
 
     def directories(self) -> list[str]:
         """The names of the directories directly under the run's root."""

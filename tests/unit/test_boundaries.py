@@ -106,7 +106,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.memory", "trainer.sharding", "trainer.meta_init"),  # the memory strategies
     ("trainer.model", "trainer.hf"),
     ("trainer.build",),
-    ("trainer.worker_errors", "trainer.recovery", "trainer.runstore", "trainer.checkpoint",
+    ("trainer.worker_errors", "trainer.recovery", "trainer.runstore", "trainer.manifest",
+     "trainer.checkpoint",
      "trainer.context", "trainer.state", "trainer.run_metrics", "trainer.diagnostics",
      "trainer.export"),
     ("trainer.oom", "trainer.step"),

@@ -59,6 +59,12 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def checkpoint_settings(cfg: Config) -> dict[str, Any]:
+    """The context's checkpoint settings from ``cfg.run``."""
+    return {"keep_checkpoints": cfg.run.keep_checkpoints,
+            "verify_hashes": cfg.run.checkpoint_verify == "hashes"}
+
+
 def attach_metrics(ctx: LocalContext, cfg: Config) -> None:
     """Serve this rank's metrics on 127.0.0.1:(monitoring.port + rank) when a port is set."""
     if cfg.monitoring.port is None:
@@ -86,7 +92,7 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
                             world_size=world_size)
     try:
         ctx = LocalContext(rank, rank, world_size, device, Path(run_dir), remote=remote_run(cfg),
-                           launch_id=launch_id)
+                           launch_id=launch_id, **checkpoint_settings(cfg))
         attach_metrics(ctx, cfg)
         train(cfg, ctx, until_step)
     except BaseException as err:
@@ -149,7 +155,7 @@ def launch_local(cfg: Config, run_dir: Path, until_step: int | None = None) -> d
     try:
         if cfg.parallel.workers == 1:  # in-process: the worker's error is the user's, as it is
             ctx = LocalContext(0, 0, 1, _device(cfg.parallel.use_gpu, 0), run_dir, remote=remote,
-                               launch_id=uuid.uuid4().hex)
+                               launch_id=uuid.uuid4().hex, **checkpoint_settings(cfg))
             attach_metrics(ctx, cfg)
             return train(cfg, ctx, until_step)
         _run_workers(cfg, run_dir, until_step)

@@ -47,7 +47,7 @@ from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E4
 from monitoring.run_files import ERRORS_DIR, SUMMARY  # noqa: E402
 from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
-from trainer.checkpoint import checkpoint_dir_name  # noqa: E402
+from trainer.checkpoint import checkpoint_dir_name, verified  # noqa: E402
 from trainer.compat import (  # noqa: E402
     ray_loopback_init_kwargs,
     ray_metrics_export_seconds,
@@ -133,12 +133,18 @@ class RayContext(WorkerContext):
         if checkpoint is None:
             yield None
             return
+        # Ray Train chose it (a checkpoint is registered once every worker's upload is done);
+        # its files are still checked against the manifest, by one worker per node.
         if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+            if self.local_rank == 0:
+                verified(Path(checkpoint.path), self.verify_hashes)
             yield Path(checkpoint.path)
             return
         directory = (self.run_dir / RESTORE_DIR
                      / f"{self.node_id}-{PurePosixPath(checkpoint.path).name}")
         with node_copy(checkpoint, directory, self.local_rank == 0, self.barrier) as copy:
+            if self.local_rank == 0:
+                verified(copy, self.verify_hashes)
             yield copy
 
 
@@ -195,7 +201,9 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
                      world_size=context.get_world_size(), device=device,
                      run_dir=Path(loop_config["run_dir"]),
                      node_id=ray.get_runtime_context().get_node_id()[:12],
-                     launch_id=loop_config.get("launch_id", ""))
+                     launch_id=loop_config.get("launch_id", ""),
+                     keep_checkpoints=cfg.run.keep_checkpoints,
+                     verify_hashes=cfg.run.checkpoint_verify == "hashes")
     ctx.metrics_sink = RaySink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
                                              ctx.node_id, device))
     # The driver's filesystem object: a worker's own environment may not reach the store (a
@@ -326,7 +334,7 @@ def _torch_trainer(cfg: Config, run_dir: Path, remote: RemoteRun | None, launch_
                                      resources_per_worker={"CPU": 1}, **elastic),
         run_config=RunConfig(
             name=cfg.run.name, **storage,
-            checkpoint_config=CheckpointConfig(num_to_keep=3),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             failure_config=FailureConfig(max_failures=cfg.parallel.max_failures),
             # Train V2's RunConfig (RAY_TRAIN_V2_ENABLED); the stubs describe V1's
             logging_config=LoggingConfig(  # type: ignore[call-arg]
