@@ -27,7 +27,7 @@ TOKENIZER ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
-	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies chaos tracker-screenshots up down status submit cluster-data grafana local local-down
+	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -122,6 +122,9 @@ bench-fsdp: setup ## FSDP on 4 gloo ranks: the largest GPT under a per-rank budg
 
 bench-hf: setup ## A HF Llama at vocabulary 128,256: chunked loss vs its own labels= loss (peak, tokens/s)
 	$(BIN)/python -m bench.hf --out bench/results
+
+bench-checkpoints: setup ## What checking a checkpoint against its manifest costs (sizes; SHA-256), the demo's and 1 GiB
+	$(BIN)/python -m bench.checkpoints --out bench/results
 
 bench-strategies: setup ## A HF Llama on CPU, torchtune's cumulative table: checkpointing, step in backward, offload, 8-bit AdamW, LoRA
 	$(BIN)/python -m bench.strategies --out bench/results

@@ -123,3 +123,15 @@ def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut
     assert lora["trainable_params"] < 0.1 * full["trainable_params"]
     assert lora["peak_bytes"] < rows["+ 8-bit AdamW"]["peak_bytes"]
     assert all(row["predicted_peak_bytes"] > 0 for row in rows.values())
+
+
+def test_the_checkpoints_bench_times_both_checks(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.checkpoints", "--out", str(tmp_path),
+                          "--gib", "0.0625"], capture_output=True, text=True, timeout=300,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [result] = tmp_path.glob("checkpoints-*.json")
+    report = json.loads(result.read_text())
+    assert report["sized"]["bytes"] >= 64 << 20
+    assert 0 < report["sized"]["check_sizes_s"] < report["sized"]["check_hashes_s"]
+    assert report["demo"]["bytes"] > 1 << 20

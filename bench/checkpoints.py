@@ -1,0 +1,84 @@
+"""What checking a checkpoint against its manifest costs: the demo's checkpoint and one of
+``--gib`` GiB, each written as memtrain writes one (``trainer.checkpoint.save_checkpoint``:
+``torch.save``, then the manifest, which hashes every file) and then checked as a reader checks
+it (``trainer.manifest.local_problem``): sizes alone, and sizes with SHA-256.
+
+The files are read back from the page cache (just written): a checkpoint read from a cold disk
+or downloaded from a store pays its read once either way, and the hash reads it a second time.
+Run: ``make bench-checkpoints`` (writes ``bench/results/checkpoints-<date>-<host>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.results import describe_cpu, write_json
+from trainer.checkpoint import save_checkpoint
+from trainer.config import load_config
+from trainer.manifest import local_problem
+from trainer.model import GPT, GPTConfig
+
+DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo-cpu.yaml"
+
+
+def demo_state() -> dict[str, Any]:
+    """The demo GPT's model and AdamW state after a step: what its checkpoint's bytes are."""
+    cfg = load_config(DEMO).model
+    model = GPT(GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_embd=cfg.n_embd))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long))[0].float().sum().backward()
+    optimizer.step()
+    return {"step": 1, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def sized_state(gib: float) -> dict[str, Any]:
+    """fp32 tensors of 64 MiB each, ``gib`` GiB in all."""
+    count = max(1, round(gib * 16))
+    return {"step": 1, "model": {f"w{i}": torch.randn(16 << 20) for i in range(count)}}
+
+
+def measure(state: dict[str, Any], directory: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    save_checkpoint(directory, state)
+    written = time.perf_counter() - started
+    timings = {}
+    for mode, hashes in (("sizes", False), ("hashes", True)):
+        started = time.perf_counter()
+        assert local_problem(directory, hashes) is None
+        timings[mode] = time.perf_counter() - started
+    total = sum(p.stat().st_size for p in directory.iterdir())
+    return {"bytes": total, "write_with_manifest_s": round(written, 4),
+            "check_sizes_s": round(timings["sizes"], 5),
+            "check_hashes_s": round(timings["hashes"], 4),
+            "hash_s_per_gib": round(timings["hashes"] / (total / 2**30), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--gib", type=float, default=1.0)
+    args = parser.parse_args()
+    report: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="memtrain-bench-ckpt-") as tmp:
+        report["demo"] = measure(demo_state(), Path(tmp) / "demo")
+        report["sized"] = measure(sized_state(args.gib), Path(tmp) / "sized")
+    path = write_json(args.out, "checkpoints", report)
+    print(describe_cpu(report["cpu"]))
+    for name in ("demo", "sized"):
+        row = report[name]
+        print(f"{name}: {row['bytes'] / 2**20:,.1f} MiB, written with its manifest in "
+              f"{row['write_with_manifest_s']:.3f} s; checked by sizes in "
+              f"{row['check_sizes_s'] * 1e3:.2f} ms, by SHA-256 in {row['check_hashes_s']:.3f} s "
+              f"({row['hash_s_per_gib']:.2f} s per GiB)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
