@@ -213,7 +213,7 @@ class Trainer:
                              cfg.train.global_batch_size // self.ctx.world_size,
                              cfg.model.seq_len, publish_seconds=cfg.monitoring.publish_seconds,
                              peak_window_seconds=cfg.monitoring.peak_window_seconds,
-                             trackers=trackers)
+                             trackers=trackers, total_steps=cfg.train.steps)
         resources.callback(metrics.close)
         metrics.start_publishing(state.loader)
         return metrics

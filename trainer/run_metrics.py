@@ -105,6 +105,7 @@ class RunMetrics:
     window: _Window = field(default_factory=_Window)
     trackers: Trackers = field(default_factory=lambda: Trackers([]))  # rank 0's, where asked
     recovery: Any = None  # trainer.recovery.Recovery: the run's restarts (rank 0's figures)
+    total_steps: int = 0  # train.steps: the console line's N/TOTAL and its time left
 
     def __post_init__(self) -> None:
         path = self.ctx.run_dir / rank_metrics(self.ctx.rank)
@@ -198,10 +199,21 @@ class RunMetrics:
         if self._publisher is not None:
             self._publisher.poke()
         if self.ctx.is_main:
-            log.info("step %5d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%%",
-                     values.step, values.loss, record["tokens_per_second"],
-                     format_bytes(record["peak_memory_bytes"]), 100 * record["data_wait_share"])
+            log.info("step %5d/%d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%% | %s",
+                     values.step, self.total_steps, values.loss, record["tokens_per_second"],
+                     format_bytes(record["peak_memory_bytes"]), 100 * record["data_wait_share"],
+                     self.time_left(values.step))
         self.window = _Window()
+
+    def time_left(self, step: int) -> str:
+        """``left 3m12s``: the steps still to run at this run's mean step time so far (steps
+        only: evaluations and checkpoints to come are not counted)."""
+        if not self.steps_this_run:
+            return "left -"
+        seconds = round(max(0, self.total_steps - step) * self.step_seconds / self.steps_this_run)
+        hours, rest = divmod(seconds, 3600)
+        text = f"{rest // 60}m{rest % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+        return f"left {hours}h{text}" if hours else f"left {text}"
 
     def eval_done(self, step: int, loss: float) -> None:
         self.eval_loss = loss

@@ -88,7 +88,7 @@ def test_a_resubmitted_run_resumes_from_its_checkpoint_in_the_users_directory(
     client = JobSubmissionClient(jobs_api)  # this process has Ray's auth env: token sent
     assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING, JobStatus.RUNNING)
     deadline = time.monotonic() + 180
-    while "step     5 |" not in client.get_job_logs("memtrain-no-follow"):
+    while "step     5/" not in client.get_job_logs("memtrain-no-follow"):
         assert client.get_job_status("memtrain-no-follow") in (JobStatus.PENDING,
                                                                JobStatus.RUNNING)
         assert time.monotonic() < deadline, client.get_job_logs("memtrain-no-follow")[-2000:]

@@ -8,7 +8,7 @@ from typing import Any
 from trainer.launch.console import TracebackFilter
 
 FAILED = [
-    "step    20 | loss 3.1278 |    31204 tok/s | peak 504.3 MiB | data wait  0.3%",
+    "step    20/150 | loss 3.1278 |    31204 tok/s | peak 504.3 MiB | data wait  0.3% | left 2m10s",
     "Traceback (most recent call last):",
     '  File "/work/main/trainer/launch/ray.py", line 200, in _worker_loop',
     "    train(cfg, ctx)",

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import urllib.request
@@ -78,13 +79,20 @@ def test_sink_exposes_the_final_names_with_labels_and_counts_deltas() -> None:
         sink.set({"memtrain_made_up": 1})
 
 
-def test_training_publishes_the_cpu_families(corpus_dir: Path, tmp_path: Path) -> None:
+def test_training_publishes_the_cpu_families(corpus_dir: Path, tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The metrics contract's CPU families on the exporter, and rank 0's console line with
+    the step total and the time left."""
     cfg, run_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1",
-        "train.steps=4", "train.eval_every=0", "run.name=metrics"))
+        "train.steps=4", "train.eval_every=0", "train.log_every=2", "run.name=metrics"))
     ctx = LocalContext(0, 0, 1, torch.device("cpu"), run_dir)
     ctx.metrics_sink = sink = PrometheusSink(LABEL_VALUES)
-    train(cfg, ctx)
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        train(cfg, ctx)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert re.fullmatch(r"step +2/4 \| loss .* \| left \d+s", lines[-2]), lines
+    assert lines[-1].startswith("step     4/4 |") and lines[-1].endswith("| left 0s"), lines
     port = sink.serve(0)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -112,3 +120,17 @@ def test_docs_list_every_metric_of_the_contract() -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "monitoring.md").read_text()
     missing = [m.exposed_name for m in METRICS if m.exposed_name not in docs]
     assert not missing, f"docs/monitoring.md lacks {missing}"
+
+
+def test_the_time_left_is_the_steps_to_go_at_the_mean_step_time(tmp_path: Path) -> None:
+    from trainer.run_metrics import RunMetrics
+
+    metrics = RunMetrics(LocalContext(0, 0, 1, torch.device("cpu"), tmp_path), "t", 1, 1, 1,
+                         total_steps=1000)
+    assert metrics.time_left(10) == "left -"  # no step timed yet
+    metrics.steps_this_run, metrics.step_seconds = 10, 25.0  # 2.5 s a step
+    assert metrics.time_left(10) == "left 41m15s"
+    assert metrics.time_left(990) == "left 25s"
+    metrics.step_seconds = 250.0
+    assert metrics.time_left(10) == "left 6h52m30s"
+    metrics.close()
