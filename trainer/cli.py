@@ -77,8 +77,15 @@ def train_command(
     metrics_port: Annotated[int | None, typer.Option(
         help="Local launcher: serve metrics on 127.0.0.1:PORT+rank (0: any free port).")
                             ] = None,
+    allow_changes: Annotated[bool, typer.Option(
+        "--allow-changes", help="Resume even where the config changes what an exact resume "
+                                "needs (data, model, global batch, seed).")] = False,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Start this run name anew: its old run directory is moved aside to "
+                        "NAME.replaced-TIME, not deleted.")] = False,
 ) -> None:
-    """Train a model; rerunning with the same --run-name resumes from its latest checkpoint."""
+    """Train a model; rerunning with the same --run-name resumes from its latest checkpoint,
+    saying every setting that changed."""
     from trainer.launch.prepare import prepare_run
 
     options: dict[str, Any] = {
@@ -88,7 +95,8 @@ def train_command(
     }
     cfg = load_config(config, list(overrides or []),
                       {key: value for key, value in options.items() if value is not None})
-    cfg, run_dir = prepare_run(cfg)  # logs auto's choice, on the console set up by _root
+    # logs auto's choice and what a resume changes, on the console set up by _root
+    cfg, run_dir = prepare_run(cfg, allow_changes=allow_changes, fresh=fresh)
     where = (f"{cfg.run.dir.rstrip('/')}/{cfg.run.name} (working copy {run_dir})"
              if is_remote(cfg.run.dir) else str(run_dir))
     console.print(f"[bold]memtrain[/] run [cyan]{cfg.run.name}[/]: launcher "

@@ -59,9 +59,10 @@ from trainer.oom import (
 )
 from trainer.recovery import Recovery
 from trainer.run_metrics import RunMetrics, StepRecord
+from trainer.schedule import Schedule
 from trainer.sharding import FsdpSettings
 from trainer.state import NonFiniteError, StepResult, TrainState
-from trainer.step import build_optimizer, evaluate, lr_lambda, step_seed, train_step
+from trainer.step import build_optimizer, evaluate, step_seed, train_step
 
 if TYPE_CHECKING:  # the loop runs without pydantic too (bench/gpu_check.py)
     from trainer.config import Config, DataConfig, MemoryConfig
@@ -170,7 +171,7 @@ class Trainer:
                                     cfg.train.betas, None if fused == "auto" else fused,
                                     cfg.memory.optimizer_states, self.in_backward())
         return TrainState(
-            model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train)),
+            model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
             resources.enter_context(build_loader(cfg.data, ctx, self.plan.micro_batch_size,
                                                  cfg.run.seed)),
@@ -328,6 +329,8 @@ class Trainer:
                  cfg.memory.activation_checkpointing,
                  checkpointed_blocks(state.unwrapped), plan.micro_batch_size,
                  plan.accumulation_steps, ctx.world_size, cfg.train.global_batch_size, where)
+        if state.schedule_change is not None:
+            log.info("%s", state.schedule_change)
         if self.fsdp is not None:
             log.info("FSDP: %s", self.fsdp.describe())
         strategies = describe_strategies(cfg.memory, state.unwrapped, ctx.device)

@@ -36,6 +36,7 @@ from trainer.checkpoint import (
 from trainer.context import WorkerContext
 from trainer.memory.lora import trainable_state_dict
 from trainer.memory.optimizers import BackwardSteps
+from trainer.schedule import resume_schedule
 from trainer.sharding import is_sharded, local_tensor
 
 
@@ -61,6 +62,7 @@ class TrainState:
     loader: BatchLoader
     strategy: str  # parallel.strategy
     step: int = 0
+    schedule_change: str | None = None  # what a resume changed in the learning rate, if anything
 
     @property
     def sharded(self) -> bool:
@@ -108,7 +110,8 @@ class TrainState:
             load_model_state(self.unwrapped, state["model"], source)
             self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        assert isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR)
+        self.schedule_change = resume_schedule(self.scheduler, state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])

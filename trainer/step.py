@@ -5,7 +5,7 @@
   last so gradients are all-reduced once per step, then unscale, clip, non-finite check, step,
   ``zero_grad(set_to_none=True)``.
 - ``evaluate``: the mean token loss over validation batches, under ``no_grad``.
-- ``build_optimizer`` and ``lr_lambda``: AdamW and its schedule; ``step_seed``: the RNG seed of
+- ``build_optimizer``: AdamW (its schedule: ``trainer.schedule``); ``step_seed``: the RNG seed of
   one rank's step.
 
 Loss normalisation: each rank divides its summed token loss by the tokens it sees in the whole
@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,9 +38,6 @@ from trainer.memory.precision import PrecisionPolicy
 from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
 from trainer.sharding import is_sharded
 from trainer.state import NonFiniteError, StepResult
-
-if TYPE_CHECKING:  # the step runs without pydantic too (bench/gpu_check.py)
-    from trainer.config import TrainConfig
 
 
 def forward_backward(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy,
@@ -173,17 +169,6 @@ def evaluate(model: nn.Module, batches: Iterator[torch.Tensor], num_batches: int
         dist.all_reduce(total)
     model.train(was_training)
     return float(total[0] / total[1])
-
-
-def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
-    return factor
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,

@@ -20,7 +20,8 @@ from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 from trainer.memory.loss import summed_loss
 from trainer.memory.precision import precision_policy
-from trainer.step import build_optimizer, lr_lambda
+from trainer.schedule import Schedule
+from trainer.step import build_optimizer
 
 pytestmark = pytest.mark.unit
 RECORDED = json.loads((REPO / "tests" / "fixtures" / "losses_before_refactor.json").read_text())
@@ -68,7 +69,7 @@ def reference_run(cfg: Config) -> tuple[list[tuple[float, float]], dict[str, tor
                         seed=cfg.run.seed)
     policy = precision_policy(cfg.memory.precision, device, warn=False)
     optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay, cfg.train.betas)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train))
     accumulation = cfg.train.accumulation_steps(1)
     data = cfg.data
     records = []

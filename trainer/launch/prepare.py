@@ -3,32 +3,43 @@
 ``prepare_run`` turns a loaded config into one the workers can use anywhere (absolute paths),
 checks what would otherwise fail late inside a worker (dataset present, batch arithmetic, worker
 count against CPUs, the run store reachable), resolves ``auto`` choices
-(``trainer.plan.choose``), and writes the resolved config into the run directory.
+(``trainer.plan.choose``), says what a resume changes (``trainer.launch.resume``), and writes
+the resolved config into the run directory.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import time
 from pathlib import Path
 
 from datapipe.manifest import read_manifest
 from datapipe.paths import is_remote
 from monitoring.run_files import CONFIG
 from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
+from trainer.checkpoint import checkpoint_step, published_checkpoints
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
 from trainer.hf import config_vocab_size
+from trainer.launch.resume import check_resume
 from trainer.plan.strategy import resolve_auto
 from trainer.runstore import RemoteRun, default_work_dir
+
+log = logging.getLogger("memtrain")
 
 
 def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def prepare_run(cfg: Config) -> tuple[Config, Path]:
-    """Validate ``cfg`` for launching and return it with absolute paths, plus the run directory."""
+def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
+                ) -> tuple[Config, Path]:
+    """Validate ``cfg`` for launching and return it with absolute paths, plus the run directory.
+    A run name with a checkpoint resumes: what changed since its last launch is said, and a
+    change that breaks exactness refused unless ``allow_changes`` (``trainer.launch.resume``);
+    ``fresh`` moves such a run's directory aside first."""
     def absolute(path: str | None) -> str | None:
         return path if path is None or is_remote(path) else str(Path(path).resolve())
 
@@ -76,6 +87,11 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
     if micro_auto:
         _check_world_sizes(cfg)  # with the micro-batch auto chose
     run_dir = local_run_dir(cfg)
+    if fresh:
+        set_aside(cfg, run_dir, remote)
+    previous = previous_config(run_dir, remote)
+    if previous is not None:
+        check_resume(previous, cfg, allow_changes)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG).write_text(cfg.to_yaml())
     if remote is not None:
@@ -85,6 +101,41 @@ def prepare_run(cfg: Config) -> tuple[Config, Path]:
         except OSError as err:
             raise _store_error(cfg, err) from err
     return cfg, run_dir
+
+
+def previous_config(run_dir: Path, remote: RemoteRun | None) -> str | None:
+    """The config a run last launched with, where the run has a checkpoint to resume from
+    (the store's, for a run directory on object storage); else None."""
+    if remote is not None:
+        try:
+            names = remote.directories()
+            if any(checkpoint_step(name) is not None for name in names) and \
+                    remote.is_file(CONFIG):
+                return remote.read_text(CONFIG)
+            return None
+        except OSError as err:
+            raise ConfigError(f"run.dir {remote.uri!r}: {first_line(err)}") from err
+    if published_checkpoints(run_dir) and (run_dir / CONFIG).is_file():
+        return (run_dir / CONFIG).read_text()
+    return None
+
+
+def set_aside(cfg: Config, run_dir: Path, remote: RemoteRun | None) -> None:
+    """``--fresh``: a run directory with checkpoints is renamed to ``NAME.replaced-<UTC time>``
+    beside it (nothing is deleted; a rename is atomic). A store cannot rename a directory: a
+    remote run with checkpoints is refused, naming it."""
+    if remote is not None:
+        if previous_config(run_dir, remote) is not None:
+            raise ConfigError(f"--fresh: run {cfg.run.name!r} on {remote.uri} has checkpoints, "
+                              "and an object store cannot move them aside; pick another "
+                              "--run-name, or delete that prefix first")
+        return
+    if not run_dir.is_dir():
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
+    os.replace(run_dir, aside)
+    log.info("--fresh: the previous run %s moved aside to %s", cfg.run.name, aside)
 
 
 def _check_world_sizes(cfg: Config) -> None:

@@ -1,0 +1,92 @@
+"""What a resume changes: every changed key said, those that break exactness refused unless
+allowed, the learning rate following the new config without a jump, ``--fresh``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_config
+from trainer.config import ConfigError
+from trainer.launch.local import launch_local
+from trainer.launch.prepare import prepare_run
+from trainer.schedule import Schedule
+
+
+def test_a_changed_step_count_continues_the_decay_from_where_it_was() -> None:
+    before = Schedule(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    longer = Schedule(steps=200, warmup_steps=10, min_lr_ratio=0.1).resumed(before, 60)
+    assert longer(60) == before(60)  # no jump at the resume
+    assert all(longer(s) > longer(s + 1) for s in range(60, 199))
+    assert longer(200) == pytest.approx(0.1) and longer(130) > before(100)
+    shorter = Schedule(steps=80, warmup_steps=10, min_lr_ratio=0.1).resumed(before, 60)
+    assert shorter(60) == before(60) and shorter(80) == pytest.approx(0.1)
+    # The same shape: the checkpoint's schedule, anchor and all, runs on.
+    assert Schedule(200, 10, 0.1).resumed(longer, 150) == longer
+    assert Schedule(100, 20, 0.1).resumed(before, 5) == Schedule(100, 20, 0.1)  # in warm-up
+    assert Schedule(100, 10, 0.1).resumed(None, 60) == before  # a checkpoint without one
+
+
+def _rates(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    return {r["step"]: r["lr"] for r in map(json.loads, lines) if "lr" in r}
+
+
+def test_a_resume_says_what_changed_and_the_new_rate_applies_without_a_jump(
+        corpus_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """4 of 8 steps at lr 3e-3 (warm-up 1), then resumed to 12 steps at lr 1e-9: steps 5 to 12
+    run at 1e-9 times the factor the first run had reached, falling to the floor at step 12;
+    not at the old peak on a cosine stretched over 12 steps, which rose at the resume."""
+    common = ("parallel.launcher=local", "parallel.workers=1", "train.warmup_steps=1",
+              "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=4",
+              "run.name=changes")
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=8",
+                                           "train.lr=3e-3"))
+    launch_local(cfg, run_dir, until_step=4)
+
+    def resume(*changes: str, allow: bool = False):
+        return prepare_run(tiny_config(corpus_dir, tmp_path, *common, *changes),
+                           allow_changes=allow)
+
+    with pytest.raises(ConfigError, match=r"^model.n_layer: 2 -> 3 on resuming run 'changes' "
+                                          r"breaks an exact resume; pass --allow-changes"):
+        resume("train.steps=8", "train.lr=3e-3", "model.n_layer=3")
+    with pytest.raises(ConfigError, match=r"^data.shuffle_window: .* \(and run.seed\) breaks"):
+        resume("train.steps=8", "train.lr=3e-3", "data.shuffle_window=64", "run.seed=1")
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        cfg, run_dir = resume("train.steps=12", "train.lr=1e-9")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming")]
+    assert said == ["resuming with train.lr changed: 0.003 -> 1e-09",
+                    "resuming with train.steps changed: 8 -> 12"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        summary = launch_local(cfg, run_dir)
+    assert summary["resumed_from_step"] == 4
+    assert any(r.getMessage().startswith("learning rate: peak 0.003 -> 1e-09; steps, warm-up, "
+                                         "floor (8, 1, 0.1) -> (12, 1, 0.1)")
+               for r in caplog.records)
+    rates = _rates(run_dir)  # the rate the scheduler set after each step, for the next
+    old, new = Schedule(8, 1, 0.1), Schedule(12, 1, 0.1, anchor=(4, Schedule(8, 1, 0.1)(4)))
+    assert rates[4] == pytest.approx(3e-3 * old(4))  # the first run's last
+    assert new(4) == old(4)  # where the resumed curve starts: no jump but the peak's change
+    assert [rates[s] for s in range(5, 13)] == pytest.approx([1e-9 * new(s)
+                                                              for s in range(5, 13)])
+    assert all(rates[s] > rates[s + 1] for s in range(5, 12)), rates
+    assert rates[12] == pytest.approx(1e-9 * 0.1)
+
+
+def test_fresh_moves_the_old_run_aside_and_starts_from_scratch(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    common = ("parallel.launcher=local", "parallel.workers=1", "train.steps=2",
+              "train.eval_every=0", "train.checkpoint_every=2", "run.name=again")
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common))
+    launch_local(cfg, run_dir)
+    cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "model.n_layer=1"),
+                               fresh=True)
+    [aside] = run_dir.parent.glob("again.replaced-*")
+    assert (aside / "checkpoint-00000002" / "meta.json").is_file()
+    assert not run_dir.joinpath("checkpoint-00000002").exists()
+    assert launch_local(cfg, run_dir)["resumed_from_step"] is None

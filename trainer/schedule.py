@@ -1,0 +1,106 @@
+"""The learning-rate schedule, and what a resume with other settings does to it.
+
+``Schedule`` is the factor of ``train.lr`` at each step: linear warm-up, then a cosine decay to
+``min_lr_ratio`` at ``train.steps``. It is ``LambdaLR``'s callable, so its fields go into every
+checkpoint with the scheduler's state.
+
+A resume takes the rates of the config it runs under, not of the checkpoint (torch's
+``LambdaLR.load_state_dict`` would restore the old peak rate and the old schedule's fields):
+
+- a changed ``train.lr`` scales the schedule from the resume on;
+- a changed shape (``train.steps``, ``warmup_steps``, ``min_lr_ratio``) past warm-up does not
+  restart the curve: from the resume step, the cosine runs from the factor the run had reached
+  (``anchor``) down to the floor at the new last step, so more steps stretch the rest of the
+  decay and fewer compress it, and the rate does not jump at the resume. A resume within
+  warm-up follows the new warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+
+@dataclass
+class Schedule:
+    steps: int
+    warmup_steps: int
+    min_lr_ratio: float
+    anchor: tuple[int, float] | None = None  # (step, factor): a resume that changed the shape
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Schedule:
+        return cls(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
+
+    @classmethod
+    def from_state(cls, saved: dict[str, Any] | None) -> Schedule | None:
+        """The schedule a checkpoint ran (``LambdaLR``'s state of it); None where the
+        checkpoint kept none."""
+        if not saved:
+            return None
+        anchor = saved.get("anchor")
+        return cls(saved["steps"], saved["warmup_steps"], saved["min_lr_ratio"],
+                   (int(anchor[0]), float(anchor[1])) if anchor else None)
+
+    def __call__(self, step: int) -> float:
+        if self.anchor is not None and step >= self.anchor[0]:
+            start, factor = self.anchor
+            progress = (step - start) / max(1, self.steps - start)
+            return self.min_lr_ratio + (factor - self.min_lr_ratio) * _cosine(progress)
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * _cosine(progress)
+
+    def shape(self) -> tuple[int, int, float]:
+        return self.steps, self.warmup_steps, self.min_lr_ratio
+
+    def resumed(self, before: Schedule | None, step: int) -> Schedule:
+        """This (the config's) schedule for a run resumed at ``step`` from a checkpoint that
+        ran ``before`` (None: one from before schedules were kept, taken as this one)."""
+        if before is None or before.shape() == self.shape():
+            return before or self
+        if step < self.warmup_steps:
+            return self
+        return replace(self, anchor=(step, before(step)))
+
+
+def _cosine(progress: float) -> float:
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[str, Any]
+                    ) -> str | None:
+    """Load a checkpoint's scheduler ``state`` into ``scheduler`` (built from this run's
+    config), keeping the config's peak rates and shape (the module's docstring): the rates
+    apply from the next step. Returns a line saying what changed, or None."""
+    configured = scheduler.lr_lambdas[0]
+    assert isinstance(configured, Schedule), type(configured)
+    configured, peaks = replace(configured), list(scheduler.base_lrs)
+    before = Schedule.from_state((state.get("lr_lambdas") or [None])[0])
+    old_peaks = list(state.get("base_lrs", peaks))
+    scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(scheduler.lr_lambdas)})
+    step = scheduler.last_epoch
+    runs = configured.resumed(before, step)
+    scheduler.lr_lambdas = [runs] * len(scheduler.lr_lambdas)
+    scheduler.base_lrs = peaks
+    for group, peak in zip(scheduler.optimizer.param_groups, peaks, strict=True):
+        group["initial_lr"] = peak
+        group["lr"] = peak * runs(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    changes = []
+    if old_peaks != peaks:
+        changes.append(f"peak {old_peaks[0]:g} -> {peaks[0]:g}")
+    if before is not None and before.shape() != configured.shape():
+        changes.append(f"steps, warm-up, floor {before.shape()} -> {configured.shape()}, the "
+                       f"cosine continuing from factor {before(step):.4g} at step {step}")
+    if not changes:
+        return None
+    return (f"learning rate: {'; '.join(changes)}; the next step's rate "
+            f"{scheduler._last_lr[0]:.4g}")
