@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from datapipe.manifest import read_manifest
 from datapipe.paths import is_remote
@@ -56,17 +57,7 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
         run = cfg.run.model_copy(update={"work_dir": str(work.resolve())})
     else:
         run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
-    monitoring = cfg.monitoring
-    for kind in monitoring.trackers:  # before any worker starts, not as a warning in each
-        if importlib.util.find_spec(TRACKER_PACKAGES[kind]) is None:
-            raise ConfigError(f"monitoring.trackers: {kind!r} needs the "
-                              f"{TRACKER_PACKAGES[kind]} package: pip install "
-                              "'memtrain[tracking]'")
-    if "mlflow" in monitoring.trackers and monitoring.mlflow_tracking_uri is None \
-            and os.environ.get("MLFLOW_TRACKING_URI"):  # the driver's, for every worker
-        monitoring = monitoring.model_copy(
-            update={"mlflow_tracking_uri": os.environ["MLFLOW_TRACKING_URI"]})
-    cfg = cfg.model_copy(update={"data": data, "run": run, "monitoring": monitoring})
+    cfg = cfg.model_copy(update={"data": data, "run": run, "monitoring": _monitoring(cfg)})
     check_strategies(cfg)
     workers = cfg.parallel.workers
     joins_cluster = cfg.parallel.launcher == "ray" and bool(os.environ.get("RAY_ADDRESS"))
@@ -101,6 +92,22 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
         except OSError as err:
             raise _store_error(cfg, err) from err
     return cfg, run_dir
+
+
+def _monitoring(cfg: Config) -> Any:
+    """``cfg.monitoring``, its trackers' packages checked before any worker starts (not as a
+    warning in each), MLflow's URI the driver's for every worker."""
+    monitoring = cfg.monitoring
+    for kind in monitoring.trackers:
+        if importlib.util.find_spec(TRACKER_PACKAGES[kind]) is None:
+            raise ConfigError(f"monitoring.trackers: {kind!r} needs the "
+                              f"{TRACKER_PACKAGES[kind]} package: pip install "
+                              "'memtrain[tracking]'")
+    if "mlflow" in monitoring.trackers and monitoring.mlflow_tracking_uri is None \
+            and os.environ.get("MLFLOW_TRACKING_URI"):
+        monitoring = monitoring.model_copy(
+            update={"mlflow_tracking_uri": os.environ["MLFLOW_TRACKING_URI"]})
+    return monitoring
 
 
 def previous_config(run_dir: Path, remote: RemoteRun | None) -> str | None:
