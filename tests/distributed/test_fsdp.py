@@ -142,8 +142,11 @@ def test_resuming_a_ddp_checkpoint_under_fsdp_names_both(corpus_dir: Path,
               "train.eval_every=0", "train.checkpoint_every=2", "run.name=switch")
     ddp_cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common))
     launch_local(ddp_cfg, run_dir)
-    fsdp_cfg, _ = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=4",
-                                          "parallel.strategy=fsdp"))
+    fsdp = tiny_config(corpus_dir, tmp_path, *common, "train.steps=4", "parallel.strategy=fsdp")
+    with pytest.raises(ConfigError, match=r"^parallel.strategy: 'ddp' -> 'fsdp' on resuming run "
+                                          r"'switch' breaks an exact resume"):
+        prepare_run(fsdp)  # before any worker starts
+    fsdp_cfg, _ = prepare_run(fsdp, allow_changes=True)
     with pytest.raises(WorkerError,
                        match=r"^rank \d: CheckpointReadError: checkpoint .*checkpoint-00000002 was "
                              r"written without FSDP sharding; this run has parallel.strategy "
