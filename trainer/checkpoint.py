@@ -53,7 +53,7 @@ from trainer.manifest import (
     size_problem,
     write_manifest,
 )
-from trainer.memory.lora import lora_of, trainable_state_dict
+from trainer.memory.lora import is_adapter, lora_of, trainable_state_dict
 from trainer.runstore import RemoteRun
 
 STATE_FILE = STATE
@@ -198,7 +198,7 @@ def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
 
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
     with _quiet_single_process():
-        dcp.save({"model": model_state, "optimizer": optimizer_state},
+        dcp.save({"model": _kept(model, model_state), "optimizer": optimizer_state},
                  checkpoint_id=str(directory))
 
 
@@ -352,11 +352,21 @@ def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
 
     options = _options(model)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    model_state = _kept(model, model_state)
     with _quiet_single_process():
         dcp.load({"model": model_state, "optimizer": optimizer_state},
                  checkpoint_id=str(directory))  # loads into the dicts in place
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state, options=options)
+
+
+def _kept(model: nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint keeps of a model's state dict: all of it, or a LoRA model's adapters
+    (``ignore_frozen_params`` leaves out the frozen parameters, but not a weight tied to one,
+    such as an output layer tied to the embedding, which only the parameter owning it names)."""
+    if lora_of(model) is None:
+        return model_state
+    return {name: tensor for name, tensor in model_state.items() if is_adapter(name)}
 
 
 def _options(model: nn.Module) -> Any:

@@ -174,8 +174,7 @@ class Trainer:
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
             resources.enter_context(build_loader(cfg.data, ctx, self.plan.micro_batch_size,
-                                                 cfg.run.seed)),
-            cfg.parallel.strategy)
+                                                 cfg.run.seed)))
 
     def in_backward(self) -> str | None:
         """Where the optimizer steps in backward (``memory.optimizer_in_backward``): under

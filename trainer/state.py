@@ -2,13 +2,16 @@
 
 The state owns the model (DDP-wrapped once the process group needs it), the optimizer, the LR
 schedule, the GradScaler, the loader's position, the step and, in every checkpoint, the RNG.
-``state_dict()`` / ``load_state_dict()`` carry the plain part; under FSDP the model and optimizer
-shards go through DCP beside it. ``save`` refuses non-finite weights and writes this rank's part
-for the worker context to publish; ``restore`` loads the context's latest checkpoint. How
-checkpoints are written, named, published and read is ``trainer.checkpoint``.
+``state_dict()`` / ``load_state_dict()`` carry the plain part (``state.pt``, rank 0's); the
+model and optimizer go through DCP beside it, under DDP and FSDP alike: every rank writes its
+part (FSDP: its shards; DDP: DCP spreads the replicated tensors over the ranks, each written
+once), and a checkpoint of either loads under the other at any world size, DCP resharding it.
+``save`` refuses non-finite weights and writes this rank's part for the worker context to
+publish; ``restore`` loads the context's latest checkpoint. How checkpoints are written, named,
+published and read is ``trainer.checkpoint``.
 
-DDP: rank 0 writes everything into ``state.pt``. FSDP: every rank writes its model and optimizer
-shards, rank 0 adds ``state.pt`` with the rest.
+A checkpoint written before DDP's went through DCP holds the model and optimizer in its
+``state.pt``: it still loads under DDP, and is refused in one line under FSDP.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from trainer.checkpoint import (
     write_checkpoint,
 )
 from trainer.context import WorkerContext
-from trainer.memory.lora import trainable_state_dict
 from trainer.memory.optimizers import BackwardSteps
 from trainer.schedule import resume_schedule
 from trainer.sharding import is_sharded, local_tensor
@@ -60,7 +62,6 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     loader: BatchLoader
-    strategy: str  # parallel.strategy
     step: int = 0
     schedule_change: str | None = None  # what a resume changed in the learning rate, if anything
 
@@ -68,13 +69,6 @@ class TrainState:
     def sharded(self) -> bool:
         """FSDP-wrapped: model and optimizer state are this rank's shards."""
         return is_sharded(self.model)
-
-    @property
-    def dcp(self) -> bool:
-        """Model and optimizer go into DCP files (``trainer.sharding``), not ``state.pt``: under
-        FSDP at every world size, one worker included (unwrapped there, nothing to shard), so a
-        run resumes at any size, DCP resharding the files to the new world."""
-        return self.strategy == "fsdp"
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -97,16 +91,13 @@ class TrainState:
         state: dict[str, Any] = {
             "scaler": self.scaler.state_dict(), "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
-            "sharded": self.dcp,
+            "sharded": True,  # the model and optimizer are in DCP files beside it
         }
-        if not self.dcp:  # a LoRA model: its adapters only
-            state.update(model=trainable_state_dict(self.unwrapped),
-                         optimizer=self.optimizer.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any], source: str) -> None:
         """The inverse of ``state_dict`` (DCP model and optimizer: see ``restore``)."""
-        if not self.dcp:
+        if "model" in state:  # the single-file format
             load_model_state(self.unwrapped, state["model"], source)
             self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -122,13 +113,14 @@ class TrainState:
             if checkpoint_dir is None:
                 return None
             state = load_checkpoint(checkpoint_dir)
-            if bool(state.get("sharded")) != self.dcp:
-                how = "with" if state.get("sharded") else "without"
-                raise CheckpointReadError(
-                    f"checkpoint {checkpoint_dir} was written {how} FSDP sharding; this run has "
-                    f"parallel.strategy {self.strategy!r} on {ctx.world_size} workers")
-            if self.dcp:  # any world size: DCP reshards to this one
+            if state.get("sharded"):  # any strategy and world size: DCP reshards to this one
                 load_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
+            elif self.sharded:
+                raise CheckpointReadError(
+                    f"checkpoint {checkpoint_dir} holds the whole model in its state.pt (the "
+                    "format before DDP's checkpoints went through DCP), which FSDP cannot "
+                    "load: resume it once under parallel.strategy ddp, whose next checkpoint "
+                    "FSDP loads")
             self.load_state_dict(state, str(checkpoint_dir))
             return self.step
 
@@ -150,5 +142,5 @@ class TrainState:
                                  "the latest")
         with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
             files = write_checkpoint(Path(tmp), self.state_dict() if ctx.is_main else None,
-                                     (self.unwrapped, self.optimizer) if self.dcp else None)
+                                     (self.unwrapped, self.optimizer))
             ctx.report(metrics, files, self.step)

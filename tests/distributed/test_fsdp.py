@@ -136,23 +136,46 @@ def test_cpu_offload_trains_and_resumes_to_the_bit(corpus_dir: Path, tmp_path: P
     assert logged_losses(run("on_device", None)) == logged_losses(straight)
 
 
-def test_resuming_a_ddp_checkpoint_under_fsdp_names_both(corpus_dir: Path,
+def test_ddp_and_fsdp_checkpoints_resume_under_each_other(corpus_dir: Path,
                                                           tmp_path: Path) -> None:
-    common = ("parallel.launcher=local", "memory.precision=fp32", "train.steps=2",
-              "train.eval_every=0", "train.checkpoint_every=2", "run.name=switch")
-    ddp_cfg, run_dir = prepare_run(tiny_config(corpus_dir, tmp_path, *common))
-    launch_local(ddp_cfg, run_dir)
-    fsdp = tiny_config(corpus_dir, tmp_path, *common, "train.steps=4", "parallel.strategy=fsdp")
-    with pytest.raises(ConfigError, match=r"^parallel.strategy: 'ddp' -> 'fsdp' on resuming run "
-                                          r"'switch' breaks an exact resume"):
-        prepare_run(fsdp)  # before any worker starts
-    fsdp_cfg, _ = prepare_run(fsdp, allow_changes=True)
-    with pytest.raises(WorkerError,
-                       match=r"^rank \d: CheckpointReadError: checkpoint .*checkpoint-00000002 was "
-                             r"written without FSDP sharding; this run has parallel.strategy "
-                             r"'fsdp' on 2 workers$") as failed:
-        launch_local(fsdp_cfg, run_dir)
-    assert failed.value.exit_code == 2  # a checkpoint the user must change: exit 2
+    """One format: DDP to step 2, FSDP from there to step 4, DDP again to step 6, 2 workers
+    each (another world size re-splits the epoch's rest: other batches); every loss follows a
+    straight DDP run's (to FSDP's arithmetic: 1e-4). A checkpoint
+    in the single-file format from before loads under DDP and is refused under FSDP."""
+    common = ("parallel.launcher=local", "memory.precision=fp32", "train.steps=6",
+              "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=2")
+
+    def run(name: str, strategy: str, workers: int, until: int | None) -> dict:
+        cfg, run_dir = prepare_run(tiny_config(
+            corpus_dir, tmp_path, *common, f"parallel.strategy={strategy}",
+            f"parallel.workers={workers}", f"run.name={name}"))
+        return launch_local(cfg, run_dir, until_step=until)
+
+    run("straight", "ddp", 2, None)
+    assert run("switch", "ddp", 2, 2)["final_step"] == 2
+    assert run("switch", "fsdp", 2, 4)["resumed_from_step"] == 2
+    assert run("switch", "ddp", 2, None)["resumed_from_step"] == 4
+    switched = logged_losses(tmp_path / "switch")
+    assert switched == pytest.approx(logged_losses(tmp_path / "straight"), rel=1e-4)
+
+    # The single-file format: state.pt with the model and optimizer, no DCP files.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.checkpoint import load_checkpoint, load_sharded_tensors, save_checkpoint
+
+    checkpoint = tmp_path / "switch" / "checkpoint-00000006"
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    weights = load_sharded_tensors(checkpoint, {
+        key.removeprefix("model."): torch.empty(meta.size)  # type: ignore[union-attr]
+        for key, meta in saved.items() if key.startswith("model.")})
+    legacy = tmp_path / "legacy" / "checkpoint-00000006"
+    save_checkpoint(legacy, {**load_checkpoint(checkpoint), "sharded": False, "model": weights,
+                             "optimizer": {"state": {}, "param_groups": []}})
+    (legacy.parent / "config.yaml").write_bytes((checkpoint.parent / "config.yaml").read_bytes())
+    with pytest.raises(WorkerError, match=r"holds the whole model in its state.pt .* resume it "
+                                          r"once under parallel.strategy ddp") as failed:
+        run("legacy", "fsdp", 2, None)
+    assert failed.value.exit_code == 2
 
 
 @pytest.mark.parametrize("param_dtype", ["bf16", "fp32"])

@@ -78,7 +78,7 @@ def test_a_model_with_nan_weights_is_never_checkpointed(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match=r"refusing to checkpoint step 7 on rank 0: "
                                              r"non-finite weights in \['blocks.0.mlp.fc.weight'\]"):
         TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
-                   None, strategy="ddp", step=7).save(ctx, {})  # type: ignore[arg-type]
+                   None, step=7).save(ctx, {})  # type: ignore[arg-type]
     assert complete_checkpoints(tmp_path) == []
 
 
@@ -162,7 +162,8 @@ def test_read_only_storage_is_one_clear_line_and_the_checkpoint_survives(
         again = subprocess.run([*command, "--set", "train.steps=4"], capture_output=True,
                                text=True, timeout=300)
         assert again.returncode != 0
-        [line] = again.stderr.strip().splitlines()
+        *said, line = again.stderr.strip().splitlines()
+        assert said == ["resuming with train.steps changed: 2 -> 4"]  # then the one error line
         assert line.startswith("memtrain: error: ") and "Read-only file system" in line
         assert str(store / "ro") in line  # names where it could not write
         assert load_checkpoint(store / "ro" / "checkpoint-00000002")["step"] == 2

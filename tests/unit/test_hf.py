@@ -218,7 +218,12 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     ``state.pt``), and ``AutoTokenizer`` the dataset's tokenizer where it has one."""
     import subprocess
 
-    from trainer.checkpoint import complete_checkpoints, load_checkpoint, load_model_state
+    from trainer.checkpoint import (
+        complete_checkpoints,
+        load_checkpoint,
+        load_model_state,
+        load_sharded_tensors,
+    )
     from trainer.export import export_hf
 
     CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
@@ -255,7 +260,8 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     tokens = torch.randint(0, 256, (2, 32))
     [(_, checkpoint)] = complete_checkpoints(tmp_path / "ddp")[-1:]
     trained = build(f"hf:{tmp_path / 'llama'}")
-    load_model_state(trained, load_checkpoint(checkpoint)["model"], str(checkpoint))
+    load_model_state(trained, load_sharded_tensors(checkpoint, {
+        name: torch.empty_like(t) for name, t in trained.state_dict().items()}), str(checkpoint))
     with torch.no_grad():
         expected = trained(tokens)
         initial = build(f"hf:{tmp_path / 'llama'}")(tokens)

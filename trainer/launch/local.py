@@ -117,7 +117,10 @@ def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -
     """``fn(rank, *args)`` in ``nprocs`` processes forked from the fork server, with this
     process's environment, joined; a worker's exception is raised as torch's
     ``ProcessRaisedException``, a killed worker as ``ProcessExitedException``."""
-    mp.set_forkserver_preload([__name__])  # read when the server starts: once per process
+    # Read when the server starts, once per process: this module (torch, the trainer) and DCP,
+    # which every checkpoint goes through (its DTensor imports cost about 1.5 s of CPU).
+    mp.set_forkserver_preload([__name__, "torch.distributed.checkpoint",
+                               "torch.distributed.checkpoint.state_dict"])
     mp.start_processes(_with_environ, args=(dict(os.environ), fn, *args), nprocs=nprocs,
                        start_method="forkserver")
 

@@ -5,12 +5,12 @@ A resume is a launch under a run name that has a checkpoint. Every changed key i
 line each. Some changes break an exact resume, and are refused in one line unless
 ``--allow-changes``: the data read and its order (``data.path``, ``data.column``,
 ``data.shuffle``, ``data.shuffle_window``), the model (any ``model.*``: its shape, its weights'
-meaning), the global batch, the seed, the strategy and the optimizer's state format (a
-checkpoint of one does not load into the other). The rest take effect as meant: the learning
-rate and its schedule (``trainer.schedule``), the step count, evaluation, logging,
-checkpointing, memory strategies that keep the math (checkpointing, offload, the micro-batch
-split, which keeps the global batch). Where the run directory lives (``run.dir``,
-``run.work_dir``) is not a change of the run.
+meaning), the global batch, the seed and the optimizer's state format (a checkpoint of one
+does not load into the other). The rest take effect as meant: the learning rate and its
+schedule (``trainer.schedule``), the step count, evaluation, logging, checkpointing, the
+parallel strategy (DDP and FSDP checkpoints load under each other), memory strategies that keep
+the math (checkpointing, offload, the micro-batch split, which keeps the global batch). Where
+the run directory lives (``run.dir``, ``run.work_dir``) is not a change of the run.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from trainer.config import Config, ConfigError
 log = logging.getLogger("memtrain")
 
 BREAKS_EXACTNESS = ("data.path", "data.column", "data.shuffle", "data.shuffle_window", "model.",
-                    "train.global_batch_size", "run.seed", "parallel.strategy",
-                    "memory.optimizer_states")
+                    "train.global_batch_size", "run.seed", "memory.optimizer_states")
 NOT_CHANGES = ("run.dir", "run.work_dir")
 
 
