@@ -48,13 +48,14 @@ def test_8bit_states_and_lora_resume_exactly_under_fsdp(corpus_dir: Path,
     """DCP checkpoints of quantized moments (DTensors of torchao's subclass) and of a LoRA
     model's adapters (its frozen base left out) resume to the bit; LoRA's losses under FSDP are
     DDP's."""
-    run = _runner(corpus_dir, tmp_path, "parallel.strategy=fsdp")
+    run = _runner(corpus_dir, tmp_path, "parallel.strategy=fsdp", "train.steps=4",
+                  "train.checkpoint_every=2")
     for name, strategy in (("8bit", "memory.optimizer_states=8bit"),
                            ("lora", "model.lora.rank=4")):
         straight = logged_losses(run(f"{name}-straight", strategy))
-        run(name, strategy, until=4)
+        run(name, strategy, until=2)
         assert logged_losses(run(name, strategy)) == straight, name
-    lora = tmp_path / "lora" / "checkpoint-00000008"
+    lora = tmp_path / "lora" / "checkpoint-00000004"
     adapter = "blocks.0.attn.qkv.lora_A.default.weight"
     assert load_sharded_tensors(lora, {adapter: torch.empty(4, 64)})[adapter].abs().sum() > 0
     with pytest.raises(BaseException) as missing:  # DCP: a CheckpointException, per rank
