@@ -1,12 +1,12 @@
 """Checkpoints, in one place: what one holds on disk, its name, how it is written, published
 (in the run directory and to a run store on object storage), found and read back.
 
-A checkpoint is a directory ``checkpoint-<step:08d>`` in the run directory. It holds
-``state.pt`` (model, optimizer, GradScaler and LR-schedule state, the step, the data loader's
-position and the RNG state: ``trainer.state.TrainState.state_dict``), a small ``meta.json``, and
-under FSDP every rank's model and optimizer shards as DCP files (``torch.distributed.checkpoint``:
-each rank writes its own shard files and rank 0 the metadata; loading reshards to the current
-world, whatever the world that wrote them).
+A checkpoint is a directory ``checkpoint-<step:08d>`` in the run directory. It holds the model
+and optimizer as DCP files (``torch.distributed.checkpoint``, under DDP and FSDP alike: each rank
+writes its part, FSDP's shards or a share of DDP's replicated tensors, and rank 0 the metadata;
+loading reshards to the current strategy and world, whatever wrote them), ``state.pt`` (GradScaler
+and LR-schedule state, the step, the data loader's position and the RNG state:
+``trainer.state.TrainState.state_dict``) and ``meta.json``, the manifest of every file.
 
 - **Writing**: into a staging directory (``write_checkpoint``), which the worker context
   publishes: the local launcher by an atomic rename in the run directory (``publish_checkpoint``)
