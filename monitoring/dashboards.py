@@ -193,8 +193,12 @@ def data_wait_share() -> timeseries.Panel:
 def checkpoint_time() -> timeseries.Panel:
     return panel("Checkpoint time", "s",
                  query(f"increase(ray_memtrain_checkpoint_seconds_total{{{SELECTOR}}}[{RATE}])",
-                       "rank {{rank}}"),
-                 description="Seconds spent writing checkpoints per interval.")
+                       "saving, rank {{rank}}"),
+                 query(f"increase(ray_memtrain_checkpoint_blocking_seconds_total{{{SELECTOR}}}"
+                       f"[{RATE}])", "step waited, rank {{rank}}"),
+                 description="Seconds spent saving checkpoints per interval, and how many of "
+                             "them the training step waited for: all of a save's in the step, "
+                             "the staging alone with train.checkpoint_async.")
 
 
 def loss() -> timeseries.Panel:

@@ -81,7 +81,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("memtrain_data_wait_seconds_total", "counter", "train",
                "Seconds spent waiting for the data loader."),
     MetricSpec("memtrain_checkpoint_seconds_total", "counter", "train",
-               "Seconds spent writing checkpoints."),
+               "Seconds spent saving checkpoints, in the step or beside it (asynchronous)."),
+    MetricSpec("memtrain_checkpoint_blocking_seconds_total", "counter", "train",
+               "Seconds the training step waited for checkpoints (the whole save, or an "
+               "asynchronous save's staging and the wait for the one before)."),
     MetricSpec("memtrain_train_micro_batch_size", "gauge", "train",
                "Current micro-batch size (changes under auto and OOM recovery)."),
     MetricSpec("memtrain_train_accumulation_steps", "gauge", "train",

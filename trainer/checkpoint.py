@@ -149,35 +149,58 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
 
 
 def write_checkpoint(directory: Path, state: dict[str, Any] | None,
-                     shards: tuple[nn.Module, torch.optim.Optimizer] | None) -> Path | None:
+                     shards: tuple[nn.Module, torch.optim.Optimizer] | None,
+                     group: Any = None) -> Path | None:
     """One rank's part of a checkpoint, into ``directory``: the model's and optimizer's DCP
-    shards where ``shards`` is given (every rank, a collective), and ``state.pt`` where
+    files where ``shards`` is given (every rank, a collective), and ``state.pt`` where
     ``state`` is (rank 0). Returns ``directory``, or None when this rank wrote nothing.
-
-    The manifest (``meta.json``, rank 0's) lists every rank's files: under FSDP each rank
-    hashes its own shards and rank 0 gathers the lists (a collective)."""
+    ``group``: the process group of the collectives (None: the default one)."""
     if shards is None:
         return save_checkpoint(directory, state).parent if state is not None else None
-    save_sharded(directory, *shards)
+    return write_states(directory, state, model_and_optimizer_states(*shards), group)
+
+
+def write_states(directory: Path, state: dict[str, Any] | None,
+                 states: tuple[dict[str, Any], dict[str, Any]], group: Any = None) -> Path:
+    """``write_checkpoint`` from the model's and optimizer's state dicts (DCP's, as
+    ``model_and_optimizer_states`` gives them, or staged copies of them).
+
+    The manifest (``meta.json``, rank 0's) lists every rank's files: each rank hashes its own
+    and rank 0 gathers the lists (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_single_process():
+        dcp.save({"model": states[0], "optimizer": states[1]}, checkpoint_id=str(directory),
+                 process_group=group)
     if state is not None:
         torch.save(state, directory / STATE_FILE)
     files: dict[str, Any] = {}
-    for part in _gathered(describe(directory)):
+    for part in _gathered(describe(directory), group):
         files.update(part)
     if state is not None:
         write_manifest(directory, state["step"], files)
     return directory
 
 
-def _gathered(part: dict[str, Any]) -> list[dict[str, Any]]:
+def _gathered(part: dict[str, Any], group: Any = None) -> list[dict[str, Any]]:
     """Every rank's ``part`` (a collective where there is a process group)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return [part]
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, part)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, part, group=group)
     return parts
+
+
+def model_and_optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer
+                               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state dicts as a checkpoint keeps them (DCP's: by the
+    parameters' names, FSDP's shards as DTensors; a LoRA model's adapters alone)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
+    return _kept(model, model_state), optimizer_state
 
 
 @contextlib.contextmanager
@@ -191,14 +214,13 @@ def _quiet_single_process() -> Iterator[None]:
 
 def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank writes its model and optimizer shards into ``directory`` (a collective)."""
-    # DCP is imported here: it brings in DTensor (about 1.5 s of CPU per process), which every
-    # DDP worker, CLI call and Ray worker would otherwise pay for nothing.
+    # DCP is imported here: it brings in DTensor (about 1.5 s of CPU per process), which a CLI
+    # call that never checkpoints would otherwise pay for nothing.
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
+    model_state, optimizer_state = model_and_optimizer_states(model, optimizer)
     with _quiet_single_process():
-        dcp.save({"model": _kept(model, model_state), "optimizer": optimizer_state},
+        dcp.save({"model": model_state, "optimizer": optimizer_state},
                  checkpoint_id=str(directory))
 
 

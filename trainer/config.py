@@ -119,6 +119,10 @@ class TrainConfig(_Strict):
     # AdamW's fused kernel ("auto": on CUDA; measured 3.7% faster a step than foreach on an
     # H200, GPT-2 124M) or torch's default implementation (false). Checkpoints load
     # across the switch.
+    # Checkpoints saved without holding the step: the local launcher writes, publishes and
+    # uploads each on a thread of its own once staged in host memory (trainer/saves.py); under
+    # Ray the files are written in the step and Ray Train uploads them in the background.
+    checkpoint_async: bool = False
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after
     # activation checkpointing and before DDP/FSDP wrap it; "auto": on CUDA (where the planner

@@ -48,23 +48,39 @@ class WorkerContext(ABC):
     # bytes are checked against their hashes before it is read (``run.checkpoint_verify``).
     keep_checkpoints: int = field(default=3, kw_only=True)
     verify_hashes: bool = field(default=True, kw_only=True)
+    # ``train.checkpoint_async``: where the context saves in the background (the local one:
+    # the whole save on a thread, trainer.saves) or uploads in the background (Ray's).
+    checkpoint_async: bool = field(default=False, kw_only=True)
+
+    @property
+    def takes_checkpoint_files(self) -> bool:
+        """Whether ``report`` keeps the checkpoint directory it is handed (and deletes it once
+        done with it), rather than copying it before returning."""
+        return False
+
+    @property
+    def saves_in_background(self) -> bool:
+        """Whether the whole save runs on a thread of its own (``trainer.saves``)."""
+        return False
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @abstractmethod
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int,
+               group: Any = None) -> None:
         """Publish metrics and, from every rank's part, a complete checkpoint. Every rank
-        calls."""
+        calls. ``group``: the process group of its collectives (None: the default one; an
+        asynchronous save publishes on a group of its own, from its own thread)."""
 
     @abstractmethod
     def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         """A context manager yielding the latest complete checkpoint's directory, or None."""
 
-    def barrier(self) -> None:
+    def barrier(self, group: Any = None) -> None:
         if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=group)
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a collective: every rank calls)."""
@@ -102,12 +118,17 @@ class LocalContext(WorkerContext):
 
     remote: RemoteRun | None = field(default=None, kw_only=True)
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
+    @property
+    def saves_in_background(self) -> bool:
+        return self.checkpoint_async
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int,
+               group: Any = None) -> None:
         final = publish_checkpoint(self.run_dir, step, checkpoint_dir, self.rank,
-                                   self.barrier, self.keep_checkpoints)
+                                   lambda: self.barrier(group), self.keep_checkpoints)
         if self.is_main and self.remote is not None:
             upload_checkpoint(self.remote, final, self.keep_checkpoints)
-        self.barrier()  # nobody reads "latest" before rank 0 has published it
+        self.barrier(group)  # nobody reads "latest" before rank 0 has published it
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:

@@ -8,6 +8,8 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
 - ``checkpoint@4``: the checkpoint of step 4 fails after its files are written, before it is
   published (every rank raises; once per rank and run directory, so a restarted run gets past
   it);
+- ``savekill@4``: rank 0 SIGKILLs itself in step 4's checkpoint, its files written and not yet
+  published (once per run directory);
 - ``kill@5:1``: rank 1 SIGKILLs itself at the end of step 5, once per run directory (a marker
   file in the run directory keeps a restarted worker from doing it again);
 - ``stall@3``: rank 0 sleeps ``STALL_SECONDS`` at the end of step 3, as a long evaluation, a
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "MEMTRAIN_FAULTS"
-KINDS = ("oom", "checkpoint", "kill", "stall")
+KINDS = ("oom", "checkpoint", "savekill", "kill", "stall")
 # Three times the gauge expiry of the tests' Ray cluster (two 1 s export intervals).
 STALL_SECONDS = 6.0
 log = logging.getLogger("memtrain")
@@ -96,10 +98,15 @@ def maybe_oom(index: int, count: int) -> None:
 
 def maybe_fail_checkpoint(run_dir: Path, step: int, rank: int) -> None:
     """``checkpoint@STEP``: fail this step's checkpoint write (on every rank, once per run
-    directory)."""
+    directory); ``savekill@STEP:RANK``: SIGKILL the rank there instead, its files written and
+    not published (a crash in the middle of a save, asynchronous or not), once per run
+    directory."""
     if any(f.kind == "checkpoint" and f.step == step for f in active()) and \
             _first_time(run_dir, Fault("checkpoint", step, rank)):
         raise OSError(f"checkpoint write failed at step {step} (injected by {ENV})")
+    if _first_time(run_dir, Fault("savekill", step, rank)):
+        log.warning("rank %d: killed by %s while saving step %d", rank, ENV, step)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_stall(run_dir: Path, step: int, rank: int) -> None:

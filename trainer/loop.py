@@ -59,6 +59,7 @@ from trainer.oom import (
 )
 from trainer.recovery import Recovery
 from trainer.run_metrics import RunMetrics, StepRecord
+from trainer.saves import AsyncSaves
 from trainer.schedule import Schedule
 from trainer.sharding import FsdpSettings
 from trainer.state import NonFiniteError, StepResult, TrainState
@@ -100,6 +101,8 @@ class Trainer:
             and cfg.memory.activation_offload == "none")  # offload's hooks run eager
         self.watch = CompileWatch(ctx.rank, enabled=compiles)
         self.consecutive_skips = 0
+        # train.checkpoint_async under the local launcher: saves on a thread (trainer.saves)
+        self.saves = AsyncSaves() if ctx.saves_in_background else None
 
     def train(self, until_step: int | None = None) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
@@ -147,6 +150,8 @@ class Trainer:
                 if due(state.step, cfg.train.checkpoint_every, is_last):
                     self.checkpoint(metrics, state)
                 after_step(cfg.memory, ctx, state.step, guard, profiler, diagnostics)
+            if self.saves is not None:
+                self.saves.wait()  # the last checkpoint is published before the run ends
             recovery.finish(state.step)
             summary = self.summary(metrics, state, resumed_from, guard, diagnostics)
             summary.update(recovery.summary())
@@ -282,8 +287,10 @@ class Trainer:
 
     def checkpoint(self, metrics: RunMetrics, state: TrainState) -> None:
         start = time.perf_counter()
-        state.save(self.ctx, {"step": state.step, "loss": metrics.last_loss})
-        metrics.checkpoint_done(state.step, time.perf_counter() - start)
+        state.save(self.ctx, {"step": state.step, "loss": metrics.last_loss}, self.saves,
+                   metrics.save_done)
+        metrics.checkpoint_done(state.step, time.perf_counter() - start,
+                                in_background=self.saves is not None)
 
     def summary(self, metrics: RunMetrics, state: TrainState, resumed_from: int | None,
                 guard: LeakGuard | None, diagnostics: Diagnostics) -> dict[str, Any]:

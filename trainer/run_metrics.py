@@ -95,7 +95,8 @@ class RunMetrics:
     skipped_steps: int = 0
     step_seconds: float = 0.0
     wait_seconds: float = 0.0
-    checkpoint_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0  # saving checkpoints, in the step or beside it
+    checkpoint_blocking_seconds: float = 0.0  # of which the step waited
     first_loss: float | None = None
     last_loss: float | None = None
     eval_loss: float | None = None
@@ -148,6 +149,7 @@ class RunMetrics:
             "memtrain_train_skipped_steps_total": self.skipped_steps,
             "memtrain_data_wait_seconds_total": self.wait_seconds,
             "memtrain_checkpoint_seconds_total": self.checkpoint_seconds,
+            "memtrain_checkpoint_blocking_seconds_total": self.checkpoint_blocking_seconds,
             "memtrain_data_skipped_shards_total": self._loader.skipped_shards,
             **(self.recovery.metrics() if self.recovery is not None else {}),
             **device_values(self.ctx.device, self._uuid, self.peaks, self._loader.pinned_bytes),
@@ -223,9 +225,17 @@ class RunMetrics:
         if self.ctx.is_main:
             log.info("step %5d | eval loss %.4f", step, loss)
 
-    def checkpoint_done(self, step: int, seconds: float) -> None:
-        self.checkpoint_seconds += seconds
+    def checkpoint_done(self, step: int, seconds: float, in_background: bool = False) -> None:
+        """A checkpoint the step waited ``seconds`` for: the whole save, or its staging where
+        the save goes on ``in_background`` (its duration then comes to ``save_done``)."""
+        self.checkpoint_blocking_seconds += seconds
+        if not in_background:
+            self.checkpoint_seconds += seconds
         self.checkpoints_written.append(step)
+
+    def save_done(self, seconds: float) -> None:
+        """A save that ran in the background took ``seconds`` (called on the save's thread)."""
+        self.checkpoint_seconds += seconds
 
     def summary(self, facts: dict[str, Any]) -> dict[str, Any]:
         """The run's summary: ``facts`` (what the loop knows: precision, workers, the final

@@ -16,7 +16,10 @@ A checkpoint written before DDP's went through DCP holds the model and optimizer
 
 from __future__ import annotations
 
+import copy
+import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +35,14 @@ from trainer.checkpoint import (
     load_checkpoint,
     load_model_state,
     load_sharded,
+    model_and_optimizer_states,
     rng_state,
     set_rng_state,
-    write_checkpoint,
+    write_states,
 )
 from trainer.context import WorkerContext
 from trainer.memory.optimizers import BackwardSteps
+from trainer.saves import AsyncSaves, staged
 from trainer.schedule import resume_schedule
 from trainer.sharding import is_sharded, local_tensor
 
@@ -124,8 +129,11 @@ class TrainState:
             self.load_state_dict(state, str(checkpoint_dir))
             return self.step
 
-    def save(self, ctx: WorkerContext, metrics: dict[str, Any]) -> None:
-        """Write a checkpoint of this step into a staging directory and hand it to ``ctx``.
+    def save(self, ctx: WorkerContext, metrics: dict[str, Any], saves: AsyncSaves | None = None,
+             saved: Callable[[float], None] = lambda seconds: None) -> None:
+        """Write a checkpoint of this step into a staging directory and hand it to ``ctx``:
+        here, or with ``saves`` on its thread once staged (``trainer.saves``), ``saved`` then
+        told the seconds it took.
 
         Every rank calls. Raises NonFiniteError on every rank, writing nothing, when any rank
         holds a non-finite weight: the last good checkpoint stays the latest.
@@ -140,7 +148,25 @@ class TrainState:
             raise NonFiniteError(f"refusing to checkpoint step {self.step} on rank {ctx.rank}: "
                                  f"non-finite weights {where}; the last good checkpoint stays "
                                  "the latest")
-        with tempfile.TemporaryDirectory(prefix="memtrain-ckpt-") as tmp:
-            files = write_checkpoint(Path(tmp), self.state_dict() if ctx.is_main else None,
-                                     (self.unwrapped, self.optimizer))
-            ctx.report(metrics, files, self.step)
+        step, state = self.step, self.state_dict() if ctx.is_main else None
+        states = model_and_optimizer_states(self.unwrapped, self.optimizer)
+        if saves is None:
+            _write_and_report(ctx, metrics, step, state, states, None)
+            return
+        saves.wait()  # at most one save in flight
+        state, states = staged(copy.deepcopy(state)), staged(states)
+        saves.start(lambda: _write_and_report(ctx, metrics, step, state, states, saves.group),
+                    saved)
+
+
+def _write_and_report(ctx: WorkerContext, metrics: dict[str, Any], step: int,
+                      state: dict[str, Any] | None,
+                      states: tuple[dict[str, Any], dict[str, Any]], group: Any) -> None:
+    """Write this rank's part of step ``step``'s checkpoint and hand it to ``ctx``, its
+    collectives on ``group``; the files go with it unless ``ctx`` takes them over."""
+    directory = Path(tempfile.mkdtemp(prefix="memtrain-ckpt-"))
+    try:
+        ctx.report(metrics, write_states(directory, state, states, group), step, group)
+    finally:
+        if not ctx.takes_checkpoint_files:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -107,7 +107,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer.model", "trainer.hf"),
     ("trainer.build",),
     ("trainer.worker_errors", "trainer.recovery", "trainer.runstore", "trainer.manifest",
-     "trainer.checkpoint",
+     "trainer.checkpoint", "trainer.saves",
      "trainer.context", "trainer.state", "trainer.run_metrics", "trainer.diagnostics",
      "trainer.export"),
     ("trainer.oom", "trainer.step"),

@@ -62,7 +62,8 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
 def checkpoint_settings(cfg: Config) -> dict[str, Any]:
     """The context's checkpoint settings from ``cfg.run``."""
     return {"keep_checkpoints": cfg.run.keep_checkpoints,
-            "verify_hashes": cfg.run.checkpoint_verify == "hashes"}
+            "verify_hashes": cfg.run.checkpoint_verify == "hashes",
+            "checkpoint_async": cfg.train.checkpoint_async}
 
 
 def attach_metrics(ctx: LocalContext, cfg: Config) -> None:

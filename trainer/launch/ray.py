@@ -34,6 +34,7 @@ import ray.train  # noqa: E402
 import torch  # noqa: E402
 from ray.train import (  # noqa: E402
     CheckpointConfig,
+    CheckpointUploadMode,
     FailureConfig,
     LoggingConfig,
     RunConfig,
@@ -113,12 +114,22 @@ class RaySink(Sink):
 class RayContext(WorkerContext):
     node_id: str = field(default="", kw_only=True)  # Ray's node id, 12 characters (labels)
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int) -> None:
+    @property
+    def takes_checkpoint_files(self) -> bool:
+        return self.checkpoint_async  # Ray uploads them after report returns, then deletes
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, step: int,
+               group: Any = None) -> None:
+        """Ray Train publishes (``group`` unused: Ray's own report synchronises the workers).
+        With ``train.checkpoint_async`` it uploads the files in the background
+        (``CheckpointUploadMode.ASYNC``), the step having waited only for their writing."""
         faults.maybe_fail_checkpoint(self.run_dir, step, self.rank)  # every rank (faults.py)
         checkpoint = (ray.train.Checkpoint.from_directory(str(checkpoint_dir))
                       if checkpoint_dir is not None else None)
-        ray.train.report(metrics, checkpoint=checkpoint,
-                         checkpoint_dir_name=checkpoint_dir_name(step))
+        mode = CheckpointUploadMode.ASYNC if self.checkpoint_async else CheckpointUploadMode.SYNC
+        ray.train.report(metrics, checkpoint=checkpoint,  # type: ignore[call-arg]
+                         checkpoint_dir_name=checkpoint_dir_name(step),
+                         checkpoint_upload_mode=mode)
 
     def node_address(self) -> str:
         return ray.util.get_node_ip_address()
@@ -203,6 +214,7 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
                      node_id=ray.get_runtime_context().get_node_id()[:12],
                      launch_id=loop_config.get("launch_id", ""),
                      keep_checkpoints=cfg.run.keep_checkpoints,
+                     checkpoint_async=cfg.train.checkpoint_async,
                      verify_hashes=cfg.run.checkpoint_verify == "hashes")
     ctx.metrics_sink = RaySink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
                                              ctx.node_id, device))
