@@ -366,6 +366,31 @@ def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
     return tensors
 
 
+def load_weights(directory: Path, model: nn.Module) -> None:
+    """The model's weights alone from the checkpoint ``directory`` (``train.init_from``), at
+    any strategy and world size (a collective under a process group); CheckpointReadError
+    naming the checkpoint when they do not fit the model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = load_checkpoint(directory)
+    if not state.get("sharded"):  # the single-file format
+        load_model_state(model, state["model"], str(directory))
+        return
+    options = _options(model)
+    model_state = _kept(model, get_model_state_dict(model, options=options))
+    try:
+        with _quiet_single_process():
+            dcp.load({"model": model_state}, checkpoint_id=str(directory))
+    except CheckpointException as err:  # a BaseException: every rank's failure, one per rank
+        failures = list(getattr(err, "failures", {}).values())
+        reason = first_line(failures[0]) if failures else first_line(err)
+        raise CheckpointReadError(f"checkpoint {directory} does not fit the model: "
+                                  f"{reason}") from None
+    set_model_state_dict(model, model_state, options=options)
+
+
 def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load model and optimizer state written by ``save_sharded`` at any world size (a
     collective): each rank reads the parts of the files that its shards cover."""

@@ -122,6 +122,11 @@ class TrainConfig(_Strict):
     # Checkpoints saved without holding the step: the local launcher writes, publishes and
     # uploads each on a thread of its own once staged in host memory (trainer/saves.py); under
     # Ray the files are written in the step and Ray Train uploads them in the background.
+    # Start a new run from another run's weights (weights only: the optimizer, schedule and
+    # data start afresh): a run directory (its latest whole checkpoint) or one checkpoint
+    # directory, any strategy and world size. A resume ignores it: the run's own checkpoint
+    # decides.
+    init_from: str | None = None
     checkpoint_async: bool = False
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after

@@ -109,7 +109,7 @@ class Trainer:
         recording_history = start_memory_history(ctx.device, cfg.memory.record_memory_history)
         with contextlib.ExitStack() as resources:
             state = self.build_state(resources)
-            resumed_from = state.restore(ctx)
+            resumed_from = state.restore(ctx, cfg.train.init_from)
             state.wrap_ddp(ctx)
             self.log_start(state, resumed_from, recording_history)
             recovery = Recovery.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,
@@ -319,8 +319,10 @@ class Trainer:
             return
         if precision.warning:
             log.warning("%s", precision.warning)
-        where = f"resuming from step {resumed_from}" if resumed_from is not None else \
-            "from scratch"
+        where = (f"resuming from step {resumed_from}" if resumed_from is not None else
+                 f"from the weights of {cfg.train.init_from} (train.init_from; the optimizer, "
+                 "schedule and data from their start)" if cfg.train.init_from else
+                 "from scratch")
         loader = state.loader
         if loader.resized_from is not None:
             log.info("resized: the checkpoint was written by %d workers, this run has %d; the "

@@ -35,6 +35,7 @@ from trainer.checkpoint import (
     load_checkpoint,
     load_model_state,
     load_sharded,
+    load_weights,
     model_and_optimizer_states,
     rng_state,
     set_rng_state,
@@ -112,10 +113,13 @@ class TrainState:
         set_rng_state(state["rng"])
         self.step = int(state["step"])
 
-    def restore(self, ctx: WorkerContext) -> int | None:
-        """Load the context's latest checkpoint; returns its step, or None (nothing to load)."""
+    def restore(self, ctx: WorkerContext, init_from: str | None = None) -> int | None:
+        """Load the context's latest checkpoint; returns its step, or None (nothing to load:
+        the run starts, from the weights of the checkpoint ``init_from`` where given)."""
         with ctx.latest_checkpoint() as checkpoint_dir:
             if checkpoint_dir is None:
+                if init_from is not None:
+                    load_weights(Path(init_from), self.unwrapped)
                 return None
             state = load_checkpoint(checkpoint_dir)
             if state.get("sharded"):  # any strategy and world size: DCP reshards to this one

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import tiny_config
 from trainer.config import ConfigError
@@ -90,3 +91,43 @@ def test_fresh_moves_the_old_run_aside_and_starts_from_scratch(
     assert (aside / "checkpoint-00000002" / "meta.json").is_file()
     assert not run_dir.joinpath("checkpoint-00000002").exists()
     assert launch_local(cfg, run_dir)["resumed_from_step"] is None
+
+
+def test_a_new_run_starts_from_another_runs_weights(corpus_dir: Path, tmp_path: Path) -> None:
+    """``train.init_from``: run A's latest whole checkpoint's weights, at step 0 of run B (its
+    optimizer, schedule and data from their start); a path without a checkpoint, or a model
+    the weights do not fit, is one line."""
+    from trainer.checkpoint import CheckpointReadError, load_sharded_tensors
+
+    common = ("parallel.launcher=local", "parallel.workers=1", "train.eval_every=0",
+              "train.checkpoint_every=2")
+    cfg, source = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=2",
+                                          "run.name=source"))
+    launch_local(cfg, source)
+    with pytest.raises(ConfigError, match=r"^train.init_from '.*nowhere': no whole checkpoint"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=b",
+                                f"train.init_from={tmp_path / 'nowhere'}"))
+    cfg, target = prepare_run(tiny_config(
+        corpus_dir, tmp_path, *common, "train.steps=1", "train.lr=1e-12", "run.name=b",
+        f"train.init_from={source}"))
+    assert cfg.train.init_from == str(source / "checkpoint-00000002")
+    assert launch_local(cfg, target)["resumed_from_step"] is None
+    names = {k.removeprefix("model."): torch.empty(v.size)  # type: ignore[union-attr]
+             for k, v in _metadata(source / "checkpoint-00000002").items()
+             if k.startswith("model.")}
+    started = load_sharded_tensors(source / "checkpoint-00000002", dict(names))
+    after = load_sharded_tensors(target / "checkpoint-00000001",
+                                 {k: torch.empty_like(v) for k, v in names.items()})
+    assert all(torch.allclose(after[k], started[k], atol=1e-8) for k in names)
+    cfg, wrong = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=1",
+                                         "model.n_embd=32", "run.name=c",
+                                         f"train.init_from={source}"))
+    with pytest.raises(CheckpointReadError, match=r"checkpoint .*checkpoint-00000002 does not "
+                                                  r"fit the model: .*[Ss]ize mismatch"):
+        launch_local(cfg, wrong)
+
+
+def _metadata(checkpoint: Path) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata

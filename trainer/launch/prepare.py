@@ -20,11 +20,12 @@ from datapipe.manifest import read_manifest
 from datapipe.paths import is_remote
 from monitoring.run_files import CONFIG
 from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
-from trainer.checkpoint import checkpoint_step, published_checkpoints
+from trainer.checkpoint import checkpoint_step, latest_whole, published_checkpoints
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
 from trainer.hf import config_vocab_size
 from trainer.launch.resume import check_resume
+from trainer.manifest import local_problem
 from trainer.plan.strategy import resolve_auto
 from trainer.runstore import RemoteRun, default_work_dir
 
@@ -57,7 +58,8 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
         run = cfg.run.model_copy(update={"work_dir": str(work.resolve())})
     else:
         run = cfg.run.model_copy(update={"dir": str(Path(cfg.run.dir).resolve())})
-    cfg = cfg.model_copy(update={"data": data, "run": run, "monitoring": _monitoring(cfg)})
+    cfg = cfg.model_copy(update={"data": data, "run": run, "monitoring": _monitoring(cfg),
+                                 "train": _init_from(cfg)})
     check_strategies(cfg)
     workers = cfg.parallel.workers
     joins_cluster = cfg.parallel.launcher == "ray" and bool(os.environ.get("RAY_ADDRESS"))
@@ -108,6 +110,33 @@ def _monitoring(cfg: Config) -> Any:
         monitoring = monitoring.model_copy(
             update={"mlflow_tracking_uri": os.environ["MLFLOW_TRACKING_URI"]})
     return monitoring
+
+
+def _init_from(cfg: Config) -> Any:
+    """``cfg.train`` with ``init_from`` resolved to one whole checkpoint directory (a run
+    directory's latest), absolute, so every worker reads the same; ConfigError where there is
+    none."""
+    train = cfg.train
+    if train.init_from is None:
+        return train
+    if is_remote(train.init_from):
+        raise ConfigError(f"train.init_from {train.init_from!r}: a local run or checkpoint "
+                          "directory (download a store's checkpoint first)")
+    if cfg.model.lora is not None:
+        raise ConfigError("train.init_from with model.lora: not supported yet (a checkpoint's "
+                          "weights are not a LoRA model's base); give the base as model.name "
+                          "hf:DIR instead")
+    path = Path(train.init_from).expanduser().resolve()
+    hashes = cfg.run.checkpoint_verify == "hashes"
+    if checkpoint_step(path.name) is not None:
+        problem = local_problem(path, hashes) if path.is_dir() else "it does not exist"
+        chosen = None if problem else path
+    else:
+        chosen = latest_whole(published_checkpoints(path), hashes)
+        problem = "no whole checkpoint in it"
+    if chosen is None:
+        raise ConfigError(f"train.init_from {train.init_from!r}: {problem}")
+    return train.model_copy(update={"init_from": str(chosen)})
 
 
 def previous_config(run_dir: Path, remote: RemoteRun | None) -> str | None:
