@@ -366,6 +366,22 @@ def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
     return tensors
 
 
+def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor a checkpoint holds, whole, by name, with no model built (one
+    process: tools and tests); the single-file format's from its ``state.pt``."""
+    state = load_checkpoint(directory)
+    if not state.get("sharded"):
+        return state["model"]
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return load_sharded_tensors(directory, {
+        name.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in saved.items()
+        if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)})
+
+
 def load_weights(directory: Path, model: nn.Module) -> None:
     """The model's weights alone from the checkpoint ``directory`` (``train.init_from``), at
     any strategy and world size (a collective under a process group); CheckpointReadError

@@ -489,9 +489,8 @@ def check_elastic(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]
 
 def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
     """The invariants and the figures (see the module's docstring)."""
-    import io
-
     import torch
+    from pyarrow import fs
 
     from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
     from trainer.launch.local import launch_local
@@ -503,10 +502,13 @@ def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
         summary = json.loads(f.read())
     results["summary"] = {k: summary.get(k) for k in (
         "final_step", "resumed_from_step", "attempt", "restarts", "recovery_seconds", "workers")}
-    final = f"{prefix}/checkpoint-{campaign.steps:08d}/state.pt"
-    with store.open_input_file(final) as f:
-        data = io.BytesIO(f.read())
-    state = torch.load(data, weights_only=True)
+    from trainer.checkpoint import load_checkpoint, read_model_weights
+
+    final = campaign.work / "final" / f"checkpoint-{campaign.steps:08d}"
+    fs.copy_files(f"{prefix}/{final.name}", str(final), source_filesystem=store,
+                  destination_filesystem=fs.LocalFileSystem())
+    state = load_checkpoint(final)
+    weights = read_model_weights(final)
 
     # Exact weights: an uninterrupted run of the same config, the local launcher, 2 processes.
     from trainer.config import load_config
@@ -524,10 +526,9 @@ def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
     finally:
         os.environ.clear()
         os.environ.update(env)
-    expected = torch.load(run_dir / f"checkpoint-{campaign.steps:08d}" / "state.pt",
-                          weights_only=True)["model"]
-    results["weights_exact"] = state["model"].keys() == expected.keys() and all(
-        torch.equal(state["model"][k], expected[k]) for k in expected)
+    expected = read_model_weights(run_dir / f"checkpoint-{campaign.steps:08d}")
+    results["weights_exact"] = weights.keys() == expected.keys() and all(
+        torch.equal(weights[k], expected[k]) for k in expected)
 
     # Every row once: the rows the ranks recorded (the last time each step was trained).
     recorded = recorded_rows(campaign.run_copy)

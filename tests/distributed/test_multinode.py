@@ -126,10 +126,10 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
                                                   "parallel.launcher=local",
                                                   "parallel.workers=2"), 4)
     launch_local(cfg, run_dir)
-    ray_checkpoint = Path(scenario["run_dir"]) / "checkpoint-00000008" / "state.pt"
-    ray_weights = torch.load(ray_checkpoint, weights_only=True)["model"]
-    local_weights = torch.load(run_dir / "checkpoint-00000008" / "state.pt",
-                               weights_only=True)["model"]
+    from trainer.checkpoint import read_model_weights
+
+    ray_weights = read_model_weights(Path(scenario["run_dir"]) / "checkpoint-00000008")
+    local_weights = read_model_weights(run_dir / "checkpoint-00000008")
     assert ray_weights.keys() == local_weights.keys()
     different = [k for k in ray_weights if not torch.equal(ray_weights[k], local_weights[k])]
     assert not different, different
@@ -140,7 +140,8 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
     recorded = recorded_rows(Path(scenario["run_dir"]))
     assert sorted(recorded) == list(range(1, 9))
     assert all(len(rows) == 24 for rows in recorded.values())
-    loader = torch.load(ray_checkpoint, weights_only=True)["loader"]
+    loader = torch.load(Path(scenario["run_dir"]) / "checkpoint-00000008" / "state.pt",
+                        weights_only=True)["loader"]
     planned = rows_trained(corpus_dir / "train", [(4, 2, 24)], loader["seed"],
                            loader["shuffle_window"])
     assert len(set(planned)) == 8 * 24

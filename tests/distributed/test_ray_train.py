@@ -15,10 +15,10 @@ five.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import running_s3_server, tiny_config
-from trainer.checkpoint import stored_checkpoints
+from trainer.checkpoint import read_model_weights, stored_checkpoints
 from trainer.launch.prepare import prepare_run
 from trainer.runstore import RemoteRun
 
@@ -64,14 +64,14 @@ def _losses(run_dir: Path, first: bool = False) -> dict[int, float]:
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    state = torch.load(run_dir / f"checkpoint-{step:08d}" / "state.pt", weights_only=True)
-    return state["model"]
+    return read_model_weights(run_dir / f"checkpoint-{step:08d}")
 
 
 def _stored_weights(store: RemoteRun, step: int) -> dict[str, torch.Tensor]:
-    data = io.BytesIO(store.fs.open_input_file(f"{store.root}/checkpoint-{step:08d}/state.pt")
-                      .read())
-    return torch.load(data, weights_only=True)["model"]
+    with tempfile.TemporaryDirectory() as tmp:
+        name = f"checkpoint-{step:08d}"
+        store.download_dir(name, Path(tmp) / name)
+        return read_model_weights(Path(tmp) / name)
 
 
 @pytest.fixture(scope="module")
