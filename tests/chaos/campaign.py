@@ -505,6 +505,7 @@ def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
     from trainer.checkpoint import load_checkpoint, read_model_weights
 
     final = campaign.work / "final" / f"checkpoint-{campaign.steps:08d}"
+    final.mkdir(parents=True)
     fs.copy_files(f"{prefix}/{final.name}", str(final), source_filesystem=store,
                   destination_filesystem=fs.LocalFileSystem())
     state = load_checkpoint(final)

@@ -140,8 +140,8 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
     recorded = recorded_rows(Path(scenario["run_dir"]))
     assert sorted(recorded) == list(range(1, 9))
     assert all(len(rows) == 24 for rows in recorded.values())
-    loader = torch.load(Path(scenario["run_dir"]) / "checkpoint-00000008" / "state.pt",
-                        weights_only=True)["loader"]
+    ray_state = Path(scenario["run_dir"]) / "checkpoint-00000008" / "state.pt"
+    loader = torch.load(ray_state, weights_only=True)["loader"]
     planned = rows_trained(corpus_dir / "train", [(4, 2, 24)], loader["seed"],
                            loader["shuffle_window"])
     assert len(set(planned)) == 8 * 24
