@@ -114,14 +114,18 @@ def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun, stor
 
     # The resume runs from another working copy, as on another machine, and as an elastic
     # group, workers [1, 2] (Train V2's ScalingConfig(num_workers=(1, 2))): it starts with as
-    # many as the cluster holds, both here.
+    # many as the cluster holds, both here; its checkpoints upload in the background
+    # (train.checkpoint_async: Ray Train's CheckpointUploadMode.ASYNC), whole on the store by
+    # the time the run ends.
     work = ray_run.run_dir.parent.parent / "machine-b"
     more, run_dir = prepare_run(tiny_config(corpus_dir, work, *SETTINGS, *REMOTE,
                                             f"run.work_dir={work}", "train.steps=15",
-                                            "parallel.workers=[1, 2]"))
+                                            "parallel.workers=[1, 2]",
+                                            "train.checkpoint_async=true"))
     resumed = launch_ray(more, run_dir)
     assert resumed["resumed_from_step"] == 12 and resumed["workers"] == 2
     assert resumed["final_step"] == 15 and resumed["steps_this_run"] == 3
+    assert [name for _, name in stored_checkpoints(store)][-1] == "checkpoint-00000015"
     steps = [json.loads(line)["step"] for line in
              store.read_text("metrics/rank-1.jsonl").splitlines()]
     assert steps[0] == 1 and steps[-1] == 15  # the store's log continued, not restarted
