@@ -253,6 +253,8 @@ class RunMetrics:
             "peak_memory_kind": ("cuda_max_allocated" if self.ctx.device.type == "cuda"
                                  else "host_max_rss"),
             "checkpoints_written": self.checkpoints_written,
+            "checkpoint_seconds": self.checkpoint_seconds,
+            "checkpoint_blocking_seconds": self.checkpoint_blocking_seconds,
             "wall_seconds": time.perf_counter() - self.wall_start,
             "run_dir": str(self.ctx.run_dir),
         }
