@@ -71,8 +71,9 @@ def data_write(
     token_dtype: Annotated[str, typer.Option(
         help="With --tokenizer: auto (uint16 up to 65,536 tokens, else uint32) | uint16 | "
              "uint32.")] = "auto",
-    eot_token: Annotated[str, typer.Option(
-        help="With --tokenizer: the token that ends each document.")] = "<|endoftext|>",
+    eot_token: Annotated[str | None, typer.Option(
+        help="With --tokenizer: the token that ends each document (default: the eos_token "
+             "of the model directory's tokenizer_config.json, else <|endoftext|>).")] = None,
 ) -> None:
     """Convert Parquet, JSON lines, text files or numpy arrays into a memtrain dataset."""
     from rich.progress import DownloadColumn, TransferSpeedColumn

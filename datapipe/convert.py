@@ -36,7 +36,6 @@ from datapipe.manifest import (
     atomic_write_bytes,
 )
 from datapipe.tokenize import (
-    EOT_TOKEN,
     TOKENIZER_FILE,
     ByteProgress,
     documents,
@@ -175,7 +174,7 @@ def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
                   columns: list[str] | None = None, column: str = "tokens", seq_len: int = 256,
                   shard_bytes: int = 64 << 20, overwrite: bool = False,
                   tokenizer: Path | None = None, text_field: str = "text",
-                  token_dtype: str = "auto", eot_token: str = EOT_TOKEN,
+                  token_dtype: str = "auto", eot_token: str | None = None,
                   progress: ProgressFn | None = None,
                   input_progress: ByteProgress | None = None) -> Manifest:
     """Convert ``sources`` into a dataset at ``out``; returns its manifest.

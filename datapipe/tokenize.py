@@ -72,16 +72,21 @@ def _require_tokenizers() -> None:
                            "tokenizers)") from err
 
 
-def load_tokenizer(path: Path, eot_token: str = EOT_TOKEN) -> tuple[Tokenizer, TokenizerInfo]:
+def load_tokenizer(path: Path, eot_token: str | None = None
+                   ) -> tuple[Tokenizer, TokenizerInfo]:
     """A ``tokenizer.json`` (or a model directory's, as Hugging Face saves one beside its
-    ``config.json``) and what the manifest records of it."""
+    ``config.json``) and what the manifest records of it. The end-of-text token: ``eot_token``,
+    else the ``eos_token`` a model directory's ``tokenizer_config.json`` names, else
+    ``<|endoftext|>``."""
     _require_tokenizers()
     from tokenizers import Tokenizer
 
     if path.is_dir():
         if not (path / TOKENIZER_FILE).is_file():
             raise DatasetError(f"tokenizer {path}: a directory without a {TOKENIZER_FILE}")
+        eot_token = eot_token or configured_eos(path)
         path = path / TOKENIZER_FILE
+    eot_token = eot_token or EOT_TOKEN
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -98,6 +103,19 @@ def load_tokenizer(path: Path, eot_token: str = EOT_TOKEN) -> tuple[Tokenizer, T
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     return tokenizer, TokenizerInfo(TOKENIZER_FILE, hashlib.sha256(raw).hexdigest(), vocab_size,
                                     eot_id, raw)
+
+
+def configured_eos(directory: Path) -> str | None:
+    """The ``eos_token`` a model directory's ``tokenizer_config.json`` names (a string, or an
+    added token's ``{"content": ...}``); None where it names none."""
+    config = directory / "tokenizer_config.json"
+    try:
+        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    except (OSError, ValueError, AttributeError) as err:
+        raise DatasetError(f"tokenizer {config}: not a readable JSON object ({err})") from err
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
 
 
 def dataset_tokenizer(directory: str | Path) -> tuple[bytes, int] | None:

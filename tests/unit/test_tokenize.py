@@ -276,3 +276,30 @@ def test_from_text_files_to_training_with_no_network(tmp_path: Path) -> None:
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "tok" / "summary.json").read_text())
     assert summary["final_step"] == 4 and summary["final_loss"] < summary["first_loss"]
+
+
+def test_a_model_directorys_own_end_of_text_token_is_used(tokenizer: Path, texts: Path,
+                                                          tmp_path: Path) -> None:
+    """A model directory whose ``tokenizer_config.json`` names ``eos_token`` (a string, or an
+    added token's dict) needs no ``--eot-token``; one given still wins; one the tokenizer
+    lacks is one line."""
+    from tokenizers import AddedToken, Tokenizer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    raw = Tokenizer.from_file(str(tokenizer))
+    raw.add_special_tokens([AddedToken("</s>", special=True)])
+    raw.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</t>"}))
+    with pytest.raises(DatasetError, match=r"has no end-of-text token '</t>' \(pass "
+                                           r"--eot-token\)"):
+        load_tokenizer(model)  # named by the directory, absent from the tokenizer
+    for config in ({"eos_token": "</s>"}, {"eos_token": {"content": "</s>", "lstrip": False}}):
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        _, info = load_tokenizer(model)
+        assert info.eot_id == raw.token_to_id("</s>")
+        assert load_tokenizer(model, EOT_TOKEN)[1].eot_id == raw.token_to_id(EOT_TOKEN)
+    out = tmp_path / "data"
+    write_dataset([texts / sorted(p.name for p in texts.iterdir())[0]], out, tokenizer=model)
+    written = dataset_tokenizer(out)
+    assert written is not None and written[1] == raw.token_to_id("</s>")
