@@ -166,10 +166,15 @@ def data_inspect(path: Annotated[str, typer.Argument(
 def data_verify(path: Annotated[str, typer.Argument(
         help="Dataset directory or URI (s3://bucket/prefix).")]) -> None:
     """Check every shard against the manifest, checksums included."""
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
     from datapipe.manifest import DatasetError, read_manifest
     from datapipe.shards import verify_dataset
 
-    problems = verify_dataset(path)
+    with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("shards", total=read_manifest(path).num_bytes)
+        problems = verify_dataset(path, lambda n: progress.advance(task, n))
     if problems:  # one line: the first problem and how many shards are bad
         raise DatasetError(f"{problems[0]} ({len(problems)} bad of "
                            f"{len(read_manifest(path).shards)} shards)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -82,13 +83,15 @@ def check_schema(file: str, schema: pa.Schema, columns: list[ColumnSpec]) -> Non
                                f"{wanted}")
 
 
-def verify_dataset(directory: str | Path) -> list[str]:
+def verify_dataset(directory: str | Path,
+                   progress: Callable[[int], None] | None = None) -> list[str]:
     """Check every shard as ``memtrain train`` will, and more: present, its size and SHA-256,
     its columns, dtypes and shapes, and its rows (from the file's record batches), local or
     remote (remote shards are streamed through). Shard paths are checked to stay inside the
     dataset before any is opened (DatasetError).
 
-    Returns one line per problem, naming the shard (empty: the dataset trains).
+    Returns one line per problem, naming the shard (empty: the dataset trains). ``progress``
+    is told each shard's bytes once it is checked.
     """
     root = str(directory).rstrip("/") if is_remote(directory) \
         else str(directory).removeprefix("file://")
@@ -100,6 +103,8 @@ def verify_dataset(directory: str | Path) -> list[str]:
             _verify_shard(file, shard, manifest.columns)
         except DatasetError as err:
             problems.append(str(err))
+        if progress is not None:
+            progress(shard.num_bytes)
     return problems
 
 

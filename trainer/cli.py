@@ -319,8 +319,10 @@ def export_command(
     from monitoring.units import parse_bytes
     from trainer.export import export_hf
 
-    exported = export_hf(run_dir, hf, step, parse_bytes(max_shard_size, "--max-shard-size"),
-                         merge)
+    with console.status(f"exporting {run_dir} to {hf} (checking the checkpoint, building the "
+                        "model, writing its files)"):
+        exported = export_hf(run_dir, hf, step,
+                             parse_bytes(max_shard_size, "--max-shard-size"), merge)
     tokenizer = ", with the dataset's tokenizer.json" if exported.tokenizer else ""
     console.print(f"wrote {exported.out} (checkpoint of step {exported.step}{tokenizer})")
 
