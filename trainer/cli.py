@@ -80,6 +80,10 @@ def train_command(
     allow_changes: Annotated[bool, typer.Option(
         "--allow-changes", help="Resume even where the config changes what an exact resume "
                                 "needs (data, model, global batch, seed).")] = False,
+    resume_from: Annotated[str | None, typer.Option(
+        "--resume-from", help="latest (the run name's own, the default) or a run or checkpoint "
+                              "directory to resume a new run name from, its whole state.")
+                           ] = None,
     fresh: Annotated[bool, typer.Option(
         "--fresh", help="Start this run name anew: its old run directory is moved aside to "
                         "NAME.replaced-TIME, not deleted.")] = False,
@@ -92,6 +96,7 @@ def train_command(
         "parallel.launcher": launcher, "parallel.workers": workers, "run.name": run_name,
         "memory.profile_steps": profile_steps, "monitoring.port": metrics_port,
         "memory.memory_summary_steps": _step_list(memory_summary, "--memory-summary"),
+        "train.resume_from": None if resume_from in (None, "latest") else resume_from,
     }
     cfg = load_config(config, list(overrides or []),
                       {key: value for key, value in options.items() if value is not None})

@@ -127,6 +127,10 @@ class TrainConfig(_Strict):
     # directory, any strategy and world size. A resume ignores it: the run's own checkpoint
     # decides.
     init_from: str | None = None
+    # Resume a run that has no checkpoint of its own from another checkpoint, every part of
+    # its state (weights, optimizer, schedule, data position, RNG): a run directory (its latest
+    # whole checkpoint) or one checkpoint directory (memtrain train --resume-from PATH).
+    resume_from: str | None = None
     checkpoint_async: bool = False
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after

@@ -109,7 +109,7 @@ class Trainer:
         recording_history = start_memory_history(ctx.device, cfg.memory.record_memory_history)
         with contextlib.ExitStack() as resources:
             state = self.build_state(resources)
-            resumed_from = state.restore(ctx, cfg.train.init_from)
+            resumed_from = state.restore(ctx, cfg.train.init_from, cfg.train.resume_from)
             state.wrap_ddp(ctx)
             self.log_start(state, resumed_from, recording_history)
             recovery = Recovery.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,

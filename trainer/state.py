@@ -113,10 +113,14 @@ class TrainState:
         set_rng_state(state["rng"])
         self.step = int(state["step"])
 
-    def restore(self, ctx: WorkerContext, init_from: str | None = None) -> int | None:
+    def restore(self, ctx: WorkerContext, init_from: str | None = None,
+                resume_from: str | None = None) -> int | None:
         """Load the context's latest checkpoint; returns its step, or None (nothing to load:
-        the run starts, from the weights of the checkpoint ``init_from`` where given)."""
-        with ctx.latest_checkpoint() as checkpoint_dir:
+        the run starts, from the weights of the checkpoint ``init_from`` where given). A run
+        with no checkpoint of its own resumes from the checkpoint ``resume_from`` where given
+        (``train.resume_from``: every part of its state)."""
+        with ctx.latest_checkpoint() as own:
+            checkpoint_dir = own if own is not None or resume_from is None else Path(resume_from)
             if checkpoint_dir is None:
                 if init_from is not None:
                     load_weights(Path(init_from), self.unwrapped)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_config
+from tests.conftest import logged_losses, tiny_config
 from trainer.config import ConfigError
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
@@ -131,3 +131,24 @@ def _metadata(checkpoint: Path) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+
+
+def test_a_new_run_name_resumes_from_another_runs_checkpoint(corpus_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """``--resume-from PATH`` (``train.resume_from``): a run name with no checkpoint of its
+    own takes another's whole state, and ends on the losses of an uninterrupted run; a run
+    with checkpoints of its own refuses it in one line."""
+    common = ("parallel.launcher=local", "parallel.workers=1", "train.eval_every=0",
+              "train.log_every=1", "train.checkpoint_every=2", "train.steps=6")
+    cfg, straight = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=straight"))
+    launch_local(cfg, straight)
+    cfg, first = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=first"))
+    launch_local(cfg, first, until_step=4)
+    cfg, branch = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=branch",
+                                          f"train.resume_from={first}"))
+    assert launch_local(cfg, branch)["resumed_from_step"] == 4
+    assert logged_losses(branch) == logged_losses(straight)[4:]
+    with pytest.raises(ConfigError, match=r"^train.resume_from: run 'branch' has checkpoints "
+                                          r"of its own, .* add --fresh$"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=branch",
+                                f"train.resume_from={first}"))

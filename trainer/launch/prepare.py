@@ -82,9 +82,7 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
     run_dir = local_run_dir(cfg)
     if fresh:
         set_aside(cfg, run_dir, remote)
-    previous = previous_config(run_dir, remote)
-    if previous is not None:
-        check_resume(previous, cfg, allow_changes)
+    _check_resume(cfg, run_dir, remote, allow_changes)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG).write_text(cfg.to_yaml())
     if remote is not None:
@@ -113,20 +111,28 @@ def _monitoring(cfg: Config) -> Any:
 
 
 def _init_from(cfg: Config) -> Any:
-    """``cfg.train`` with ``init_from`` resolved to one whole checkpoint directory (a run
-    directory's latest), absolute, so every worker reads the same; ConfigError where there is
-    none."""
+    """``cfg.train`` with ``init_from`` and ``resume_from`` resolved to one whole checkpoint
+    directory each (a run directory's latest), absolute, so every worker reads the same;
+    ConfigError where there is none."""
     train = cfg.train
-    if train.init_from is None:
-        return train
-    if is_remote(train.init_from):
-        raise ConfigError(f"train.init_from {train.init_from!r}: a local run or checkpoint "
-                          "directory (download a store's checkpoint first)")
-    if cfg.model.lora is not None:
+    if train.init_from is not None and train.resume_from is not None:
+        raise ConfigError("train.init_from and train.resume_from: give one (weights alone, or "
+                          "the whole state)")
+    if train.init_from is not None and cfg.model.lora is not None:
         raise ConfigError("train.init_from with model.lora: not supported yet (a checkpoint's "
                           "weights are not a LoRA model's base); give the base as model.name "
                           "hf:DIR instead")
-    path = Path(train.init_from).expanduser().resolve()
+    update = {key: _whole_checkpoint(cfg, key, value) for key in ("init_from", "resume_from")
+              if (value := getattr(train, key)) is not None}
+    return train.model_copy(update=update)
+
+
+def _whole_checkpoint(cfg: Config, key: str, value: str) -> str:
+    """The whole checkpoint ``train.<key>`` names: itself, or a run directory's latest."""
+    if is_remote(value):
+        raise ConfigError(f"train.{key} {value!r}: a local run or checkpoint directory "
+                          "(download a store's checkpoint first)")
+    path = Path(value).expanduser().resolve()
     hashes = cfg.run.checkpoint_verify == "hashes"
     if checkpoint_step(path.name) is not None:
         problem = local_problem(path, hashes) if path.is_dir() else "it does not exist"
@@ -135,8 +141,22 @@ def _init_from(cfg: Config) -> Any:
         chosen = latest_whole(published_checkpoints(path), hashes)
         problem = "no whole checkpoint in it"
     if chosen is None:
-        raise ConfigError(f"train.init_from {train.init_from!r}: {problem}")
-    return train.model_copy(update={"init_from": str(chosen)})
+        raise ConfigError(f"train.{key} {value!r}: {problem}")
+    return str(chosen)
+
+
+def _check_resume(cfg: Config, run_dir: Path, remote: RemoteRun | None,
+                  allow_changes: bool) -> None:
+    """A run with checkpoints resumes from its own latest: what changed is said (refused where
+    exactness breaks unless ``allow_changes``), and ``train.resume_from`` is refused."""
+    previous = previous_config(run_dir, remote)
+    if previous is None:
+        return
+    if cfg.train.resume_from is not None:
+        raise ConfigError(f"train.resume_from: run {cfg.run.name!r} has checkpoints of its "
+                          "own, and its latest resumes; to start it from "
+                          f"{cfg.train.resume_from} instead, add --fresh")
+    check_resume(previous, cfg, allow_changes)
 
 
 def previous_config(run_dir: Path, remote: RemoteRun | None) -> str | None:
