@@ -27,7 +27,7 @@ TOKENIZER ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
-	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints chaos tracker-screenshots up down status submit cluster-data grafana local local-down
+	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints bench-uploads chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -125,6 +125,9 @@ bench-hf: setup ## A HF Llama at vocabulary 128,256: chunked loss vs its own lab
 
 bench-checkpoints: setup ## What checking a checkpoint against its manifest costs (sizes; SHA-256), the demo's and 1 GiB
 	$(BIN)/python -m bench.checkpoints --out bench/results
+
+bench-uploads: setup ## An 8-rank checkpoint uploaded to a local S3 server through a slow proxy: one file at a time vs in parallel
+	$(BIN)/python -m bench.uploads --out bench/results
 
 bench-strategies: setup ## A HF Llama on CPU, torchtune's cumulative table: checkpointing, step in backward, offload, 8-bit AdamW, LoRA
 	$(BIN)/python -m bench.strategies --out bench/results

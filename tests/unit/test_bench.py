@@ -136,3 +136,16 @@ def test_the_checkpoints_bench_times_both_checks(tmp_path: Path) -> None:
     assert report["sized"]["bytes"] >= 64 << 20
     assert 0 < report["sized"]["check_sizes_s"] < report["sized"]["check_hashes_s"]
     assert report["demo"]["bytes"] > 1 << 20
+
+
+def test_the_uploads_bench_publishes_the_checkpoint_both_ways(tmp_path: Path) -> None:
+    """Through moto and the slow proxy: each upload leaves the checkpoint whole on the store
+    (the bench checks it), one file at a time and in parallel."""
+    out = subprocess.run([sys.executable, "-m", "bench.uploads", "--out", str(tmp_path),
+                          "--shard-mib", "0.25", "--delay", "0.002", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [result] = tmp_path.glob("uploads-*.json")
+    report = json.loads(result.read_text())
+    assert set(report["seconds"]) == {"serial", "parallel"} and report["threads"] > 1
+    assert all(seconds > 0 for seconds in report["seconds"].values())
