@@ -152,3 +152,15 @@ def test_a_new_run_name_resumes_from_another_runs_checkpoint(corpus_dir: Path,
                                           r"of its own, .* add --fresh$"):
         prepare_run(tiny_config(corpus_dir, tmp_path, *common, "run.name=branch",
                                 f"train.resume_from={first}"))
+
+
+def test_the_run_keeps_as_many_checkpoints_as_it_is_told(corpus_dir: Path,
+                                                         tmp_path: Path) -> None:
+    from trainer.checkpoint import published_checkpoints
+
+    cfg, run_dir = prepare_run(tiny_config(
+        corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1", "train.steps=6",
+        "train.eval_every=0", "train.checkpoint_every=2", "run.keep_checkpoints=2",
+        "run.name=kept"))
+    launch_local(cfg, run_dir)
+    assert [step for step, _ in published_checkpoints(run_dir)] == [4, 6]
