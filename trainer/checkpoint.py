@@ -8,7 +8,7 @@ loading reshards to the current strategy and world, whatever wrote them), ``stat
 and LR-schedule state, the step, the data loader's position and the RNG state:
 ``trainer.state.TrainState.state_dict``) and ``meta.json``, the manifest of every file.
 
-- **Writing**: into a staging directory (``write_checkpoint``), which the worker context
+- **Writing**: into a staging directory (``write_states``), which the worker context
   publishes: the local launcher by an atomic rename in the run directory (``publish_checkpoint``)
   and, for a run directory on object storage, an upload with ``meta.json`` last
   (``upload_checkpoint``: object stores have no rename); Ray Train through
@@ -148,25 +148,17 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def write_checkpoint(directory: Path, state: dict[str, Any] | None,
-                     shards: tuple[nn.Module, torch.optim.Optimizer] | None,
-                     group: Any = None) -> Path | None:
-    """One rank's part of a checkpoint, into ``directory``: the model's and optimizer's DCP
-    files where ``shards`` is given (every rank, a collective), and ``state.pt`` where
-    ``state`` is (rank 0). Returns ``directory``, or None when this rank wrote nothing.
-    ``group``: the process group of the collectives (None: the default one)."""
-    if shards is None:
-        return save_checkpoint(directory, state).parent if state is not None else None
-    return write_states(directory, state, model_and_optimizer_states(*shards), group)
-
-
 def write_states(directory: Path, state: dict[str, Any] | None,
                  states: tuple[dict[str, Any], dict[str, Any]], group: Any = None) -> Path:
-    """``write_checkpoint`` from the model's and optimizer's state dicts (DCP's, as
-    ``model_and_optimizer_states`` gives them, or staged copies of them).
+    """One rank's part of a checkpoint, into ``directory``: the model's and optimizer's DCP
+    files from their state dicts (DCP's, as ``model_and_optimizer_states`` gives them, or
+    staged copies of them; every rank, a collective on ``group``, None: the default one), and
+    ``state.pt`` where ``state`` is given (rank 0). Returns ``directory``.
 
     The manifest (``meta.json``, rank 0's) lists every rank's files: each rank hashes its own
     and rank 0 gathers the lists (a collective)."""
+    # DCP is imported here: it brings in DTensor (about 1.5 s of CPU per process), which a CLI
+    # call that never checkpoints would otherwise pay for nothing.
     import torch.distributed.checkpoint as dcp
 
     with _quiet_single_process():
@@ -212,24 +204,12 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its model and optimizer shards into ``directory`` (a collective)."""
-    # DCP is imported here: it brings in DTensor (about 1.5 s of CPU per process), which a CLI
-    # call that never checkpoints would otherwise pay for nothing.
-    import torch.distributed.checkpoint as dcp
-
-    model_state, optimizer_state = model_and_optimizer_states(model, optimizer)
-    with _quiet_single_process():
-        dcp.save({"model": model_state, "optimizer": optimizer_state},
-                 checkpoint_id=str(directory))
-
-
 # -- publishing ----------------------------------------------------------------------------------
 
 def publish_checkpoint(run_dir: Path, step: int, files: Path | None, rank: int,
                        barrier: Callable[[], None], keep: int) -> Path:
     """Publish one step's checkpoint in ``run_dir`` from every rank's ``files`` (its
-    ``write_checkpoint`` directory, or None); every rank calls. Returns the checkpoint.
+    ``write_states`` directory, or None); every rank calls. Returns the checkpoint.
 
     The barriers order the phases: clean staging, copy (each rank its own files: rank 0 only
     under DDP, every rank's shards under FSDP), rename (atomic: a checkpoint is there whole or
@@ -356,7 +336,7 @@ def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
 
 def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
                          ) -> dict[str, torch.Tensor]:
-    """Some of the model's tensors from DCP files written by ``save_sharded``, by the names of
+    """Some of the model's tensors from DCP files written by ``write_states``, by the names of
     its state dict, into ``tensors`` (sized to match; one process: export). Only the bytes of
     those tensors are read."""
     import torch.distributed.checkpoint as dcp
@@ -408,7 +388,7 @@ def load_weights(directory: Path, model: nn.Module) -> None:
 
 
 def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load model and optimizer state written by ``save_sharded`` at any world size (a
+    """Load model and optimizer state written by ``write_states`` at any world size (a
     collective): each rank reads the parts of the files that its shards cover."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -135,8 +135,8 @@ class LocalContext(WorkerContext):
         # Rank 0 decides (the run directory's latest whole checkpoint, or the store's, brought
         # into the working copy); the others take its choice.
         latest = None
-        if self.is_main and self.remote is None:
-            latest = latest_whole(published_checkpoints(self.run_dir), self.verify_hashes)
-        elif self.is_main and self.remote is not None:
-            latest = fetch_latest(self.remote, self.run_dir, self.verify_hashes)
+        if self.is_main:
+            latest = (latest_whole(published_checkpoints(self.run_dir), self.verify_hashes)
+                      if self.remote is None else
+                      fetch_latest(self.remote, self.run_dir, self.verify_hashes))
         yield self.broadcast(latest)

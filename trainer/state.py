@@ -162,7 +162,7 @@ class TrainState:
             _write_and_report(ctx, metrics, step, state, states, None)
             return
         saves.wait()  # at most one save in flight
-        state, states = staged(copy.deepcopy(state)), staged(states)
+        state, states = copy.deepcopy(state), staged(states)  # the small rest: deepcopy
         saves.start(lambda: _write_and_report(ctx, metrics, step, state, states, saves.group),
                     saved)
 

@@ -135,7 +135,7 @@ def _phase(rank: int, port: int, world_size: int, load: str, save: str, out: str
     """Build on meta, load ``load`` (a DCP checkpoint; "": none), train a step on data of its
     own (every world size draws the same global batch), save to ``save``; rank 0 records the
     whole state it loaded and the one it saved."""
-    from trainer.checkpoint import load_sharded, save_sharded
+    from trainer.checkpoint import load_sharded, model_and_optimizer_states, write_states
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -157,7 +157,7 @@ def _phase(rank: int, port: int, world_size: int, load: str, save: str, out: str
         rows = batch.chunk(world_size)[rank]
         (model(rows[:, :-1], rows[:, 1:]) / batch[:, 1:].numel()).backward()
         optimizer.step()
-        save_sharded(Path(save), model, optimizer)
+        write_states(Path(save), None, model_and_optimizer_states(model, optimizer))
         saved = _full_state(model, optimizer)
         if rank == 0:
             torch.save({"loaded": loaded, "saved": saved}, out)

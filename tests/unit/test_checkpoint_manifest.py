@@ -32,7 +32,7 @@ from trainer.runstore import RemoteRun
 
 def _checkpoint(run_dir: Path, step: int, shard: bytes = b"") -> Path:
     directory = run_dir / checkpoint_dir_name(step)
-    if shard:  # a DCP shard of another rank's, as write_checkpoint's gathered manifest lists
+    if shard:  # a DCP shard of another rank's, as write_states's gathered manifest lists
         directory.mkdir(parents=True)
         (directory / "__1_0.distcp").write_bytes(shard)
     save_checkpoint(directory, {"step": step, "weights": torch.full((64,), float(step))})

@@ -30,7 +30,7 @@ from monitoring.run_files import SUMMARY
 from trainer.config import Config
 from trainer.context import LocalContext
 from trainer.errors import first_line
-from trainer.launch.prepare import available_cpus, remote_run
+from trainer.launch.prepare import available_cpus, checkpoint_settings, remote_run
 from trainer.logs import setup_logging
 from trainer.loop import train
 from trainer.memory.allocator import configure_allocator_env
@@ -57,13 +57,6 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
         raise RuntimeError("parallel.use_gpu is true but CUDA is not available")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-def checkpoint_settings(cfg: Config) -> dict[str, Any]:
-    """The context's checkpoint settings from ``cfg.run``."""
-    return {"keep_checkpoints": cfg.run.keep_checkpoints,
-            "verify_hashes": cfg.run.checkpoint_verify == "hashes",
-            "checkpoint_async": cfg.train.checkpoint_async}
 
 
 def attach_metrics(ctx: LocalContext, cfg: Config) -> None:

@@ -229,6 +229,14 @@ def _check_datasets(cfg: Config) -> None:
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")
 
 
+def checkpoint_settings(cfg: Config) -> dict[str, Any]:
+    """A worker context's checkpoint settings (``trainer.context.WorkerContext``), from
+    ``cfg``: the same under either launcher."""
+    return {"keep_checkpoints": cfg.run.keep_checkpoints,
+            "verify_hashes": cfg.run.checkpoint_verify == "hashes",
+            "checkpoint_async": cfg.train.checkpoint_async}
+
+
 def remote_run(cfg: Config) -> RemoteRun | None:
     """The run directory on object storage (``run.dir: s3://...``), or None for a local one."""
     if not is_remote(cfg.run.dir):

@@ -59,7 +59,11 @@ from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, first_line, is_user_error  # noqa: E402
 from trainer.hf import PREFIX as HF_PREFIX  # noqa: E402
 from trainer.launch.console import TracebackFilter  # noqa: E402
-from trainer.launch.prepare import available_cpus, remote_run  # noqa: E402
+from trainer.launch.prepare import (  # noqa: E402
+    available_cpus,
+    checkpoint_settings,
+    remote_run,
+)
 from trainer.logs import LEVEL_ENV, setup_logging  # noqa: E402
 from trainer.loop import train  # noqa: E402
 from trainer.memory.allocator import configure_allocator_env  # noqa: E402
@@ -213,9 +217,7 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
                      run_dir=Path(loop_config["run_dir"]),
                      node_id=ray.get_runtime_context().get_node_id()[:12],
                      launch_id=loop_config.get("launch_id", ""),
-                     keep_checkpoints=cfg.run.keep_checkpoints,
-                     checkpoint_async=cfg.train.checkpoint_async,
-                     verify_hashes=cfg.run.checkpoint_verify == "hashes")
+                     **checkpoint_settings(cfg))
     ctx.metrics_sink = RaySink(worker_labels(cfg.run.name, ctx.rank, ctx.local_rank,
                                              ctx.node_id, device))
     # The driver's filesystem object: a worker's own environment may not reach the store (a
