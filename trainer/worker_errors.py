@@ -104,19 +104,29 @@ def as_worker_error(rank: int, record: dict[str, Any]) -> WorkerError:
 
 def recorded_worker_error(run_dir: Path, rank: int | None = None,
                           directory: str = ERRORS_DIR) -> WorkerError | None:
-    """The error a failed worker recorded: ``rank``'s, or the last failure's. Ray Train restarts
-    a group after a failure, so earlier attempts' errors may stay in the directory: the last
-    failure is the files written within ``FAILURE_SECONDS`` of the newest, and of those the
-    lowest rank's own error (not a lost peer's echo, ``is_peer_echo``), else the lowest
-    rank's."""
-    found = [entry for entry in error_records(run_dir, directory)
-             if rank is None or entry[1] == rank]
-    if not found:
+    """The error a failed worker recorded: ``rank``'s where it is that rank's own (the rank
+    seen failing first), else the last failure's. Ray Train restarts a group after a failure,
+    so earlier attempts' errors may stay in the directory: the last failure is the files
+    written within ``FAILURE_SECONDS`` of the newest, and of those the lowest rank's own error
+    (not a lost peer's echo, ``is_peer_echo``), else the lowest rank's. A rank seen first whose
+    record is an echo only lost its peer first: the cause is another rank's."""
+    records = error_records(run_dir, directory)
+    if rank is not None:
+        mine = _last_failure([entry for entry in records if entry[1] == rank])
+        if mine is not None and not is_peer_echo(mine[1]):
+            return as_worker_error(*mine)
+    chosen = _last_failure(records)
+    return as_worker_error(*chosen) if chosen is not None else None
+
+
+def _last_failure(records: list[tuple[float, int, dict]]) -> tuple[int, dict] | None:
+    """(rank, record) of the last failure among ``records`` (``recorded_worker_error``)."""
+    if not records:
         return None
-    newest = max(mtime for mtime, _, _ in found)
-    last = [(r, record) for mtime, r, record in found if mtime >= newest - FAILURE_SECONDS]
+    newest = max(mtime for mtime, _, _ in records)
+    last = [(r, record) for mtime, r, record in records if mtime >= newest - FAILURE_SECONDS]
     own = [(r, record) for r, record in last if not is_peer_echo(record)]
-    return as_worker_error(*(own or last)[0])
+    return (own or last)[0]
 
 
 def clear_worker_errors(run_dir: Path) -> None:

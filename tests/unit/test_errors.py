@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.errors import error_kind, first_line, is_user_error
@@ -34,3 +36,18 @@ def test_user_errors_and_their_kind() -> None:
     assert not is_user_error(ModelError("model.name 'm:f': RuntimeError: x", 1))
     assert error_kind(RuntimeError("x")) == "RuntimeError"
     assert error_kind(ModelError("m", 2)) == ""
+
+
+def test_the_rank_seen_failing_first_gives_way_to_the_cause_when_it_only_lost_its_peer(
+        tmp_path: Path) -> None:
+    """The local launcher asks for the rank torch saw fail first: its own error where it has
+    one, but a rank whose collective broke because rank 0 died reports rank 0's cause."""
+    from trainer.worker_errors import record_worker_error, recorded_worker_error
+
+    record_worker_error(tmp_path, 0, OSError("checkpoint write failed at step 4"))
+    record_worker_error(tmp_path, 1, RuntimeError("[pair.cc:553] Connection closed by peer"))
+    assert str(recorded_worker_error(tmp_path, 1)) == \
+        "rank 0: OSError: checkpoint write failed at step 4"
+    record_worker_error(tmp_path, 1, ValueError("bad model"))  # a cause of its own
+    assert str(recorded_worker_error(tmp_path, 1)) == "rank 1: ValueError: bad model"
+    assert recorded_worker_error(tmp_path / "none", 1) is None

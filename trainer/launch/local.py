@@ -128,8 +128,7 @@ def _run_workers(cfg: Config, run_dir: Path, until_step: int | None) -> None:
                                 uuid.uuid4().hex), cfg.parallel.workers)
     except mp.ProcessRaisedException as err:
         # torch's message is the worker's whole traceback; the worker recorded its own line.
-        recorded = recorded_worker_error(run_dir, err.error_index) \
-            or recorded_worker_error(run_dir)
+        recorded = recorded_worker_error(run_dir, err.error_index)
         if recorded is None:
             raise
         raise recorded from err
