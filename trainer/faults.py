@@ -5,9 +5,9 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
 - ``oom@3:1``: rank 1 raises ``torch.OutOfMemoryError`` halfway through step 3's micro-batches,
   on the step's first attempt only (OOM recovery then retries it): ``oom_armed`` around an
   attempt, ``maybe_oom`` before each micro-batch;
-- ``checkpoint@4``: the checkpoint of step 4 fails after its files are written, before it is
-  published (every rank raises; once per rank and run directory, so a restarted run gets past
-  it);
+- ``checkpoint@4[:RANK]``: the checkpoint of step 4 fails after its files are written, before
+  it is published: rank 0 (or ``RANK``) raises, the other ranks then lose it as a peer; once per
+  run directory, so a restarted run gets past it;
 - ``savekill@4``: rank 0 SIGKILLs itself in step 4's checkpoint, its files written and not yet
   published (once per run directory);
 - ``kill@5:1``: rank 1 SIGKILLs itself at the end of step 5, once per run directory (a marker
@@ -97,8 +97,8 @@ def maybe_oom(index: int, count: int) -> None:
 
 
 def maybe_fail_checkpoint(run_dir: Path, step: int, rank: int) -> None:
-    """``checkpoint@STEP``: fail this step's checkpoint write (on every rank, once per run
-    directory); ``savekill@STEP:RANK``: SIGKILL the rank there instead, its files written and
+    """``checkpoint@STEP[:RANK]``: fail this step's checkpoint write on that rank (rank 0 when
+    left out), once per run directory; ``savekill@STEP:RANK``: SIGKILL the rank there instead, its files written and
     not published (a crash in the middle of a save, asynchronous or not), once per run
     directory."""
     if any(f.kind == "checkpoint" and f.step == step for f in active()) and \
