@@ -96,12 +96,16 @@ class HFCausalLM(nn.Module):
     def vocab_size(self) -> int:
         return int(self.hf.config.vocab_size)
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar)."""
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar).
+
+        ``position_ids``: packed documents' positions (``trainer.tokens``); with no attention
+        mask, transformers finds the documents from them and keeps attention within each."""
         if targets_BT is None:
-            return self.hf(input_ids=idx_BT, use_cache=False).logits
-        hidden_BTC = self.hf.base_model(input_ids=idx_BT, use_cache=False).last_hidden_state
+            return self.hf(input_ids=idx_BT, position_ids=position_ids, use_cache=False).logits
+        hidden_BTC = self.hf.base_model(input_ids=idx_BT, position_ids=position_ids,
+                                        use_cache=False).last_hidden_state
         weight_VC = self.hf.get_output_embeddings().weight
         return linear_cross_entropy_sum(hidden_BTC.flatten(0, 1), weight_VC,
                                         targets_BT.flatten(), self.loss_chunk_tokens)

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from datapipe.audit import RowRecord
-from datapipe.loader import BatchLoader
 from monitoring.run_files import rank_rows
 from monitoring.trackers import Trackers, flatten, open_trackers
 from trainer import faults
@@ -58,6 +57,7 @@ from trainer.oom import (
     step_with_oom_recovery,
 )
 from trainer.recovery import Recovery
+from trainer.tokens import TokenBatch, TokenLoader
 from trainer.run_metrics import RunMetrics, StepRecord
 from trainer.saves import AsyncSaves
 from trainer.schedule import Schedule
@@ -132,12 +132,13 @@ class Trainer:
                 step_start = time.perf_counter()
                 micro_batches, data_wait = batches.take(self.plan.accumulation_steps)
                 if rows is not None:
-                    rows.record(state.step + 1, micro_batches)
+                    rows.record(state.step + 1, [batch.tokens for batch in micro_batches])
                 result = self.step(state, micro_batches)
                 del micro_batches
                 state.scheduler.step()
                 state.step += 1
-                metrics.step_done(time.perf_counter() - step_start, data_wait, result.skipped)
+                metrics.step_done(time.perf_counter() - step_start, data_wait, result.skipped,
+                                  result.trained_tokens)
                 recovery.step_done(state.step)
                 if state.step == first_step:
                     self.watch.settle()  # the first step compiled forward and backward
@@ -223,7 +224,7 @@ class Trainer:
         metrics.start_publishing(state.loader)
         return metrics
 
-    def validation_loader(self, resources: contextlib.ExitStack) -> BatchLoader | None:
+    def validation_loader(self, resources: contextlib.ExitStack) -> TokenLoader | None:
         if not (self.cfg.data.val_path and self.cfg.train.eval_every):
             return None
         return resources.enter_context(build_loader(
@@ -237,7 +238,7 @@ class Trainer:
         resources.callback(rows.close)
         return rows
 
-    def step(self, state: TrainState, micro_batches: list[torch.Tensor]) -> StepResult:
+    def step(self, state: TrainState, micro_batches: list[TokenBatch]) -> StepResult:
         """One optimizer step on ``micro_batches``, retried at half the micro-batch after an
         OOM that the ranks agree on (``memory.oom_recovery``; per rank only under FSDP, whose
         reduce-scatter cannot wait for an agreement). Later steps keep the plan it took."""
@@ -276,7 +277,7 @@ class Trainer:
             oom_recoveries=self.plan.recoveries))
         self.watch.check(state.step)
 
-    def evaluate(self, metrics: RunMetrics, state: TrainState, val_batches: BatchLoader) -> None:
+    def evaluate(self, metrics: RunMetrics, state: TrainState, val_batches: TokenLoader) -> None:
         val_batches.rewind()
         self.watch.check(state.step)
         first_eval = metrics.eval_loss is None
@@ -418,17 +419,17 @@ class CompileWatch:
 class TimedBatches:
     """Wraps a batch iterator and accumulates the seconds spent waiting on it."""
 
-    def __init__(self, batches: Iterator[torch.Tensor]):
+    def __init__(self, batches: Iterator[TokenBatch]):
         self.batches = batches
         self.wait_seconds = 0.0
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> TokenBatch:
         start = time.perf_counter()
         batch = next(self.batches)
         self.wait_seconds += time.perf_counter() - start
         return batch
 
-    def take(self, count: int) -> tuple[list[torch.Tensor], float]:
+    def take(self, count: int) -> tuple[list[TokenBatch], float]:
         """The next ``count`` batches and the seconds spent waiting for them."""
         before = self.wait_seconds
         taken = [next(self) for _ in range(count)]
@@ -473,15 +474,16 @@ def gc_policy(every: int) -> Iterator[None]:
 
 
 def build_loader(data: DataConfig, ctx: WorkerContext, micro_batch_size: int, seed: int,
-                 validation: bool = False) -> BatchLoader:
+                 validation: bool = False) -> TokenLoader:
     """This rank's loader of ``data.path`` (shuffled) or, for ``validation``, of
-    ``data.val_path`` (in order, rewound before each evaluation)."""
+    ``data.val_path`` (in order, rewound before each evaluation): its token column and, where
+    the dataset has them, its loss mask and document ids (``trainer.tokens``)."""
     if validation:
         assert data.val_path is not None, "validation needs data.val_path"
-        return BatchLoader(data.val_path, data.column, rank=ctx.rank, world_size=ctx.world_size,
+        return TokenLoader(data.val_path, data.column, rank=ctx.rank, world_size=ctx.world_size,
                            batch_size=micro_batch_size, seed=seed, shuffle=False,
                            device=ctx.device, on_bad_shard=data.on_bad_shard)
-    return BatchLoader(data.path, data.column, rank=ctx.rank, world_size=ctx.world_size,
+    return TokenLoader(data.path, data.column, rank=ctx.rank, world_size=ctx.world_size,
                        batch_size=micro_batch_size, seed=seed, shuffle=data.shuffle,
                        device=ctx.device, shuffle_window=data.shuffle_window,
                        prefetch=data.prefetch, read_ahead=data.read_ahead,

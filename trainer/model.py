@@ -48,11 +48,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
 
-    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTC: torch.Tensor, mask_B1TT: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Causal attention; with ``mask_B1TT`` (``document_mask``), within each document."""
         B, T, C = x_BTC.shape
         q, k, v = self.qkv(x_BTC).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT,
+                                           is_causal=mask_B1TT is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
@@ -76,8 +79,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask_B1TT: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask_B1TT)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -105,16 +108,23 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar)."""
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar).
+
+        ``position_ids`` ``(B, T)``: packed documents' positions, restarting at 0 with each
+        (``trainer.tokens``): each token attends only within its own document."""
         T = idx_BT.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx_BT.device)
+        mask = None
+        if position_ids is None:
+            pos = torch.arange(T, device=idx_BT.device)
+        else:
+            pos, mask = position_ids, document_mask(position_ids)
         x = self.drop(self.wte(idx_BT) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         x = self.ln_f(x)
         if targets_BT is None:
             return self.lm_head(x)
@@ -133,6 +143,17 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12·L·T·C."""
         n = self.num_params() - self.wpe.weight.numel()
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.seq_len * self.cfg.n_embd
+
+
+def document_mask(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, T, T)`` bool: query ``i`` may attend to key ``j`` where ``j <= i`` and both are
+    in the same document (a document starts where its position is 0). B x T x T bytes, which
+    the planner's probe measures with the rest of the step."""
+    documents_BT = (position_ids_BT == 0).cumsum(dim=1)
+    T = position_ids_BT.shape[1]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=position_ids_BT.device).tril()
+    same_BTT = documents_BT.unsqueeze(2) == documents_BT.unsqueeze(1)
+    return (same_BTT & causal_TT).unsqueeze(1)
 
 
 def gpt(**kwargs: object) -> GPT:

@@ -81,6 +81,7 @@ class _Window:
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
     wait_seconds: float = 0.0
+    trained: Any = 0  # trained targets, where a loss mask leaves some out (a device tensor)
 
 
 @dataclass
@@ -107,6 +108,10 @@ class RunMetrics:
     trackers: Trackers = field(default_factory=lambda: Trackers([]))  # rank 0's, where asked
     recovery: Any = None  # trainer.recovery.Recovery: the run's restarts (rank 0's figures)
     total_steps: int = 0  # train.steps: the console line's N/TOTAL and its time left
+    # A loss mask or packed documents: tokens/s counts the trained targets (read at log steps)
+    # in place of every token of the global batch.
+    counts_trained: bool = False
+    trained_this_run: Any = 0
 
     def __post_init__(self) -> None:
         path = self.ctx.run_dir / rank_metrics(self.ctx.rank)
@@ -158,8 +163,15 @@ class RunMetrics:
     def _write(self, record: dict[str, Any]) -> None:
         self._log.write(json.dumps(record, sort_keys=True) + "\n")
 
-    def step_done(self, seconds: float, data_wait_seconds: float, skipped: bool) -> None:
-        """Count one optimizer step (every step; no host sync)."""
+    def step_done(self, seconds: float, data_wait_seconds: float, skipped: bool,
+                  trained: Any = None) -> None:
+        """Count one optimizer step (every step; no host sync): ``trained``, the step's trained
+        targets over every rank where some are left out (a device tensor, added on the
+        device)."""
+        if trained is not None:
+            self.counts_trained = True
+            self.window.trained = self.window.trained + trained
+            self.trained_this_run = self.trained_this_run + trained
         self.steps_this_run += 1
         self.skipped_steps += int(skipped)
         self.step_seconds += seconds
@@ -177,7 +189,8 @@ class RunMetrics:
         record: dict[str, Any] = {
             "step": values.step, "loss": values.loss, "grad_norm": values.grad_norm,
             "lr": values.lr, "scale": values.grad_scale, "skipped_steps": self.skipped_steps,
-            "tokens_per_second": self.window.steps * self.tokens_per_step / elapsed,
+            "tokens_per_second": self._tokens(self.window.steps, self.window.trained) / elapsed,
+            "tokens_counted": "trained" if self.counts_trained else "all",
             "step_seconds": elapsed / self.window.steps,
             "data_wait_share": self.window.wait_seconds / elapsed,
             "peak_memory_bytes": self.peaks.take(),
@@ -201,11 +214,17 @@ class RunMetrics:
         if self._publisher is not None:
             self._publisher.poke()
         if self.ctx.is_main:
-            log.info("step %5d/%d | loss %.4f | %8.0f tok/s | peak %s | data wait %4.1f%% | %s",
+            log.info("step %5d/%d | loss %.4f | %8.0f %s | peak %s | data wait %4.1f%% | %s",
                      values.step, self.total_steps, values.loss, record["tokens_per_second"],
+                     "trained tok/s" if self.counts_trained else "tok/s",
                      format_bytes(record["peak_memory_bytes"]), 100 * record["data_wait_share"],
                      self.time_left(values.step))
         self.window = _Window()
+
+    def _tokens(self, steps: int, trained: Any) -> float:
+        """Tokens of ``steps`` steps: the trained targets where some are left out (a host sync,
+        at log steps only), else every token of the global batch."""
+        return float(trained) if self.counts_trained else steps * self.tokens_per_step
 
     def time_left(self, step: int) -> str:
         """``left 3m12s``: the steps still to run at this run's mean step time so far (steps
@@ -246,8 +265,9 @@ class RunMetrics:
             "steps_this_run": self.steps_this_run, "first_loss": self.first_loss,
             "final_loss": self.last_loss, "eval_loss": self.eval_loss,
             "skipped_steps": self.skipped_steps,
-            "tokens_per_second": (self.steps_this_run * self.tokens_per_step / seconds
-                                  if seconds else None),
+            "tokens_per_second": (self._tokens(self.steps_this_run, self.trained_this_run)
+                                  / seconds if seconds else None),
+            "tokens_counted": "trained" if self.counts_trained else "all",
             "data_wait_share": self.wait_seconds / seconds if seconds else None,
             "peak_memory_bytes": self.peaks.overall(),
             "peak_memory_kind": ("cuda_max_allocated" if self.ctx.device.type == "cuda"

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from datapipe.loader import BatchLoader
+from trainer.tokens import TokenLoader
 from trainer.checkpoint import (
     CheckpointReadError,
     load_checkpoint,
@@ -59,6 +59,9 @@ class StepResult:
     loss: torch.Tensor  # detached mean token loss over this rank's micro-batches
     grad_norm: torch.Tensor
     skipped: bool  # non-finite gradients: the optimizer did not step
+    # The targets trained over every rank, where a loss mask or packed documents leave some out
+    # (None: every target of the global batch is trained).
+    trained_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,7 +70,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    loader: BatchLoader
+    loader: TokenLoader
     step: int = 0
     schedule_change: str | None = None  # what a resume changed in the learning rate, if anything
 

@@ -12,7 +12,8 @@ Loss normalisation: each rank divides its summed token loss by the tokens it see
 optimizer step (micro-batch x accumulation x sequence length); DDP then averages over ranks, so
 the gradient is that of the mean loss over the global batch, whatever the split into micro-batches
 and ranks. Every rank sees the same number of tokens per step (fixed-length rows), which this
-needs.
+needs. Where a loss mask or packed documents leave targets out, the ranks' counts differ: the
+divisor is then the global count over the world size (``step_tokens``), which keeps the same rule.
 
 Host syncs: one per optimizer step (the finite check of the grad norm, which GradScaler needs
 anyway). Nothing holds a graph across steps: the loss is accumulated detached.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,37 +40,40 @@ from trainer.memory.precision import PrecisionPolicy
 from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
 from trainer.sharding import is_sharded
 from trainer.state import NonFiniteError, StepResult
+from trainer.tokens import TokenBatch, as_batch
 
 
-def forward_backward(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy,
-                     scaler: torch.amp.GradScaler, tokens_per_step: int) -> torch.Tensor:
+def forward_backward(model: nn.Module, batch: TokenBatch, policy: PrecisionPolicy,
+                     scaler: torch.amp.GradScaler, tokens_per_step: int | torch.Tensor
+                     ) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns its summed token loss, detached."""
-    loss_sum = summed_loss(model, tokens_BT, policy)
+    loss_sum = summed_loss(model, batch, policy)
     scaler.scale(loss_sum / tokens_per_step).backward()
     return loss_sum.detach()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               micro_batches: list[torch.Tensor], splits: int, policy: PrecisionPolicy,
-               grad_clip: float, agreement: OOMAgreement | None = None) -> StepResult:
+               micro_batches: list[TokenBatch] | list[torch.Tensor], splits: int,
+               policy: PrecisionPolicy, grad_clip: float,
+               agreement: OOMAgreement | None = None) -> StepResult:
     """One optimizer step over ``micro_batches``, each cut into ``splits`` chunks.
 
     ``splits`` > 1 after an OOM: the same samples in smaller pieces, so the update is the same.
     With an ``agreement``, an OOM on any rank raises ``StepOutOfMemory`` on every rank.
     """
-    chunks = [chunk for mb in micro_batches for chunk in mb.chunk(splits)]  # views, no copies
+    chunks = [chunk for mb in micro_batches for chunk in as_batch(mb).chunk(splits)]  # views
     in_backward = BackwardSteps.of(optimizer)
     if in_backward is not None:
         in_backward.begin()
-    tokens_per_step = sum(chunk[:, 1:].numel() for chunk in chunks)
-    loss_sum = torch.zeros((), device=chunks[0].device)
+    tokens = step_tokens(chunks)
+    loss_sum = torch.zeros((), device=chunks[0].tokens.device)
     # With OOM agreement across ranks, DDP must not all-reduce inside backward (a peer may have
     # failed): every micro-batch runs under no_sync and gradients are reduced after the check.
     reduce_after_check = isinstance(model, DDP) and agreement is not None \
         and agreement.distributed
     oom_message = None
     try:
-        for i, tokens_BT in enumerate(chunks):
+        for i, batch in enumerate(chunks):
             is_last = i == len(chunks) - 1
             faults.maybe_oom(i, len(chunks))  # MEMTRAIN_FAULTS=oom@STEP:RANK (trainer.faults)
             # Gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on the last
@@ -78,7 +83,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             if is_sharded(model):
                 model.set_requires_gradient_sync(is_last)  # type: ignore[operator]
             with sync:
-                loss_sum += forward_backward(model, tokens_BT, policy, scaler, tokens_per_step)
+                loss_sum += forward_backward(model, batch, policy, scaler, tokens.divisor)
     except torch.OutOfMemoryError as err:
         if agreement is None:
             raise
@@ -92,7 +97,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
             raise
     if in_backward is not None:  # every parameter has stepped already
-        return _stepped_in_backward(in_backward, loss_sum / tokens_per_step)
+        return _stepped_in_backward(in_backward, loss_sum / tokens.local, tokens.trained)
     if reduce_after_check:
         all_reduce_gradients(list(model.parameters()), dist.get_world_size())
     scaler.unscale_(optimizer)
@@ -105,10 +110,40 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum / tokens_per_step, grad_norm.detach(), not finite)
+    return StepResult(loss_sum / tokens.local, grad_norm.detach(), not finite, tokens.trained)
 
 
-def _stepped_in_backward(steps: BackwardSteps, loss: torch.Tensor) -> StepResult:
+def step_tokens(chunks: list[TokenBatch]) -> StepTokens:
+    """What each rank divides its summed loss by, and the trained tokens (the module
+    docstring's loss normalisation).
+
+    Every target trained: the rank's own target count, the same on every rank (fixed-length
+    rows), so DDP's average over ranks gives the mean over the global batch. With a loss mask
+    or packed documents the ranks train different numbers of tokens: their counts are summed
+    (one all-reduce of a scalar, no host sync) and each rank divides by the global count over
+    the world size, so the average over ranks is again the global mean."""
+    if not any(chunk.masked for chunk in chunks):
+        count = sum(int(chunk.trained_tokens()) for chunk in chunks)
+        return StepTokens(count, count, None)
+    device = chunks[0].tokens.device
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for chunk in chunks:
+        local += chunk.trained_tokens()
+    total, world = local.clone(), 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+        world = dist.get_world_size()
+    return StepTokens(total.clamp(min=1) / world, local.clamp(min=1), total)
+
+
+class StepTokens(NamedTuple):
+    divisor: int | torch.Tensor  # of each rank's summed loss, for the gradient
+    local: int | torch.Tensor  # this rank's trained targets (at least 1): its mean loss's divisor
+    trained: torch.Tensor | None  # over every rank, where some targets are left out
+
+
+def _stepped_in_backward(steps: BackwardSteps, loss: torch.Tensor,
+                         trained: torch.Tensor | None) -> StepResult:
     """The result of a step whose parameters stepped in backward: its gradient norm, summed
     before each parameter's step. A non-finite one has been applied already (no step can be
     skipped), so it stops the run; the last checkpoint stays the latest good one."""
@@ -118,7 +153,7 @@ def _stepped_in_backward(steps: BackwardSteps, loss: torch.Tensor) -> StepResult
             "non-finite gradient norm with memory.optimizer_in_backward: each parameter "
             "stepped as its gradient arrived, so the step cannot be skipped; resume from the "
             "last checkpoint (a lower train.lr, or bf16 in place of fp16, may avoid it)")
-    return StepResult(loss, grad_norm.detach(), False)
+    return StepResult(loss, grad_norm.detach(), False, trained)
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
@@ -151,24 +186,24 @@ def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterator[torch.Tensor], num_batches: int,
-             policy: PrecisionPolicy) -> float:
-    """Mean token loss over ``num_batches`` batches on every rank, under ``no_grad``."""
+def evaluate(model: nn.Module, batches: Iterator[TokenBatch] | Iterator[torch.Tensor],
+             num_batches: int, policy: PrecisionPolicy) -> float:
+    """Mean loss over the trained targets of ``num_batches`` batches on every rank, under
+    ``no_grad`` (a loss mask and document boundaries leave targets out, as in training)."""
     was_training = model.training
     model.eval()
     total = None  # [summed loss, token count], on the device so NCCL can reduce it
     for _ in range(num_batches):
-        tokens_BT = next(batches)
-        loss = summed_loss(model, tokens_BT, policy)
-        targets_BT = tokens_BT[:, 1:]
-        count = torch.tensor(targets_BT.numel(), dtype=torch.float64, device=loss.device)
+        batch = as_batch(next(batches))
+        loss = summed_loss(model, batch, policy)
+        count = torch.as_tensor(batch.trained_tokens(), dtype=torch.float64, device=loss.device)
         batch_total = torch.stack([loss.double(), count])
         total = batch_total if total is None else total + batch_total
     assert total is not None, "evaluate needs num_batches >= 1"
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
     model.train(was_training)
-    return float(total[0] / total[1])
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,

@@ -102,7 +102,7 @@ def test_the_cycle_finder_finds_a_cycle_through_a_type_checking_import() -> None
 # cycle test above holds each layer free of loops). docs/architecture.md states the same order.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer", "trainer.errors", "trainer.config", "trainer.compat", "trainer.faults",
-     "trainer.batch", "trainer.logs", "trainer.schedule"),
+     "trainer.batch", "trainer.logs", "trainer.schedule", "trainer.tokens"),
     ("trainer.memory", "trainer.sharding", "trainer.meta_init"),  # the memory strategies
     ("trainer.model", "trainer.hf"),
     ("trainer.build",),

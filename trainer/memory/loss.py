@@ -20,6 +20,7 @@ planner learns the loss's shapes by running its probe under ``observe_chunked_lo
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.tokens import IGNORE_INDEX, TokenBatch, as_batch
 
 if TYPE_CHECKING:
     from trainer.memory.precision import PrecisionPolicy
@@ -155,13 +158,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 h = hidden_NC[start: start + chunk_tokens].to(dtype)
                 t = targets_N[start: start + chunk_tokens]
                 logits = (h @ weight.t()).float()
-                loss_sum += F.cross_entropy(logits, t, reduction="sum")
+                loss_sum += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
                 if grad_hidden is None:
                     continue  # no gradient wanted (evaluation)
-                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place.
+                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place; zero for a
+                # target that is not trained (IGNORE_INDEX), without a host sync to find them.
                 grad_logits = logits.softmax(dim=-1)
                 del logits
-                grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                keep = (t != IGNORE_INDEX).unsqueeze(1)
+                grad_logits.mul_(keep)
+                grad_logits.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -keep.float())
                 grad_logits_lp = grad_logits.to(dtype)
                 del grad_logits
                 grad_hidden[start: start + chunk_tokens] = grad_logits_lp @ weight
@@ -191,34 +197,50 @@ def _observe_plain(logits: torch.Tensor) -> None:
 
 def linear_cross_entropy_sum(hidden_NC: torch.Tensor, weight_VC: torch.Tensor,
                              targets_N: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """``cross_entropy(hidden @ weight.T, targets, reduction="sum")`` in chunks, fp32 result.
+    """``cross_entropy(hidden @ weight.T, targets, reduction="sum")`` in chunks, fp32 result; a
+    target of ``IGNORE_INDEX`` (-100) adds nothing, to the loss or to a gradient.
 
     ``chunk_tokens`` <= 0 computes the plain, unchunked loss (the full logits are materialised).
     """
     if chunk_tokens <= 0:
         logits = F.linear(hidden_NC, weight_VC)
         _observe_plain(logits)
-        return F.cross_entropy(logits.float(), targets_N, reduction="sum")
+        return F.cross_entropy(logits.float(), targets_N, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
     return _ChunkedLinearCrossEntropy.apply(hidden_NC, weight_VC, targets_N, chunk_tokens)
 
 
-def summed_loss(model: nn.Module, tokens_BT: torch.Tensor, policy: PrecisionPolicy
+def summed_loss(model: nn.Module, batch: TokenBatch | torch.Tensor, policy: PrecisionPolicy
                 ) -> torch.Tensor:
-    """Summed next-token loss of one micro-batch of rows ``(B, T + 1)``, fp32, under autocast.
+    """Summed next-token loss of one micro-batch of rows ``(B, T + 1)`` (a ``TokenBatch``, or a
+    tensor of tokens, all trained), fp32, under autocast; targets that are not trained (a loss
+    mask, a document boundary) add nothing.
 
     A model with ``computes_loss`` computes it itself (chunked, no ``(B, T, V)`` logits); for
-    any other model the logits are materialised and the loss taken in fp32.
+    any other model the logits are materialised and the loss taken in fp32. Packed documents'
+    ``position_ids`` go to a model that takes them (``takes_position_ids``).
     """
-    inputs_BT = tokens_BT[:, :-1].long()
-    targets_BT = tokens_BT[:, 1:].long()
+    batch = as_batch(batch)
+    inputs_BT, targets_BT = batch.inputs, batch.targets
     unwrapped = model.module if isinstance(model, DDP) else model
+    kwargs = {}
+    if batch.document_ids is not None and takes_position_ids(unwrapped):
+        kwargs["position_ids"] = batch.position_ids
     with policy.autocast(inputs_BT.device):
         if getattr(unwrapped, "computes_loss", False):
-            return model(inputs_BT, targets_BT).float()
-        logits_BTV = model(inputs_BT)
+            return model(inputs_BT, targets_BT, **kwargs).float()
+        logits_BTV = model(inputs_BT, **kwargs)
     _observe_plain(logits_BTV)
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(),
-                           reduction="sum")
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def takes_position_ids(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``position_ids`` (by name, or any keyword): then packed
+    documents keep to themselves in attention (trainer.tokens)."""
+    forward = getattr(model, "_orig_mod", model).forward
+    parameters = inspect.signature(forward).parameters.values()
+    return any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 # "auto": one chunk's fp32 logits within this many bytes. The chunk's other temporaries (the
