@@ -53,11 +53,14 @@ def data_write(
     sources: Annotated[list[Path], typer.Argument(help="Input files or directories.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output dataset directory.")],
     fmt: Annotated[str, typer.Option(
-        "--format", help="auto | parquet | jsonl | text | numpy (auto: by file suffix).")
-                   ] = "auto",
+        "--format", help="auto | parquet | jsonl | text | numpy (auto: by file suffix; a "
+                         "save_to_disk directory is read as one) | chat | instruction "
+                         "(fine-tuning rows: packed, assistant tokens trained).")] = "auto",
     columns: Annotated[str | None, typer.Option(
         help="Parquet/JSON: the columns to keep, comma-separated (default: all).")] = None,
-    column: Annotated[str, typer.Option(help="Text/.npy: the column's name.")] = "tokens",
+    column: Annotated[str, typer.Option(
+        help="Text/.npy: the column's name; a tokenized dataset: its token column (ragged "
+             "rows are packed; input_ids is found without it).")] = "tokens",
     seq_len: Annotated[int, typer.Option(help="Text: tokens per row, plus one target.")] = 256,
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB.")] = "64MiB",
     overwrite: Annotated[bool, typer.Option(help="Replace a dataset already at --out.")
@@ -74,17 +77,39 @@ def data_write(
     eot_token: Annotated[str | None, typer.Option(
         help="With --tokenizer: the token that ends each document (default: the eos_token "
              "of the model directory's tokenizer_config.json, else <|endoftext|>).")] = None,
+    split: Annotated[str | None, typer.Option(
+        help="A Hugging Face dataset's split (a DatasetDict's, or train-*.parquet files).")
+                     ] = None,
+    pack: Annotated[bool, typer.Option(
+        help="With --tokenizer: pack whole documents into rows, with their boundaries, "
+             "instead of one stream cut into rows.")] = False,
+    too_long: Annotated[str, typer.Option(
+        help="Packing: a document longer than a row is cut to it, or dropped (cut | drop).")
+                        ] = "cut",
+    messages_field: Annotated[str, typer.Option(help="--format chat: the messages field.")
+                              ] = "messages",
+    prompt_field: Annotated[str, typer.Option(help="--format instruction: the prompt field.")
+                            ] = "prompt",
+    response_field: Annotated[str, typer.Option(
+        help="--format instruction: the response field.")] = "response",
 ) -> None:
     """Convert Parquet, JSON lines, text files or numpy arrays into a memtrain dataset."""
     from rich.progress import DownloadColumn, TransferSpeedColumn
 
-    from datapipe.convert import expand_sources, write_dataset
+    from datapipe.convert import PackOptions, expand_sources, write_dataset
     from monitoring.units import parse_bytes
 
-    if fmt not in ("auto", "parquet", "jsonl", "text", "numpy"):
-        raise ValueError(f"--format {fmt!r} is not one of auto, parquet, jsonl, text, numpy")
+    formats = ("auto", "parquet", "jsonl", "text", "numpy", "chat", "instruction")
+    if fmt not in formats:
+        raise ValueError(f"--format {fmt!r} is not one of {', '.join(formats)}")
+    if too_long not in ("cut", "drop"):
+        raise ValueError(f"--too-long {too_long!r} is not one of cut, drop")
     shard_bytes = parse_bytes(shard_size, "--shard-size")
-    if tokenizer is not None:  # progress in input bytes, with their rate
+    packing = PackOptions(pack=pack, too_long=too_long, split=split,  # type: ignore[arg-type]
+                          messages_field=messages_field, prompt_field=prompt_field,
+                          response_field=response_field)
+    if tokenizer is not None and fmt not in ("chat", "instruction"):
+        # progress in input bytes, with their rate
         total = sum(f.stat().st_size for f in expand_sources(list(sources)))
         columns_shown = [TextColumn("tokenizing"), BarColumn(), DownloadColumn(),
                          TransferSpeedColumn(), TimeElapsedColumn()]
@@ -99,11 +124,14 @@ def data_write(
             columns=columns.split(",") if columns else None, column=column, seq_len=seq_len,
             shard_bytes=shard_bytes, overwrite=overwrite, tokenizer=tokenizer,
             text_field=text_field, token_dtype=token_dtype, eot_token=eot_token,
-            progress=None if tokenizer else lambda n: progress.advance(task, n),
-            input_progress=(lambda n: progress.advance(task, n)) if tokenizer else None)
+            progress=None if total else lambda n: progress.advance(task, n),
+            input_progress=(lambda n: progress.advance(task, n)) if total else None,
+            packing=packing)
     described = ", ".join(f"{c.name} {c.dtype}{list(c.shape)}" for c in manifest.columns)
     console.print(f"{out}: {manifest.num_rows} rows ({described}) in {len(manifest.shards)} "
                   f"shards, {manifest.num_bytes / 2**20:.1f} MiB")
+    if manifest.metadata.get("packed"):
+        console.print(packing.stats.report())
 
 
 @tokenizer_app.command("train")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +28,7 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from datapipe.chat import chat_template, encode_conversations
 from datapipe.corpus import token_rows
 from datapipe.manifest import (
     MANIFEST_NAME,
@@ -35,11 +37,22 @@ from datapipe.manifest import (
     Manifest,
     atomic_write_bytes,
 )
+from datapipe.pack import DOCUMENT_IDS, LOSS_MASK, Packing, TooLong, pack
+from datapipe.rows import (
+    is_saved_dataset,
+    rows,
+    saved_dataset_files,
+    split_files,
+    table_fields,
+    token_documents,
+)
 from datapipe.tokenize import (
+    TOKEN_DTYPES,
     TOKENIZER_FILE,
     ByteProgress,
     documents,
     load_tokenizer,
+    text_documents,
     token_blocks,
 )
 from datapipe.tokenize import token_dtype as token_dtype_for
@@ -170,41 +183,65 @@ def _write_blocks(blocks: Iterator[Block], out: Path, shard_bytes: int,
     return writer
 
 
-def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
+@dataclass
+class PackOptions:
+    """Fine-tuning inputs (``datapipe.pack``): documents packed into rows with their loss masks
+    and boundaries. ``fmt`` "chat" / "instruction" rows go through the chat template; a
+    tokenized dataset's ``input_ids`` (ragged) or, with ``pack``, tokenized text documents are
+    packed as they are."""
+
+    pack: bool = False  # text with --tokenizer: whole documents into rows, not one stream
+    too_long: TooLong = "cut"
+    split: str | None = None
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    labels_field: str = "labels"
+    stats: Packing = field(default_factory=Packing)
+
+
+def write_dataset(sources: list[Path], out: Path, fmt: str = "auto", *,
                   columns: list[str] | None = None, column: str = "tokens", seq_len: int = 256,
                   shard_bytes: int = 64 << 20, overwrite: bool = False,
                   tokenizer: Path | None = None, text_field: str = "text",
                   token_dtype: str = "auto", eot_token: str | None = None,
                   progress: ProgressFn | None = None,
-                  input_progress: ByteProgress | None = None) -> Manifest:
+                  input_progress: ByteProgress | None = None,
+                  packing: PackOptions | None = None) -> Manifest:
     """Convert ``sources`` into a dataset at ``out``; returns its manifest.
 
     With ``tokenizer`` (a ``tokenizer.json``), text, JSON lines (``text_field``) or Parquet (a
     string column ``text_field``) become rows of ``seq_len + 1`` tokens (``datapipe.tokenize``).
+    Chat and instruction rows, a tokenized dataset's ragged ``input_ids`` and, with
+    ``packing.pack``, text documents are packed with loss masks and boundaries (``packing``).
     An existing dataset at ``out`` is refused unless ``overwrite``: then its manifest is
     removed first, so no reader ever pairs the old manifest with new shards.
     """
-    files = expand_sources(sources)
+    packing = packing or PackOptions()
+    files, kind = _inputs(sources, fmt, packing.split)
     tokenized = None  # (tokenizer, its info, the token dtype), checked before anything is written
     if tokenizer is not None:
         tok, info = load_tokenizer(tokenizer, eot_token)
         tokenized = (tok, info, token_dtype_for(info.vocab_size, token_dtype))
+    if seq_len < 1 and (kind == "text" or tokenized or fmt in ("chat", "instruction")):
+        raise DatasetError(f"--seq-len must be >= 1, got {seq_len}")
+    if shard_bytes < 1:
+        raise DatasetError(f"--shard-size must be > 0, got {shard_bytes}")
+    packed = _packed_blocks(files, kind, fmt, tokenized, tokenizer, seq_len, column,
+                            token_dtype, text_field, packing, input_progress)
     existing = out / MANIFEST_NAME
     if existing.exists():
         if not overwrite:
             raise DatasetError(f"{out} already holds a dataset: pass --overwrite to replace it")
         existing.unlink()
-    kind = detect_format(files) if fmt == "auto" else fmt
-    if (kind == "text" or tokenized) and seq_len < 1:
-        raise DatasetError(f"--seq-len must be >= 1, got {seq_len}")
-    if shard_bytes < 1:
-        raise DatasetError(f"--shard-size must be > 0, got {shard_bytes}")
-    metadata = {"source_format": kind}
-    if tokenized is not None:
+    metadata = {"source_format": kind if fmt not in ("chat", "instruction") else fmt}
+    if packed is not None:
+        blocks, more = packed
+        metadata |= more
+    elif tokenized is not None:
         tok, info, dtype = tokenized
         docs = documents(files, kind, text_field, input_progress)
-        blocks: Iterator[Block] = ({column: block} for block in token_blocks(
-            docs, tok, info, seq_len + 1, dtype))
+        blocks = ({column: block} for block in token_blocks(docs, tok, info, seq_len + 1, dtype))
         metadata |= info.metadata()
     else:
         blocks = {
@@ -220,6 +257,83 @@ def write_dataset(sources: list[Path], out: Path, fmt: Format = "auto", *,
         unit = "tokens" if tokenized else "bytes"
         raise DatasetError(f"no rows in {', '.join(map(str, sources))} (text needs at least "
                            f"seq_len + 1 = {seq_len + 1} {unit})")
+    if packed is not None:  # known once every row is written
+        writer.metadata |= packing.stats.metadata()
+        if "vocab_size" not in packed[1]:  # ids without their tokenizer: what they need
+            writer.metadata["vocab_size"] = str(packing.stats.largest_id + 1)
     if tokenized is not None:  # the tokenizer travels with its dataset, before the manifest
         atomic_write_bytes(out / TOKENIZER_FILE, tokenized[1].raw)
     return writer.close()
+
+
+def _inputs(sources: list[Path], fmt: str, split: str | None) -> tuple[list[Path], str]:
+    """The input files and their kind: a ``save_to_disk`` directory is one dataset ("hf", its
+    Arrow files), else files by suffix (or ``fmt``); ``split`` chooses a split."""
+    if len(sources) == 1 and is_saved_dataset(sources[0]):
+        return saved_dataset_files(sources[0], split), "hf"
+    files = split_files(expand_sources(sources), split)
+    if fmt in ("chat", "instruction"):
+        return files, detect_format(files)
+    return files, detect_format(files) if fmt == "auto" else fmt
+
+
+def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | None,
+                   tokenizer_path: Path | None, seq_len: int, column: str, token_dtype: str,
+                   text_field: str, packing: PackOptions, input_progress: ByteProgress | None
+                   ) -> tuple[Iterator[Block], dict[str, str]] | None:
+    """Packed rows' blocks and their metadata where the inputs are fine-tuning documents (see
+    ``PackOptions``); None for the other conversions."""
+    chat = fmt in ("chat", "instruction")
+    ragged = None
+    if not chat and kind in ("hf", "parquet", "jsonl") and tokenized is None:
+        names = table_fields(files[0], kind)
+        ragged = next((c for c in (column, "input_ids") if c in names and
+                       (kind == "hf" or c == "input_ids")), None)
+    if not (chat or ragged or (packing.pack and tokenized is not None)):
+        if kind == "hf" and tokenized is None:
+            raise DatasetError(f"{files[0]}: a saved dataset needs a token column ({column!r} "
+                               "or 'input_ids'), --format chat|instruction, or --tokenizer")
+        return None
+    if chat and tokenized is None:
+        raise DatasetError(f"--format {fmt} needs --tokenizer (a model directory with "
+                           "tokenizer.json, and its chat template where it has one)")
+    if chat:
+        tok, info, dtype = tokenized  # type: ignore[misc]
+        template = chat_template(tokenizer_path if tokenizer_path.is_dir() else None,
+                                 tok.id_to_token(info.eot_id))  # type: ignore[union-attr]
+        docs = encode_conversations(_conversations(files, kind, fmt, packing), tok, template,
+                                    dtype)
+        more = info.metadata() | {"chat_template": template.source}
+        pad = info.eot_id
+    elif ragged:
+        dtype = "uint32" if token_dtype == "auto" else token_dtype
+        if dtype not in TOKEN_DTYPES:
+            raise DatasetError(f"--token-dtype {dtype!r} is not one of auto, "
+                               f"{', '.join(TOKEN_DTYPES)}")
+        labels = packing.labels_field if packing.labels_field in table_fields(files[0], kind) \
+            else None
+        fields = [ragged, *([labels] if labels else [])]
+        docs = token_documents(rows(files, kind, fields), ragged, labels, dtype,
+                               TOKEN_DTYPES[dtype])
+        more, pad = {"token_column": ragged}, 0
+    else:
+        tok, info, dtype = tokenized  # type: ignore[misc]
+        docs = text_documents(documents(files, kind, text_field, input_progress), tok, info,
+                              dtype)
+        more, pad = info.metadata(), info.eot_id
+    blocks = pack(docs, seq_len + 1, pad, dtype, packing.too_long, packing.stats)
+    return blocks, more | {"packed": "true", "loss_mask": LOSS_MASK, "document_ids": DOCUMENT_IDS}
+
+
+def _conversations(files: list[Path], kind: str, fmt: str, packing: PackOptions
+                   ) -> Iterator[tuple[object, str]]:
+    """``(messages, where)`` of chat rows, or of instruction rows as a user's prompt and the
+    assistant's response."""
+    if fmt == "chat":
+        for row, where in rows(files, kind, [packing.messages_field]):
+            yield row[packing.messages_field], where
+        return
+    for row, where in rows(files, kind, [packing.prompt_field, packing.response_field]):
+        prompt, response = row[packing.prompt_field], row[packing.response_field]
+        yield [{"role": "user", "content": prompt},
+               {"role": "assistant", "content": response}], where

@@ -325,6 +325,24 @@ def token_blocks(docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, info: T
         yield cut(pending)[0]
 
 
+def text_documents(docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, info: TokenizerInfo,
+                   dtype: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, loss_mask)`` of each whole document, its end-of-text id last and every token
+    trained: the documents ``datapipe.pack`` packs with their boundaries (``--pack``)."""
+    np_dtype = np.dtype(dtype)
+    pieces: list[np.ndarray] = []
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    for batch in _batches(docs):
+        for (_, ends), encoding in zip(batch, encode([t for t, _ in batch],
+                                                     add_special_tokens=False), strict=True):
+            pieces.append(np.asarray(encoding.ids, dtype=np_dtype))
+            if ends:
+                pieces.append(np.array([info.eot_id], dtype=np_dtype))
+                ids = np.concatenate(pieces)
+                pieces = []
+                yield ids, np.ones(len(ids), dtype=np.uint8)
+
+
 # ---- training a tokenizer -------------------------------------------------------------------
 def train_tokenizer(files: list[Path], kind: str, out: Path, vocab_size: int, *,
                     text_field: str = "text", min_frequency: int = 2,

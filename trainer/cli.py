@@ -151,7 +151,8 @@ def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
         ("loss first -> final", f"{fmt(summary['first_loss'], '.4f')} -> "
                                 f"{fmt(summary['final_loss'], '.4f')}"),
         ("eval loss", fmt(summary["eval_loss"], ".4f")),
-        ("tokens/s (all workers)", fmt(summary["tokens_per_second"], ",.0f")),
+        ("trained tokens/s (all workers)" if summary.get("tokens_counted") == "trained" else
+         "tokens/s (all workers)", fmt(summary["tokens_per_second"], ",.0f")),
         ("data wait share", fmt(summary["data_wait_share"] and
                                 100 * summary["data_wait_share"], ".1f") + " %"),
         (f"peak memory rank 0 ({summary['peak_memory_kind']})",

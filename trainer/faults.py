@@ -98,9 +98,9 @@ def maybe_oom(index: int, count: int) -> None:
 
 def maybe_fail_checkpoint(run_dir: Path, step: int, rank: int) -> None:
     """``checkpoint@STEP[:RANK]``: fail this step's checkpoint write on that rank (rank 0 when
-    left out), once per run directory; ``savekill@STEP:RANK``: SIGKILL the rank there instead, its files written and
-    not published (a crash in the middle of a save, asynchronous or not), once per run
-    directory."""
+    left out), once per run directory; ``savekill@STEP:RANK``: SIGKILL the rank there instead,
+    its files written and not published (a crash in the middle of a save, asynchronous or
+    not), once per run directory."""
     if any(f.kind == "checkpoint" and f.step == step for f in active()) and \
             _first_time(run_dir, Fault("checkpoint", step, rank)):
         raise OSError(f"checkpoint write failed at step {step} (injected by {ENV})")

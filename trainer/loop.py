@@ -47,7 +47,7 @@ from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_m
 from trainer.hf import weights_of
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.lora import lora_of
-from trainer.memory.loss import computes_own_loss
+from trainer.memory.loss import computes_own_loss, takes_position_ids
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.oom import (
     BatchPlan,
@@ -57,13 +57,13 @@ from trainer.oom import (
     step_with_oom_recovery,
 )
 from trainer.recovery import Recovery
-from trainer.tokens import TokenBatch, TokenLoader
 from trainer.run_metrics import RunMetrics, StepRecord
 from trainer.saves import AsyncSaves
 from trainer.schedule import Schedule
 from trainer.sharding import FsdpSettings
 from trainer.state import NonFiniteError, StepResult, TrainState
 from trainer.step import build_optimizer, evaluate, step_seed, train_step
+from trainer.tokens import DOCUMENT_IDS, LOSS_MASK, TokenBatch, TokenLoader
 
 if TYPE_CHECKING:  # the loop runs without pydantic too (bench/gpu_check.py)
     from trainer.config import Config, DataConfig, MemoryConfig
@@ -352,9 +352,24 @@ class Trainer:
                                                       else " (the model computes no loss of "
                                                            "its own)"),
                  cfg.memory.loss_chunk_tokens)
+        if loader.masked:
+            log.info("data: %s", describe_masks(loader.columns, state.unwrapped))
         if ctx.device.type == "cuda":
             log.info("CUDA allocator settings: %s; memory history %s",
                      allocator_settings(), "recording" if recording_history else "off")
+
+
+def describe_masks(columns: list[str], model: torch.nn.Module) -> str:
+    """The log's line on what a fine-tuning dataset's columns change (``trainer.tokens``)."""
+    said = []
+    if LOSS_MASK in columns:
+        said.append(f"the loss takes the targets its {LOSS_MASK} marks (tokens/s counts them)")
+    if DOCUMENT_IDS in columns:
+        said.append("packed documents (document_ids): no target across a boundary; " + (
+            "attention within each document (positions restart at each)"
+            if takes_position_ids(model) else
+            f"{type(model).__name__} takes no position_ids, so attention crosses documents"))
+    return "; ".join(said)
 
 
 def describe_strategies(memory: MemoryConfig, model: torch.nn.Module,

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.tokens import TokenLoader
 from trainer.checkpoint import (
     CheckpointReadError,
     load_checkpoint,
@@ -46,6 +45,7 @@ from trainer.memory.optimizers import BackwardSteps
 from trainer.saves import AsyncSaves, staged
 from trainer.schedule import resume_schedule
 from trainer.sharding import is_sharded, local_tensor
+from trainer.tokens import TokenLoader
 
 
 class NonFiniteError(RuntimeError):

@@ -120,8 +120,8 @@ def dataset_columns(path: str | Path, column: str) -> list[str]:
 
 class TokenLoader:
     """Batches (``TokenBatch``) of a dataset's token column and, where it has them, its loss
-    mask and document ids: one ``BatchLoader`` per column, in lockstep (the module docstring). Everything
-    else a loader answers (position, state, skipped shards) is the token loader's."""
+    mask and document ids: one ``BatchLoader`` per column, in lockstep (the module docstring).
+    Everything else a loader answers (position, state, skipped shards) is the token loader's."""
 
     def __init__(self, path: str | Path, column: str, **kwargs: Any):
         self.columns = dataset_columns(path, column)

@@ -1,0 +1,172 @@
+"""Chat and instruction rows as token ids with a mask of the assistant's tokens.
+
+- **Chat** rows hold a ``messages`` list: ``{"role": "system"|"user"|"assistant", "content":
+  str}`` each. **Instruction** rows hold a prompt and a response (``--prompt-field``,
+  ``--response-field``), taken as a user's message and the assistant's answer.
+- **Template.** A conversation is rendered with the tokenizer's chat template (the
+  ``chat_template`` of the model directory's ``tokenizer_config.json``, a Jinja template, run
+  sandboxed as transformers runs it), else with ``PLAIN_TEMPLATE``::
+
+      <|user|>
+      What is 2 + 2?
+      <|assistant|>
+      4<eos>
+
+  (each message a role line and its content, turns separated by a line break, and each
+  assistant turn ending with the end-of-text token). The rendered text is encoded as it is:
+  the template's special tokens (``<|im_start|>``, the BOS) are the tokenizer's added tokens.
+- **Only assistant turns are trained.** Each assistant turn's text is found by rendering the
+  conversation up to the turn (with the generation prompt) and through it: the characters in
+  between are the answer, and its tokens (by the encoding's offsets) get a loss mask of 1.
+  A template that does not render a conversation's turns as prefixes of it is refused in one
+  line naming the row, since its answers cannot be found.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from datapipe.manifest import DatasetError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{% if not loop.first %}\n{% endif %}"
+    "<|{{ message.role }}|>\n{{ message.content }}"
+    "{% if message.role == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}\n<|assistant|>\n{% endif %}")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is rendered with."""
+
+    source: str  # "the tokenizer's" or "memtrain's plain template"
+    render: Callable[..., str]
+
+    def text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        return self.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
+    """The model directory's chat template (``tokenizer_config.json``'s ``chat_template``, or a
+    ``chat_template.jinja`` beside it), else ``PLAIN_TEMPLATE``; compiled in jinja2's sandbox."""
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as err:
+        raise DatasetError("--format chat needs the `jinja2` package (pip install jinja2)") \
+            from err
+    config: dict[str, Any] = {}
+    source, text = "memtrain's plain template", PLAIN_TEMPLATE
+    if model_dir is not None and model_dir.is_dir():
+        path = model_dir / "tokenizer_config.json"
+        if path.is_file():
+            try:
+                config = json.loads(path.read_text())
+            except ValueError as err:
+                raise DatasetError(f"{path}: not JSON ({err})") from err
+        found = config.get("chat_template")
+        if isinstance(found, list):  # named templates: the default one
+            found = next((t.get("template") for t in found if t.get("name") == "default"), None)
+        jinja = model_dir / "chat_template.jinja"
+        if not found and jinja.is_file():
+            found = jinja.read_text()
+        if isinstance(found, str) and found:
+            source, text = f"the chat template of {model_dir}", found
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        template = env.from_string(text)
+    except TemplateError as err:
+        raise DatasetError(f"{source}: not a Jinja template ({err})") from err
+    specials = {name: _token_text(config.get(name)) for name in
+                ("bos_token", "eos_token", "unk_token", "pad_token")}
+    specials["eos_token"] = specials["eos_token"] or eos_token
+
+    def render(**kwargs: Any) -> str:
+        try:
+            return template.render(**specials, **kwargs)
+        except TemplateError as err:
+            raise DatasetError(f"{source}: {err}") from err
+
+    return ChatTemplate(source, render)
+
+
+def check_messages(messages: object, where: str) -> list[dict[str, Any]]:
+    """A row's ``messages``: a list of ``{"role", "content"}`` with known roles and string
+    contents, and at least one assistant turn; DatasetError naming the row otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: messages is not a list of messages")
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES or \
+                not isinstance(message.get("content"), str):
+            raise DatasetError(f"{where}: message {number} is not {{\"role\": one of "
+                               f"{', '.join(ROLES)}, \"content\": a string}}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DatasetError(f"{where}: no assistant message (nothing to train on)")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def assistant_spans(template: ChatTemplate, messages: list[dict[str, Any]], where: str
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character spans of its assistant turns."""
+    text = template.text(messages)
+    spans = []
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = template.text(messages[:turn], add_generation_prompt=True)
+        through = template.text(messages[:turn + 1])
+        if not (through.startswith(before) and text.startswith(through)):
+            raise DatasetError(f"{where}: {template.source} does not render the conversation "
+                               f"up to message {turn} as a prefix of it, so its assistant "
+                               "turns cannot be found")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def encode_conversations(rows: Iterator[tuple[object, str]], tokenizer: Tokenizer,
+                         template: ChatTemplate, dtype: str, batch: int = 256
+                         ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, loss_mask)`` of each conversation: ``rows`` are ``(messages, where)``; a token
+    is trained where it starts inside an assistant turn."""
+    pending: list[tuple[str, list[tuple[int, int]]]] = []
+
+    def flush() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        # encode_batch (not _fast): the offsets are needed; it still spreads over every core
+        encodings = tokenizer.encode_batch([text for text, _ in pending],
+                                           add_special_tokens=False)
+        for (_, spans), encoding in zip(pending, encodings, strict=True):
+            starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64,
+                                 count=len(encoding.ids))
+            mask = np.zeros(len(starts), dtype=np.uint8)
+            for first, last in spans:
+                mask |= ((starts >= first) & (starts < last)).astype(np.uint8)
+            yield np.asarray(encoding.ids, dtype=dtype), mask
+        pending.clear()
+
+    for messages, where in rows:
+        pending.append(assistant_spans(template, check_messages(messages, where), where))
+        if len(pending) >= batch:
+            yield from flush()
+    if pending:
+        yield from flush()

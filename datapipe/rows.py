@@ -1,0 +1,182 @@
+"""Rows of Hugging Face datasets, Parquet and JSON lines, read as they are, for packing.
+
+- **A ``save_to_disk`` directory** (``state.json`` beside ``data-*.arrow``, and a
+  ``dataset_dict.json`` above its splits' directories for a ``DatasetDict``): its Arrow files,
+  listed by ``state.json``, are read with pyarrow (the ``datasets`` package is not needed). A
+  dataset of several splits needs ``--split``; ``train`` is taken where there is one.
+- **Parquet from a dataset's snapshot** (``data/train-00000-of-00002.parquet``, or
+  ``train/*.parquet``): ``--split`` keeps the files of that split.
+- **Rows** come in input order as dicts of the fields asked for, each with where it came from
+  (``file: row N``, ``file: line N``) for the one-line errors.
+
+What the rows become: ragged token columns (``input_ids``, with ``labels`` where -100 marks a
+token not to train on) are documents as they are (``token_documents``); chat and instruction
+rows go through the chat template (``datapipe.chat``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from datapipe.manifest import DatasetError
+
+STATE = "state.json"
+DICT = "dataset_dict.json"
+IGNORE_LABEL = -100  # a label Hugging Face's losses skip
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return path.is_dir() and ((path / STATE).is_file() or (path / DICT).is_file())
+
+
+def saved_dataset_files(path: Path, split: str | None) -> list[Path]:
+    """The Arrow files of a ``save_to_disk`` directory, of ``split`` for a DatasetDict."""
+    if (path / DICT).is_file():
+        try:
+            splits = json.loads((path / DICT).read_text())["splits"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise DatasetError(f"{path / DICT}: not a dataset_dict.json ({err})") from err
+        chosen = split or ("train" if "train" in splits else
+                           splits[0] if len(splits) == 1 else None)
+        if chosen is None or chosen not in splits:
+            raise DatasetError(f"{path}: {'no split ' + repr(split) if split else 'several splits'}"
+                               f" (splits: {', '.join(splits)}; pass --split)")
+        path = path / chosen
+    try:
+        files = [entry["filename"] for entry in json.loads((path / STATE).read_text())
+                 ["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DatasetError(f"{path / STATE}: not a datasets state.json ({err})") from err
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        raise DatasetError(f"{path}: {missing[0]} is listed in {STATE} but missing")
+    return [path / name for name in files]
+
+
+def split_files(files: list[Path], split: str | None) -> list[Path]:
+    """The files of ``split`` (``train-*.parquet``, or under a ``train/`` directory); all of
+    them without a split."""
+    if split is None:
+        return files
+    kept = [f for f in files if f.name.startswith(f"{split}-") or f.name.startswith(f"{split}.")
+            or split in f.parent.parts[-2:]]
+    if not kept:
+        raise DatasetError(f"--split {split}: no input file is of that split (names like "
+                           f"{split}-00000-of-00001.parquet or a {split}/ directory)")
+    return kept
+
+
+def _batches(file: Path, kind: str, fields: list[str]) -> Iterator[pa.RecordBatch]:
+    try:
+        if kind == "parquet":
+            reader = pq.ParquetFile(file)
+            names = reader.schema_arrow.names
+            _check_fields(file, fields, names)
+            yield from reader.iter_batches(batch_size=4096, columns=fields)
+            return
+        with pa.memory_map(str(file)) as source:
+            try:
+                reader = pa.ipc.open_stream(source)  # datasets writes Arrow streams
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+            _check_fields(file, fields, reader.schema.names)
+            if isinstance(reader, pa.ipc.RecordBatchFileReader):
+                for index in range(reader.num_record_batches):
+                    yield reader.get_batch(index).select(fields)
+            else:
+                for batch in reader:
+                    yield batch.select(fields)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"{file}: not readable as {kind} ({err})") from err
+
+
+def _check_fields(file: Path, fields: list[str], names: list[str]) -> None:
+    missing = [f for f in fields if f not in names]
+    if missing:
+        raise DatasetError(f"{file}: no column {missing[0]!r} (columns: {', '.join(names)})")
+
+
+def table_fields(file: Path, kind: str) -> list[str]:
+    """The columns of the first input file (to choose the optional ones)."""
+    if kind == "jsonl":
+        with file.open("rb") as handle:
+            for raw in handle:
+                if raw.strip():
+                    try:
+                        row = json.loads(raw)
+                    except ValueError as err:
+                        raise DatasetError(f"{file}: line 1: not a JSON object ({err})") from err
+                    return list(row) if isinstance(row, dict) else []
+        return []
+    if kind == "parquet":
+        return pq.ParquetFile(file).schema_arrow.names
+    with pa.memory_map(str(file)) as source:
+        try:
+            return pa.ipc.open_stream(source).schema.names
+        except pa.ArrowInvalid:
+            source.seek(0)
+            return pa.ipc.open_file(source).schema.names
+
+
+def rows(files: list[Path], kind: str, fields: list[str]
+         ) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each row's ``fields`` as Python values, with where it is."""
+    for file in files:
+        if kind == "jsonl":
+            yield from _jsonl_rows(file, fields)
+            continue
+        first = 0
+        for batch in _batches(file, kind, fields):
+            columns = [batch.column(i).to_pylist() for i in range(len(fields))]
+            for offset, values in enumerate(zip(*columns, strict=True)):
+                yield dict(zip(fields, values, strict=True)), f"{file}: row {first + offset}"
+            first += batch.num_rows
+
+
+def _jsonl_rows(file: Path, fields: list[str]) -> Iterator[tuple[dict[str, Any], str]]:
+    with file.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            where = f"{file}: line {number}"
+            try:
+                row = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise DatasetError(f"{where}: not a JSON object ({err})") from err
+            if not isinstance(row, dict):
+                raise DatasetError(f"{where}: not a JSON object")
+            missing = [f for f in fields if f not in row]
+            if missing:
+                raise DatasetError(f"{where}: no field {missing[0]!r}")
+            yield {f: row[f] for f in fields}, where
+
+
+def token_documents(rows_: Iterator[tuple[dict[str, Any], str]], column: str,
+                    labels: str | None, dtype: str, vocab_limit: int
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, loss_mask)`` of pre-tokenized rows: ``column`` holds a list of token ids;
+    ``labels`` (optional) a list of the same length where -100 marks a token not trained."""
+    for row, where in rows_:
+        ids = row[column]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise DatasetError(f"{where}: {column!r} is not a list of token ids")
+        array = np.asarray(ids, dtype=np.int64)
+        if len(array) and (array.min() < 0 or array.max() >= vocab_limit):
+            raise DatasetError(f"{where}: {column!r} holds id {int(array.max())} outside "
+                               f"[0, {vocab_limit}) of --token-dtype {dtype}")
+        mask = np.ones(len(array), dtype=np.uint8)
+        if labels is not None:
+            marks = row[labels]
+            if not isinstance(marks, list) or len(marks) != len(ids):
+                raise DatasetError(f"{where}: {labels!r} is not a list as long as {column!r}")
+            mask = (np.asarray(marks, dtype=np.int64) != IGNORE_LABEL).astype(np.uint8)
+        yield array.astype(dtype), mask
