@@ -37,11 +37,11 @@ from datapipe.manifest import DatasetError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-PLAIN_TEMPLATE = (
-    "{% for message in messages %}{% if not loop.first %}\n{% endif %}"
-    "<|{{ message.role }}|>\n{{ message.content }}"
+PLAIN_TEMPLATE = (  # line breaks as expressions: trim_blocks drops one after a block tag
+    "{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<|' + message.role + '|>\\n' + message.content }}"
     "{% if message.role == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}\n<|assistant|>\n{% endif %}")
+    "{% if add_generation_prompt %}{{ '\\n<|assistant|>\\n' }}{% endif %}")
 ROLES = ("system", "user", "assistant", "tool")
 
 

@@ -257,3 +257,47 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(
 # Jobs submitted to the test cluster run `python -m trainer.cli`: make that this interpreter, as
 # an activated virtual environment does for a user.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+CHAT_TEMPLATE = (  # ChatML, as Qwen's and many others' tokenizer_config.json have it
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def arithmetic_chats(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Chat rows a small model learns in a few steps: a system prompt, a sum, its answer."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({"messages": [
+            {"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]})
+    return rows
+
+
+def write_chat_tokenizer(directory: Path, texts: list[str], vocab_size: int = 400,
+                         template: str | None = CHAT_TEMPLATE) -> Path:
+    """A model directory's tokenizer, as Hugging Face saves one: a byte-level BPE
+    ``tokenizer.json`` trained on ``texts`` with ChatML's special tokens, and a
+    ``tokenizer_config.json`` naming the end-of-text token and (unless None) a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config: dict[str, Any] = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
