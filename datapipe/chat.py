@@ -49,8 +49,9 @@ ROLES = ("system", "user", "assistant", "tool")
 class ChatTemplate:
     """A compiled chat template and the special tokens it is rendered with."""
 
-    source: str  # "the tokenizer's" or "memtrain's plain template"
+    source: str  # "the chat template of DIR" or "memtrain's plain template"
     render: Callable[..., str]
+    jinja: str  # the template itself: the dataset's manifest keeps it, and export passes it on
 
     def text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         return self.render(messages=messages, add_generation_prompt=add_generation_prompt)
@@ -108,7 +109,7 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
         except TemplateError as err:
             raise DatasetError(f"{source}: {err}") from err
 
-    return ChatTemplate(source, render)
+    return ChatTemplate(source, render, text)
 
 
 def check_messages(messages: object, where: str) -> list[dict[str, Any]]:

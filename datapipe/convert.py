@@ -303,7 +303,8 @@ def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | No
                                  tok.id_to_token(info.eot_id))  # type: ignore[union-attr]
         docs = encode_conversations(_conversations(files, kind, fmt, packing), tok, template,
                                     dtype)
-        more = info.metadata() | {"chat_template": template.source}
+        more = info.metadata() | {"chat_template_source": template.source,
+                                  "chat_template": template.jinja}
         pad = info.eot_id
     elif ragged:
         dtype = "uint32" if token_dtype == "auto" else token_dtype

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from datapipe.manifest import DatasetError
+from datapipe.manifest import DatasetError, read_manifest
 from datapipe.tokenize import TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
 from monitoring.units import format_bytes
@@ -117,7 +117,12 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
         (out / TOKENIZER_FILE).write_bytes(raw)
         # The special token ``AutoTokenizer`` cannot know from tokenizer.json alone.
         eos = Tokenizer.from_str(raw.decode("utf-8")).id_to_token(eot_id)
-        (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}, indent=2))
+        config = {"eos_token": eos}
+        # A chat dataset's template (datapipe.chat): the exported model is prompted as trained.
+        template = read_manifest(cfg.data.path).metadata.get("chat_template")
+        if template:
+            config["chat_template"] = template
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return Exported(out, int(state["step"]), tokenizer is not None)
 
 

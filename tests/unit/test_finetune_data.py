@@ -54,7 +54,7 @@ def test_chat_rows_train_only_the_assistants_turns(model_dir: Path, tmp_path: Pa
                              tokenizer=model_dir, packing=packing)
     assert [c.name for c in manifest.columns] == ["tokens", "loss_mask", "document_ids"]
     meta = manifest.metadata
-    assert meta["packed"] == "true" and meta["chat_template"].startswith("the chat template")
+    assert meta["packed"] == "true" and meta["chat_template_source"].startswith("the chat template")
     data = columns(tmp_path / "ds")
     assert packing.stats.packed == 40 and manifest.num_rows == packing.stats.rows < 40
     answers, prompts = [], []
@@ -86,7 +86,7 @@ def test_instruction_rows_and_the_plain_template(model_dir: Path, tmp_path: Path
     packing = PackOptions(prompt_field="question", response_field="answer")
     manifest = write_dataset([source], tmp_path / "ds", "instruction", seq_len=63,
                              tokenizer=plain, packing=packing)
-    assert manifest.metadata["chat_template"] == "memtrain's plain template"
+    assert manifest.metadata["chat_template_source"] == "memtrain's plain template"
     data = columns(tmp_path / "ds")
     mask, tokens = data["loss_mask"][0] == 1, data["tokens"][0]
     used = data["document_ids"][0] == 0
