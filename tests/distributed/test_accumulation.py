@@ -25,6 +25,7 @@ from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.oom import OOMAgreement
 from trainer.step import train_step
+from trainer.tokens import TokenBatch
 
 pytestmark = pytest.mark.distributed
 
@@ -37,8 +38,20 @@ def _global_batch() -> torch.Tensor:
     return torch.randint(0, 256, (GLOBAL_BATCH, CFG.seq_len + 1), generator=generator)
 
 
+def _global_masks() -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss mask and packed documents that train far more targets in the first half of the
+    global batch (rank 0's share at world 2) than in the second: the ranks' counts differ."""
+    generator = torch.Generator().manual_seed(7)
+    shape = (GLOBAL_BATCH, CFG.seq_len + 1)
+    keep = torch.rand(shape, generator=generator)
+    keep[GLOBAL_BATCH // 2:] *= 0.3
+    mask = (keep > 0.2).to(torch.uint8)
+    documents = (torch.rand(shape, generator=generator) < 0.1).cumsum(dim=1).to(torch.int32)
+    return mask, documents
+
+
 def _one_step(rank: int, world_size: int, micro_batch: int, oom_agreement: bool,
-              steps: int = 1) -> tuple[dict[str, torch.Tensor], int]:
+              steps: int = 1, masked: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """SGD steps on this rank's share of the global batch; returns params and hook calls."""
     torch.manual_seed(0)
     model: torch.nn.Module = GPT(CFG)
@@ -57,8 +70,13 @@ def _one_step(rank: int, world_size: int, micro_batch: int, oom_agreement: bool,
     scaler = policy.grad_scaler(torch.device("cpu"))
     per_rank = GLOBAL_BATCH // world_size
     share = _global_batch()[rank * per_rank: (rank + 1) * per_rank]
+    mask, documents = (part[rank * per_rank: (rank + 1) * per_rank] for part in _global_masks())
     for _ in range(steps):
-        micro_batches = list(share.split(micro_batch))
+        micro_batches: list = list(share.split(micro_batch))
+        if masked:
+            micro_batches = [TokenBatch(t, m, d) for t, m, d in zip(
+                micro_batches, mask.split(micro_batch), documents.split(micro_batch),
+                strict=True)]
         agreement = OOMAgreement(torch.device("cpu")) if oom_agreement else None
         train_step(model, optimizer, scaler, micro_batches, 1, policy, grad_clip=1e9,
                    agreement=agreement)
@@ -67,20 +85,22 @@ def _one_step(rank: int, world_size: int, micro_batch: int, oom_agreement: bool,
 
 
 def _worker(rank: int, world_size: int, port: int, micro_batch: int, oom_agreement: bool,
-            steps: int, out: str) -> None:
+            steps: int, out: str, masked: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        params, calls = _one_step(rank, world_size, micro_batch, oom_agreement, steps)
+        params, calls = _one_step(rank, world_size, micro_batch, oom_agreement, steps, masked)
         if rank == 0:
             torch.save({"params": params, "calls": calls}, out)
     finally:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(tmp_path: Path, micro_batch: int, oom_agreement: bool, steps: int = 1):
-    out = tmp_path / f"result-{micro_batch}-{oom_agreement}-{steps}.pt"
-    start_workers(_worker, (2, free_port(), micro_batch, oom_agreement, steps, str(out)), 2)
+def _run_two_ranks(tmp_path: Path, micro_batch: int, oom_agreement: bool, steps: int = 1,
+                   masked: bool = False):
+    out = tmp_path / f"result-{micro_batch}-{oom_agreement}-{steps}-{masked}.pt"
+    start_workers(_worker, (2, free_port(), micro_batch, oom_agreement, steps, str(out),
+                            masked), 2)
     result = torch.load(out, weights_only=True)
     return result["params"], result["calls"]
 
@@ -98,6 +118,24 @@ def test_world_size_and_accumulation_trade_off_exactly(tmp_path: Path,
         torch.testing.assert_close(two_ranks[name], reference, rtol=1e-5, atol=1e-6)
         moved = max(moved, float((reference - initial[name]).abs().max()))
     assert moved > 1e-3  # the step did change the weights: the comparison is not vacuous
+
+
+def test_a_loss_mask_keeps_the_global_mean_when_ranks_train_different_counts(
+        tmp_path: Path) -> None:
+    """Rank 0 trains about three times rank 1's targets: each divides by the global count over
+    the world size, so two ranks step as one rank on the whole batch, and as accumulation."""
+    big_batch, _ = _one_step(0, 1, micro_batch=GLOBAL_BATCH, oom_agreement=False, masked=True)
+    accumulated, _ = _one_step(0, 1, micro_batch=4, oom_agreement=False, masked=True)
+    two_ranks, _ = _run_two_ranks(tmp_path, micro_batch=4, oom_agreement=False, masked=True)
+    unmasked, _ = _one_step(0, 1, micro_batch=GLOBAL_BATCH, oom_agreement=False)
+    mask, _ = _global_masks()
+    assert mask[:GLOBAL_BATCH // 2].sum() > 2 * mask[GLOBAL_BATCH // 2:].sum()
+    differs = 0.0
+    for name, reference in big_batch.items():
+        torch.testing.assert_close(accumulated[name], reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(two_ranks[name], reference, rtol=1e-5, atol=1e-6)
+        differs = max(differs, float((reference - unmasked[name]).abs().max()))
+    assert differs > 1e-4  # the mask changed the update: the comparison is not the plain one
 
 
 def _initial_params() -> dict[str, torch.Tensor]:
