@@ -39,6 +39,7 @@ from trainer.plan.peak import (
 )
 from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader
 from trainer.sharding import FsdpSettings
+from trainer.tokens import DOCUMENT_IDS, dataset_columns
 
 log = logging.getLogger("memtrain")
 
@@ -78,8 +79,18 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     with the step's operators recorded, for ``speed_model``)."""
     profiles = profile_all(model_factory(cfg.model), MemoryTransforms.of(cfg.memory),
                            cfg.model.seq_len, cfg.model.vocab_size, precisions, ac_modes,
-                           target="cuda" if cfg.parallel.use_gpu else "cpu", work=work)
+                           target="cuda" if cfg.parallel.use_gpu else "cpu", work=work,
+                           packed=packed_dataset(cfg))
     return config_static(cfg), profiles
+
+
+def packed_dataset(cfg: Config) -> bool:
+    """Whether ``data.path`` has packed documents (``trainer.tokens``), whose masks the probe
+    then carries; False where this machine cannot read it (the run checks it again)."""
+    try:
+        return DOCUMENT_IDS in dataset_columns(cfg.data.path, cfg.data.column)
+    except (OSError, ValueError):
+        return False
 
 
 def config_static(cfg: Config) -> StaticBytes:

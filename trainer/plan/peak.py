@@ -76,6 +76,7 @@ from trainer.meta_init import storage_key
 from trainer.plan.speed import SpeedModel, strategy_seconds
 from trainer.plan.work import StepWork, record_work
 from trainer.sharding import FsdpSettings
+from trainer.tokens import TokenBatch, as_batch
 
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -285,15 +286,28 @@ def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: st
     return bytes_, sizes
 
 
-def _probe(model: nn.Module, tokens_BT: torch.Tensor, precision: str
+def probe_batch(batch: int, seq_len: int, vocab_size: int, device: torch.device,
+                packed: bool = False) -> TokenBatch:
+    """The probe's micro-batch: random tokens; ``packed``, with a loss mask and two documents
+    a row, as a fine-tuning dataset's rows have them (``trainer.tokens``)."""
+    tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
+    if not packed:
+        return TokenBatch(tokens_BT)
+    documents_BT = torch.zeros_like(tokens_BT, dtype=torch.int32)
+    documents_BT[:, (seq_len + 1) // 2:] = 1
+    return TokenBatch(tokens_BT, torch.ones_like(tokens_BT, dtype=torch.uint8), documents_BT)
+
+
+def _probe(model: nn.Module, batch: torch.Tensor | TokenBatch, precision: str
            ) -> tuple[int, list[int], list[LossShape], int]:
     """(saved bytes, each saved storage's bytes, the loss's shapes, the offloaded bytes): the
     saved bytes count the offloaded ones too (the offload's hooks see those in place of
     ``count_saved_tensors``'s)."""
-    device = tokens_BT.device
+    batch = as_batch(batch)
+    device = batch.tokens.device
     policy = precision_policy(precision, device, warn=False)
     with count_saved_tensors(model) as counts, observe_chunked_losses() as shapes:
-        loss = summed_loss(model, tokens_BT, policy)  # the loop's own forward
+        loss = summed_loss(model, batch, policy)  # the loop's own forward
     del loss
     offload = offload_of(model)
     host = offload.bytes_this_forward if offload is not None else 0
@@ -386,7 +400,7 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...],
 def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                         vocab_size: int, precision: str, device: torch.device | None = None,
                         target: str | None = None, fake: bool | None = None,
-                        work: bool = False) -> ActivationProfile:
+                        work: bool = False, packed: bool = False) -> ActivationProfile:
     """Probe a model built with ``transforms`` at batch 1 and 2 and fit
     ``fixed + per_sample * batch``.
 
@@ -404,6 +418,10 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
 
     ``work``: also count the step's operators for the time model
     (``trainer.plan.work.record_work``; on fake tensors, or real ones where those fail).
+
+    ``packed``: the dataset has a loss mask and packed documents (``trainer.tokens``): the
+    probe's batch has them too, so what they add is measured with the rest (the mask's bytes,
+    memtrain's GPT's B x T x T attention mask and the masked attention's saved tensors).
     """
     device = device or torch.device("cpu")
     target = target or device.type
@@ -412,13 +430,13 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
         try:
             with fake_tensor_mode():
                 profile, block_call = _profile(factory, transforms, seq_len, vocab_size,
-                                               precision, device)
+                                               precision, device, packed)
         except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
             log.info("planner: the model cannot be probed with fake tensors (%s: %s); probing "
                      "with real ones", type(err).__name__, first_line(err)[:200])
     if profile is None:
         profile, block_call = _profile(factory, transforms, seq_len, vocab_size, precision,
-                                       device)
+                                       device, packed)
     if (target == "cpu" and device.type == "cpu" and precision == "bf16"
             and block_call is not None and cpu_bf16_support() != "native"):
         plain = transforms.replace(activation_checkpointing="none", activation_offload="none")
@@ -432,7 +450,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
 
 
 def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
-             vocab_size: int, precision: str, device: torch.device
+             vocab_size: int, precision: str, device: torch.device, packed: bool = False
              ) -> tuple[ActivationProfile, BlockCall | None]:
     """``profile_activations`` without the emulation workspace, on real or fake tensors
     (whichever mode is active), and how the first block was called at batch 1 (None for a
@@ -451,8 +469,8 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
             lambda _module, args, kwargs: block_calls.append(BlockCall.record(args, kwargs)),
             with_kwargs=True)
     for batch in (1, 2):
-        tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
-        measured[batch] = _probe(model, tokens_BT, precision)
+        measured[batch] = _probe(model, probe_batch(batch, seq_len, vocab_size, device, packed),
+                                 precision)
         # A forward through non-reentrant checkpointing that never runs backward leaves
         # reference cycles holding its activations: collect them now, not at some later gc.
         gc.collect()
@@ -465,7 +483,7 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     if chosen:
         plain, _ = _profile(factory, transforms.replace(activation_checkpointing="none",
                                                         activation_offload="none"),
-                            seq_len, vocab_size, precision, device)
+                            seq_len, vocab_size, precision, device, packed)
         recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
         first_block = recompute_block if 0 in chosen else plain.per_sample_bytes // num_blocks
         autocast_cache = max(0, plain.fixed_bytes - fixed)
@@ -689,9 +707,10 @@ def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int
 def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                 vocab_size: int, precisions: Iterable[str], ac_modes: Iterable[str],
                 device: torch.device | None = None, target: str | None = None,
-                work: bool = False) -> list[ActivationProfile]:
+                work: bool = False, packed: bool = False) -> list[ActivationProfile]:
     """One activation profile per (precision, checkpointing) pair (``work``: with the step's
-    operators recorded for the time model)."""
+    operators recorded for the time model; ``packed``: ``profile_activations``')."""
     return [profile_activations(factory, transforms.replace(activation_checkpointing=mode),
-                                seq_len, vocab_size, precision, device, target, work=work)
+                                seq_len, vocab_size, precision, device, target, work=work,
+                                packed=packed)
             for precision in precisions for mode in ac_modes]

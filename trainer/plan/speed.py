@@ -54,10 +54,10 @@ def measure_loader(path: str, column: str, world_size: int, batch_size: int, see
     ``batch_size`` samples, each loader's first batch (which opens the first window) left out,
     then as many as ``budget_seconds`` allow (at least 4 of each). Raises what the loader
     raises for a dataset it cannot read (``datapipe.manifest.DatasetError``, ``OSError``)."""
-    from datapipe.loader import BatchLoader
+    from trainer.tokens import TokenLoader  # with a loss mask and document ids where present
 
     def per_batch(size: int) -> float:
-        with BatchLoader(path, column, rank=0, world_size=world_size, batch_size=size,
+        with TokenLoader(path, column, rank=0, world_size=world_size, batch_size=size,
                          seed=seed, shuffle=shuffle, shuffle_window=shuffle_window) as loader:
             next(loader)
             count, start, limit = 0, time.perf_counter(), len(loader) - 1  # within the epoch
