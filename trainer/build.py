@@ -188,6 +188,20 @@ def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: t
     return model
 
 
+def load_hf_weights(model: nn.Module, weights: SafetensorsRows | None, source: str) -> None:
+    """``train.init_from: hf:DIR`` into a whole model: every tensor the directory's safetensors
+    hold, by the Hugging Face model's own names (a LoRA target's base weight included; the
+    adapters keep their initialisation); ValueError naming the directory where none fits."""
+    try:
+        filled = _fill_from_file(_owners(model), weights)
+    except RuntimeError as err:  # a tensor of another shape
+        raise ValueError(f"train.init_from {source}: its weights do not fit the model "
+                         f"({first_line(err)})") from err
+    if not filled:
+        raise ValueError(f"train.init_from {source}: no parameter of the model is in its "
+                         "safetensors (an hf: model's weights load into an hf: model)")
+
+
 def _fill_owner(owner: _Owner, value: torch.Tensor) -> None:
     fill_local(getattr(owner.module, owner.name),
                lambda rows: value if rows is None else value[rows], owner.meta.shape)

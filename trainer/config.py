@@ -124,8 +124,9 @@ class TrainConfig(_Strict):
     # Ray the files are written in the step and Ray Train uploads them in the background.
     # Start a new run from another run's weights (weights only: the optimizer, schedule and
     # data start afresh): a run directory (its latest whole checkpoint) or one checkpoint
-    # directory, any strategy and world size. A resume ignores it: the run's own checkpoint
-    # decides.
+    # directory, any strategy and world size; or hf:DIR, a Hugging Face directory's
+    # safetensors loaded into a compatible hf: model (a LoRA model's base too; under FSDP each
+    # rank reads its rows). A resume ignores it: the run's own checkpoint decides.
     init_from: str | None = None
     # Resume a run that has no checkpoint of its own from another checkpoint, every part of
     # its state (weights, optimizer, schedule, data position, RNG): a run directory (its latest

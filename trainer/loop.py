@@ -37,6 +37,7 @@ from trainer.build import (
     MemoryTransforms,
     build_model,
     build_sharded,
+    load_hf_weights,
     checkpointed_blocks,
     compile_model,
     model_factory,
@@ -164,13 +165,19 @@ class Trainer:
         schedule, the GradScaler and this rank's loader: everything a checkpoint holds."""
         cfg, ctx = self.cfg, self.ctx
         transforms = MemoryTransforms.of(cfg.memory)
+        # train.init_from hf:DIR: that directory's safetensors in place of model.name's weights
+        # (read on a resume too, then replaced by the checkpoint's).
+        init_hf = cfg.train.init_from if (cfg.train.init_from or "").startswith("hf:") else None
+        weights = weights_of(init_hf or cfg.model.name)
         if self.fsdp is not None:  # no rank holds the whole model; before the optimizer
             model = build_sharded(model_factory(cfg.model, load_weights=False), transforms,
                                   ctx.device, cfg.run.seed, self.fsdp, model_name=cfg.model.name,
-                                  before_shard=self.compile, weights=weights_of(cfg.model.name))
+                                  before_shard=self.compile, weights=weights)
         else:
-            model = build_model(model_factory(cfg.model), transforms, ctx.device,
-                                seed=cfg.run.seed)  # identical weights on every rank
+            model = build_model(model_factory(cfg.model, load_weights=init_hf is None),
+                                transforms, ctx.device, seed=cfg.run.seed)  # same on every rank
+            if init_hf is not None:
+                load_hf_weights(model, weights, init_hf)
             self.compile(model)
         fused = cfg.train.fused_optimizer
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,

@@ -125,7 +125,7 @@ class TrainState:
         with ctx.latest_checkpoint() as own:
             checkpoint_dir = own if own is not None or resume_from is None else Path(resume_from)
             if checkpoint_dir is None:
-                if init_from is not None:
+                if init_from is not None and not init_from.startswith("hf:"):  # (hf: at build)
                     load_weights(Path(init_from), self.unwrapped)
                 return None
             state = load_checkpoint(checkpoint_dir)

@@ -145,3 +145,47 @@ def test_masked_tokens_of_a_written_row_carry_no_gradient(tmp_path: Path) -> Non
     torch.testing.assert_close(loss_changed, loss, rtol=1e-6, atol=1e-6)
     for grad, grad_changed in zip(grads, grads_changed, strict=True):
         torch.testing.assert_close(grad_changed, grad, rtol=1e-5, atol=1e-6)
+
+
+def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path: Path) -> None:
+    """``train.init_from: hf:DIR`` into a model built from a config alone: after a step at a
+    vanishing learning rate the checkpoint holds DIR's safetensors, under DDP (read whole) and
+    FSDP (each rank its rows); a directory without weights, or a model they do not fit, is one
+    line before or as the run starts."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import complete_checkpoints, load_sharded_tensors
+
+    model = pretrained_llama(tmp_path / "llama")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(model / "config.json", bare / "config.json")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_chats(60)))
+    memtrain("data", "write", str(chats), "--format", "chat", "--tokenizer", str(model),
+             "--seq-len", "127", "--out", str(tmp_path / "data"))
+    expected = load_file(model / "model.safetensors")
+    for strategy in ("ddp", "fsdp"):
+        train(tmp_path, model, tmp_path / "data", f"model.name=hf:{bare}",
+              f"train.init_from=hf:{model}", "train.steps=1", "train.lr=1e-12",
+              f"parallel.strategy={strategy}", f"run.name={strategy}")
+        [(_, checkpoint)] = complete_checkpoints(tmp_path / strategy)
+        got = load_sharded_tensors(checkpoint, {f"hf.{name}": torch.empty_like(t)
+                                                for name, t in expected.items()})
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got[f"hf.{name}"], tensor, rtol=0, atol=1e-6,
+                                       msg=f"{strategy}: {name}")
+    base = [sys.executable, "-m", "trainer.cli", "train", "--config",
+            str(REPO / "configs" / "demo-cpu.yaml"), "--launcher", "local", "--workers", "1",
+            *set_args([f"data.path={tmp_path / 'data'}", f"run.dir={tmp_path}",
+                       f"data.val_path={tmp_path / 'data'}",
+                       "model.seq_len=127", "model.vocab_size=400", "train.steps=1"])]
+    for changes, message in (
+            ([f"train.init_from=hf:{bare}", "run.name=x"], "no model.safetensors"),
+            ([f"train.init_from=hf:{model}", "run.name=y"],  # memtrain's GPT: lm_head differs
+             "its weights do not fit the model (The size of tensor a (128)")):
+        out = subprocess.run([*base, *set_args(changes)], capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]

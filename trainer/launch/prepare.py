@@ -23,7 +23,7 @@ from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
 from trainer.checkpoint import checkpoint_step, latest_whole, published_checkpoints
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
-from trainer.hf import config_vocab_size
+from trainer.hf import PREFIX, config_vocab_size, has_weights
 from trainer.launch.resume import check_resume
 from trainer.manifest import local_problem
 from trainer.plan.strategy import resolve_auto
@@ -118,13 +118,27 @@ def _init_from(cfg: Config) -> Any:
     if train.init_from is not None and train.resume_from is not None:
         raise ConfigError("train.init_from and train.resume_from: give one (weights alone, or "
                           "the whole state)")
-    if train.init_from is not None and cfg.model.lora is not None:
-        raise ConfigError("train.init_from with model.lora: not supported yet (a checkpoint's "
-                          "weights are not a LoRA model's base); give the base as model.name "
-                          "hf:DIR instead")
+    hf_weights = train.init_from is not None and train.init_from.startswith(PREFIX)
+    if train.init_from is not None and not hf_weights and cfg.model.lora is not None:
+        raise ConfigError("train.init_from with model.lora: a run's checkpoint is not a LoRA "
+                          "model's base; give the base as train.init_from hf:DIR (or model.name "
+                          "hf:DIR)")
     update = {key: _whole_checkpoint(cfg, key, value) for key in ("init_from", "resume_from")
-              if (value := getattr(train, key)) is not None}
+              if (value := getattr(train, key)) is not None and not (
+                  key == "init_from" and hf_weights)}
+    if hf_weights:
+        update["init_from"] = _hf_weights(str(train.init_from))
     return train.model_copy(update=update)
+
+
+def _hf_weights(value: str) -> str:
+    """``train.init_from: hf:DIR``, checked (a directory with safetensors) and absolute, so every
+    worker reads the same."""
+    directory = Path(value.removeprefix(PREFIX)).expanduser().resolve()
+    if not has_weights(str(directory)):
+        raise ConfigError(f"train.init_from {value!r}: no model.safetensors (or its index) in "
+                          f"{directory}")
+    return f"{PREFIX}{directory}"
 
 
 def _whole_checkpoint(cfg: Config, key: str, value: str) -> str:
