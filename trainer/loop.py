@@ -37,9 +37,9 @@ from trainer.build import (
     MemoryTransforms,
     build_model,
     build_sharded,
-    load_hf_weights,
     checkpointed_blocks,
     compile_model,
+    load_hf_weights,
     model_factory,
 )
 from trainer.compat import allocator_settings, compile_counts
