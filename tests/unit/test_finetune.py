@@ -189,3 +189,31 @@ def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path:
         out = subprocess.run([*base, *set_args(changes)], capture_output=True, text=True,
                              timeout=300)
         assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_init_from_a_hf_directory_is_a_lora_models_base(tmp_path: Path) -> None:
+    """A LoRA model over a config alone, its base from ``init_from: hf:DIR``: every base weight
+    is DIR's (the adapters keep their own initialisation)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from trainer.build import MemoryTransforms, build_model, load_hf_weights, model_factory
+    from trainer.config import LoraConfig, ModelConfig
+    from trainer.hf import weights_of
+    from trainer.memory.lora import base_name
+
+    model_dir = pretrained_llama(tmp_path / "llama")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(model_dir / "config.json", bare / "config.json")
+    config = ModelConfig(name=f"hf:{bare}", vocab_size=400, seq_len=64,
+                         lora=LoraConfig(rank=4, targets=["q_proj", "v_proj"]))
+    model = build_model(model_factory(config, load_weights=False), MemoryTransforms())
+    load_hf_weights(model, weights_of(f"hf:{model_dir}"), f"hf:{model_dir}")
+    expected = load_file(model_dir / "model.safetensors")
+    bases = {base_name(name.removeprefix("hf.")): p for name, p in model.named_parameters()
+             if "lora_" not in name}
+    assert set(bases) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(bases[name].float(), tensor, rtol=0, atol=0, msg=name)
