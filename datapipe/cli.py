@@ -7,8 +7,10 @@ rest of datapipe, nothing here imports the trainer.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -48,44 +50,52 @@ def data_corpus(
                       f"{len(manifest.shards)} shards, {manifest.num_bytes / 2**20:.1f} MiB")
 
 
+# The options of `data write`, named here so that its signature reads as a list.
+FormatOption = Annotated[str, typer.Option(
+    "--format", help="auto | parquet | jsonl | text | numpy (auto: by file suffix; a "
+                     "save_to_disk directory is read as one) | chat | instruction "
+                     "(fine-tuning rows: packed, assistant tokens trained).")]
+ColumnsOption = Annotated[str | None, typer.Option(
+    help="Parquet/JSON: the columns to keep, comma-separated (default: all).")]
+ColumnOption = Annotated[str, typer.Option(
+    help="Text/.npy: the column's name; a tokenized dataset: its token column (ragged rows are "
+         "packed; input_ids is found without it).")]
+TokenizerOption = Annotated[Path | None, typer.Option(
+    help="A tokenizers tokenizer.json, or a model directory holding one: text, JSON lines or "
+         "Parquet text become tokens.")]
+TextFieldOption = Annotated[str, typer.Option(
+    help="With --tokenizer: the JSON field or Parquet column holding the text.")]
+TokenDtypeOption = Annotated[str, typer.Option(
+    help="With --tokenizer: auto (uint16 up to 65,536 tokens, else uint32) | uint16 | uint32.")]
+EotOption = Annotated[str | None, typer.Option(
+    help="With --tokenizer: the token that ends each document (default: the eos_token of the "
+         "model directory's tokenizer_config.json, else <|endoftext|>).")]
+SplitOption = Annotated[str | None, typer.Option(
+    help="A Hugging Face dataset's split (a DatasetDict's, or train-*.parquet files).")]
+PackOption = Annotated[bool, typer.Option(
+    help="With --tokenizer: pack whole documents into rows, with their boundaries, instead of "
+         "one stream cut into rows.")]
+TooLongOption = Annotated[str, typer.Option(
+    help="Packing: a document longer than a row is cut to it, or dropped (cut | drop).")]
+
+
 @data_app.command("write")
 def data_write(
     sources: Annotated[list[Path], typer.Argument(help="Input files or directories.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output dataset directory.")],
-    fmt: Annotated[str, typer.Option(
-        "--format", help="auto | parquet | jsonl | text | numpy (auto: by file suffix; a "
-                         "save_to_disk directory is read as one) | chat | instruction "
-                         "(fine-tuning rows: packed, assistant tokens trained).")] = "auto",
-    columns: Annotated[str | None, typer.Option(
-        help="Parquet/JSON: the columns to keep, comma-separated (default: all).")] = None,
-    column: Annotated[str, typer.Option(
-        help="Text/.npy: the column's name; a tokenized dataset: its token column (ragged "
-             "rows are packed; input_ids is found without it).")] = "tokens",
+    fmt: FormatOption = "auto",
+    columns: ColumnsOption = None,
+    column: ColumnOption = "tokens",
     seq_len: Annotated[int, typer.Option(help="Text: tokens per row, plus one target.")] = 256,
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 64MiB.")] = "64MiB",
-    overwrite: Annotated[bool, typer.Option(help="Replace a dataset already at --out.")
-                         ] = False,
-    tokenizer: Annotated[Path | None, typer.Option(
-        help="A tokenizers tokenizer.json, or a model directory holding one: text, JSON lines "
-             "or Parquet text become tokens.")
-                         ] = None,
-    text_field: Annotated[str, typer.Option(
-        help="With --tokenizer: the JSON field or Parquet column holding the text.")] = "text",
-    token_dtype: Annotated[str, typer.Option(
-        help="With --tokenizer: auto (uint16 up to 65,536 tokens, else uint32) | uint16 | "
-             "uint32.")] = "auto",
-    eot_token: Annotated[str | None, typer.Option(
-        help="With --tokenizer: the token that ends each document (default: the eos_token "
-             "of the model directory's tokenizer_config.json, else <|endoftext|>).")] = None,
-    split: Annotated[str | None, typer.Option(
-        help="A Hugging Face dataset's split (a DatasetDict's, or train-*.parquet files).")
-                     ] = None,
-    pack: Annotated[bool, typer.Option(
-        help="With --tokenizer: pack whole documents into rows, with their boundaries, "
-             "instead of one stream cut into rows.")] = False,
-    too_long: Annotated[str, typer.Option(
-        help="Packing: a document longer than a row is cut to it, or dropped (cut | drop).")
-                        ] = "cut",
+    overwrite: Annotated[bool, typer.Option(help="Replace a dataset already at --out.")] = False,
+    tokenizer: TokenizerOption = None,
+    text_field: TextFieldOption = "text",
+    token_dtype: TokenDtypeOption = "auto",
+    eot_token: EotOption = None,
+    split: SplitOption = None,
+    pack: PackOption = False,
+    too_long: TooLongOption = "cut",
     messages_field: Annotated[str, typer.Option(help="--format chat: the messages field.")
                               ] = "messages",
     prompt_field: Annotated[str, typer.Option(help="--format instruction: the prompt field.")
@@ -93,10 +103,9 @@ def data_write(
     response_field: Annotated[str, typer.Option(
         help="--format instruction: the response field.")] = "response",
 ) -> None:
-    """Convert Parquet, JSON lines, text files or numpy arrays into a memtrain dataset."""
-    from rich.progress import DownloadColumn, TransferSpeedColumn
-
-    from datapipe.convert import PackOptions, expand_sources, write_dataset
+    """Convert Parquet, JSON lines, text files, numpy arrays, Hugging Face datasets, or chat and
+    instruction rows into a memtrain dataset."""
+    from datapipe.convert import PackOptions, write_dataset
     from monitoring.units import parse_bytes
 
     formats = ("auto", "parquet", "jsonl", "text", "numpy", "chat", "instruction")
@@ -108,30 +117,40 @@ def data_write(
     packing = PackOptions(pack=pack, too_long=too_long, split=split,  # type: ignore[arg-type]
                           messages_field=messages_field, prompt_field=prompt_field,
                           response_field=response_field)
-    if tokenizer is not None and fmt not in ("chat", "instruction"):
-        # progress in input bytes, with their rate
-        total = sum(f.stat().st_size for f in expand_sources(list(sources)))
-        columns_shown = [TextColumn("tokenizing"), BarColumn(), DownloadColumn(),
-                         TransferSpeedColumn(), TimeElapsedColumn()]
-    else:
-        total = None
-        columns_shown = [TextColumn("writing"), BarColumn(),
-                         TextColumn("{task.completed:,} rows"), TimeElapsedColumn()]
-    with Progress(*columns_shown, console=console) as progress:
-        task = progress.add_task("input", total=total)
+    in_bytes = tokenizer is not None and fmt not in ("chat", "instruction")
+    with _write_progress(sources, in_bytes) as (progress, task):
         manifest = write_dataset(
-            list(sources), out, fmt,  # type: ignore[arg-type]
-            columns=columns.split(",") if columns else None, column=column, seq_len=seq_len,
-            shard_bytes=shard_bytes, overwrite=overwrite, tokenizer=tokenizer,
-            text_field=text_field, token_dtype=token_dtype, eot_token=eot_token,
-            progress=None if total else lambda n: progress.advance(task, n),
-            input_progress=(lambda n: progress.advance(task, n)) if total else None,
+            list(sources), out, fmt, columns=columns.split(",") if columns else None,
+            column=column, seq_len=seq_len, shard_bytes=shard_bytes, overwrite=overwrite,
+            tokenizer=tokenizer, text_field=text_field, token_dtype=token_dtype,
+            eot_token=eot_token,
+            progress=None if in_bytes else lambda n: progress.advance(task, n),
+            input_progress=(lambda n: progress.advance(task, n)) if in_bytes else None,
             packing=packing)
     described = ", ".join(f"{c.name} {c.dtype}{list(c.shape)}" for c in manifest.columns)
     console.print(f"{out}: {manifest.num_rows} rows ({described}) in {len(manifest.shards)} "
                   f"shards, {manifest.num_bytes / 2**20:.1f} MiB")
     if manifest.metadata.get("packed"):
         console.print(packing.stats.report())
+
+
+@contextlib.contextmanager
+def _write_progress(sources: list[Path], in_bytes: bool) -> Iterator[tuple[Progress, Any]]:
+    """``data write``'s bar: input bytes with their rate (tokenizing text), else rows."""
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
+    from datapipe.convert import expand_sources
+
+    if in_bytes:
+        total = sum(f.stat().st_size for f in expand_sources(list(sources)))
+        shown = [TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                 TimeElapsedColumn()]
+    else:
+        total = None
+        shown = [TextColumn("writing"), BarColumn(), TextColumn("{task.completed:,} rows"),
+                 TimeElapsedColumn()]
+    with Progress(*shown, console=console) as progress:
+        yield progress, progress.add_task("input", total=total)
 
 
 @tokenizer_app.command("train")

@@ -229,11 +229,7 @@ def write_dataset(sources: list[Path], out: Path, fmt: str = "auto", *,
         raise DatasetError(f"--shard-size must be > 0, got {shard_bytes}")
     packed = _packed_blocks(files, kind, fmt, tokenized, tokenizer, seq_len, column,
                             token_dtype, text_field, packing, input_progress)
-    existing = out / MANIFEST_NAME
-    if existing.exists():
-        if not overwrite:
-            raise DatasetError(f"{out} already holds a dataset: pass --overwrite to replace it")
-        existing.unlink()
+    _clear(out, overwrite)
     metadata = {"source_format": kind if fmt not in ("chat", "instruction") else fmt}
     if packed is not None:
         blocks, more = packed
@@ -264,6 +260,16 @@ def write_dataset(sources: list[Path], out: Path, fmt: str = "auto", *,
     if tokenized is not None:  # the tokenizer travels with its dataset, before the manifest
         atomic_write_bytes(out / TOKENIZER_FILE, tokenized[1].raw)
     return writer.close()
+
+
+def _clear(out: Path, overwrite: bool) -> None:
+    """Refuse a dataset already at ``out`` unless ``overwrite``; then remove its manifest
+    first, so that no reader ever pairs the old manifest with new shards."""
+    existing = out / MANIFEST_NAME
+    if existing.exists():
+        if not overwrite:
+            raise DatasetError(f"{out} already holds a dataset: pass --overwrite to replace it")
+        existing.unlink()
 
 
 def _inputs(sources: list[Path], fmt: str, split: str | None) -> tuple[list[Path], str]:

@@ -105,25 +105,31 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
         log.info("exported %s from its state.pt, the whole model in memory (a DDP checkpoint is "
                  "one file)", directory.name)
         model.hf.save_pretrained(out)
+    return Exported(out, int(state["step"]), _write_tokenizer(cfg.data.path, out))
+
+
+def _write_tokenizer(dataset: str, out: Path) -> bool:
+    """The tokenizer the dataset was written with, beside the model in ``out``, with the
+    ``tokenizer_config.json`` that ``AutoTokenizer`` needs (its end-of-text token, and a chat
+    dataset's template, so the model is prompted as it was trained); False where the dataset
+    kept none (said in the log when it cannot be read)."""
     try:
-        tokenizer = dataset_tokenizer(cfg.data.path)
+        tokenizer = dataset_tokenizer(dataset)
     except DatasetError as err:  # the weights are written; say why the tokenizer is not
         log.warning("no tokenizer written: %s", err)
-        tokenizer = None
-    if tokenizer is not None:
-        from tokenizers import Tokenizer
+        return False
+    if tokenizer is None:
+        return False
+    from tokenizers import Tokenizer
 
-        raw, eot_id = tokenizer
-        (out / TOKENIZER_FILE).write_bytes(raw)
-        # The special token ``AutoTokenizer`` cannot know from tokenizer.json alone.
-        eos = Tokenizer.from_str(raw.decode("utf-8")).id_to_token(eot_id)
-        config = {"eos_token": eos}
-        # A chat dataset's template (datapipe.chat): the exported model is prompted as trained.
-        template = read_manifest(cfg.data.path).metadata.get("chat_template")
-        if template:
-            config["chat_template"] = template
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return Exported(out, int(state["step"]), tokenizer is not None)
+    raw, eot_id = tokenizer
+    (out / TOKENIZER_FILE).write_bytes(raw)
+    config = {"eos_token": Tokenizer.from_str(raw.decode("utf-8")).id_to_token(eot_id)}
+    template = read_manifest(dataset).metadata.get("chat_template")
+    if template:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return True
 
 
 def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
