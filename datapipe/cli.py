@@ -171,11 +171,18 @@ def tokenizer_train(
     from datapipe.convert import detect_format, expand_sources
     from datapipe.tokenize import train_tokenizer
 
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
     files = expand_sources(list(sources))
     kind = detect_format(files) if fmt == "auto" else fmt
-    with console.status(f"training a {vocab_size:,}-token BPE tokenizer on {len(files)} files"):
+    # Reading and counting the input is a bar in its bytes; the merges are learned after it.
+    with Progress(TextColumn(f"reading for a {vocab_size:,}-token BPE tokenizer"), BarColumn(),
+                  DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("input", total=sum(f.stat().st_size for f in files))
         info = train_tokenizer(files, kind, out, vocab_size, text_field=text_field,
-                               min_frequency=min_frequency, overwrite=overwrite)
+                               min_frequency=min_frequency, overwrite=overwrite,
+                               progress=lambda n: progress.advance(task, n))
     console.print(f"{out}: vocabulary {info.vocab_size:,}, end-of-text id {info.eot_id}, "
                   f"sha256 {info.sha256[:16]}")
 

@@ -346,7 +346,8 @@ def text_documents(docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, info:
 # ---- training a tokenizer -------------------------------------------------------------------
 def train_tokenizer(files: list[Path], kind: str, out: Path, vocab_size: int, *,
                     text_field: str = "text", min_frequency: int = 2,
-                    overwrite: bool = False) -> TokenizerInfo:
+                    overwrite: bool = False, progress: ByteProgress | None = None
+                    ) -> TokenizerInfo:
     """A byte-level BPE tokenizer trained on ``files``' documents, saved at ``out``; its
     vocabulary is the 256 byte symbols, the end-of-text token and the merges learned."""
     _require_tokenizers()
@@ -364,8 +365,8 @@ def train_tokenizer(files: list[Path], kind: str, out: Path, vocab_size: int, *,
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=[EOT_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator((text for text, _ in documents(files, kind, text_field)),
-                                  trainer=trainer)
+    tokenizer.train_from_iterator(
+        (text for text, _ in documents(files, kind, text_field, progress)), trainer=trainer)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tokenizer.save(str(tmp))
