@@ -304,6 +304,26 @@ def cpu_op_workspace_bytes(prof: torch.profiler.profile, op_names: frozenset[str
     return workspace
 
 
+def ray_cancel_train_request(requester_id: str, timeout: float = 10.0) -> None:
+    """Cancel a Ray Train run's resource request (``train-<run id>``) in the cluster's
+    AutoscalingCoordinator: Ray 2.60's detached actor, from a private package of Ray Data,
+    which Train V2's scaling policies register their workers with
+    (``ray.train.v2._internal.execution.scaling_policy``). A no-op where the request is gone."""
+    import ray
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    ray.get(coordinator.cancel_request.remote(requester_id=requester_id), timeout=timeout)
+
+
+def ray_train_request_id(trainer: Any) -> str:
+    """The id a ``TorchTrainer``'s controller registers its resource request under
+    (``ray_cancel_train_request``): ``train-`` and the run id of its private run context."""
+    return f"train-{trainer.train_run_context.run_id}"
+
+
 def ray_worker_output_filter(keep: Any) -> None:
     """Pass the workers' output Ray forwards to this driver through ``keep(batch) -> batch``
     (a batch: a dict with the worker's ``pid`` and its ``lines``): Ray 2.60 prints it from one

@@ -20,7 +20,11 @@ its own (so its disk can fill). The faults, each drawn at a step of the run:
 - ``store_slow``: the store answers every chunk 0.2 s late for a few seconds;
 - ``driver_kill``: the driver SIGKILLed (Ray ends the job's workers), then the same command run
   again, with the same run name;
-- ``disk_full``: the working copy's disk filled for a few seconds.
+- ``disk_full``: the working copy's disk filled for a few seconds;
+- ``upload_race``: the store holds back one rank's DCP shard of the next checkpoint while the
+  rest of it, ``meta.json`` included, lands; the driver is killed at that moment (the
+  checkpoint stays partial on the store), then run again. memtrain's store listing must skip
+  it, and no attempt may resume from it.
 
 Checked after the run, each a line of the result: the final weights bit-exact against an
 uninterrupted run of the same config (the local launcher, 2 processes: the world size never
@@ -31,11 +35,13 @@ output for every restart. Figures: the faults by kind, restarts, recovery time p
 steps redone, rows lost or duplicated, wall time; written to ``OUT/chaos-SEED.json``.
 
 Then an elastic run on the same cluster (``Campaign.elastic``, left out with ``--no-elastic``):
-workers [1, 2], two OOMs recovered in-process, the worker node removed with nothing to replace
-it (the group goes on with one worker) and later a node added (Ray Train may grow it back to
-two: reported, not required). Those change the arithmetic, so that run is checked for every
-row once across its world sizes, the OOMs recovered, the shrink a restart named by its cause,
-and its end; not for exact weights.
+workers [1, 2], asynchronous checkpoints (``train.checkpoint_async``), started once both nodes
+are up; two OOMs recovered in-process, the worker node removed with nothing to replace it (the
+group goes on with one worker), later a node added (the group grows back to two), and a worker
+killed while an asynchronous save uploads (through the store, slowed). Those change the
+arithmetic, so that run is checked for every row once across its world sizes, its start at two
+workers, the OOMs recovered, the shrink, the growth and the kill each a restart, and its end;
+not for exact weights.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 HEAD, SPARES = "127.0.0.1", ("127.0.0.2", "127.0.0.3")
 KINDS = ("worker_kill", "node_replace", "checkpoint_fail", "store_upload", "store_restore",
-         "store_slow", "driver_kill", "disk_full")
+         "store_slow", "driver_kill", "disk_full", "upload_race")
 RESTARTING = set(KINDS) - {"store_slow"}
 CHECKPOINT_EVERY = 3
 RUN = "chaos"
@@ -84,8 +90,8 @@ def schedule(seed: int, faults: int, kinds: tuple[str, ...] = KINDS) -> list[tup
         step += rng.randint(2, 4)
         if kind == "checkpoint_fail":  # at a checkpoint step
             step += -step % CHECKPOINT_EVERY
-        elif kind == "store_upload":  # the step before one: the store fails before it uploads
-            step += -(step + 1) % CHECKPOINT_EVERY
+        elif kind in ("store_upload", "upload_race"):  # the step before one: the store
+            step += -(step + 1) % CHECKPOINT_EVERY  # fails or holds back before it uploads
         planned.append((kind, step))
     return planned
 
@@ -103,6 +109,7 @@ class Campaign:
         self.driver: subprocess.Popen | None = None
         self.driver_log = work / "driver.log"
         self.events: list[dict[str, Any]] = []
+        self.races: list[dict[str, Any]] = []  # what each upload_race found
         # step -> whether its state.pt loaded (False: not yet; Ray Train uploads a checkpoint's
         # files in no fixed order, so meta.json may come before state.pt is whole)
         self.published: dict[int, bool] = {}
@@ -227,16 +234,23 @@ class Campaign:
         return [json.loads(line) for line in lines if line.strip()]
 
     def watch_store(self) -> None:
-        """Read every checkpoint the store shows complete (``meta.json``), once."""
+        """Read every checkpoint the store shows complete (``meta.json``, and every file it
+        lists there at its size), once."""
         import io
 
         import torch
         from pyarrow import fs
 
+        from trainer.checkpoint import stored_checkpoints
+        from trainer.runstore import RemoteRun
+
         prefix = f"{BUCKET}/runs/{RUN}"
         try:
             entries = self.store.get_file_info(fs.FileSelector(prefix))
-        except OSError:
+            remote = RemoteRun(f"s3://{prefix}")
+            remote.fs = self.store  # past the proxy
+            whole = {step for step, _ in stored_checkpoints(remote)}
+        except (OSError, ValueError):
             return
         for entry in entries:
             name = entry.path.rsplit("/", 1)[-1]
@@ -250,7 +264,7 @@ class Campaign:
                 with self.store.open_input_file(f"{entry.path}/state.pt") as f:
                     data = io.BytesIO(f.read())
                 torch.load(data, weights_only=True)
-                self.published[step] = True
+                self.published[step] = step in whole
             except Exception:  # noqa: BLE001 - still uploading, or partial: read again later
                 self.published[step] = False
 
@@ -344,13 +358,10 @@ class Campaign:
             time.sleep(4.0)
             self.proxy.set("pass")
         elif kind == "driver_kill":
-            assert self.driver is not None
-            self._killing = True
-            os.killpg(self.driver.pid, signal.SIGKILL)
-            self.driver.wait()
-            self.wait(lambda: not self.workers(), 60)  # Ray ends the job's workers
-            self._killing = False
+            self.kill_driver()
             self.start_driver()
+        elif kind == "upload_race":
+            self.races.append(self.upload_race())
         elif kind == "disk_full":  # full while a restarted worker restores into the copy
             since = time.time()
             ballast = self.copy / "ballast"
@@ -361,6 +372,41 @@ class Campaign:
             self.wait(lambda: self.errors_since(since), 30.0)
             ballast.unlink(missing_ok=True)
         # checkpoint_fail: MEMTRAIN_FAULTS fires it at its step, on every rank
+
+    def kill_driver(self) -> None:
+        """SIGKILL the driver's process group; Ray then ends the job's workers."""
+        assert self.driver is not None
+        self._killing = True
+        os.killpg(self.driver.pid, signal.SIGKILL)
+        self.driver.wait()
+        self.wait(lambda: not self.workers(), 60)
+        self._killing = False
+
+    def upload_race(self) -> dict[str, Any]:
+        """Hold back rank 1's shard of the next checkpoint while the rest of it lands, kill the
+        driver then, and ask memtrain's store listing what it makes of the partial checkpoint;
+        then run the driver again."""
+        from trainer.checkpoint import stored_checkpoints
+        from trainer.runstore import RemoteRun
+
+        step = self.progress()[1] + 1
+        step += -step % CHECKPOINT_EVERY
+        name = f"checkpoint-{step:08d}"
+        self.proxy.set("hold", pattern=rb"PUT /[^ ]*/" + name.encode() + rb"/__1_0\.distcp")
+        landed = self.wait(lambda: self.proxy.held > 0 and self.store.get_file_info(
+            f"{BUCKET}/runs/{RUN}/{name}/meta.json").type.name == "File", 60.0)
+        held = self.proxy.held
+        self.kill_driver()  # the workers die with it: the held upload never completes
+        self.proxy.set("pass")
+        remote = RemoteRun(f"s3://{BUCKET}/runs/{RUN}")
+        remote.fs = self.store  # past the proxy
+        listed = [s for s, _ in stored_checkpoints(remote)]
+        self.start_driver()
+        race = {"step": step, "shard_held": held > 0, "meta_landed": landed,
+                "listed_whole": step in listed, "latest_listed": max(listed, default=None)}
+        print(f"  upload_race: {name} shard held {held > 0}, meta.json landed {landed}, "
+              f"listed whole {step in listed}", flush=True)
+        return race
 
     def run(self) -> dict[str, Any]:
         print(f"chaos campaign: seed {self.seed}, {len(self.plan)} faults over {self.steps} "
@@ -393,7 +439,7 @@ class Campaign:
         self.watch_store()
         return {"seed": self.seed, "plan": self.plan, "steps": self.steps,
                 "finished": finished, "events": self.events, "seconds": time.time() - started,
-                "disk_full_possible": self.mounted}
+                "disk_full_possible": self.mounted, "races": self.races}
 
 
     def elastic(self) -> dict[str, Any]:
@@ -409,28 +455,46 @@ class Campaign:
         # sees it (it ticks every 20 s), the group's next check (5 s), a restart: the run goes
         # on long enough after the node is added.
         steps, shrink, grow = 60, self.rng.randint(4, 8), self.rng.randint(13, 17)
+        save_kill = self.rng.choice([s for s in range(grow + 9, steps - 9)
+                                     if s % CHECKPOINT_EVERY == 0])
         ooms = sorted(self.rng.sample([s for s in range(2, steps - 2)
-                                       if s not in (shrink, grow)], 2))
+                                       if s not in (shrink, grow, save_kill)], 2))
         faults = ",".join(f"oom@{s}:0" for s in ooms)
-        print(f"elastic run: shrink@{shrink}, grow@{grow}, {faults}", flush=True)
+        print(f"elastic run: shrink@{shrink}, grow@{grow}, save_kill@{save_kill}, {faults}",
+              flush=True)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"  # the driver's controller
         extra = (f"run.name={ELASTIC_RUN}", "parallel.workers=[1, 2]",
-                 "parallel.resize_check_seconds=5", f"train.steps={steps}")
+                 "parallel.resize_check_seconds=5", f"train.steps={steps}",
+                 "train.checkpoint_async=true")
+        nodes_up = self.wait(lambda: self.cpu_nodes() >= 2, RECOVERY_LIMIT)
         started = time.time()
         self.start_driver(*extra, faults=faults)
+        self.wait(lambda: bool(self.attempts()), RECOVERY_LIMIT)
+        start_size = next((a.get("world_size") for a in self.attempts() if "start" in a), None)
+        print(f"  started with {start_size} workers ({self.cpu_nodes()} nodes up: "
+              f"{nodes_up})", flush=True)
         events = []
-        for kind, step in (("node_shrink", shrink), ("node_grow", grow)):
-            reached = self.wait(lambda step=step: self.progress()[1] >= step, RECOVERY_LIMIT)
+        for kind, step in (("node_shrink", shrink), ("node_grow", grow),
+                           ("save_kill", save_kill)):
+            # (the save kill waits from the step before its checkpoint, to slow the upload)
+            ahead = step - 1 if kind == "save_kill" else step
+            reached = self.wait(lambda ahead=ahead: self.progress()[1] >= ahead, RECOVERY_LIMIT)
             before = self.started()
             at = time.time()
             if kind == "node_shrink":
                 gone = self.worker_node.node_ip_address
                 self.cluster.remove_node(self.worker_node, allow_graceful=False)
                 self.spare.append(gone)
-            else:
+            elif kind == "node_grow":
                 self.worker_node = self.cluster.add_node(**self._node_args(self.spare.pop(0)))
+            else:  # the checkpoint's upload slowed, a worker killed as soon as it is in flight
+                self.proxy.set("slow", delay=0.3)
+                self.wait(lambda step=step: self.progress()[1] >= step, RECOVERY_LIMIT)
+                time.sleep(1.0)  # its files written, their upload under way (at 0.3 s a chunk)
+                self.kill_a_worker()
+                self.proxy.set("pass")
             restarted = self.wait(lambda n=before: self.started() > n,
-                                  RECOVERY_LIMIT if kind == "node_shrink" else GROW_LIMIT)
+                                  GROW_LIMIT if kind == "node_grow" else RECOVERY_LIMIT)
             recovered = self.wait(self.recovered, RECOVERY_LIMIT)
             events.append({"kind": kind, "step": step, "reached": reached,
                            "restarted": restarted, "recovered": recovered,
@@ -441,7 +505,13 @@ class Campaign:
         finished = self.wait(lambda: self.driver is not None and self.driver.poll() == 0,
                              RECOVERY_LIMIT + steps * 5.0)
         return {"steps": steps, "ooms": ooms, "events": events, "finished": finished,
-                "seconds": time.time() - started}
+                "seconds": time.time() - started, "start_world_size": start_size,
+                "nodes_up_at_start": nodes_up}
+
+    def cpu_nodes(self) -> int:
+        """Alive nodes with a CPU, as Ray's GCS lists them."""
+        return sum(1 for node in self.ray.nodes()
+                   if node["Alive"] and node["Resources"].get("CPU", 0) > 0)
 
 
 # -- the checks ----------------------------------------------------------------------------------
@@ -476,14 +546,16 @@ def check_elastic(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]
     results["restarts"] = dict(Counter(a["cause"] for a in attempts if a.get("cause")))
     log = campaign.driver_log.read_text(errors="replace")
     results["oom_lines"] = log.count("OOM at step")
-    # Growing back is Ray's to decide: reported, not required (docs/reliability.md).
     results["grew"] = results["restarts"].get("resize", 0) >= 1
+    grow = next(e for e in outcome["events"] if e["kind"] == "node_grow")
+    results["grow_seconds"] = grow["seconds"] if grow["restarted"] else None
     results["passed"] = bool(
         outcome["finished"] and results["rows"]["lost"] == 0
         and results["rows"]["duplicated"] == 0 and len(recorded) == outcome["steps"]
+        and outcome["start_world_size"] == 2 and results["grew"]
         and results["restarts"].get("node_lost", 0) >= 1
         and results["oom_lines"] >= len(outcome["ooms"])
-        and all(e["recovered"] for e in outcome["events"]))
+        and all(e["restarted"] and e["recovered"] for e in outcome["events"]))
     return results
 
 
@@ -564,6 +636,9 @@ def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
         "recovery_max_seconds": max(seconds) if seconds else None,
         "steps_redone": sum(a["steps_redone"] for a in recovered),
         "tracebacks_in_driver_output": log.count("Traceback (most recent call last)")}
+    # The upload race: the partial checkpoint was on the store and memtrain's listing skipped it.
+    results["races_skipped"] = all(r["shard_held"] and not r["listed_whole"]
+                                   for r in outcome["races"])
     events = [e for e in outcome["events"] if e["kind"] in KINDS]
     results["faults"] = {"injected": len(events), "kinds": dict(Counter(e["kind"] for e in events)),
                          "survived": sum(e["recovered"] for e in events)}
@@ -573,6 +648,7 @@ def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
         and not results["checkpoints"]["resumed_from_unpublished"]
         and results["restarts"]["summary_agrees"]
         and results["restarts"]["lines"] >= results["restarts"]["total"]
+        and results["races_skipped"]
         and results["faults"]["survived"] == results["faults"]["injected"])
     return results
 

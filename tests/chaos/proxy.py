@@ -2,13 +2,17 @@
 
 ``pass``: bytes flow both ways. ``fail``: every open connection is reset and every new one is
 reset on arrival (the AWS SDK in pyarrow retries a few times, then the request fails: an upload
-or a download breaks mid-way). ``slow``: every chunk is held ``delay`` seconds each way. It works
-below HTTP, as a flaky network or an overloaded store does, so it needs nothing of the server.
+or a download breaks mid-way). ``slow``: every chunk is held ``delay`` seconds each way.
+``hold``: a request whose first bytes match ``pattern`` (an upload's request line, ``PUT
+/bucket/.../__1_0.distcp``) is held where it is, every other one flows; when the mode changes
+the held connections are reset, so that upload never completes. It works below HTTP, as a
+flaky network or an overloaded store does, so it needs nothing of the server.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import struct
 import threading
@@ -19,17 +23,22 @@ class FaultProxy:
     def __init__(self, upstream_port: int):
         self.upstream_port = upstream_port
         self.mode, self.delay = "pass", 0.0
+        self.pattern: re.Pattern[bytes] | None = None
+        self.held = 0  # requests held in this hold
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def set(self, mode: str, delay: float = 0.0) -> None:
-        """``pass``, ``fail`` (resets every connection now and until set otherwise) or ``slow``
-        (``delay`` seconds per chunk)."""
+    def set(self, mode: str, delay: float = 0.0, pattern: bytes | None = None) -> None:
+        """``pass``, ``fail`` (resets every connection now and until set otherwise), ``slow``
+        (``delay`` seconds per chunk) or ``hold`` (the requests ``pattern`` matches)."""
         with self._lock:
             self.mode, self.delay = mode, delay
+            self.pattern = re.compile(pattern) if pattern is not None else None
+            if mode == "hold":
+                self.held = 0
             if mode == "fail":
                 for sock in list(self._open):
                     _reset(sock)
@@ -56,14 +65,23 @@ class FaultProxy:
                 continue
             with self._lock:
                 self._open.update((client, upstream))
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+            for source, sink, outbound in ((client, upstream, True),
+                                           (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(source, sink, outbound),
+                                 daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, outbound: bool) -> None:
         try:
             while True:
                 data = source.recv(65536)
                 if not data:
+                    break
+                if outbound and self.mode == "hold" and self.pattern is not None and \
+                        self.pattern.search(data[:1024]):
+                    with self._lock:
+                        self.held += 1
+                    while self.mode == "hold":  # held here; then the connection is reset
+                        time.sleep(0.05)
                     break
                 delay = self.delay if self.mode == "slow" else 0.0
                 if delay:

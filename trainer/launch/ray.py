@@ -50,8 +50,10 @@ from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
 from trainer.checkpoint import checkpoint_dir_name, verified  # noqa: E402
 from trainer.compat import (  # noqa: E402
+    ray_cancel_train_request,
     ray_loopback_init_kwargs,
     ray_metrics_export_seconds,
+    ray_train_request_id,
     ray_worker_output_filter,
 )
 from trainer.config import Config, ConfigError  # noqa: E402
@@ -303,10 +305,13 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     clear_worker_errors(run_dir)
     if remote is not None:
         remote.clear_errors()
+    release_orphaned_request(run_dir)
     restarts = 0
     while True:
         try:
-            trainer().fit()
+            run = trainer()
+            record_request(run_dir, run)
+            run.fit()
             break
         except ray.train.TrainingFailedError as err:
             limit = cfg.parallel.max_failures
@@ -321,6 +326,41 @@ def launch_ray(cfg: Config, run_dir: Path, address: str | None = None,
     if remote is not None:  # rank 0 may have run on another node
         return json.loads(remote.read_text(SUMMARY))
     return json.loads((run_dir / SUMMARY).read_text())
+
+
+# In the run directory: the resource request of the Ray Train run this run's driver started.
+REQUEST_FILE = "ray-train-request"
+
+
+def record_request(run_dir: Path, trainer: TorchTrainer) -> None:
+    """Note the Ray Train run's resource request (``train-<run id>``, the id its controller
+    registers with), for ``release_orphaned_request`` of the next driver of this run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / REQUEST_FILE).write_text(ray_train_request_id(trainer) + "\n")
+
+
+def release_orphaned_request(run_dir: Path) -> None:
+    """Cancel the resource request of this run's previous driver, if it still stands.
+
+    Every Ray Train run registers its workers' resources with the cluster's
+    AutoscalingCoordinator (one detached actor, shared by every run on the cluster; Ray 2.60),
+    at high priority, and cancels them when its controller shuts down. A driver killed without
+    that shutdown (SIGKILL, a lost machine) leaves its request standing for 180 s. Meanwhile the
+    coordinator keeps the nodes' CPUs reserved for the dead run: an elastic run started then is
+    given what is left and starts with fewer workers than the cluster holds (or waits for its
+    minimum), and a node that joins is reserved for the dead run too, so the group does not grow
+    until the request expires. The driver that runs the same run again cancels it first (a no-op
+    where the request is gone). A failure to reach the coordinator is a warning: the request
+    then expires as Ray intends."""
+    path = run_dir / REQUEST_FILE
+    if not path.is_file():
+        return
+    requester = path.read_text().strip()
+    try:
+        ray_cancel_train_request(requester)
+    except Exception as err:  # noqa: BLE001 - Ray's internals: any failure is only a delay
+        log.warning("could not release the previous driver's resource request %s (%s); Ray "
+                    "lets it expire within 180 s", requester, first_line(err))
 
 
 def _torch_trainer(cfg: Config, run_dir: Path, remote: RemoteRun | None, launch_id: str,
