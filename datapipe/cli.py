@@ -168,10 +168,10 @@ def tokenizer_train(
     overwrite: Annotated[bool, typer.Option(help="Replace a file already at --out.")] = False,
 ) -> None:
     """Train a byte-level BPE tokenizer on your text, offline (Hugging Face tokenizers)."""
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
     from datapipe.convert import detect_format, expand_sources
     from datapipe.tokenize import train_tokenizer
-
-    from rich.progress import DownloadColumn, TransferSpeedColumn
 
     files = expand_sources(list(sources))
     kind = detect_format(files) if fmt == "auto" else fmt
