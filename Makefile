@@ -27,7 +27,7 @@ TOKENIZER ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
-	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints bench-uploads chaos tracker-screenshots up down status submit cluster-data grafana local local-down
+	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints bench-uploads bench-elastic chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -113,6 +113,9 @@ bench-memory: setup ## CPU: activation bytes and step time per precision x check
 SEED ?= 0
 chaos: setup ## A seeded chaos campaign on a 2-node loopback Ray cluster (SEED=n replays one)
 	$(BIN)/python -m tests.chaos.campaign --seed $(SEED) --out bench/results
+
+bench-elastic: setup ## Ray: an elastic group's start size and growth after a killed driver, 10 tries
+	$(BIN)/python -m bench.elastic_start --out bench/results
 
 bench-plan: setup ## CPU: the planner's predicted tokens/s against measured steps, 3 model shapes
 	$(BIN)/python -m bench.plan --out bench/results
