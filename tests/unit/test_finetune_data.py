@@ -192,3 +192,22 @@ def test_bad_fine_tuning_inputs_are_one_line_and_write_nothing(model_dir: Path,
         with pytest.raises(DatasetError, match=message):
             write_dataset(sources, out, fmt, seq_len=63, **kwargs)
         assert not (out / "manifest.json").exists()
+
+
+def test_a_loss_mask_of_another_shape_than_the_tokens_is_refused(corpus_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    from datapipe.manifest import ColumnSpec
+    from datapipe.writer import write_rows
+    from tests.conftest import SEQ_LEN, tiny_config
+    from trainer.config import ConfigError
+    from trainer.launch.prepare import prepare_run
+
+    rows = 64
+    write_rows(tmp_path / "data", [ColumnSpec("tokens", "uint16", (SEQ_LEN + 1,)),
+                                   ColumnSpec("loss_mask", "uint8", (SEQ_LEN,))],
+               [{"tokens": np.ones((rows, SEQ_LEN + 1), dtype=np.uint16),
+                 "loss_mask": np.ones((rows, SEQ_LEN), dtype=np.uint8)}], rows_per_shard=rows)
+    with pytest.raises(ConfigError, match=rf"^data.path: column 'loss_mask' has rows of shape "
+                                          rf"\[{SEQ_LEN}\], its tokens \[{SEQ_LEN + 1}\]"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, f"data.path={tmp_path / 'data'}",
+                                "parallel.launcher=local", "parallel.workers=1"))

@@ -28,6 +28,7 @@ from trainer.launch.resume import check_resume
 from trainer.manifest import local_problem
 from trainer.plan.strategy import resolve_auto
 from trainer.runstore import RemoteRun, default_work_dir
+from trainer.tokens import DOCUMENT_IDS, LOSS_MASK
 
 log = logging.getLogger("memtrain")
 
@@ -241,6 +242,10 @@ def _check_datasets(cfg: Config) -> None:
         if spec.shape != (cfg.model.seq_len + 1,):
             raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")
+        for extra in (c for c in manifest.columns if c.name in (LOSS_MASK, DOCUMENT_IDS)):
+            if extra.shape != spec.shape:  # trainer.tokens reads them beside the tokens
+                raise ConfigError(f"{field}: column {extra.name!r} has rows of shape "
+                                  f"{list(extra.shape)}, its tokens {list(spec.shape)}")
 
 
 def checkpoint_settings(cfg: Config) -> dict[str, Any]:
