@@ -74,7 +74,7 @@ BUCKET = "memtrain-chaos"
 # Seconds a fault may take to show and recover before the campaign calls it lost.
 RECOVERY_LIMIT = 120.0
 # How long the elastic run waits for Ray Train to grow the group after a node joined.
-GROW_LIMIT = 60.0
+GROW_LIMIT = 90.0
 
 
 def schedule(seed: int, faults: int, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, int]]:
@@ -453,9 +453,11 @@ class Campaign:
         self.driver_log = self.work / "driver-elastic.log"
         # Growing takes Ray a while: the node joins (seconds), Ray's autoscaling coordinator
         # sees it (it ticks every 20 s), the group's next check (5 s), a restart: the run goes
-        # on long enough after the node is added.
-        steps, shrink, grow = 60, self.rng.randint(4, 8), self.rng.randint(13, 17)
-        save_kill = self.rng.choice([s for s in range(grow + 9, steps - 9)
+        # on long enough after the node is added, and the save kill comes after the growth.
+        # 200 steps: at about 0.7 s a step with one worker, Ray has two minutes to grow the
+        # group after the node joins (a minute at most, measured: docs/reliability.md).
+        steps, shrink, grow = 200, self.rng.randint(4, 8), self.rng.randint(13, 17)
+        save_kill = self.rng.choice([s for s in range(grow + 120, steps - 30)
                                      if s % CHECKPOINT_EVERY == 0])
         ooms = sorted(self.rng.sample([s for s in range(2, steps - 2)
                                        if s not in (shrink, grow, save_kill)], 2))
