@@ -1,5 +1,5 @@
-"""The chaos campaign's slice in the suite: one seed, one fault of each of four kinds, the same
-invariants as ``make chaos`` (``tests/chaos/campaign.py``)."""
+"""The chaos campaign's slice in the suite: one seed, one fault of each of five kinds (the upload
+race among them), the same invariants as ``make chaos`` (``tests/chaos/campaign.py``)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from tests.conftest import REPO
 
 # Its cluster uses the multi-node test's addresses and worker port ranges: never beside it.
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("multinode")]
-KINDS = "worker_kill,driver_kill,store_upload,checkpoint_fail"
+KINDS = "worker_kill,driver_kill,store_upload,checkpoint_fail,upload_race"
 
 
 def test_a_short_campaign_loses_nothing(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tests.chaos.campaign", "--seed", "1",
-                           "--faults", "4", "--kinds", KINDS, "--no-elastic", "--out",
+                           "--faults", "5", "--kinds", KINDS, "--no-elastic", "--out",
                            str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=400)
     result_file = tmp_path / "chaos-1.json"
@@ -29,10 +29,13 @@ def test_a_short_campaign_loses_nothing(tmp_path: Path) -> None:
     assert result["rows"]["lost"] == 0 and result["rows"]["duplicated"] == 0
     assert result["rows"]["steps_recorded"] == result["steps"]
     assert result["checkpoints"]["resumed_from_unpublished"] == []
-    assert result["faults"]["injected"] == 4 and result["faults"]["survived"] == 4
+    assert result["faults"]["injected"] == 5 and result["faults"]["survived"] == 5
+    # the partial checkpoint the race left (meta.json landed, a shard held back) was not listed
+    [race] = result["races"]
+    assert race["shard_held"] and not race["listed_whole"] and result["races_skipped"]
     restarts = result["restarts"]
     # each kind here restarts the run at least once; the killed driver's is a relaunch
-    assert restarts["total"] >= 4 and restarts["by_cause"].get("relaunch", 0) >= 1
+    assert restarts["total"] >= 5 and restarts["by_cause"].get("relaunch", 0) >= 2
     assert restarts["by_cause"].get("worker_error", 0) >= 1  # the failed checkpoint write
     assert restarts["summary_agrees"] and restarts["lines"] >= restarts["total"]
     assert done.returncode == 0 and result["passed"], done.stdout[-3000:]
