@@ -304,9 +304,10 @@ def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | No
         raise DatasetError(f"--format {fmt} needs --tokenizer (a model directory with "
                            "tokenizer.json, and its chat template where it has one)")
     if chat:
-        tok, info, dtype = tokenized  # type: ignore[misc]
+        assert tokenized is not None and tokenizer_path is not None
+        tok, info, dtype = tokenized
         template = chat_template(tokenizer_path if tokenizer_path.is_dir() else None,
-                                 tok.id_to_token(info.eot_id))  # type: ignore[union-attr]
+                                 tok.id_to_token(info.eot_id))
         docs = encode_conversations(_conversations(files, kind, fmt, packing), tok, template,
                                     dtype)
         more = info.metadata() | {"chat_template_source": template.source,
@@ -324,7 +325,8 @@ def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | No
                                TOKEN_DTYPES[dtype])
         more, pad = {"token_column": ragged}, 0
     else:
-        tok, info, dtype = tokenized  # type: ignore[misc]
+        assert tokenized is not None
+        tok, info, dtype = tokenized
         docs = text_documents(documents(files, kind, text_field, input_progress), tok, info,
                               dtype)
         more, pad = info.metadata(), info.eot_id

@@ -188,7 +188,7 @@ def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterator[TokenBatch] | Iterator[torch.Tensor],
+def evaluate(model: nn.Module, batches: Iterator[TokenBatch | torch.Tensor],
              num_batches: int, policy: PrecisionPolicy) -> float:
     """Mean loss over the trained targets of ``num_batches`` batches on every rank, under
     ``no_grad`` (a loss mask and document boundaries leave targets out, as in training)."""
