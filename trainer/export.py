@@ -102,8 +102,8 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
                             seed=None)
         assert isinstance(model, HFCausalLM), type(model)
         load_model_state(model, state["model"], str(directory))
-        log.info("exported %s from its state.pt, the whole model in memory (a DDP checkpoint is "
-                 "one file)", directory.name)
+        log.info("exported %s from its state.pt, the whole model in memory (a checkpoint of "
+                 "the single-file format, from before DDP's went through DCP)", directory.name)
         model.hf.save_pretrained(out)
     return Exported(out, int(state["step"]), _write_tokenizer(cfg.data.path, out))
 
