@@ -31,6 +31,8 @@ CASES = {
     "offload checkpointed": ("checkpointed", "fp32", False, False),
     "offload all": ("all", "fp32", False, False),
     "8-bit AdamW": ("none", "8bit", False, False),
+    "4-bit AdamW": ("none", "4bit", False, False),
+    "bf16 AdamW states": ("none", "bf16", False, False),
     "LoRA": ("none", "fp32", False, True),
 }
 

@@ -6,7 +6,10 @@ tabulates them: each row adds one strategy to the row before.
 3. + the optimizer step in backward (gradient clipping off for it);
 4. + activation offload (what the checkpoints keep);
 5. + 8-bit AdamW states (torchao);
-6. + LoRA (rank 8 on every linear layer of the blocks; the base frozen).
+6. + LoRA (rank 8 on every linear layer of the blocks; the base frozen);
+
+and beside them, not cumulative, the other low-bit states each in place of the 8-bit row's:
+4-bit AdamW (torchao) and bf16 moments.
 
 The model is a Llama built from ``LlamaConfig`` (nothing downloaded) as ``model.name: hf:<dir>``
 builds it, with the chunked loss, in fp32; every row trains it from the same seed on the same
@@ -64,6 +67,9 @@ for _name, _change in (("+ activation checkpointing", {"checkpointing": "full"})
                        ("+ 8-bit AdamW", {"states": "8bit"}),
                        ("+ LoRA", {"lora": True})):
     ROWS.append(replace(ROWS[-1], name=_name, **_change))
+# The other low-bit states, each in place of the 8-bit row's (not cumulative: beside it).
+ROWS += [replace(ROWS[4], name="(4-bit AdamW in its place)", states="4bit"),
+         replace(ROWS[4], name="(bf16 AdamW states in its place)", states="bf16")]
 
 
 def llama_dir(out: Path, vocab_size: int, seq_len: int, width: int, layers: int) -> Path:
@@ -120,6 +126,13 @@ def measure_row(row: Row, spec: str, seq_len: int, vocab_size: int, micro_batch:
             "loss_after": loss, "steps": steps}
 
 
+def state_cut(rows: dict[str, dict[str, Any]], name: str) -> float:
+    """How much less optimizer state row ``name`` holds than fp32 AdamW's (the row before
+    the 8-bit one)."""
+    return 1 - rows[name]["optimizer_state_bytes"] / \
+        rows["+ optimizer step in backward"]["optimizer_state_bytes"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab-size", type=int, default=8192)
@@ -136,8 +149,7 @@ def main() -> None:
         rows = [measure_row(row, spec, args.seq_len, args.vocab_size, args.micro_batch,
                             args.steps) for row in ROWS]
     by_name = {r["row"]: r for r in rows}
-    states_cut = 1 - by_name["+ 8-bit AdamW"]["optimizer_state_bytes"] / \
-        by_name["+ optimizer step in backward"]["optimizer_state_bytes"]
+    states_cut = state_cut(by_name, "+ 8-bit AdamW")
     lora_share = by_name["+ LoRA"]["peak_bytes"] / by_name["full fine-tune"]["peak_bytes"]
     worst = max(abs(r["planner_error"]) for r in rows)
     report = {
@@ -159,6 +171,8 @@ def main() -> None:
         print(f"{r['row']:32} {r['peak_bytes'] / mib:9.1f} {r['predicted_peak_bytes'] / mib:8.1f}"
               f" {r['planner_error']:+6.1%} {r['predicted_host_bytes'] / mib:7.1f} "
               f"{r['tokens_per_second']:7.0f} {r['loss_after']:6.3f}")
+    print(f"4-bit states cut it by {state_cut(by_name, '(4-bit AdamW in its place)'):.1%}, "
+          f"bf16 states by {state_cut(by_name, '(bf16 AdamW states in its place)'):.1%}")
     print(f"8-bit states cut AdamW's state by {states_cut:.1%} (target >= 70%); LoRA's peak is "
           f"{lora_share:.1%} of the full fine-tune's (target <= 50%); planner within "
           f"{worst:.1%} of every row (target 5%); {path}")

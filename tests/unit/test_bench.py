@@ -103,9 +103,10 @@ def test_the_fsdp_bench_runs_and_the_meta_build_holds_less(tmp_path: Path) -> No
 @pytest.mark.xdist_group("hf")
 def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut(
         tmp_path: Path) -> None:
-    """A small Llama through the six cumulative rows: checkpointing cuts the peak, 8-bit
-    states AdamW's state bytes, LoRA the trained parameters and the peak; each row has its
-    planner figure, and offload's row its host bytes."""
+    """A small Llama through the six cumulative rows and the two other low-bit states:
+    checkpointing cuts the peak, 8-bit states AdamW's state bytes (4-bit ones more, bf16 ones
+    half), LoRA the trained parameters and the peak; each row has its planner figure, and
+    offload's row its host bytes."""
     out = subprocess.run([sys.executable, "-m", "bench.strategies", "--out", str(tmp_path),
                           "--vocab-size", "1024", "--seq-len", "64", "--width", "256",
                           "--layers", "1", "--steps", "1"],
@@ -113,7 +114,11 @@ def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut
     assert out.returncode == 0, out.stderr[-2000:]
     [result] = tmp_path.glob("strategies-*.json")
     rows = {row["row"]: row for row in json.loads(result.read_text())["rows"]}
-    assert len(rows) == 6
+    assert len(rows) == 8
+    eight = rows["+ 8-bit AdamW"]["optimizer_state_bytes"]
+    assert rows["(4-bit AdamW in its place)"]["optimizer_state_bytes"] < eight
+    assert rows["(bf16 AdamW states in its place)"]["optimizer_state_bytes"] <= \
+        0.5 * rows["+ activation checkpointing"]["optimizer_state_bytes"] + 4096 * 8
     full, ac = rows["full fine-tune"], rows["+ activation checkpointing"]
     assert ac["peak_bytes"] < full["peak_bytes"]
     assert rows["+ activation offload"]["predicted_host_bytes"] > 0
