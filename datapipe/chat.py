@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -93,8 +94,19 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    # The environment transformers renders chat templates in: the same loop controls, globals
+    # and a tojson that does not escape HTML (Llama 3.1's template calls strftime_now: its
+    # rows then carry the day they were written).
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         template = env.from_string(text)
     except TemplateError as err:

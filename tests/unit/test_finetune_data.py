@@ -211,3 +211,32 @@ def test_a_loss_mask_of_another_shape_than_the_tokens_is_refused(corpus_dir: Pat
                                           rf"\[{SEQ_LEN}\], its tokens \[{SEQ_LEN + 1}\]"):
         prepare_run(tiny_config(corpus_dir, tmp_path, f"data.path={tmp_path / 'data'}",
                                 "parallel.launcher=local", "parallel.workers=1"))
+
+
+def test_templates_render_as_transformers_renders_them(tmp_path: Path) -> None:
+    """A Llama 3-style template: the BOS from the config, a loop control, strftime_now and a
+    tojson that leaves HTML alone, as transformers' environment has them; the answer's span
+    is its text and the turn's end."""
+    from datapipe.chat import assistant_spans, chat_template
+
+    template = (
+        "{{- bos_token }}{%- for m in messages %}{%- if m.role == 'system' %}{% continue %}"
+        "{% endif %}{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content"
+        " + '<|eot_id|>' }}{%- endfor %}{{ {'tag': '<b>'} | tojson }}"
+        "{%- if strftime_now('%Y') and add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": template, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
+    rendered = chat_template(tmp_path, "<|eot_id|>")
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}]
+    with pytest.raises(DatasetError, match="does not render the conversation up to message 2"):
+        assistant_spans(rendered, messages, "row 0")  # the JSON tail follows every render
+    plain = template.replace("{{ {'tag': '<b>'} | tojson }}", "")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": plain, "bos_token": "<|begin_of_text|>"}))
+    text, [(first, last)] = assistant_spans(chat_template(tmp_path, "<|eot_id|>"), messages,
+                                            "row 0")
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user")
+    assert text[first:last] == "yo<|eot_id|>"
+    assert '{"tag": "<b>"}' in rendered.text(messages)
