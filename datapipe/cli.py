@@ -206,6 +206,12 @@ def data_inspect(path: Annotated[str, typer.Argument(
                       f"{meta.get('vocab_size', '?')}, end-of-text id {meta.get('eot_id', '?')}")
     elif "vocab_size" in meta:
         console.print(f"vocabulary {meta['vocab_size']} (byte tokens)")
+    if meta.get("packed"):  # fine-tuning rows (datapipe.pack)
+        console.print(f"packed: {meta.get('packed_documents', '?')} documents, padding "
+                      f"{float(meta.get('padding_share', 0)):.1%} of tokens, "
+                      f"{meta.get('trained_tokens', '?')} trained tokens"
+                      + (f"; {meta['chat_template_source']}" if "chat_template_source" in meta
+                         else ""))
     schema = Table("column", "dtype", "shape")
     for column in manifest.columns:
         schema.add_row(column.name, column.dtype, str(list(column.shape)))

@@ -62,6 +62,8 @@ def test_a_chat_dataset_fine_tunes_a_pretrained_model_and_exports(tmp_path: Path
     written = memtrain("data", "write", str(chats), "--format", "chat", "--tokenizer",
                        str(model), "--seq-len", "127", "--out", str(tmp_path / "data"))
     assert "packed 300 of 300 documents" in written.stdout
+    inspected = " ".join(memtrain("data", "inspect", str(tmp_path / "data")).stdout.split())
+    assert "packed: 300 documents" in inspected and "the chat template of" in inspected
 
     first = train(tmp_path, model, tmp_path / "data", "train.steps=4", "train.lr=3e-3")
     assert "packed documents (document_ids): no target across a boundary; attention within " \
