@@ -14,7 +14,10 @@ A comma-separated list of ``KIND@STEP`` or ``KIND@STEP:RANK`` (rank 0 when left 
   file in the run directory keeps a restarted worker from doing it again);
 - ``stall@3``: rank 0 sleeps ``STALL_SECONDS`` at the end of step 3, as a long evaluation, a
   slow checkpoint or a stuck peer would hold it (the other ranks wait in the next collective);
-  once per run directory, as ``kill``.
+  once per run directory, as ``kill``;
+- ``hold@3``: rank 0 waits at the end of step 3 until the file ``.faults-release`` appears in
+  the run directory (at most ``HOLD_SECONDS``): a test holds the run where it is while it
+  changes the cluster around it; once per run directory.
 
 Both launchers carry the variable to their workers (the local one hands each worker the
 launcher's environment; the Ray launcher passes it in the loop config, since Ray's workers start
@@ -35,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "MEMTRAIN_FAULTS"
-KINDS = ("oom", "checkpoint", "savekill", "kill", "stall")
+KINDS = ("oom", "checkpoint", "savekill", "kill", "stall", "hold")
 # Three times the gauge expiry of the tests' Ray cluster (two 1 s export intervals).
 STALL_SECONDS = 6.0
+HOLD_SECONDS = 180.0
+RELEASE_FILE = ".faults-release"
 log = logging.getLogger("memtrain")
 
 
@@ -118,6 +123,17 @@ def maybe_stall(run_dir: Path, step: int, rank: int) -> None:
         time.sleep(STALL_SECONDS)
 
 
+def maybe_hold(run_dir: Path, step: int, rank: int) -> None:
+    """``hold@STEP:RANK``: wait at the end of the step until ``RELEASE_FILE`` is in the run
+    directory (at most ``HOLD_SECONDS``), once per run directory."""
+    if not _first_time(run_dir, Fault("hold", step, rank)):
+        return
+    log.warning("rank %d: held by %s at the end of step %d", rank, ENV, step)
+    deadline = time.monotonic() + HOLD_SECONDS
+    while not (run_dir / RELEASE_FILE).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _first_time(run_dir: Path, fault: Fault) -> bool:
     """Whether ``fault`` is asked for and has not fired in ``run_dir`` yet (then it has)."""
     if fault not in active():
@@ -131,8 +147,9 @@ def _first_time(run_dir: Path, fault: Fault) -> bool:
 
 
 def at_step_end(run_dir: Path, step: int, rank: int) -> None:
-    """The faults that fire at the end of a step: ``stall``, then ``kill``."""
+    """The faults that fire at the end of a step: ``stall``, ``hold``, then ``kill``."""
     maybe_stall(run_dir, step, rank)
+    maybe_hold(run_dir, step, rank)
     maybe_kill(run_dir, step, rank)
 
 

@@ -37,7 +37,8 @@ steps redone, rows lost or duplicated, wall time; written to ``OUT/chaos-SEED.js
 Then an elastic run on the same cluster (``Campaign.elastic``, left out with ``--no-elastic``):
 workers [1, 2], asynchronous checkpoints (``train.checkpoint_async``), started once both nodes
 are up; two OOMs recovered in-process, the worker node removed with nothing to replace it (the
-group goes on with one worker), later a node added (the group grows back to two), and a worker
+group goes on with one worker), later a node added while the group is held at that step
+(``hold@STEP``: it grows back to two), and a worker
 killed while an asynchronous save uploads (through the store, slowed). Those change the
 arithmetic, so that run is checked for every row once across its world sizes, its start at two
 workers, the OOMs recovered, the shrink, the growth and the kill each a restart, and its end;
@@ -449,19 +450,21 @@ class Campaign:
         with 1 worker once Ray Train gives up waiting, 10 s), then a node added (it grows back to
         2). The arithmetic changes with the world size and the micro-batch, so this run is
         checked for its rows, its restarts and its end, not for exact weights."""
+        from trainer.faults import RELEASE_FILE
+
         self.run_name, self.run_copy = ELASTIC_RUN, self.copy / ELASTIC_RUN
         self.driver_log = self.work / "driver-elastic.log"
         # Growing takes Ray a while: the node joins (seconds), Ray's autoscaling coordinator
-        # sees it (it ticks every 20 s), the group's next check (5 s), a restart: the run goes
-        # on long enough after the node is added, and the save kill comes after the growth.
-        # 200 steps: at about 0.7 s a step with one worker, Ray has two minutes to grow the
-        # group after the node joins (a minute at most, measured: docs/reliability.md).
+        # sees it (it ticks every 20 s), the group's next check (5 s), a restart; the save kill
+        # comes after the growth.
         steps, shrink, grow = 200, self.rng.randint(4, 8), self.rng.randint(13, 17)
         save_kill = self.rng.choice([s for s in range(grow + 120, steps - 30)
                                      if s % CHECKPOINT_EVERY == 0])
         ooms = sorted(self.rng.sample([s for s in range(2, steps - 2)
                                        if s not in (shrink, grow, save_kill)], 2))
-        faults = ",".join(f"oom@{s}:0" for s in ooms)
+        # The group held at the growth's step until it restarts (or GROW_LIMIT): a run that
+        # went on would end before Ray grows it (200 steps took 15 s on one worker).
+        faults = ",".join([*(f"oom@{s}:0" for s in ooms), f"hold@{grow}:0"])
         print(f"elastic run: shrink@{shrink}, grow@{grow}, save_kill@{save_kill}, {faults}",
               flush=True)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"  # the driver's controller
@@ -497,6 +500,8 @@ class Campaign:
                 self.proxy.set("pass")
             restarted = self.wait(lambda n=before: self.started() > n,
                                   GROW_LIMIT if kind == "node_grow" else RECOVERY_LIMIT)
+            if kind == "node_grow":  # grown or not, the run goes on
+                (self.run_copy / RELEASE_FILE).touch()
             recovered = self.wait(self.recovered, RECOVERY_LIMIT)
             events.append({"kind": kind, "step": step, "reached": reached,
                            "restarted": restarted, "recovered": recovered,

@@ -179,3 +179,24 @@ def test_the_restart_counter_is_published_by_cause() -> None:
     assert value("ray_memtrain_train_recovery_seconds_total") == 12.5
     with pytest.raises(ValueError, match="takes the extra labels"):
         sink.set_total("memtrain_train_restarts_total", 1)
+
+
+def test_a_held_step_waits_for_its_release_once(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hold@STEP``: rank 0 waits at the step's end until the release file appears, once per
+    run directory; another rank, or another step, does not wait."""
+    import threading
+
+    from trainer import faults
+
+    monkeypatch.setenv(faults.ENV, "hold@3:0")
+    start = time.monotonic()
+    faults.at_step_end(tmp_path, 3, 1)
+    faults.at_step_end(tmp_path, 2, 0)
+    assert time.monotonic() - start < 1.0
+    threading.Timer(1.0, (tmp_path / faults.RELEASE_FILE).touch).start()
+    faults.at_step_end(tmp_path, 3, 0)
+    held = time.monotonic() - start
+    assert 1.0 <= held < 10.0
+    faults.at_step_end(tmp_path, 3, 0)  # once per run directory: a restart passes it
+    assert time.monotonic() - start - held < 1.0
