@@ -22,6 +22,7 @@ Writes ``OUT/elastic-start-<date>-<host>.json`` and prints the summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -66,7 +67,8 @@ class Cluster:
         from tests.conftest import set_args, tiny_overrides
 
         overrides = tiny_overrides(self.corpus, self.work, f"run.name={run}",
-                                   "parallel.launcher=ray", "train.steps=400",
+                                   # never ends on its own: every driver is killed
+                                   "parallel.launcher=ray", "train.steps=100000",
                                    "train.checkpoint_every=0", "train.eval_every=0",
                                    "train.log_every=1", *extra)
         env = {**os.environ, "RAY_ADDRESS": self.cluster.address, "OMP_NUM_THREADS": "1",
@@ -83,17 +85,30 @@ class Cluster:
         lines = path.read_text().splitlines() if path.is_file() else []
         return [json.loads(line) for line in lines if line.strip() and "start" in line]
 
-    def stepped(self, run: str) -> bool:
+    def stepped(self, run: str, after: int = 0) -> bool:
+        """Whether an attempt numbered above ``after`` has finished a step."""
         path = self.work / run / "progress"
         text = path.read_text().strip() if path.is_file() else ""
-        return bool(text) and json.loads(text).get("step", 0) >= 1
+        record = json.loads(text) if text else {}
+        return record.get("attempt", 0) > after and record.get("step", 0) >= 1
 
     def kill(self, driver: subprocess.Popen) -> None:
-        """SIGKILL a driver's process group, and wait for Ray to end its job's actors."""
+        """SIGKILL a driver's process group, and wait for Ray to end its job's workers and
+        controller (processes of this one's cluster: its descendants)."""
+        import psutil
+
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-        wait(lambda: not self.ray.util.state.list_actors(
-            filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]), 60)
+
+        def train_processes() -> list[Any]:
+            found = []
+            for process in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if process.name().startswith(("ray::RayTrainWo", "ray::TrainContr")):
+                        found.append(process)
+            return found
+
+        wait(lambda: not train_processes(), 60)
 
 
 
@@ -117,20 +132,25 @@ def one_try(cluster: Cluster, index: int, same_run: bool) -> dict[str, Any]:
     wait(lambda: cluster.stepped(fixed))
     cluster.kill(driver)
     started = time.monotonic()
+    before = len(cluster.attempts(elastic))  # the same run: the killed driver's attempt
+
+    def attempts() -> list[dict[str, Any]]:
+        return cluster.attempts(elastic)[before:]
+
     driver = cluster.driver(elastic, "parallel.workers=[1, 2]",
                             "parallel.resize_check_seconds=5")
-    first_step = wait(lambda: cluster.stepped(elastic) and bool(cluster.attempts(elastic)))
-    sizes = [a.get("world_size") for a in cluster.attempts(elastic)]
+    first_step = wait(lambda: cluster.stepped(elastic, before) and bool(attempts()))
+    sizes = [a.get("world_size") for a in attempts()]
     result = {"same_run": same_run, "start_size": sizes[0] if sizes else None,
               "seconds_to_first_step": first_step, "shrink_seconds": None, "grow_seconds": None}
     if same_run and sizes and sizes[0] == 2:  # growth: from one worker back to two
         gone = cluster.node
         cluster.cluster.remove_node(gone, allow_graceful=False)
-        result["shrink_seconds"] = wait(lambda: len(cluster.attempts(elastic)) >= 2)
+        result["shrink_seconds"] = wait(lambda: len(attempts()) >= 2)
         cluster.node = cluster.cluster.add_node(**cluster._node_args(
             "127.0.0.3" if gone.node_ip_address == "127.0.0.2" else "127.0.0.2"))
         result["grow_seconds"] = wait(
-            lambda: any(a.get("world_size") == 2 for a in cluster.attempts(elastic)[2:]))
+            lambda: any(a.get("world_size") == 2 for a in attempts()[2:]))
     cluster.kill(driver)
     for run in {fixed, elastic}:  # no request of this try outlives it
         release_orphaned_request(cluster.work / run)
