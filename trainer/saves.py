@@ -16,8 +16,6 @@ group from the other thread.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,18 +44,6 @@ def _staged_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-# The save thread's nice value: the kernel then runs it on what the training threads leave idle.
-SAVE_NICE = 19
-
-
-def background_priority() -> None:
-    """Lower the calling thread's scheduling priority to ``SAVE_NICE`` (Linux sets a nice
-    value per thread: ``setpriority`` on its thread id), so that writing, hashing and uploading
-    a checkpoint take the cores only when the step does not; elsewhere, nothing."""
-    with contextlib.suppress(AttributeError, OSError):  # no setpriority, or not permitted
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)
-
-
 class AsyncSaves:
     """One checkpoint save at a time on a thread of its own (every rank creates one: the
     process group is a collective)."""
@@ -84,7 +70,6 @@ class AsyncSaves:
 
         def run() -> None:
             began = time.perf_counter()
-            background_priority()
             try:
                 save()
             except BaseException as err:  # noqa: BLE001 - raised in the waiting step
