@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from datapipe.manifest import DatasetError
+from datapipe.tokenize import special_token, tokenizer_config
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -58,12 +59,6 @@ class ChatTemplate:
         return self.render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
-def _token_text(value: object) -> str:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
-
-
 def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
     """The model directory's chat template (``tokenizer_config.json``'s ``chat_template``, or a
     ``chat_template.jinja`` beside it), else ``PLAIN_TEMPLATE``; compiled in jinja2's sandbox."""
@@ -76,12 +71,7 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
     config: dict[str, Any] = {}
     source, text = "memtrain's plain template", PLAIN_TEMPLATE
     if model_dir is not None and model_dir.is_dir():
-        path = model_dir / "tokenizer_config.json"
-        if path.is_file():
-            try:
-                config = json.loads(path.read_text())
-            except ValueError as err:
-                raise DatasetError(f"{path}: not JSON ({err})") from err
+        config = tokenizer_config(model_dir)
         found = config.get("chat_template")
         if isinstance(found, list):  # named templates: the default one
             found = next((t.get("template") for t in found if t.get("name") == "default"), None)
@@ -111,7 +101,7 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
         template = env.from_string(text)
     except TemplateError as err:
         raise DatasetError(f"{source}: not a Jinja template ({err})") from err
-    specials = {name: _token_text(config.get(name)) for name in
+    specials = {name: special_token(config, name) or "" for name in
                 ("bos_token", "eos_token", "unk_token", "pad_token")}
     specials["eos_token"] = specials["eos_token"] or eos_token
 

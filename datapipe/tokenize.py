@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -105,17 +105,35 @@ def load_tokenizer(path: Path, eot_token: str | None = None
                                     eot_id, raw)
 
 
-def configured_eos(directory: Path) -> str | None:
-    """The ``eos_token`` a model directory's ``tokenizer_config.json`` names (a string, or an
-    added token's ``{"content": ...}``); None where it names none."""
+def tokenizer_config(directory: Path) -> dict[str, Any]:
+    """A model directory's ``tokenizer_config.json`` (empty where it has none); DatasetError
+    naming the file where it is not a JSON object."""
     config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
     try:
-        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
-    except (OSError, ValueError, AttributeError) as err:
+        found = json.loads(config.read_text())
+    except (OSError, ValueError) as err:
         raise DatasetError(f"tokenizer {config}: not a readable JSON object ({err})") from err
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) and eos else None
+    if not isinstance(found, dict):
+        raise DatasetError(f"tokenizer {config}: not a readable JSON object (a JSON "
+                           f"{type(found).__name__})")
+    return found
+
+
+def special_token(config: dict[str, Any], name: str) -> str | None:
+    """The special token ``name`` (``eos_token``, ``bos_token``, ...) a tokenizer config names:
+    a string, or an added token's ``{"content": ...}``; None where it names none."""
+    value = config.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def configured_eos(directory: Path) -> str | None:
+    """The ``eos_token`` a model directory's ``tokenizer_config.json`` names; None where it
+    names none."""
+    return special_token(tokenizer_config(directory), "eos_token")
 
 
 def dataset_tokenizer(directory: str | Path) -> tuple[bytes, int] | None:
