@@ -278,9 +278,7 @@ def _inputs(sources: list[Path], fmt: str, split: str | None) -> tuple[list[Path
     if len(sources) == 1 and is_saved_dataset(sources[0]):
         return saved_dataset_files(sources[0], split), "hf"
     files = split_files(expand_sources(sources), split)
-    if fmt in ("chat", "instruction"):
-        return files, detect_format(files)
-    return files, detect_format(files) if fmt == "auto" else fmt
+    return files, detect_format(files) if fmt in ("auto", "chat", "instruction") else fmt
 
 
 def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | None,
@@ -290,7 +288,7 @@ def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | No
     """Packed rows' blocks and their metadata where the inputs are fine-tuning documents (see
     ``PackOptions``); None for the other conversions."""
     chat = fmt in ("chat", "instruction")
-    ragged = None
+    ragged, names = None, []
     if not chat and kind in ("hf", "parquet", "jsonl") and tokenized is None:
         names = table_fields(files[0], kind)
         ragged = next((c for c in (column, "input_ids") if c in names and
@@ -314,12 +312,10 @@ def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | No
                                   "chat_template": template.jinja}
         pad = info.eot_id
     elif ragged:
-        dtype = "uint32" if token_dtype == "auto" else token_dtype
-        if dtype not in TOKEN_DTYPES:
-            raise DatasetError(f"--token-dtype {dtype!r} is not one of auto, "
-                               f"{', '.join(TOKEN_DTYPES)}")
-        labels = packing.labels_field if packing.labels_field in table_fields(files[0], kind) \
-            else None
+        # The vocabulary is not known without a tokenizer: auto is the wide dtype, and a
+        # dtype asked for is checked as with one (each id is checked against it as it comes).
+        dtype = "uint32" if token_dtype == "auto" else token_dtype_for(0, token_dtype)
+        labels = packing.labels_field if packing.labels_field in names else None
         fields = [ragged, *([labels] if labels else [])]
         docs = token_documents(rows(files, kind, fields), ragged, labels, dtype,
                                TOKEN_DTYPES[dtype])

@@ -83,11 +83,7 @@ def _batches(file: Path, kind: str, fields: list[str]) -> Iterator[pa.RecordBatc
             yield from reader.iter_batches(batch_size=4096, columns=fields)
             return
         with pa.memory_map(str(file)) as source:
-            try:
-                reader = pa.ipc.open_stream(source)  # datasets writes Arrow streams
-            except pa.ArrowInvalid:
-                source.seek(0)
-                reader = pa.ipc.open_file(source)
+            reader = _arrow_reader(source)
             _check_fields(file, fields, reader.schema.names)
             if isinstance(reader, pa.ipc.RecordBatchFileReader):
                 for index in range(reader.num_record_batches):
@@ -97,6 +93,16 @@ def _batches(file: Path, kind: str, fields: list[str]) -> Iterator[pa.RecordBatc
                     yield batch.select(fields)
     except (pa.ArrowInvalid, OSError) as err:
         raise DatasetError(f"{file}: not readable as {kind} ({err})") from err
+
+
+def _arrow_reader(source: pa.MemoryMappedFile) -> Any:
+    """An Arrow IPC file's reader: a stream (as ``datasets`` writes them), else the file
+    format."""
+    try:
+        return pa.ipc.open_stream(source)
+    except pa.ArrowInvalid:
+        source.seek(0)
+        return pa.ipc.open_file(source)
 
 
 def _check_fields(file: Path, fields: list[str], names: list[str]) -> None:
@@ -120,11 +126,7 @@ def table_fields(file: Path, kind: str) -> list[str]:
     if kind == "parquet":
         return pq.ParquetFile(file).schema_arrow.names
     with pa.memory_map(str(file)) as source:
-        try:
-            return pa.ipc.open_stream(source).schema.names
-        except pa.ArrowInvalid:
-            source.seek(0)
-            return pa.ipc.open_file(source).schema.names
+        return _arrow_reader(source).schema.names
 
 
 def rows(files: list[Path], kind: str, fields: list[str]
