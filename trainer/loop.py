@@ -45,6 +45,7 @@ from trainer.build import (
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_memory_summary
+from trainer.hf import PREFIX as HF_PREFIX
 from trainer.hf import weights_of
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.lora import lora_of
@@ -167,17 +168,18 @@ class Trainer:
         transforms = MemoryTransforms.of(cfg.memory)
         # train.init_from hf:DIR: that directory's safetensors in place of model.name's weights
         # (read on a resume too, then replaced by the checkpoint's).
-        init_hf = cfg.train.init_from if (cfg.train.init_from or "").startswith("hf:") else None
-        weights = weights_of(init_hf or cfg.model.name)
+        init_hf = cfg.train.init_from \
+            if (cfg.train.init_from or "").startswith(HF_PREFIX) else None
         if self.fsdp is not None:  # no rank holds the whole model; before the optimizer
             model = build_sharded(model_factory(cfg.model, load_weights=False), transforms,
                                   ctx.device, cfg.run.seed, self.fsdp, model_name=cfg.model.name,
-                                  before_shard=self.compile, weights=weights)
+                                  before_shard=self.compile,
+                                  weights=weights_of(init_hf or cfg.model.name))
         else:
             model = build_model(model_factory(cfg.model, load_weights=init_hf is None),
                                 transforms, ctx.device, seed=cfg.run.seed)  # same on every rank
             if init_hf is not None:
-                load_hf_weights(model, weights, init_hf)
+                load_hf_weights(model, weights_of(init_hf), init_hf)
             self.compile(model)
         fused = cfg.train.fused_optimizer
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,

@@ -41,6 +41,7 @@ from trainer.checkpoint import (
     write_states,
 )
 from trainer.context import WorkerContext
+from trainer.hf import PREFIX as HF_PREFIX
 from trainer.memory.optimizers import BackwardSteps
 from trainer.saves import AsyncSaves, staged
 from trainer.schedule import resume_schedule
@@ -125,7 +126,7 @@ class TrainState:
         with ctx.latest_checkpoint() as own:
             checkpoint_dir = own if own is not None or resume_from is None else Path(resume_from)
             if checkpoint_dir is None:
-                if init_from is not None and not init_from.startswith("hf:"):  # (hf: at build)
+                if init_from is not None and not init_from.startswith(HF_PREFIX):  # at build
                     load_weights(Path(init_from), self.unwrapped)
                 return None
             state = load_checkpoint(checkpoint_dir)

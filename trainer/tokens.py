@@ -29,10 +29,9 @@ from typing import Any
 import torch
 
 from datapipe.loader import BatchLoader
+from datapipe.pack import DOCUMENT_IDS, LOSS_MASK
 
 IGNORE_INDEX = -100
-LOSS_MASK = "loss_mask"
-DOCUMENT_IDS = "document_ids"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ planner learns the loss's shapes by running its probe under ``observe_chunked_lo
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -237,8 +238,14 @@ def summed_loss(model: nn.Module, batch: TokenBatch | torch.Tensor, policy: Prec
 
 def takes_position_ids(model: nn.Module) -> bool:
     """Whether ``model``'s forward takes ``position_ids`` (by name, or any keyword): then packed
-    documents keep to themselves in attention (trainer.tokens)."""
+    documents keep to themselves in attention (trainer.tokens). Asked every micro-batch: the
+    signature is read once per forward function."""
     forward = getattr(model, "_orig_mod", model).forward
+    return _takes_position_ids(getattr(forward, "__func__", forward))
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_position_ids(forward: Any) -> bool:
     parameters = inspect.signature(forward).parameters.values()
     return any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in parameters)
 
