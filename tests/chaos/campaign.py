@@ -242,15 +242,10 @@ class Campaign:
         import torch
         from pyarrow import fs
 
-        from trainer.checkpoint import stored_checkpoints
-        from trainer.runstore import RemoteRun
-
         prefix = f"{BUCKET}/runs/{RUN}"
         try:
             entries = self.store.get_file_info(fs.FileSelector(prefix))
-            remote = RemoteRun(f"s3://{prefix}")
-            remote.fs = self.store  # past the proxy
-            whole = {step for step, _ in stored_checkpoints(remote)}
+            whole = set(self.whole_on_store())
         except (OSError, ValueError):
             return
         for entry in entries:
@@ -268,6 +263,17 @@ class Campaign:
                 self.published[step] = step in whole
             except Exception:  # noqa: BLE001 - still uploading, or partial: read again later
                 self.published[step] = False
+
+    def whole_on_store(self) -> list[int]:
+        """The steps of the fixed run's checkpoints that memtrain's store listing counts whole
+        (``stored_checkpoints``: every file the manifest lists, at its size), read past the
+        proxy."""
+        from trainer.checkpoint import stored_checkpoints
+        from trainer.runstore import RemoteRun
+
+        remote = RemoteRun(f"s3://{BUCKET}/runs/{RUN}")
+        remote.fs = self.store
+        return [step for step, _ in stored_checkpoints(remote)]
 
     def wait(self, until: Any, limit: float) -> bool:
         deadline = time.time() + limit
@@ -387,9 +393,6 @@ class Campaign:
         """Hold back rank 1's shard of the next checkpoint while the rest of it lands, kill the
         driver then, and ask memtrain's store listing what it makes of the partial checkpoint;
         then run the driver again."""
-        from trainer.checkpoint import stored_checkpoints
-        from trainer.runstore import RemoteRun
-
         step = self.progress()[1] + 1
         step += -step % CHECKPOINT_EVERY
         name = f"checkpoint-{step:08d}"
@@ -399,9 +402,7 @@ class Campaign:
         held = self.proxy.held
         self.kill_driver()  # the workers die with it: the held upload never completes
         self.proxy.set("pass")
-        remote = RemoteRun(f"s3://{BUCKET}/runs/{RUN}")
-        remote.fs = self.store  # past the proxy
-        listed = [s for s, _ in stored_checkpoints(remote)]
+        listed = self.whole_on_store()
         self.start_driver()
         race = {"step": step, "shard_held": held > 0, "meta_landed": landed,
                 "listed_whole": step in listed, "latest_listed": max(listed, default=None)}
