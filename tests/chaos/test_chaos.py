@@ -34,8 +34,13 @@ def test_a_short_campaign_loses_nothing(tmp_path: Path) -> None:
     [race] = result["races"]
     assert race["shard_held"] and not race["listed_whole"] and result["races_skipped"]
     restarts = result["restarts"]
-    # each kind here restarts the run at least once; the killed driver's is a relaunch
-    assert restarts["total"] >= 5 and restarts["by_cause"].get("relaunch", 0) >= 2
+    # Each fault that restarted the run is a counted restart, and at least four of the five
+    # do: the failed checkpoint write may come while the fault before it recovers, its
+    # restart then that fault's (the campaign expects none of it). The killed drivers (the
+    # driver kill, the upload race) are relaunches.
+    restarted = sum(event["restarted"] for event in result["events"])
+    assert restarts["total"] >= restarted >= 4
+    assert restarts["by_cause"].get("relaunch", 0) >= 2
     assert restarts["by_cause"].get("worker_error", 0) >= 1  # the failed checkpoint write
     assert restarts["summary_agrees"] and restarts["lines"] >= restarts["total"]
     assert done.returncode == 0 and result["passed"], done.stdout[-3000:]
