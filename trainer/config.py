@@ -341,7 +341,7 @@ class Config(_Strict):
             raise ValueError("parallel.fsdp.reduce_dtype 'bf16' with memory.precision 'fp32': "
                              "bf16 gradient reduction is mixed precision; set "
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
-        _strategy_combinations(self)
+        strategy_combinations(self)
         workers = self.parallel.workers
         group = fsdp.reshard_after_forward
         if isinstance(group, int) and not isinstance(group, bool) and \
@@ -361,7 +361,7 @@ class Config(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def _strategy_combinations(cfg: Config) -> None:
+def strategy_combinations(cfg: Config) -> None:
     """Refuse the memory strategies' combinations they cannot honour (one line each)."""
     memory, train = cfg.memory, cfg.train
     if memory.optimizer_in_backward:

@@ -67,7 +67,7 @@ def quiet_torchao_import() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _torchao_optim() -> Any:
+def torchao_optim() -> Any:
     """torchao's optimizers, or one line naming the extra that brings them."""
     try:
         with quiet_torchao_import():
@@ -141,7 +141,7 @@ def adamw_class(states: str) -> Any:
         return torch.optim.AdamW
     if states not in STATE_DTYPES:
         raise ValueError(f"memory.optimizer_states {states!r} is not one of {STATE_DTYPES}")
-    ao_optim = _torchao_optim()
+    ao_optim = torchao_optim()
     if states == "bf16":
         return _bf16_states_class(ao_optim)
     return ao_optim.AdamW8bit if states == "8bit" else ao_optim.AdamW4bit

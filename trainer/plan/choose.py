@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from monitoring.units import parse_bytes
+from monitoring.units import format_bytes, parse_bytes
 from trainer.batch import per_rank_batch
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.config import Config, ConfigError
@@ -37,6 +37,7 @@ from trainer.plan.peak import (
     profile_all,
     static_bytes,
 )
+from trainer.plan.rescue import rescue, tried_in_words
 from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader
 from trainer.sharding import FsdpSettings
 from trainer.tokens import DOCUMENT_IDS, dataset_columns
@@ -190,7 +191,8 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
     ``bf16_norm_inputs: auto`` (and ``precision``, ``loss_chunk_tokens`` and, on a GPU,
     ``train.compile`` with either of the first two) resolved by ``choose``, with its
     ``Decision`` (None where nothing was planned); configs without ``auto`` pass unchanged. The
-    decision's lines go to the log. ``speed``: the time model (default ``speed_model(cfg)``,
+    decision's lines go to the log. Where nothing fits as configured, the strategies ``auto``
+    may add (``rescued``). ``speed``: the time model (default ``speed_model(cfg)``,
     measuring the data loader where a micro-batch or checkpointing mode is chosen); ``probe``:
     the planner's inputs (default ``config_probe``; ``memtrain plan`` passes the profiles it
     has already probed)."""
@@ -221,17 +223,55 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
     decision = choose(request, probe or config_probe(cfg, request.ac_modes), speed)
     for line in decision.why:
         log.info("%s", line)
+    if decision.plan is None and searching:
+        cfg, request, decision = rescued(cfg, request, budget, speed)
     if decision.plan is None:
-        if searching:
-            raise ConfigError(f"nothing fits {budget / 2**30:.1f} GiB per device with "
-                              f"precision {' or '.join(request.precisions)} "
-                              "(memory.device_memory); try FSDP, a shorter sequence or a "
-                              "smaller model")
         # Only the norm inputs were asked, and planned under bf16 (other precisions returned
         # above): the run's own OOM handling has the last word.
         return resolved(cfg, None, decision.norm_inputs["bf16"]), decision
     return resolved(cfg, decision, decision.norm_inputs[decision.plan.precision],
                     request.choose_loss_chunk, len(request.precisions) > 1), decision
+
+
+def rescued(cfg: Config, request: Request, budget: int, speed: SpeedModel
+            ) -> tuple[Config, Request, Decision]:
+    """Nothing fits with ``cfg``'s memory strategies: the ones ``auto`` may add
+    (``trainer.plan.rescue``), said in the log; a ConfigError naming what was tried where none
+    fits either."""
+    profiles: dict[tuple[str, str, bool], list[ActivationProfile]] = {}
+
+    def plan_candidate(candidate: Config) -> tuple[Request, Decision]:
+        wanted = request_from(candidate, budget)
+        probe_profiles, static = config_probe(candidate, wanted.ac_modes), config_static(candidate)
+
+        def probe(precision: str, norm: bool) -> tuple[StaticBytes, list[ActivationProfile]]:
+            key = (candidate.memory.activation_offload, precision, norm)
+            if key not in profiles:
+                profiles[key] = probe_profiles(precision, norm)[1]
+            return static, profiles[key]
+
+        return wanted, choose(wanted, probe, speed)
+
+    found, tried = rescue(cfg, plan_candidate)
+    if found is None:
+        also = f"; nor with {tried_in_words(tried)}" if tried else ""
+        raise ConfigError(f"nothing fits {format_bytes(budget)} per device with "
+                          f"precision {' or '.join(request.precisions)} "
+                          f"(memory.device_memory){also}; try FSDP, a shorter sequence or a "
+                          "smaller model")
+    plan = found.decision.plan
+    assert plan is not None
+    kept = found.cfg.memory.optimizer_states == cfg.memory.optimizer_states
+    log.info("auto: nothing fits %s per device with the memory strategies as configured; "
+             "added %s: predicted %s tokens/s, the fastest of %d candidates %s (auto adds "
+             "only what the config leaves unset)", format_bytes(budget), found.added,
+             f"{plan.tokens_per_s:,.0f}", found.tier_size,
+             "that keep the arithmetic" if kept else
+             f"with {found.cfg.memory.optimizer_states} states (nothing that keeps the "
+             "arithmetic fits)")
+    for line in found.decision.why:
+        log.info("%s", line)
+    return found.cfg, found.request, found.decision
 
 
 def resolved(cfg: Config, decision: Decision | None, norm: bool | str,

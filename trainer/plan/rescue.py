@@ -1,0 +1,144 @@
+"""What ``auto`` adds when nothing fits with the memory strategies a config has: the optimizer
+step in backward, activation offload and low-bit optimizer states, each only where the config
+leaves its field unset (a field the config sets, to any value, is kept as set).
+
+The candidates come in tiers, each tried only where nothing in the tiers before it fits:
+
+1. the strategies that keep the arithmetic: the step in backward (where the config allows it:
+   ``train.grad_clip`` 0, no fp16, no OOM retries; the micro-batch becomes the per-rank batch,
+   as the step in backward needs one micro-batch a step), activation offload (``all``; on a GPU
+   only: on a CPU host and device are the same memory, so it frees nothing), and both;
+2. 8-bit AdamW states, alone and with each of the above;
+3. 4-bit AdamW states, the same way.
+
+Within a tier the most predicted tokens/s wins: the time model counts offload's copies over the
+host link and the low-bit step's quantize and dequantize work (``trainer.plan.speed``). LoRA is
+never added: it changes what is trained. Each candidate is planned as any config is
+(``trainer.plan.choose.rescued``), the activations probed once per offload setting: the step in
+backward and the state dtype change only the static bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.batch import per_rank_batch
+from trainer.config import Config, strategy_combinations
+from trainer.memory.optimizers import MissingExtraError, torchao_optim
+from trainer.plan.candidates import Decision, Request
+
+log = logging.getLogger("memtrain")
+
+# The memory fields the rescue may set, in the order the log names them.
+FIELDS = ("optimizer_in_backward", "activation_offload", "optimizer_states")
+
+
+@dataclass(frozen=True)
+class Rescue:
+    """A candidate that fits: the config with the strategies added, the request it was planned
+    with, and ``choose``'s decision (its ``plan`` is not None)."""
+
+    cfg: Config
+    request: Request
+    decision: Decision
+    tier_size: int  # how many candidates its tier had
+
+    @property
+    def added(self) -> str:
+        return describe_added(self.cfg)
+
+
+def describe_added(cfg: Config) -> str:
+    """The rescue's strategies of ``cfg`` in words: ``memory.optimizer_states 8bit, ...``."""
+    memory = cfg.memory
+    parts = []
+    if memory.optimizer_in_backward:
+        parts.append("memory.optimizer_in_backward true")
+    if memory.activation_offload != "none":
+        parts.append(f"memory.activation_offload {memory.activation_offload}")
+    if memory.optimizer_states != "fp32":
+        parts.append(f"memory.optimizer_states {memory.optimizer_states}")
+    return ", ".join(parts)
+
+
+def tried_in_words(tried: list[Config]) -> str:
+    """The strategies ``rescue`` tried, each field once with its values: ``memory.optimizer_in_
+    backward true, memory.activation_offload all, memory.optimizer_states 8bit or 4bit``."""
+    values: dict[str, list[str]] = {}
+    for candidate in tried:
+        for part in describe_added(candidate).split(", "):
+            field, value = part.rsplit(" ", 1)
+            if value not in values.setdefault(field, []):
+                values[field].append(value)
+    return ", ".join(f"{field} {' or '.join(found)}" for field, found in values.items())
+
+
+def _with(cfg: Config, in_backward: bool, offload: str, states: str) -> Config | None:
+    """``cfg`` with these strategies (and, for the step in backward, one micro-batch a step),
+    or None where the config's other fields refuse the combination."""
+    memory: dict[str, Any] = {"optimizer_in_backward": in_backward,
+                              "activation_offload": offload, "optimizer_states": states}
+    train: dict[str, Any] = {}
+    if in_backward and cfg.train.micro_batch_size == "auto":
+        try:
+            train["micro_batch_size"] = per_rank_batch(cfg.train.global_batch_size,
+                                                       cfg.parallel.workers)
+        except ValueError:
+            return None
+    candidate = cfg.model_copy(update={
+        "memory": cfg.memory.model_copy(update=memory),
+        "train": cfg.train.model_copy(update=train)})
+    try:
+        strategy_combinations(candidate)
+    except ValueError:
+        return None
+    return candidate
+
+
+def rescue_tiers(cfg: Config) -> list[list[Config]]:
+    """The candidates ``cfg`` allows, tier by tier (see the module's docstring); empty where
+    every field is set, or nothing the config allows would change."""
+    memory, unset = cfg.memory, set(FIELDS) - cfg.memory.model_fields_set
+    in_backwards = [False, True] if "optimizer_in_backward" in unset \
+        else [memory.optimizer_in_backward]
+    offloads = [memory.activation_offload]
+    if "activation_offload" in unset and memory.activation_offload == "none" and \
+            cfg.parallel.use_gpu:
+        offloads = ["none", "all"]
+    states: list[str] = []
+    if "optimizer_states" in unset and memory.optimizer_states == "fp32":
+        try:
+            torchao_optim()
+            states = ["8bit", "4bit"]
+        except MissingExtraError:
+            log.info("auto: low-bit optimizer states not considered (torchao is not "
+                     "installed: pip install 'memtrain[strategies]')")
+    tiers = []
+    for state in [memory.optimizer_states, *states]:
+        tier = [_with(cfg, in_backward, offload, state)
+                for in_backward in in_backwards for offload in offloads]
+        tiers.append([c for c in tier if c is not None and describe_added(c)
+                      != describe_added(cfg)])
+    return [tier for tier in tiers if tier]
+
+
+def rescue(cfg: Config, plan: Callable[[Config], tuple[Request, Decision]]
+           ) -> tuple[Rescue | None, list[Config]]:
+    """The first tier's fastest fitting candidate for ``cfg``, each planned by ``plan`` (its
+    request and ``choose``'s decision: ``trainer.plan.choose.rescued``), and every candidate
+    planned (for the refusal's line where none fits)."""
+    tried: list[Config] = []
+    for tier in rescue_tiers(cfg):
+        fitting = []
+        for candidate in tier:
+            request, decision = plan(candidate)
+            tried.append(candidate)
+            if decision.plan is not None:
+                fitting.append(Rescue(candidate, request, decision, len(tier)))
+        if fitting:
+            return max(fitting, key=lambda r: r.decision.plan.tokens_per_s  # type: ignore
+                       ), tried
+    return None, tried
