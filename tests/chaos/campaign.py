@@ -52,6 +52,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -390,24 +391,25 @@ class Campaign:
         self._killing = False
 
     def upload_race(self) -> dict[str, Any]:
-        """Hold back rank 1's shard of the next checkpoint while the rest of it lands, kill the
-        driver then, and ask memtrain's store listing what it makes of the partial checkpoint;
-        then run the driver again."""
-        step = self.progress()[1] + 1
-        step += -step % CHECKPOINT_EVERY
-        name = f"checkpoint-{step:08d}"
-        self.proxy.set("hold", pattern=rb"PUT /[^ ]*/" + name.encode() + rb"/__1_0\.distcp")
-        landed = self.wait(lambda: self.proxy.held > 0 and self.store.get_file_info(
-            f"{BUCKET}/runs/{RUN}/{name}/meta.json").type.name == "File", 60.0)
-        held = self.proxy.held
+        """Hold back rank 1's shard of the next checkpoint uploaded, whichever step it is, while
+        the rest of it lands; kill the driver then, and ask memtrain's store listing what it
+        makes of the partial checkpoint; then run the driver again. (The step is read from the
+        held request, not foretold from the run's progress: a run slowed by its neighbours, or
+        still recovering, uploads a different checkpoint from the one its progress suggests.)"""
+        self.proxy.set("hold", pattern=rb"PUT /[^ ]*/checkpoint-\d{8}/__1_0\.distcp")
+        held_one = self.wait(lambda: bool(self.proxy.held), RECOVERY_LIMIT)
+        found = re.search(rb"checkpoint-(\d{8})/", self.proxy.held[0]) if held_one else None
+        step = int(found.group(1)) if found else None
+        landed = step is not None and self.wait(lambda: self.store.get_file_info(
+            f"{BUCKET}/runs/{RUN}/checkpoint-{step:08d}/meta.json").type.name == "File", 60.0)
         self.kill_driver()  # the workers die with it: the held upload never completes
         self.proxy.set("pass")
         listed = self.whole_on_store()
         self.start_driver()
-        race = {"step": step, "shard_held": held > 0, "meta_landed": landed,
+        race = {"step": step, "shard_held": step is not None, "meta_landed": landed,
                 "listed_whole": step in listed, "latest_listed": max(listed, default=None)}
-        print(f"  upload_race: {name} shard held {held > 0}, meta.json landed {landed}, "
-              f"listed whole {step in listed}", flush=True)
+        print(f"  upload_race: checkpoint {step} shard held {step is not None}, meta.json "
+              f"landed {landed}, listed whole {step in listed}", flush=True)
         return race
 
     def run(self) -> dict[str, Any]:

@@ -4,8 +4,9 @@
 reset on arrival (the AWS SDK in pyarrow retries a few times, then the request fails: an upload
 or a download breaks mid-way). ``slow``: every chunk is held ``delay`` seconds each way.
 ``hold``: a request whose first bytes match ``pattern`` (an upload's request line, ``PUT
-/bucket/.../__1_0.distcp``) is held where it is, every other one flows; when the mode changes
-the held connections are reset, so that upload never completes. It works below HTTP, as a
+/bucket/.../__1_0.distcp``) is held where it is, and its request line kept in ``held``; every
+other one flows; when the mode changes the held connections are reset, so that upload never
+completes. It works below HTTP, as a
 flaky network or an overloaded store does, so it needs nothing of the server.
 """
 
@@ -24,7 +25,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.mode, self.delay = "pass", 0.0
         self.pattern: re.Pattern[bytes] | None = None
-        self.held = 0  # requests held in this hold
+        self.held: list[bytes] = []  # the request lines held in this hold
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -38,7 +39,7 @@ class FaultProxy:
             self.mode, self.delay = mode, delay
             self.pattern = re.compile(pattern) if pattern is not None else None
             if mode == "hold":
-                self.held = 0
+                self.held = []
             if mode == "fail":
                 for sock in list(self._open):
                     _reset(sock)
@@ -79,7 +80,7 @@ class FaultProxy:
                 if outbound and self.mode == "hold" and self.pattern is not None and \
                         self.pattern.search(data[:1024]):
                     with self._lock:
-                        self.held += 1
+                        self.held.append(data.split(b"\r\n", 1)[0])
                     while self.mode == "hold":  # held here; then the connection is reset
                         time.sleep(0.05)
                     break
