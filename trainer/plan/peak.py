@@ -568,7 +568,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation,
-        "backward start": activations + outside_grads + in_flight + forward_kept
+        "backward start": activations - _loss_weight_grad(shape, outside_grads)
+        + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
@@ -599,6 +600,15 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
                    accumulation_steps, static.total, activations,
                    peak - static.device_static - activations, peak,
                    profile.recompute_fraction, moment, seconds, tokens_per_s, chunk, host)
+
+
+def _loss_weight_grad(shape: LossShape | None, outside_grads: int) -> int:
+    """The chunked loss's output-weight gradient, computed in the forward pass and saved with
+    the activations: once the loss's backward has run it is that weight's gradient, counted
+    with the gradients outside the blocks, not twice."""
+    if not isinstance(shape, ChunkedLossShape) or not shape.weight_trains:
+        return 0
+    return min(shape.vocab_size * shape.width * shape.weight_itemsize, outside_grads)
 
 
 def _loss_terms(profile: ActivationProfile, tokens: int, loss_chunk_tokens: int | None
