@@ -103,6 +103,9 @@ class StaticBytes:
     # Where the optimizer steps: torch's AdamW runs its multi-tensor path on CUDA, a loop over
     # the parameters on CPU (``step_temporaries``).
     step_device: str = "cuda"
+    # DDP on more than one rank: gradients are reduced in buckets, so the step in backward
+    # holds a bucket's (about a block's) at once; one process steps each as it completes.
+    bucketed: bool = False
 
     @property
     def total(self) -> int:
@@ -227,7 +230,8 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
     if parallel != "ddp":
         raise ValueError(f"parallel {parallel!r} is not ddp|fsdp")
     return StaticBytes(param_bytes, grad_bytes, optimizer_bytes, in_backward=in_backward,
-                       largest_grad=largest, optimizer_states=states, step_device=step_device)
+                       largest_grad=largest, optimizer_states=states, step_device=step_device,
+                       bucketed=world_size > 1)
 
 
 @contextlib.contextmanager
@@ -641,10 +645,12 @@ def _timing(static: StaticBytes, profile: ActivationProfile, speed: SpeedModel |
 def in_backward_held(static: StaticBytes, profile: ActivationProfile, outside_grads: int
                      ) -> int:
     """The step in backward at the first block's backward: the gradients outside the blocks
-    (a tied embedding's completes last), that block's, and the step of its largest parameter
-    with its temporaries."""
-    block = profile.block_param_bytes // static.world_size
+    (a tied embedding's completes last), that block's (FSDP reduce-scatters a block's at once,
+    DDP a bucket's; in one process only the parameter stepping now holds one), and the step of
+    its largest parameter with its temporaries."""
     largest = profile.largest_block_param_bytes // static.world_size
+    block = profile.block_param_bytes // static.world_size \
+        if static.sharded or static.bucketed else largest
     step = int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * largest)
     return min(static.grads, outside_grads + block) + step
 
