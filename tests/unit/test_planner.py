@@ -9,6 +9,7 @@ import torch
 
 from trainer.build import MemoryTransforms, build_model, compile_model
 from trainer.config import Config
+from trainer.memory.loss import ChunkedLossShape
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.plan.candidates import choose_norm_inputs, choose_plan, feasible_plans
@@ -549,3 +550,39 @@ def test_fsdp_settings_move_bytes_between_device_and_host() -> None:
     static = StaticBytes(1200, 1200, 2400, 2, True, FsdpSettings(param_dtype="bf16"), 8400)
     assert plan_row(static, fp32, 1, 1) == plan_row(dataclasses.replace(
         static, fsdp=FsdpSettings()), fp32, 1, 1)
+
+
+def test_the_losss_saved_weight_gradient_is_counted_once_at_the_start_of_backward() -> None:
+    """The chunked loss computes its output weight's gradient in the forward pass and saves it;
+    once its backward has run that tensor is the weight's gradient, already counted with the
+    gradients outside the blocks: the start of backward counts it once."""
+    vocab, width = 1000, 100
+    weight_grad = vocab * width * 4
+
+    def start_of_backward(weight_trains: bool) -> PlanRow:
+        shape = ChunkedLossShape(vocab, width, 64, 4, 4, 4, weight_trains=weight_trains)
+        profile = ActivationProfile("fp32", "none", 5 * 10**6, weight_grad, 10**7, 0.0,
+                                    loss_shape=shape, seq_len=64,
+                                    outside_blocks_grad_bytes=weight_grad)
+        return plan_row(StaticBytes(10**6, 10**6, 2 * 10**6), profile, 1, 1)
+
+    trained, frozen = start_of_backward(True), start_of_backward(False)
+    assert trained.peak_moment == frozen.peak_moment == "backward start"
+    assert frozen.predicted_peak_bytes - trained.predicted_peak_bytes == weight_grad
+
+
+def test_the_step_in_backward_holds_one_gradient_in_one_process_and_a_block_under_ddp() -> None:
+    """At the end of backward with the step in backward, one process holds only the gradient of
+    the parameter stepping now; DDP's buckets (and FSDP's reduce-scatter) a block's at once."""
+    profile = ActivationProfile("fp32", "none", 0, 0, 0, 0.0, seq_len=64,
+                                first_block_per_sample_bytes=10**7, block_param_bytes=9000,
+                                largest_block_param_bytes=3000)
+
+    def end_of_backward(bucketed: bool) -> PlanRow:
+        static = StaticBytes(10**5, 10**5, 2 * 10**5, in_backward=True, largest_grad=3000,
+                             bucketed=bucketed)
+        return plan_row(static, profile, 1, 1)
+
+    one, ddp = end_of_backward(False), end_of_backward(True)
+    assert one.peak_moment == ddp.peak_moment == "backward end"
+    assert ddp.predicted_peak_bytes - one.predicted_peak_bytes == 9000 - 3000
