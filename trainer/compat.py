@@ -112,6 +112,23 @@ def is_fake(tensor: Any) -> bool:
     return bool(_is_fake(tensor))
 
 
+@contextlib.contextmanager
+def hf_positions_read_as_unpacked() -> Iterator[None]:
+    """transformers' check for packed documents in ``position_ids`` (``masking_utils.
+    find_packed_sequence_indices``, private) answers "none", as it does on a real forward whose
+    positions run 0 to T-1. On fake tensors it cannot read them and assumes packing: it builds an
+    explicit mask, and SDPA leaves its grouped-query path for ``repeat_kv``'s copies of every key
+    and value head, bytes a real step never holds."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def compile_counts() -> tuple[int, float]:
     """(frames torch.compile has compiled, seconds spent compiling) in this process so far:
     dynamo's own counters (private; every torch.compile user reads them, torchtitan included).

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.compat import hf_positions_read_as_unpacked, is_fake
 from trainer.memory.loss import linear_cross_entropy_sum
 
 PREFIX = "hf:"
@@ -102,10 +103,14 @@ class HFCausalLM(nn.Module):
 
         ``position_ids``: packed documents' positions (``trainer.tokens``); with no attention
         mask, transformers finds the documents from them and keeps attention within each."""
-        if targets_BT is None:
-            return self.hf(input_ids=idx_BT, position_ids=position_ids, use_cache=False).logits
-        hidden_BTC = self.hf.base_model(input_ids=idx_BT, position_ids=position_ids,
-                                        use_cache=False).last_hidden_state
+        # The planner's probe runs on fake tensors: unpacked, it takes the real forward's path.
+        with hf_positions_read_as_unpacked() if position_ids is None and is_fake(idx_BT) \
+                else contextlib.nullcontext():
+            if targets_BT is None:
+                return self.hf(input_ids=idx_BT, position_ids=position_ids,
+                               use_cache=False).logits
+            hidden_BTC = self.hf.base_model(input_ids=idx_BT, position_ids=position_ids,
+                                            use_cache=False).last_hidden_state
         weight_VC = self.hf.get_output_embeddings().weight
         return linear_cross_entropy_sum(hidden_BTC.flatten(0, 1), weight_VC,
                                         targets_BT.flatten(), self.loss_chunk_tokens)

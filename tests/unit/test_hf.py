@@ -188,6 +188,23 @@ def test_the_planner_probes_a_hf_model(precision: str, tmp_path: Path) -> None:
     assert profile.loss_shape.vocab_size == 300
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_a_fake_probe_of_a_grouped_query_llama_saves_what_a_real_forward_does(
+        packed: bool, tmp_path: Path) -> None:
+    """transformers takes fake tensors for tracing and would assume packed documents, building a
+    mask that turns SDPA's grouped-query path off (``repeat_kv`` copies every key and value
+    head): the probe reads unpacked positions as a real forward does, to the byte. Packed, both
+    build the mask."""
+    CONFIGS["llama"]().save_pretrained(tmp_path)  # 4 heads, 2 key-value heads
+    factory = partial(create_model, f"hf:{tmp_path}", **FIELDS)
+
+    def probe(fake: bool) -> int:
+        return profile_activations(factory, MemoryTransforms("none", 2, 16), 64, 256, "fp32",
+                                   fake=fake, packed=packed).saved_bytes(2)
+
+    assert probe(True) == probe(False)
+
+
 def test_a_decoder_layer_is_measured_with_its_own_arguments(tmp_path: Path) -> None:
     """The emulated-bf16 workspace calls the first block alone; a decoder layer needs the
     rotary embeddings and position ids its model passed it, which the probe records (by shape:
