@@ -12,6 +12,7 @@ import pytest
 from trainer.config import Config, ConfigError, load_config
 from trainer.plan.choose import decide
 from trainer.plan.rescue import describe_added, rescue_tiers
+from trainer.plan.strategy import describe, resolve_auto
 
 # 3.3M parameters on 4 GPUs under DDP: fp32 AdamW holds 53 MB a GPU (16 bytes a parameter),
 # 8-bit states 33 MB; the activations at micro-batch 4 are a few MB.
@@ -84,3 +85,15 @@ def test_nothing_fitting_even_with_every_strategy_names_what_was_tried() -> None
                                           r"4bit; ") as err:
         decide(_cfg("memory.device_memory=30MiB"))
     assert "\n" not in str(err.value)
+
+
+def test_with_the_strategy_auto_too_they_are_added_to_the_sharding_holding_least(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No sharding candidate fits 20 MiB as configured: FSDP (the one holding least) is kept, and
+    the memory strategies are planned on it."""
+    with caplog.at_level(logging.INFO, logger="memtrain"):
+        chosen = resolve_auto(_cfg("parallel.strategy=auto", "memory.device_memory=20MiB"))
+    assert describe(chosen) == "parallel.strategy fsdp (reshard_after_forward true, offload none)"
+    assert "memory.optimizer_states 8bit" in describe_added(chosen)
+    assert any(r.getMessage().startswith("auto: nothing fits 20.0 MiB per device under "
+                                         "parallel.strategy ddp or ") for r in caplog.records)

@@ -257,8 +257,9 @@ def rescued(cfg: Config, request: Request, budget: int, speed: SpeedModel
         also = f"; nor with {tried_in_words(tried)}" if tried else ""
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device with "
                           f"precision {' or '.join(request.precisions)} "
-                          f"(memory.device_memory){also}; try FSDP, a shorter sequence or a "
-                          "smaller model")
+                          f"(memory.device_memory){also}; try "
+                          f"{'more workers' if cfg.parallel.strategy == 'fsdp' else 'FSDP'}, a "
+                          "shorter sequence or a smaller model")
     plan = found.decision.plan
     assert plan is not None
     kept = found.cfg.memory.optimizer_states == cfg.memory.optimizer_states

@@ -10,7 +10,8 @@ predicted tokens/s wins (blocks kept after forward gather once fewer, where they
 activation probes are shared: only the static bytes and the collectives differ between
 candidates. Offload is a candidate on a GPU only: on a CPU run host and device are the same
 memory, so it frees nothing. One log line says what was chosen and what each other candidate
-would give.
+would give. Where no candidate fits and ``decide`` may add memory strategies
+(``trainer.plan.rescue``), the candidate holding least is kept for it to plan them on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from trainer.plan.choose import (
     speed_model,
 )
 from trainer.plan.peak import ActivationProfile, StaticBytes
+from trainer.plan.rescue import rescue_tiers
 
 log = logging.getLogger("memtrain")
 
@@ -105,6 +107,16 @@ def decide_sharding(cfg: Config) -> Config:
     decisions = [(c, choose(request_from(c, budget), probe_with(config_static(c)), speed))
                  for c in candidates]
     fitting = [(c, d) for c, d in decisions if d.plan is not None]
+    if not fitting and rescuable(cfg):
+        # The memory strategies auto may add are planned on the candidate holding least.
+        least = min(candidates, key=lambda c: (config_static(c).device_static,
+                                               c.parallel.fsdp.reshard_after_forward is False))
+        log.info("auto: nothing fits %s per device under %s with the memory strategies as "
+                 "configured; the strategies auto may add are planned on the candidate holding "
+                 "least: %s",
+                 format_bytes(budget), " or ".join(describe(c) for c, _ in decisions),
+                 describe(least))
+        return least
     if not fitting:
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device under "
                           + " or ".join(describe(c) for c, _ in decisions)
@@ -122,6 +134,15 @@ def decide_sharding(cfg: Config) -> Config:
              describe(chosen), f"{best.plan.tokens_per_s:,.0f}",
              format_bytes(best.plan.predicted_peak_bytes), format_bytes(budget), others)
     return chosen
+
+
+def rescuable(cfg: Config) -> bool:
+    """Whether ``decide`` would add memory strategies to ``cfg`` where nothing fits: it plans
+    (micro-batch or checkpointing ``auto``) and some strategy's field is unset
+    (``trainer.plan.rescue``)."""
+    searching = cfg.train.micro_batch_size == "auto" or \
+        cfg.memory.activation_checkpointing == "auto"
+    return searching and bool(rescue_tiers(cfg))
 
 
 def resolve_auto(cfg: Config) -> Config:
