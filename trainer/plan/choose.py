@@ -155,13 +155,19 @@ def precision_candidates(cfg: Config) -> list[str]:
     return [planned, "bf16" if planned == "fp32" else "fp32"]
 
 
+def searches(cfg: Config) -> bool:
+    """Whether ``auto`` plans ``cfg``'s shape of step: its micro-batch or its checkpointing is
+    ``auto`` (the precision, loss chunk and compile are then chosen with them)."""
+    return cfg.train.micro_batch_size == "auto" or cfg.memory.activation_checkpointing == "auto"
+
+
 def request_from(cfg: Config, budget: int) -> Request:
     """The decision ``cfg``'s ``auto`` fields ask for, on a device of ``budget`` bytes: every
     checkpointing mode where it is ``auto``, every micro-batch where that is, the precision
     candidates (``precision_candidates``) where either is searched."""
     micro_auto = cfg.train.micro_batch_size == "auto"
     ac_auto = cfg.memory.activation_checkpointing == "auto"
-    searching = micro_auto or ac_auto
+    searching = searches(cfg)
     return Request(
         global_batch_size=cfg.train.global_batch_size, world_size=cfg.parallel.workers,
         device_memory_bytes=budget,
@@ -196,8 +202,7 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
     measuring the data loader where a micro-batch or checkpointing mode is chosen); ``probe``:
     the planner's inputs (default ``config_probe``; ``memtrain plan`` passes the profiles it
     has already probed)."""
-    searching = cfg.train.micro_batch_size == "auto" or \
-        cfg.memory.activation_checkpointing == "auto"
+    searching = searches(cfg)
     norm_auto = cfg.memory.bf16_norm_inputs == "auto"
     if not (searching or norm_auto):
         return cfg, None

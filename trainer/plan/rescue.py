@@ -32,7 +32,7 @@ from trainer.plan.candidates import Decision, Request
 
 log = logging.getLogger("memtrain")
 
-# The memory fields the rescue may set, in the order the log names them.
+# The memory fields the rescue may set (only where the config leaves them unset).
 FIELDS = ("optimizer_in_backward", "activation_offload", "optimizer_states")
 
 

@@ -28,6 +28,7 @@ from trainer.plan.choose import (
     decide,
     device_memory_bytes,
     request_from,
+    searches,
     speed_model,
 )
 from trainer.plan.peak import ActivationProfile, StaticBytes
@@ -104,13 +105,14 @@ def decide_sharding(cfg: Config) -> Config:
             return static, profiles[precision, norm]
         return probe
 
-    decisions = [(c, choose(request_from(c, budget), probe_with(config_static(c)), speed))
-                 for c in candidates]
+    statics = [config_static(c) for c in candidates]
+    decisions = [(c, choose(request_from(c, budget), probe_with(static), speed))
+                 for c, static in zip(candidates, statics, strict=True)]
     fitting = [(c, d) for c, d in decisions if d.plan is not None]
     if not fitting and rescuable(cfg):
         # The memory strategies auto may add are planned on the candidate holding least.
-        least = min(candidates, key=lambda c: (config_static(c).device_static,
-                                               c.parallel.fsdp.reshard_after_forward is False))
+        least, _ = min(zip(candidates, statics, strict=True), key=lambda pair: (
+            pair[1].device_static, pair[0].parallel.fsdp.reshard_after_forward is False))
         log.info("auto: nothing fits %s per device under %s with the memory strategies as "
                  "configured; the strategies auto may add are planned on the candidate holding "
                  "least: %s",
@@ -140,9 +142,7 @@ def rescuable(cfg: Config) -> bool:
     """Whether ``decide`` would add memory strategies to ``cfg`` where nothing fits: it plans
     (micro-batch or checkpointing ``auto``) and some strategy's field is unset
     (``trainer.plan.rescue``)."""
-    searching = cfg.train.micro_batch_size == "auto" or \
-        cfg.memory.activation_checkpointing == "auto"
-    return searching and bool(rescue_tiers(cfg))
+    return searches(cfg) and bool(rescue_tiers(cfg))
 
 
 def resolve_auto(cfg: Config) -> Config:
