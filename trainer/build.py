@@ -66,13 +66,25 @@ class MemoryTransforms:
 def model_factory(model: ModelConfig, load_weights: bool = True) -> ModelFactory:
     """The configured model (a registered name or ``module:function``), without transforms
     (``load_weights=False``: an ``hf:`` directory's weights are left to the sharded build)."""
-    kwargs = model.model_dump(exclude={"name", "lora"})
+    kwargs = model.model_dump(exclude={"name", "lora", "dtype"})
     if model.lora is None:
+        if model.dtype == "bf16":
+            return lambda: to_bf16(create_model(model.name, load_weights=load_weights, **kwargs))
         return lambda: create_model(model.name, load_weights=load_weights, **kwargs)
     lora = LoraSettings(model.lora.rank, model.lora.alpha, model.lora.dropout,
                         tuple(model.lora.targets), model.lora.base_dtype)
     return lambda: apply_lora(create_model(model.name, load_weights=load_weights, **kwargs),
                               lora)
+
+
+def to_bf16(model: nn.Module) -> nn.Module:
+    """``model`` with every floating-point parameter cast to bf16 (``model.dtype: bf16``),
+    rounded to nearest; buffers keep their dtype. Through ``.data``, not ``module.to``, which
+    swaps tensors (impossible for a tied fake one), so a meta build records the casts too."""
+    for param in {id(p): p for p in model.parameters()}.values():
+        if param.is_floating_point():
+            param.data = param.data.to(torch.bfloat16)
+    return model
 
 
 def build_model(factory: ModelFactory, transforms: MemoryTransforms,

@@ -72,6 +72,14 @@ class ModelConfig(_Strict):
     n_head: int = Field(4, ge=1)
     n_embd: int = Field(128, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # The weights' own dtype. bf16: every weight (and so its gradient) is bf16, with no fp32
+    # copy anywhere: 2 bytes a parameter instead of 4, a sharded rank's shard halved (Lightning's
+    # "bf16-true", torchtune's "dtype: bf16"). AdamW computes each update in fp32 and rounds it
+    # into the bf16 weight stochastically (torchao), so an update below bf16's resolution is
+    # kept in expectation rather than lost. The model is built in fp32 with its seeded
+    # initialisation, then cast: its weights are the fp32 build's, rounded to nearest. Needs
+    # memory.precision bf16 (or auto resolving to it) and optimizer_states bf16, 8bit or 4bit.
+    dtype: Literal["fp32", "bf16"] = "fp32"
     # Train LoRA adapters on a frozen base (pip install 'memtrain[strategies]'); unset: the
     # whole model trains.
     lora: LoraConfig | None = None
@@ -342,6 +350,7 @@ class Config(_Strict):
                              "bf16 gradient reduction is mixed precision; set "
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
         strategy_combinations(self)
+        weight_dtype_combinations(self)
         workers = self.parallel.workers
         group = fsdp.reshard_after_forward
         if isinstance(group, int) and not isinstance(group, bool) and \
@@ -355,10 +364,32 @@ class Config(_Strict):
         wanted = self.parallel.fsdp.param_dtype
         if wanted != "auto":
             return wanted
-        return "bf16" if precision == "bf16" else "fp32"
+        return "bf16" if precision == "bf16" or self.model.dtype == "bf16" else "fp32"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def weight_dtype_combinations(cfg: Config) -> None:
+    """Refuse what bf16 weights (``model.dtype``) cannot be combined with, one line each."""
+    memory = cfg.memory
+    if cfg.model.dtype != "bf16":
+        return
+    if memory.precision in ("fp32", "fp16"):
+        raise ValueError(f"model.dtype 'bf16' with memory.precision {memory.precision!r}: "
+                         "bf16 weights compute in bf16; set memory.precision bf16 (or auto)")
+    if memory.optimizer_states == "fp32":
+        raise ValueError("model.dtype 'bf16' with memory.optimizer_states 'fp32': AdamW's "
+                         "moments are kept in the weights' dtype or below (a checkpoint's "
+                         "load casts them to it); set optimizer_states bf16, 8bit or 4bit")
+    if cfg.model.lora is not None:
+        raise ValueError("model.dtype 'bf16' with model.lora: LoRA's adapters train in fp32 "
+                         "over a frozen base; for a bf16 base set model.lora.base_dtype bf16 "
+                         "and leave model.dtype fp32")
+    if cfg.parallel.fsdp.param_dtype == "fp32" and cfg.parallel.strategy != "ddp":
+        raise ValueError("model.dtype 'bf16' with parallel.fsdp.param_dtype 'fp32': FSDP "
+                         "would gather bf16 weights as fp32 copies; set param_dtype bf16 "
+                         "(or auto)")
 
 
 def strategy_combinations(cfg: Config) -> None:

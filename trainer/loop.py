@@ -392,6 +392,9 @@ def describe_strategies(memory: MemoryConfig, model: torch.nn.Module,
         said.append(f"LoRA rank {lora.rank}, alpha {lora.alpha:g}: {trained:,} of {total:,} "
                     f"parameters train ({trained / total:.2%}), the base frozen in "
                     f"{lora.base_dtype}")
+    if any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
+        said.append("weights bf16 with no fp32 copy (model.dtype), each update rounded into "
+                    "them stochastically")
     if memory.optimizer_states != "fp32":
         said.append(f"AdamW states {memory.optimizer_states} (torchao)")
     if memory.optimizer_in_backward:

@@ -52,6 +52,7 @@ class FsdpSettings:
     reduce_dtype: str = "fp32"  # fp32 | bf16
     reshard_after_forward: bool | int = True
     offload: str = "none"  # none | cpu
+    weight_dtype: str = "fp32"  # the shards' own dtype (``model.dtype``): fp32 | bf16
 
     @classmethod
     def of(cls, cfg: Config, precision: str, world_size: int) -> FsdpSettings:
@@ -64,17 +65,18 @@ class FsdpSettings:
             raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide the "
                              f"world size ({world_size} workers)")
         offload = "none" if fsdp.offload == "auto" else fsdp.offload
-        return cls(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, offload)
+        return cls(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, offload,
+                   cfg.model.dtype)
 
     @property
     def param_share(self) -> float:
-        """Bytes of a gathered parameter per byte of its fp32 shard (0.5 in bf16)."""
-        return _DTYPES[self.param_dtype].itemsize / 4
+        """Bytes of a gathered parameter per byte of its shard (0.5 for bf16 from fp32)."""
+        return _DTYPES[self.param_dtype].itemsize / _DTYPES[self.weight_dtype].itemsize
 
     @property
     def reduce_share(self) -> float:
-        """Bytes of a reduce-scattered gradient per fp32 byte."""
-        return _DTYPES[self.reduce_dtype].itemsize / 4
+        """Bytes of a reduce-scattered gradient per byte of a weight."""
+        return _DTYPES[self.reduce_dtype].itemsize / _DTYPES[self.weight_dtype].itemsize
 
     def step_policy(self, policy: PrecisionPolicy) -> PrecisionPolicy:
         """``policy`` as a step runs under these settings: with bf16 parameters
@@ -85,10 +87,11 @@ class FsdpSettings:
 
     @property
     def mixed_precision(self) -> bool:
-        return self.param_dtype != "fp32" or self.reduce_dtype != "fp32"
+        return self.param_dtype != self.weight_dtype or self.reduce_dtype != self.weight_dtype
 
     def describe(self) -> str:
-        return (f"parameters {self.param_dtype}, gradients reduced in {self.reduce_dtype}, "
+        return (f"shards {self.weight_dtype}, parameters {self.param_dtype}, gradients "
+                f"reduced in {self.reduce_dtype}, "
                 f"reshard_after_forward {self.reshard_after_forward}, offload {self.offload}")
 
 

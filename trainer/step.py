@@ -230,7 +230,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
               {"params": no_decay, "weight_decay": 0.0}]
     if fused is None:
         fused = states == "fp32" and any(p.is_cuda for p in decay + no_decay)
-    optimizer = make_adamw(groups, lr, betas, states, bool(fused))
+    bf16 = any(p.dtype == torch.bfloat16 for p in decay + no_decay)  # ``model.dtype: bf16``
+    optimizer = make_adamw(groups, lr, betas, states, bool(fused), stochastic_round=bf16)
     if in_backward is not None:
         BackwardSteps(optimizer, ddp=in_backward == "ddp", sharded=in_backward == "fsdp")
     return optimizer

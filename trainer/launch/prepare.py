@@ -277,13 +277,16 @@ def check_strategies(cfg: Config) -> None:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(f"{field} needs the {package} package: pip install "
                               "'memtrain[strategies]'")
-    if lora is not None and lora.base_dtype == "bf16" and cfg.memory.precision == "auto":
+    bf16_base = lora is not None and lora.base_dtype == "bf16"
+    if (bf16_base or cfg.model.dtype == "bf16") and cfg.memory.precision == "auto":
         from trainer.plan.choose import planned_precision
 
+        field, weights = ("model.lora.base_dtype", "base weights") if bf16_base else \
+            ("model.dtype", "weights")
         if (precision := planned_precision(cfg)) != "bf16":
-            raise ConfigError(f"model.lora.base_dtype 'bf16': memory.precision auto resolves "
-                              f"to {precision} here, and bf16 base weights compute under bf16 "
-                              "autocast; set memory.precision bf16, or base_dtype fp32")
+            raise ConfigError(f"{field} 'bf16': memory.precision auto resolves to {precision} "
+                              f"here, and bf16 {weights} compute in bf16; set "
+                              f"memory.precision bf16, or {field} fp32")
 
 
 def _store_error(cfg: Config, err: Exception) -> ConfigError:

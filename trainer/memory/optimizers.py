@@ -5,8 +5,10 @@
 - ``bf16``: the moments in bf16 (4 bytes), the update computed in fp32 (torchao's AdamW step);
 - ``8bit`` / ``4bit``: torchao's ``AdamW8bit`` / ``AdamW4bit``, the moments block-quantized
   (one byte, or half, per value and an fp32 scale per block of 256, or 128).
-Tensors under 4,096 elements (norms, biases) or whose size a block does not divide keep fp32
-moments, as bitsandbytes and torchao do. ``state_bytes`` counts exactly that, per tensor, for the
+Tensors under 4,096 elements (norms, biases) or whose size a block does not divide keep
+moments in their parameter's dtype (fp32, or bf16 under ``model.dtype: bf16``), as bitsandbytes
+and torchao do. Over bf16 weights (``stochastic_round``) torchao rounds each updated weight
+from fp32 to bf16 stochastically. ``state_bytes`` counts exactly that, per tensor, for the
 planner. The learning rate, its schedule, weight decay and clipping are those of fp32 AdamW:
 only how the moments are stored changes. torchao's step is compiled (``torch.compile``, once per
 parameter shape): the first step of a run pays that.
@@ -79,14 +81,15 @@ def torchao_optim() -> Any:
     return ao_optim
 
 
-def tensor_state_bytes(numel: int, states: str) -> int:
-    """AdamW's state bytes for one tensor of ``numel`` elements: its two moments (the step
-    counter, 4 bytes a tensor, is left out)."""
+def tensor_state_bytes(numel: int, states: str, itemsize: int = 4) -> int:
+    """AdamW's state bytes for one tensor of ``numel`` elements whose parameter has
+    ``itemsize`` bytes an element: its two moments (the step counter, 4 bytes a tensor, is left
+    out)."""
     if states == "fp32":
         return 8 * numel
     block = _BLOCK[states]
     if numel < SMALLEST_QUANTIZED or numel % block:
-        return 8 * numel
+        return 2 * itemsize * numel
     scales = 0 if states == "bf16" else 4 * (numel // block)
     return 2 * (math.ceil(_CODE_BYTES[states] * numel) + scales + 4 * _QMAP_VALUES[states])
 
@@ -100,7 +103,7 @@ def state_bytes(tensors: Sequence[torch.Tensor], states: str, world_size: int = 
         if world_size > 1:
             rows = tensor.shape[0] if tensor.dim() else 1
             numel = -(-rows // world_size) * (numel // max(rows, 1))
-        total += tensor_state_bytes(numel, states)
+        total += tensor_state_bytes(numel, states, tensor.element_size())
     return total
 
 
@@ -112,9 +115,9 @@ def _bf16_states_class(ao_optim: Any) -> type[torch.optim.Optimizer]:
 
         def __init__(self, params: Any, lr: float = 1e-3,
                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                     weight_decay: float = 0.0) -> None:
+                     weight_decay: float = 0.0, bf16_stochastic_round: bool = False) -> None:
             super().__init__(params, lr, betas, eps, weight_decay, False, block_size=1,
-                             bf16_stochastic_round=False, is_adamw=True)
+                             bf16_stochastic_round=bf16_stochastic_round, is_adamw=True)
             # torch's load_state_dict casts floating state to the parameter's dtype: the
             # moments go back to bf16 (exactly: they were bf16 values).
             self.register_load_state_dict_post_hook(_moments_to_bf16)
@@ -144,16 +147,53 @@ def adamw_class(states: str) -> Any:
     ao_optim = torchao_optim()
     if states == "bf16":
         return _bf16_states_class(ao_optim)
-    return ao_optim.AdamW8bit if states == "8bit" else ao_optim.AdamW4bit
+    return _quantized_class(ao_optim, states)
+
+
+def _quantized_class(ao_optim: Any, states: str) -> type[torch.optim.Optimizer]:
+    """torchao's ``AdamW8bit`` or ``AdamW4bit``, its quantized moments always looking fp32.
+
+    torchao gives a moment its parameter's dtype as an appearance (the codes are the same);
+    its ``view`` (which ``DTensor.from_local`` takes) forgets it, and a bf16-looking moment's
+    fp32-looking view cannot be traced by ``torch.compile``: bf16 weights under FSDP2 would
+    fail at their first step. fp32 is what the step computes the moments in anyway."""
+    base = ao_optim.AdamW8bit if states == "8bit" else ao_optim.AdamW4bit
+    state = ao_optim.subclass_8bit.OptimState8bit if states == "8bit" else \
+        ao_optim.subclass_4bit.OptimState4bit
+
+    def zeros(p: torch.Tensor, signed: bool, block_size: int) -> torch.Tensor:
+        return state.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        # torch's load_state_dict gives floating state its parameter's dtype: fp32 again
+        self.register_load_state_dict_post_hook(_quantized_moments_look_fp32)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__doc__": base.__doc__,
+                                         "_subclass_zeros": staticmethod(zeros)})
+
+
+def _quantized_moments_look_fp32(optimizer: torch.optim.Optimizer) -> None:
+    for per_param in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = per_param.get(key)
+            if isinstance(value, torch.Tensor) and value.dtype != torch.float32 and \
+                    hasattr(local_tensor(value), "codes"):
+                per_param[key] = value.to(torch.float32)  # the appearance only: no copy
 
 
 def make_adamw(groups: list[dict[str, Any]], lr: float, betas: tuple[float, float],
-               states: str = "fp32", fused: bool = False) -> torch.optim.Optimizer:
+               states: str = "fp32", fused: bool = False,
+               stochastic_round: bool = False) -> torch.optim.Optimizer:
     """AdamW over ``groups`` with its moments in ``states`` (``fused``: torch's fused kernel,
-    fp32 states only)."""
+    fp32 states only; ``stochastic_round``: bf16 weights get their updates rounded
+    stochastically, torchao's states only)."""
     if states == "fp32":
+        if stochastic_round:
+            raise ValueError("bf16 weights need memory.optimizer_states bf16, 8bit or 4bit")
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True if fused else None)
-    return adamw_class(states)(groups, lr=lr, betas=betas)
+    return adamw_class(states)(groups, lr=lr, betas=betas,
+                               bf16_stochastic_round=stochastic_round)
 
 
 def held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -205,10 +245,13 @@ class BackwardSteps:
         self.squares: list[torch.Tensor] = []
         self.steppers: dict[int, _Stepper] = {}  # by id(parameter), for DDP's hook
         make: Any = type(optimizer)
+        # torchao's optimizers keep stochastic rounding (bf16 weights) outside the groups
+        rounding = {"bf16_stochastic_round": True} \
+            if getattr(optimizer, "bf16_stochastic_round", False) else {}
         for index, group in enumerate(optimizer.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
             for param in group["params"]:
-                single = make([{"params": [param], **hyper}])
+                single = make([{"params": [param], **hyper}], **rounding)
                 self.singles.append((single, index))
                 stepper = _Stepper(self, single)
                 self.steppers[id(param)] = stepper
