@@ -45,6 +45,7 @@ measures how far the prediction is from the real CUDA peak.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import logging
@@ -105,6 +106,9 @@ class StaticBytes:
     # DDP on more than one rank: gradients are reduced in buckets, so the step in backward
     # holds a bucket's (about a block's) at once; one process steps each as it completes.
     bucketed: bool = False
+    # Bytes of one trained weight: 2 under ``model.dtype: bf16``, whose step still computes in
+    # fp32 (torchao): its temporaries are fp32 copies, twice the gradient's bytes.
+    weight_itemsize: int = 4
 
     @property
     def total(self) -> int:
@@ -220,17 +224,19 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
     else:  # torchao quantizes a shard by its own size
         optimizer_bytes = state_bytes(trained, states, world_size if sharded else 1)
     largest = max((_nbytes([p]) for p in trained), default=0)
+    itemsize = max((p.element_size() for p in trained), default=4)
     if sharded:
         params, grads = (-(-b // world_size) for b in (param_bytes, grad_bytes))
         return StaticBytes(params, grads, optimizer_bytes, world_size=world_size, sharded=True,
                            fsdp=fsdp or FsdpSettings(), full_param_bytes=param_bytes,
                            in_backward=in_backward, largest_grad=-(-largest // world_size),
-                           optimizer_states=states, step_device=step_device)
+                           optimizer_states=states, step_device=step_device,
+                           weight_itemsize=itemsize)
     if parallel != "ddp":
         raise ValueError(f"parallel {parallel!r} is not ddp|fsdp")
     return StaticBytes(param_bytes, grad_bytes, optimizer_bytes, in_backward=in_backward,
                        largest_grad=largest, optimizer_states=states, step_device=step_device,
-                       bucketed=world_size > 1)
+                       bucketed=world_size > 1, weight_itemsize=itemsize)
 
 
 @contextlib.contextmanager
@@ -385,17 +391,23 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...],
 
     args, kwargs = ((), {}) if call is None else (_stand_in(call.args), _stand_in(call.kwargs))
 
+    # bf16 weights (``model.dtype``) run in bf16 only: fp32's workspace is a float copy's
+    weights_bf16 = any(p.dtype == torch.bfloat16 for p in block.parameters())
+    fp32_block = copy.deepcopy(block).float() if weights_bf16 else block
+
     def workspace(precision: str, batch: int) -> int:
-        x_BTC = torch.randn(batch, *sample_shape, requires_grad=True)
+        run = block if precision == "bf16" else fp32_block
+        dtype = torch.bfloat16 if run is block and weights_bf16 else torch.float32
+        x_BTC = torch.randn(batch, *sample_shape, dtype=dtype, requires_grad=True)
         policy = precision_policy(precision, x_BTC.device, warn=False)
         with quiet_native_logs(), profile(activities=[ProfilerActivity.CPU],
                                           profile_memory=True) as prof:
             with policy.autocast(x_BTC.device):
-                y_BTC = block(x_BTC, *args, **kwargs)
+                y_BTC = run(x_BTC, *args, **kwargs)
             if isinstance(y_BTC, tuple | list):  # a decoder layer that returns more
                 y_BTC = y_BTC[0]
             y_BTC.float().sum().backward()
-        block.zero_grad(set_to_none=True)
+        run.zero_grad(set_to_none=True)
         return cpu_op_workspace_bytes(prof, MATMUL_OPS)
 
     excess = [max(0, workspace("bf16", batch) - workspace("fp32", batch)) for batch in (1, 2)]
@@ -650,7 +662,8 @@ def in_backward_held(static: StaticBytes, profile: ActivationProfile, outside_gr
     largest = profile.largest_block_param_bytes // static.world_size
     block = profile.block_param_bytes // static.world_size \
         if static.sharded or static.bucketed else largest
-    step = int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * largest)
+    step = int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * largest
+               * 4 // static.weight_itemsize)
     return min(static.grads, outside_grads + block) + step
 
 
@@ -667,7 +680,8 @@ def step_temporaries(static: StaticBytes) -> int:
     if static.optimizer_states == "fp32" and static.step_device == "cuda" \
             and not static.in_backward:
         return static.optimizer // 2
-    return int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * static.largest_grad)
+    return int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * static.largest_grad
+               * 4 // static.weight_itemsize)
 
 
 def in_backward_bytes(static: StaticBytes) -> int:
