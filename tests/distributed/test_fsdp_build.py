@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from monitoring.memory import PeakResident
-from trainer.build import MemoryTransforms, build_model, build_sharded
+from trainer.build import MemoryTransforms, build_model, build_sharded, to_bf16
 from trainer.launch.local import free_port, start_workers
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
@@ -60,6 +60,17 @@ def _build(rank: int, port: int, world_size: int, path: str, out: str) -> None:
             host = _full_weights(build_model(factory, MemoryTransforms(), seed=5))
             result["same"] = all(torch.equal(t, host[name])
                                  for name, t in _full_weights(sharded).items())
+            # model.dtype bf16: the meta build's shards are the host build's weights, rounded
+            bf16 = _full_weights(build_sharded(lambda: to_bf16(GPT(_TINY)), transforms,
+                                               torch.device("cpu"), 5,
+                                               FsdpSettings("bf16", weight_dtype="bf16"),
+                                               model_name="gpt"))
+            rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in
+                       _full_weights(build_model(partial(GPT, _TINY), transforms,
+                                                 seed=5)).items()}
+            result["same_bf16"] = bf16.keys() == rounded.keys() and all(
+                t.dtype == torch.bfloat16 and torch.equal(t, rounded[k]) for k, t in bf16.items()
+                if t.is_floating_point())
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -111,6 +122,7 @@ def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_s
         assert _FULL_BYTES >= 4 * result["shard"]
         assert result["peak"] < _FULL_BYTES / 2, (rank, result)
         assert result["same"], rank
+        assert result["same_bf16"], rank
         for peak in result["steps"]:
             assert planned * 0.9 <= peak < 3 * _FULL_BYTES, (rank, result["steps"], planned)
 
