@@ -68,13 +68,25 @@ def model_factory(model: ModelConfig, load_weights: bool = True) -> ModelFactory
     (``load_weights=False``: an ``hf:`` directory's weights are left to the sharded build)."""
     kwargs = model.model_dump(exclude={"name", "lora", "dtype"})
     if model.lora is None:
-        if model.dtype == "bf16":
-            return lambda: to_bf16(create_model(model.name, load_weights=load_weights, **kwargs))
-        return lambda: create_model(model.name, load_weights=load_weights, **kwargs)
+        plain = partial(create_model, model.name, load_weights=load_weights, **kwargs)
+        return Bf16Weights(plain) if model.dtype == "bf16" else plain
     lora = LoraSettings(model.lora.rank, model.lora.alpha, model.lora.dropout,
                         tuple(model.lora.targets), model.lora.base_dtype)
     return lambda: apply_lora(create_model(model.name, load_weights=load_weights, **kwargs),
                               lora)
+
+
+@dataclass(frozen=True)
+class Bf16Weights:
+    """A model factory whose model has its weights cast to bf16 once built (``model.dtype``).
+    The sharded build records ``factory`` alone on meta and casts the meta model, so that no
+    rank holds the whole fp32 model while its shards are filled: each shard takes its fp32
+    values, rounded, as they are made."""
+
+    factory: ModelFactory
+
+    def __call__(self) -> nn.Module:
+        return to_bf16(self.factory())
 
 
 def to_bf16(model: nn.Module) -> nn.Module:
@@ -150,8 +162,8 @@ def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
         for name, tensor in (*module._parameters.items(), *module._buffers.items()):
             if tensor is not None:
                 fqn = f"{prefix}.{name}" if prefix else name
-                owners.setdefault(meta_init.storage_key(tensor), []).append(
-                    _Owner(module, name, fqn, tensor))
+                owners.setdefault(meta_init.storage_key(tensor), []).append(  # ``detach``: a
+                    _Owner(module, name, fqn, tensor.detach()))  # later cast keeps this storage
     return owners
 
 
@@ -170,14 +182,18 @@ def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: t
     ``weights``' rows where the directory has them (``factory`` then builds without them). A
     model that cannot be built on meta is built whole on the host and sharded, with one
     warning naming the reason."""
+    cast = isinstance(factory, Bf16Weights)
     try:
-        model, recording = _meta_build(factory, hf_init=":" in model_name)
+        model, recording = _meta_build(factory.factory if cast else factory,  # type: ignore[attr-defined]
+                                       hf_init=":" in model_name)
     except Exception as err:  # the factory needed real values (an .item(), a data branch);
         # an error of the model's own is raised again by the host build below.
         log.warning("model.name %r cannot be built on the meta device (%s); building it whole "
                     "on the host, then sharding", model_name, first_line(err, type(err).__name__))
         model, recording = build_model(factory, MemoryTransforms(), device, seed), None
-    owners = _owners(model)
+    owners = _owners(model)  # by the storages the record made (fp32 ones where ``cast``)
+    if cast and recording is not None:
+        _bf16_parameters(model)  # its shards are allocated in bf16
     apply_transforms(model, transforms)
     before_shard(model)
     shard_model(model, settings, device)
@@ -198,6 +214,21 @@ def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: t
             module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
                                     if b is not None})
     return model
+
+
+def _bf16_parameters(model: nn.Module) -> None:
+    """New bf16 parameters in place of a meta model's floating ones (tied ones stay tied).
+    New objects, not ``.data``: the record's operations hold the old ones, and the replay finds
+    each by its storage."""
+    swapped: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in swapped:
+                swapped[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16),
+                                                  requires_grad=param.requires_grad)
+            module._parameters[name] = swapped[id(param)]
 
 
 def load_hf_weights(model: nn.Module, weights: SafetensorsRows | None, source: str) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from monitoring.memory import PeakResident
-from trainer.build import MemoryTransforms, build_model, build_sharded, to_bf16
+from trainer.build import Bf16Weights, MemoryTransforms, build_model, build_sharded
 from trainer.launch.local import free_port, start_workers
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
@@ -54,6 +54,15 @@ def _build(rank: int, port: int, world_size: int, path: str, out: str) -> None:
                 model = shard_model(build_model(factory, transforms, torch.device("cpu"), 5))
         result = {"peak": build.peak, "shard": local_parameter_bytes(model)}
         if path == "meta":
+            del model
+            with PeakResident().watch() as build_bf16:  # model.dtype bf16: its fp32 values
+                lean = build_sharded(Bf16Weights(partial(GPT, _BIG)), transforms,  # as made
+                                     torch.device("cpu"), 5,
+                                     FsdpSettings("bf16", weight_dtype="bf16"), model_name="gpt")
+            result["peak_bf16"] = build_bf16.peak
+            del lean
+            model = build_sharded(factory, transforms, torch.device("cpu"), 5, FsdpSettings(),
+                                  model_name="gpt")
             result["steps"] = _step_peaks(model)
             sharded = build_sharded(factory, transforms, torch.device("cpu"), 5, FsdpSettings(),
                                     model_name="gpt")
@@ -61,7 +70,7 @@ def _build(rank: int, port: int, world_size: int, path: str, out: str) -> None:
             result["same"] = all(torch.equal(t, host[name])
                                  for name, t in _full_weights(sharded).items())
             # model.dtype bf16: the meta build's shards are the host build's weights, rounded
-            bf16 = _full_weights(build_sharded(lambda: to_bf16(GPT(_TINY)), transforms,
+            bf16 = _full_weights(build_sharded(Bf16Weights(partial(GPT, _TINY)), transforms,
                                                torch.device("cpu"), 5,
                                                FsdpSettings("bf16", weight_dtype="bf16"),
                                                model_name="gpt"))
@@ -108,8 +117,9 @@ _FULL_BYTES = sum(p.numel() * 4 for p in GPT(_BIG).parameters())
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_size: int) -> None:
     """Each rank's resident memory through build and load stays below half the model's full
-    fp32 bytes (its shard is a quarter or an eighth of them); the shards are the host build's
-    weights bit for bit; and two steps train, each rank's peak (the CPU allocator's record)
+    fp32 bytes (its shard is a quarter or an eighth of them), with fp32 weights and with bf16
+    ones (``model.dtype``: made in fp32, one tensor at a time, and rounded into the shards);
+    the shards are the host build's weights bit for bit (bf16 ones: rounded); and two steps train, each rank's peak (the CPU allocator's record)
     within a sharded rank's means: at least the planner's prediction for it less 10%, and
     under three quarters of what a whole replica's weights, gradients and AdamW moments take.
 
@@ -123,6 +133,7 @@ def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_s
         assert result["peak"] < _FULL_BYTES / 2, (rank, result)
         assert result["same"], rank
         assert result["same_bf16"], rank
+        assert result["peak_bf16"] < _FULL_BYTES / 2, (rank, result)
         for peak in result["steps"]:
             assert planned * 0.9 <= peak < 3 * _FULL_BYTES, (rank, result["steps"], planned)
 
