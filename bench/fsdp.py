@@ -63,7 +63,7 @@ def _factory(cfg: GPTConfig, lean: bool) -> Callable[[], torch.nn.Module]:
 
 def _settings(lean: bool) -> tuple[MemoryTransforms, FsdpSettings]:
     if lean:
-        return MemoryTransforms("full"), FsdpSettings("bf16", weight_dtype="bf16")
+        return MemoryTransforms("full"), FsdpSettings("bf16", "bf16", weight_dtype="bf16")
     return MemoryTransforms(), FsdpSettings()
 
 

@@ -65,7 +65,7 @@ class FsdpSettings:
             raise ValueError(f"parallel.fsdp.reshard_after_forward {group} must divide the "
                              f"world size ({world_size} workers)")
         offload = "none" if fsdp.offload == "auto" else fsdp.offload
-        return cls(cfg.fsdp_param_dtype(precision), fsdp.reduce_dtype, group, offload,
+        return cls(cfg.fsdp_param_dtype(precision), cfg.fsdp_reduce_dtype(), group, offload,
                    cfg.model.dtype)
 
     @property
