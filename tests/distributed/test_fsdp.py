@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import logged_losses, tiny_config
-from trainer.build import MemoryTransforms
+from trainer.build import MemoryTransforms, to_bf16
 from trainer.config import ConfigError, load_config
 from trainer.launch.local import free_port, launch_local, start_workers
 from trainer.launch.prepare import prepare_run
@@ -23,7 +23,7 @@ from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.sharding import FsdpSettings, local_parameter_bytes, shard_model
-from trainer.step import create_optimizer_state, step_peak_bytes, train_step
+from trainer.step import build_optimizer, create_optimizer_state, step_peak_bytes, train_step
 from trainer.worker_errors import WorkerError
 
 pytestmark = pytest.mark.distributed
@@ -229,7 +229,13 @@ _PLANNED = {
     "bf16 parameters": ("bf16", FsdpSettings(param_dtype="bf16")),
     "kept after forward": ("fp32", FsdpSettings(reshard_after_forward=False)),
     "cpu offload": ("fp32", FsdpSettings(offload="cpu")),
+    # model.dtype bf16: bf16 shards and gradients, torchao's bf16 moments (stochastic rounding)
+    "bf16 weights": ("bf16", FsdpSettings("bf16", "bf16", weight_dtype="bf16")),
 }
+
+
+def _wide(settings: FsdpSettings) -> torch.nn.Module:
+    return to_bf16(GPT(_WIDE)) if settings.weight_dtype == "bf16" else GPT(_WIDE)
 
 
 def _step_peak(rank: int, port: int, case: str, out: str) -> None:
@@ -239,8 +245,10 @@ def _step_peak(rank: int, port: int, case: str, out: str) -> None:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         precision, settings = _PLANNED[case]
-        model = shard_model(GPT(_WIDE), settings)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model = shard_model(_wide(settings), settings)
+        optimizer = build_optimizer(model, 1e-4, weight_decay=0.01, betas=(0.9, 0.999),
+                                    states="bf16") if settings.weight_dtype == "bf16" \
+            else torch.optim.AdamW(model.parameters(), lr=1e-4)
         policy = settings.step_policy(precision_policy(precision, torch.device("cpu"),
                                                        warn=False))  # as the loop runs it
         scaler = policy.grad_scaler(torch.device("cpu"))
@@ -274,9 +282,12 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, case: str) -> None:
     result = torch.load(out, weights_only=True)
     measured = result["peak"]
     precision, settings = _PLANNED[case]
-    profile = profile_activations(partial(GPT, _WIDE), MemoryTransforms(bf16_norm_inputs=False),
-                                  _WIDE.seq_len, _WIDE.vocab_size, precision)
-    row = plan_row(static_bytes(GPT(_WIDE), "fsdp", 2, settings), profile, 2, 1)
+    profile = profile_activations(partial(_wide, settings),
+                                  MemoryTransforms(bf16_norm_inputs=False), _WIDE.seq_len,
+                                  _WIDE.vocab_size, precision)
+    states = "bf16" if settings.weight_dtype == "bf16" else "fp32"
+    static = static_bytes(_wide(settings), "fsdp", 2, settings, states=states)
+    row = plan_row(static, profile, 2, 1)
     if settings.offload == "cpu":
         assert row.host_bytes > row.predicted_peak_bytes  # the shards moved to the host
         for peak in (measured, result["tracked"]):
@@ -288,6 +299,6 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, case: str) -> None:
         # The tracker sees tensors between operators, not an emulated bf16 matrix product's
         # conversion buffers inside one (the planner's emulation workspace, 0 where bf16 is
         # native): the prediction without them is the one it can be held to.
-        seen = plan_row(static_bytes(GPT(_WIDE), "fsdp", 2, settings), dataclasses.replace(
+        seen = plan_row(static, dataclasses.replace(
             profile, emulation_workspace_per_sample_bytes=0), 2, 1)
         assert seen.predicted_peak_bytes == pytest.approx(result["tracked"], rel=0.07), seen
