@@ -119,9 +119,10 @@ def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_s
     """Each rank's resident memory through build and load stays below half the model's full
     fp32 bytes (its shard is a quarter or an eighth of them), with fp32 weights and with bf16
     ones (``model.dtype``: made in fp32, one tensor at a time, and rounded into the shards);
-    the shards are the host build's weights bit for bit (bf16 ones: rounded); and two steps train, each rank's peak (the CPU allocator's record)
-    within a sharded rank's means: at least the planner's prediction for it less 10%, and
-    under three quarters of what a whole replica's weights, gradients and AdamW moments take.
+    the shards are the host build's weights bit for bit (bf16 ones: rounded); and two steps
+    train, each rank's peak (the CPU allocator's record) within a sharded rank's means: at
+    least the planner's prediction for it less 10%, and under three quarters of what a whole
+    replica's weights, gradients and AdamW moments take.
 
     How far above the prediction a step goes depends on how many of gloo's collectives
     overlap on their own threads, which the machine's load decides (5-15% with the machine to
