@@ -12,11 +12,11 @@ Each path is trained two ways, the same for both:
   (``model.dtype: bf16``), 4-bit AdamW states, the step in backward, full checkpointing.
 Through the build, each rank's resident memory above its own baseline (a process that has built
 a tiny model the same way once, so code pages are not counted) is sampled every millisecond
-(``monitoring.memory.PeakResident``), with glibc's mmap threshold fixed (``MALLOC_ENV``). Through the build and one step, the CPU allocator's record
-of live tensors is the measure (``trainer.diagnostics.cpu_peak_bytes``), as a device's allocator
-would hold them: resident memory there also counts gloo's own communication buffers, which are
-not torch's (2-4x the tensors at these sizes; printed beside it), and which NCCL on a GPU does
-not have.
+(``monitoring.memory.PeakResident``), with glibc's mmap threshold fixed (``MALLOC_ENV``).
+Through the build and one step, the CPU allocator's record of live tensors is the measure
+(``trainer.diagnostics.cpu_peak_bytes``), as a device's allocator would hold them; the step's
+resident memory, printed beside it, also counts what the process keeps for itself (for the lean
+path most likely torch.compile's work on torchao's step, host memory on a GPU).
 GPTs of width 512 (vocabulary 8,192, sequence 64) grow by layers until a path's worst rank
 goes over ``--budget``. For every size it also prints rank 0's step peak as the planner
 predicts it (``trainer.plan.peak.plan_row``) beside the one measured. Target: (m) builds and

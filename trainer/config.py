@@ -236,7 +236,7 @@ class FsdpConfig(_Strict):
 
     # The dtype blocks compute in and all-gather (MixedPrecisionPolicy.param_dtype): bf16 keeps
     # fp32 shards and casts them once per all-gather, in place of autocast. auto: bf16 when
-    # memory.precision is bf16 (or auto and resolves to it), else fp32.
+    # memory.precision is bf16 (or auto and resolves to it) or model.dtype is, else fp32.
     param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     # The dtype gradients are reduce-scattered in (MixedPrecisionPolicy.reduce_dtype). auto:
     # the weights' dtype (model.dtype): fp32, or bf16 for bf16 weights, whose gradients are
