@@ -257,6 +257,7 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
+    from trainer.launch.prepare import check_weight_precision
     from trainer.plan.report import print_plan
 
     cfg = load_config(config, list(overrides or []),
@@ -266,6 +267,7 @@ def plan_command(
         _fail("--measure runs plans on this machine's CPU, and the config trains on GPUs "
               "(parallel.use_gpu: true); measure a CPU config", 2)
     cfg.train.accumulation_steps(cfg.parallel.workers)  # a ConfigError naming sizes that fit
+    check_weight_precision(cfg)
     print_plan(console, cfg, budget, device_memory, gpu=gpu, calibrate=calibrate,
                measure_top=top if measure else 0, measure_steps=steps)
 

@@ -144,6 +144,48 @@ def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) ->
     assert "--device-memory 'lots'" in result.stderr
 
 
+def test_plan_refuses_bf16_weights_where_auto_gives_fp32(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan`` refuses what ``train`` refuses: bf16 weights compute only in bf16, and
+    ``auto`` resolves to fp32 here (a CPU without native bf16, stood in for: this machine's
+    kind must not decide the test)."""
+    import trainer.memory.precision
+
+    monkeypatch.setattr(trainer.memory.precision, "cpu_bf16_support", lambda: "emulated")
+    result = memtrain_here(capsys, "plan", "-c", DEMO, "--set", "model.dtype=bf16",
+                           "--set", "memory.optimizer_states=bf16")
+    assert result.returncode == 2
+    assert "model.dtype 'bf16': memory.precision auto resolves to fp32 here" in result.stderr
+
+
+def test_plan_keeps_bf16_weights_and_the_step_in_backward_to_what_train_runs(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """bf16 weights are probed in bf16 alone; the optimizer step in backward takes one
+    micro-batch a step, so the fastest-plans table keeps the per-rank batch whole (16 = 32
+    over 2 workers) and marks no ``auto`` row (``train`` refuses ``auto`` there)."""
+    from trainer.plan import calibrate as calibration
+    from trainer.plan import devices as plan_devices
+
+    monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "calibrate_cpu", lambda: plan_devices.DeviceSpeed(
+        "test CPU", {"matmul:fp32:k256": 1e11, "matmul:bf16:k256": 1e11, "memory:fp32": 1e10},
+        {"matmul": 1e-5, "memory": 1e-5}, 1e9, source="a stand-in"))
+    result = memtrain_here(capsys, "plan", "-c", DEMO, "--device-memory", "1GiB",
+                           "--set", "model.n_layer=1", "--set", "model.dtype=bf16",
+                           "--set", "memory.precision=bf16", "--set", "train.grad_clip=0",
+                           "--set", "memory.optimizer_states=8bit",
+                           "--set", "memory.optimizer_in_backward=true",
+                           "--set", "train.micro_batch_size=16")
+    assert result.returncode == 0, result.stderr
+    assert "(3 probes," in result.stdout  # bf16 x three checkpointing modes, no fp32
+    best = result.stdout.split("fastest micro-batch")[1]
+    rows = [line.split() for line in best.splitlines() if line.split()[:1] == ["bf16"]]
+    assert len(rows) == 3, best
+    assert all(row[2:4] == ["16", "1"] for row in rows), best
+    assert "<- auto" not in best and "fp32" not in best
+
+
 def test_plan_calibrate_measures_this_cpu_again(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:

@@ -344,6 +344,20 @@ def test_prepare_names_a_missing_library_and_bf16_weights_auto_cannot_give(
                                 "memory.optimizer_states=bf16", "memory.precision=auto"))
 
 
+def test_auto_searches_bf16_weights_in_bf16_alone(corpus_dir: Path, tmp_path: Path) -> None:
+    """``memory.precision: auto`` lets the time model choose between fp32 and bf16, except
+    for bf16 weights (a whole model or a LoRA base), which compute in bf16 only."""
+    from trainer.plan.choose import planned_precision, precision_candidates
+
+    plain = tiny_config(corpus_dir, tmp_path, "memory.precision=auto")
+    assert sorted(precision_candidates(plain)) == ["bf16", "fp32"]
+    assert precision_candidates(plain)[0] == planned_precision(plain)
+    for weights in ("model.dtype=bf16", "model.lora.base_dtype=bf16"):
+        cfg = tiny_config(corpus_dir, tmp_path, "memory.precision=auto", weights,
+                          "memory.optimizer_states=bf16")
+        assert precision_candidates(cfg) == [planned_precision(cfg)], weights
+
+
 def test_the_planner_counts_a_lora_model_by_what_it_trains(corpus_dir: Path,
                                                            tmp_path: Path) -> None:
     """The static bytes of a LoRA model with a bf16 base (built on the meta device, where

@@ -267,8 +267,8 @@ def remote_run(cfg: Config) -> RemoteRun | None:
 
 
 def check_strategies(cfg: Config) -> None:
-    """The memory strategies' libraries (the ``strategies`` extra) and, for a LoRA base in bf16,
-    the precision ``auto`` resolves to here: one line each, before any worker starts."""
+    """The memory strategies' libraries (the ``strategies`` extra) and, for bf16 weights, the
+    precision ``auto`` resolves to here: one line each, before any worker starts."""
     needed = [("memory.optimizer_states " + cfg.memory.optimizer_states, "torchao")
               ] if cfg.memory.optimizer_states != "fp32" else []
     lora = cfg.model.lora
@@ -277,6 +277,14 @@ def check_strategies(cfg: Config) -> None:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(f"{field} needs the {package} package: pip install "
                               "'memtrain[strategies]'")
+    check_weight_precision(cfg)
+
+
+def check_weight_precision(cfg: Config) -> None:
+    """bf16 weights (``model.dtype``, a LoRA base's ``base_dtype``) compute in bf16 only: with
+    ``memory.precision: auto``, ``auto`` must resolve to bf16 here, else one line saying so
+    (``train`` and ``plan`` both)."""
+    lora = cfg.model.lora
     bf16_base = lora is not None and lora.base_dtype == "bf16"
     if (bf16_base or cfg.model.dtype == "bf16") and cfg.memory.precision == "auto":
         from trainer.plan.choose import planned_precision

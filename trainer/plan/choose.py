@@ -150,9 +150,16 @@ def precision_candidates(cfg: Config) -> list[str]:
     """``memory.precision: auto``: the precision ``auto`` resolves to on this device, and the
     other of fp32 and the low precision, for the time model to choose between."""
     planned = planned_precision(cfg)
-    if cfg.memory.precision != "auto":
+    if cfg.memory.precision != "auto" or bf16_weights(cfg):
         return [planned]
     return [planned, "bf16" if planned == "fp32" else "fp32"]
+
+
+def bf16_weights(cfg: Config) -> bool:
+    """Whether weights are bf16 (``model.dtype``, or a LoRA base's ``base_dtype``), which
+    compute only in bf16: no other precision is a candidate."""
+    lora = cfg.model.lora
+    return cfg.model.dtype == "bf16" or (lora is not None and lora.base_dtype == "bf16")
 
 
 def searches(cfg: Config) -> bool:

@@ -23,6 +23,7 @@ from trainer.memory.loss import ChunkedLossShape
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import HEADROOM, feasible_plans
 from trainer.plan.choose import (
+    bf16_weights,
     config_probe,
     config_static,
     decide,
@@ -49,7 +50,8 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
             update={"device_memory": str(budget)})}))
         console.print(f"auto: {describe(cfg)} (the log says why)")
     world = cfg.parallel.workers
-    precisions = ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
+    precisions = ["bf16"] if bf16_weights(cfg) else \
+        ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} "
                   f"({len(precisions) * len(AC_MODES)} probes, fake tensors on CPU)...")
     start = time.perf_counter()
@@ -64,10 +66,15 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
                   "tokens/s: predicted, all workers together")
     if cfg.train.micro_batch_size != "auto":
         console.print(strategies_table(cfg, profiles, speed, budget))
+    # The optimizer step in backward takes one micro-batch a step: the micro-batch is the
+    # per-rank batch, not searched, and ``auto`` (which would search it) is refused there.
+    in_backward = cfg.memory.optimizer_in_backward
     rows = feasible_plans(static, profiles, cfg.train.global_batch_size, world, budget,
-                          speed=speed, choose_loss_chunk=cfg.memory.loss_chunk_tokens == "auto")
-    console.print(best_table(rows, auto_plan(cfg, budget, speed, static, profiles),
-                             device_memory, cfg.train.global_batch_size)
+                          speed=speed, choose_loss_chunk=cfg.memory.loss_chunk_tokens == "auto",
+                          micro_batch_size=per_rank_batch(cfg.train.global_batch_size, world)
+                          if in_backward else None)
+    auto = None if in_backward else auto_plan(cfg, budget, speed, static, profiles)
+    console.print(best_table(rows, auto, device_memory, cfg.train.global_batch_size)
                   if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
                                "sequence or a smaller model")
     if measure_top and rows:
