@@ -86,10 +86,10 @@ def test_the_hf_bench_runs_and_the_chunked_loss_holds_less(tmp_path: Path) -> No
 
 
 def test_the_fsdp_bench_runs_and_the_meta_build_holds_less(tmp_path: Path) -> None:
-    """Two small sizes on 2 gloo ranks, trained plainly and lean (bf16 weights, 4-bit states
-    in backward): the meta build's worst rank holds less than the host build's (plain; at
-    these sizes the lean builds' resident peaks are too close to the sampling's noise), lean
-    training less than plain, measured and planned."""
+    """One small size (2 layers) on 2 gloo ranks, trained plainly and lean (bf16 weights,
+    4-bit states in backward): the meta build's worst rank holds less than the host build's
+    (plain; at this size the lean builds' resident peaks are too close to the sampling's
+    noise), lean training less than plain, measured and planned."""
     out = subprocess.run([sys.executable, "-m", "bench.fsdp", "--out", str(tmp_path), "--quick",
                           "--workers", "2", "--budget-mib", "256"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)

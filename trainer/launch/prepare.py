@@ -284,13 +284,11 @@ def check_weight_precision(cfg: Config) -> None:
     """bf16 weights (``model.dtype``, a LoRA base's ``base_dtype``) compute in bf16 only: with
     ``memory.precision: auto``, ``auto`` must resolve to bf16 here, else one line saying so
     (``train`` and ``plan`` both)."""
-    lora = cfg.model.lora
-    bf16_base = lora is not None and lora.base_dtype == "bf16"
-    if (bf16_base or cfg.model.dtype == "bf16") and cfg.memory.precision == "auto":
-        from trainer.plan.choose import planned_precision
+    from trainer.plan.choose import bf16_weights, planned_precision
 
-        field, weights = ("model.lora.base_dtype", "base weights") if bf16_base else \
-            ("model.dtype", "weights")
+    if bf16_weights(cfg) and cfg.memory.precision == "auto":
+        field, weights = ("model.dtype", "weights") if cfg.model.dtype == "bf16" else \
+            ("model.lora.base_dtype", "base weights")
         if (precision := planned_precision(cfg)) != "bf16":
             raise ConfigError(f"{field} 'bf16': memory.precision auto resolves to {precision} "
                               f"here, and bf16 {weights} compute in bf16; set "

@@ -662,9 +662,7 @@ def in_backward_held(static: StaticBytes, profile: ActivationProfile, outside_gr
     largest = profile.largest_block_param_bytes // static.world_size
     block = profile.block_param_bytes // static.world_size \
         if static.sharded or static.bucketed else largest
-    step = int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * largest
-               * 4 // static.weight_itemsize)
-    return min(static.grads, outside_grads + block) + step
+    return min(static.grads, outside_grads + block) + one_step_temporaries(static, largest)
 
 
 # What one parameter's AdamW step allocates, in fp32 copies of that parameter: torch's loop on
@@ -680,7 +678,13 @@ def step_temporaries(static: StaticBytes) -> int:
     if static.optimizer_states == "fp32" and static.step_device == "cuda" \
             and not static.in_backward:
         return static.optimizer // 2
-    return int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * static.largest_grad
+    return one_step_temporaries(static, static.largest_grad)
+
+
+def one_step_temporaries(static: StaticBytes, grad_bytes: int) -> int:
+    """What one parameter's AdamW step allocates, given its gradient's bytes: fp32 copies of
+    it (``STEP_TEMPORARIES_PER_PARAM``), twice the gradient's bytes over bf16 weights."""
+    return int(STEP_TEMPORARIES_PER_PARAM[static.optimizer_states] * grad_bytes
                * 4 // static.weight_itemsize)
 
 
