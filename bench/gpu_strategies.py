@@ -1,5 +1,6 @@
 """gpu-check's memory-strategy rows: the step in backward, activation offload, low-bit AdamW
-states and LoRA, each added alone to bf16 with full checkpointing, measured and planned.
+states, bf16 weights and LoRA, each added alone to bf16 with full checkpointing, measured and
+planned.
 
 Each row trains the model with the trainer's own ``train_step`` and records the device's peak
 (CUDA's ``max_memory_allocated``; dry, on CPU, the allocator's record of one step) beside the
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from bench.gpu_fsdp import measured_steps
-from trainer.build import MemoryTransforms, build_model
+from trainer.build import MemoryTransforms, build_model, to_bf16
 from trainer.memory.lora import LoraSettings, apply_lora
 from trainer.memory.optimizers import MissingExtraError
 from trainer.memory.precision import precision_policy
@@ -24,26 +25,30 @@ from trainer.model import GPT, GPTConfig
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.step import build_optimizer, create_optimizer_state
 
-# (name, activation offload, AdamW states, step in backward, LoRA)
+# (name, activation offload, AdamW states, step in backward, LoRA, weights' dtype)
 CASES = {
-    "baseline": ("none", "fp32", False, False),
-    "step in backward": ("none", "fp32", True, False),
-    "offload checkpointed": ("checkpointed", "fp32", False, False),
-    "offload all": ("all", "fp32", False, False),
-    "8-bit AdamW": ("none", "8bit", False, False),
-    "4-bit AdamW": ("none", "4bit", False, False),
-    "bf16 AdamW states": ("none", "bf16", False, False),
-    "LoRA": ("none", "fp32", False, True),
+    "baseline": ("none", "fp32", False, False, "fp32"),
+    "step in backward": ("none", "fp32", True, False, "fp32"),
+    "offload checkpointed": ("checkpointed", "fp32", False, False, "fp32"),
+    "offload all": ("all", "fp32", False, False, "fp32"),
+    "8-bit AdamW": ("none", "8bit", False, False, "fp32"),
+    "4-bit AdamW": ("none", "4bit", False, False, "fp32"),
+    "bf16 AdamW states": ("none", "bf16", False, False, "fp32"),
+    # model.dtype bf16: no fp32 copy; bf16 moments, updates rounded stochastically (torchao)
+    "bf16 weights": ("none", "bf16", False, False, "bf16"),
+    "LoRA": ("none", "fp32", False, True, "fp32"),
 }
 
 
 def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: int,
                  steps: int, warmup: int) -> dict[str, Any]:
     """One strategy's measured step (peak and tokens/s) and the planner's prediction of it."""
-    offload, states, in_backward, lora = CASES[name]
+    offload, states, in_backward, lora, weights = CASES[name]
 
     def factory() -> torch.nn.Module:
         model = GPT(cfg)
+        if weights == "bf16":
+            model = to_bf16(model)
         return apply_lora(model, LoraSettings(rank=8)) if lora else model
 
     transforms = MemoryTransforms("full", loss_chunk_tokens=1024, bf16_norm_inputs=False,
