@@ -209,6 +209,24 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(1)
+    elif getattr(config.option, "numprocesses", None):
+        _calibrate_before_the_workers()
+
+
+def _calibrate_before_the_workers() -> None:
+    """The planner's one-thread CPU calibration, taken by xdist's controller before its workers
+    start, on a machine not yet busy with the suite. Left to the tests, the processes that plan
+    each measured it (none had finished it when the next began; one taken beside a busy worker
+    spreads over 10%, is unstable, and is measured again by the next process): with no cache,
+    each of five tests that plan took 60-86 s longer, on a 2-core AVX2 EPYC. Cached in
+    ``MEMTRAIN_CACHE_DIR`` (below), so a second run reads it."""
+    import subprocess
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from trainer.plan.calibrate import cpu_speed\n"
+            "cpu_speed().stable or cpu_speed(refresh=True)\n")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -43,6 +43,9 @@ CALIBRATION_VERSION = 18
 # Elements of the tensors the byte-counted kinds are calibrated on: 32 MiB in fp32, beyond a
 # core's cache, as a step's activations are.
 BYTE_ELEMENTS = 1 << 23
+# The matrix products' rows (``_matmul_rows``): 2,048 where a call on them takes under a
+# quarter of a second, else enough for that.
+MATMUL_ROWS, MATMUL_MIN_ROWS, MATMUL_SECONDS = 2048, 64, 0.25
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -100,6 +103,17 @@ def _matmul_seconds(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) ->
     return _best_seconds(lambda: a_MK @ b_KN, repeats)
 
 
+def _matmul_rows(k: int, dtype: torch.dtype) -> int:
+    """Rows of the product timed at contraction ``k``: ``MATMUL_ROWS``, or fewer where the
+    kernel is slow enough that a call on fewer still takes ``MATMUL_SECONDS`` (at least
+    ``MATMUL_MIN_ROWS``). bf16 emulated in software runs at about 1 GFLOP/s: 2,048 rows at
+    k=1,024 took 5.9 s a call on an AVX2 EPYC, where 64 to 2,048 rows gave rates within 15% of
+    each other. Fast kernels (fp32, native bf16) keep every row."""
+    per_row = _matmul_seconds(MATMUL_MIN_ROWS, k, 1024, dtype, 1) / MATMUL_MIN_ROWS
+    rows = int(MATMUL_SECONDS / per_row) // MATMUL_MIN_ROWS * MATMUL_MIN_ROWS
+    return min(MATMUL_ROWS, max(MATMUL_MIN_ROWS, rows))
+
+
 def _attention_seconds(dtype: torch.dtype) -> tuple[float, float]:
     """(FLOPs, seconds) of a causal attention's forward and backward (8 heads of 64, 512
     positions), with the FLOPs the recorder counts for it."""
@@ -134,7 +148,7 @@ def _bytes_per_second(fn: Callable[[torch.Tensor, torch.Tensor], object], dtype:
 def calibrate_cpu() -> DeviceSpeed:
     """Measure this CPU at torch's thread count, in fp32 and bf16: matrix products at three
     contraction dimensions, attention, elementwise products, GELU and dtype conversions, and an
-    operator's fixed cost. Takes a few seconds."""
+    operator's fixed cost. Takes 5-30 s on one thread (docs/memory.md)."""
     keep_freed_host_memory()  # as the trainer's CPU workers run
     rates: dict[str, float] = {}
     matmul_fixed = float("inf")
@@ -144,7 +158,7 @@ def calibrate_cpu() -> DeviceSpeed:
         fixed = _matmul_seconds(32, 32, 32, dtype, 20)
         matmul_fixed = min(matmul_fixed, fixed)
         for k in MATMUL_K:
-            m, n = 2048, 1024
+            m, n = _matmul_rows(k, dtype), 1024
             seconds = max(_matmul_seconds(m, k, n, dtype, 3) - fixed, 1e-9)
             rates[f"matmul:{name}:k{k}"] = 2 * m * k * n / seconds
         flops, seconds = _attention_seconds(dtype)
