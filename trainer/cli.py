@@ -257,6 +257,7 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
+    from trainer.batch import per_rank_batch
     from trainer.launch.prepare import check_weight_precision
     from trainer.plan.report import print_plan
 
@@ -266,7 +267,13 @@ def plan_command(
     if measure and cfg.parallel.use_gpu:
         _fail("--measure runs plans on this machine's CPU, and the config trains on GPUs "
               "(parallel.use_gpu: true); measure a CPU config", 2)
-    cfg.train.accumulation_steps(cfg.parallel.workers)  # a ConfigError naming sizes that fit
+    if cfg.train.micro_batch_size == "auto":  # every micro-batch the global batch allows
+        try:
+            per_rank_batch(cfg.train.global_batch_size, cfg.parallel.workers)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    else:
+        cfg.train.accumulation_steps(cfg.parallel.workers)  # a ConfigError naming sizes that fit
     check_weight_precision(cfg)
     print_plan(console, cfg, budget, device_memory, gpu=gpu, calibrate=calibrate,
                measure_top=top if measure else 0, measure_steps=steps)

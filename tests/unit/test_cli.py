@@ -183,6 +183,30 @@ def test_plan_keeps_bf16_weights_and_the_step_in_backward_to_what_train_runs(
     assert "<- auto" not in best and "fp32" not in best
 
 
+def test_plan_with_the_micro_batch_auto_searches_it_and_names_bad_sizes(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """``train.micro_batch_size: auto`` is what the fastest-plans table searches: no table at a
+    configured micro-batch, ``auto``'s row marked; a global batch the workers do not divide is
+    one line naming both."""
+    from trainer.plan import calibrate as calibration
+    from trainer.plan import devices as plan_devices
+
+    monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "calibrate_cpu", lambda: plan_devices.DeviceSpeed(
+        "test CPU", {"matmul:fp32:k256": 1e11, "matmul:bf16:k256": 1e11, "memory:fp32": 1e10},
+        {"matmul": 1e-5, "memory": 1e-5}, 1e9, source="a stand-in"))
+    result = memtrain_here(capsys, "plan", "-c", DEMO, "--device-memory", "1GiB",
+                           "--set", "model.n_layer=1", "--set", "train.micro_batch_size=auto")
+    assert result.returncode == 0, result.stderr
+    assert "configured micro-batch" not in result.stdout
+    assert "fastest micro-batch" in result.stdout and result.stdout.count("<- auto") == 1
+    result = memtrain_here(capsys, "plan", "-c", DEMO, "--set", "train.micro_batch_size=auto",
+                           "--set", "train.global_batch_size=31")
+    assert result.returncode == 2
+    assert "train.global_batch_size (31) must be a multiple of the workers (2)" in result.stderr
+
+
 def test_plan_calibrate_measures_this_cpu_again(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:

@@ -60,7 +60,8 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
         cpu_speed(refresh=True)  # cached: speed_model and --measure read it
     speed = speed_model(cfg, gpu, measure_data=True)
     print_inputs(console, cfg, speed, static, profiles, time.perf_counter() - start)
-    console.print(current_table(cfg, static, profiles, speed, budget))
+    if cfg.train.micro_batch_size != "auto":  # (auto: the fastest plans below search it)
+        console.print(current_table(cfg, static, profiles, speed, budget))
     console.print("saved: activations kept for backward; temp.: the largest temporaries\n"
                   "beside them; peak: with parameters and AdamW state, at the moment named;\n"
                   "tokens/s: predicted, all workers together")
