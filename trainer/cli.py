@@ -257,7 +257,6 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
-    from trainer.batch import per_rank_batch
     from trainer.launch.prepare import check_weight_precision
     from trainer.plan.report import print_plan
 
@@ -268,10 +267,7 @@ def plan_command(
         _fail("--measure runs plans on this machine's CPU, and the config trains on GPUs "
               "(parallel.use_gpu: true); measure a CPU config", 2)
     if cfg.train.micro_batch_size == "auto":  # every micro-batch the global batch allows
-        try:
-            per_rank_batch(cfg.train.global_batch_size, cfg.parallel.workers)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        cfg.train.per_rank_batch(cfg.parallel.workers)
     else:
         cfg.train.accumulation_steps(cfg.parallel.workers)  # a ConfigError naming sizes that fit
     check_weight_precision(cfg)

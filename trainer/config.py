@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.batch import accumulation_steps
+from trainer.batch import accumulation_steps, per_rank_batch
 
 
 class ConfigError(ValueError):
@@ -168,6 +168,15 @@ class TrainConfig(_Strict):
         (``trainer.batch``)."""
         try:
             return accumulation_steps(self.global_batch_size, self.micro_batch(), world_size)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def per_rank_batch(self, world_size: int) -> int:
+        """Samples each rank trains per optimizer step, whatever the micro-batch (``auto``
+        too); a ConfigError naming both sizes where the workers do not divide the global
+        batch."""
+        try:
+            return per_rank_batch(self.global_batch_size, world_size)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 

@@ -148,7 +148,8 @@ def _bytes_per_second(fn: Callable[[torch.Tensor, torch.Tensor], object], dtype:
 def calibrate_cpu() -> DeviceSpeed:
     """Measure this CPU at torch's thread count, in fp32 and bf16: matrix products at three
     contraction dimensions, attention, elementwise products, GELU and dtype conversions, and an
-    operator's fixed cost. Takes 5-30 s on one thread (docs/memory.md)."""
+    operator's fixed cost. From seconds to about half a minute on one thread (docs/memory.md
+    gives the figures)."""
     keep_freed_host_memory()  # as the trainer's CPU workers run
     rates: dict[str, float] = {}
     matmul_fixed = float("inf")

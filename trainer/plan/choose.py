@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from monitoring.units import format_bytes, parse_bytes
-from trainer.batch import per_rank_batch
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.config import Config, ConfigError
 from trainer.memory.precision import resolve_precision
@@ -213,10 +212,7 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
     norm_auto = cfg.memory.bf16_norm_inputs == "auto"
     if not (searching or norm_auto):
         return cfg, None
-    try:
-        per_rank_batch(cfg.train.global_batch_size, cfg.parallel.workers)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    cfg.train.per_rank_batch(cfg.parallel.workers)
     if norm_auto and not searching and planned_precision(cfg) != "bf16":
         # the copies exist only under bf16 autocast: nothing to plan
         return resolved(cfg, None, False), None
