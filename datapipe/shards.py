@@ -240,9 +240,23 @@ class ShardSource:
             _libc.madvise(aligned, length, mmap.MADV_WILLNEED)
 
     def _as_rows(self, chunk: pa.Array, zero_copy: bool) -> np.ndarray:
-        """A fixed-size-list chunk as ``(rows, *shape)``; a view when ``zero_copy``."""
-        values = chunk.flatten().to_numpy(zero_copy_only=zero_copy)
-        return values.reshape((len(chunk), *self.spec.shape))
+        """A fixed-size-list chunk as ``(rows, *shape)``: a view of its values' buffer (of the
+        memory map, for a local shard). Numeric values are viewed directly rather than through
+        ``to_numpy``, whose first call imports pandas where it is installed (Ray installs it):
+        0.3 s of CPU in every worker process, for a conversion numpy does by itself. Arrow's
+        booleans are bits, not bytes: they go through ``to_numpy``, a copy (``zero_copy``
+        refuses it)."""
+        values = chunk.values  # all of the list array's values: ``chunk``'s offset not applied
+        if chunk.null_count or values.null_count:
+            raise pa.ArrowInvalid(f"column {self.spec.name!r} holds nulls")
+        dtype, size = np.dtype(self.spec.dtype), chunk.type.list_size
+        first, count = values.offset + chunk.offset * size, len(chunk) * size
+        if dtype == np.bool_:
+            flat = values.slice(first - values.offset, count).to_numpy(zero_copy_only=zero_copy)
+        else:
+            flat = np.frombuffer(values.buffers()[1], dtype=dtype, count=count,
+                                 offset=first * dtype.itemsize)
+        return flat.reshape((len(chunk), *self.spec.shape))
 
     def read(self, piece: Range, advise: bool = False) -> list[np.ndarray]:
         """Rows ``piece.start .. piece.stop - 1`` of a usable shard as ``(rows, *shape)`` arrays,
