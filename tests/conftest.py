@@ -224,12 +224,19 @@ def pytest_configure(config: pytest.Config) -> None:
     default to their one CPU): two xdist processes keep both cores busy, and a process with
     more threads than free cores spins in OpenMP waiting for them. Measured on 2 cores beside
     one busy process: 20 steps of ``memtrain train --workers 1`` took 62-64 s on torch's
-    default 2 threads, 32-34 s on one."""
+    default 2 threads, 32-34 s on one.
+
+    Each test process starts its fork server for the local launches to come now (it imports
+    in the background while tests are collected), with the compile stack: many of the suite's
+    launches compile (torchao's low-bit step), and every launch shares the first's server."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
 
         torch.set_num_threads(1)
+        from trainer.launch.local import start_fork_server
+
+        start_fork_server(compile_stack=True)
     elif getattr(config.option, "numprocesses", None):
         _calibrate_before_the_workers()
 

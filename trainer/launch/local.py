@@ -107,14 +107,43 @@ def _with_environ(rank: int, environ: dict[str, str], fn: Callable[..., None],
     fn(rank, *args)
 
 
-def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+# What the fork server imports before it forks any worker, once per process: this module
+# (torch, the trainer); DCP, which every checkpoint goes through (its DTensor imports cost about
+# 1.5 s of CPU); torch._dynamo, which torch.optim's optimizers import when the first one is built
+# (0.8 s). A name the installed torch lacks is skipped (the server ignores an ImportError).
+PRELOAD = (__name__, "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "torch.distributed.checkpoint._fsspec_filesystem", "torch._dynamo")
+# And for workers that compile (torch.compile, or torchao's compiled low-bit step): Inductor and
+# torchao, 1-2.5 s of CPU a worker otherwise. Not for every launch: about 1 s more before the
+# first worker starts, and torchao's import is only wanted where it is used.
+PRELOAD_COMPILE = (*PRELOAD, "trainer.launch.compile_preload")
+
+
+def start_fork_server(compile_stack: bool) -> None:
+    """Start this process's fork server now, with ``PRELOAD_COMPILE`` if ``compile_stack``
+    (else ``PRELOAD``), for the launches to come (the test suite's: many of them compile)."""
+    import multiprocessing.forkserver
+
+    mp.set_forkserver_preload(list(PRELOAD_COMPILE if compile_stack else PRELOAD))
+    multiprocessing.forkserver.ensure_running()
+
+
+def compiles(cfg: Config) -> bool:
+    """Whether ``cfg``'s workers compile: ``train.compile`` (``auto``: on a GPU), or AdamW
+    states other than fp32 (torchao's step is compiled)."""
+    return (cfg.train.compile is True or cfg.memory.optimizer_states != "fp32"
+            or (cfg.train.compile == "auto" and cfg.parallel.use_gpu))
+
+
+def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int,
+                  compile_stack: bool = False) -> None:
     """``fn(rank, *args)`` in ``nprocs`` processes forked from the fork server, with this
     process's environment, joined; a worker's exception is raised as torch's
-    ``ProcessRaisedException``, a killed worker as ``ProcessExitedException``."""
-    # Read when the server starts, once per process: this module (torch, the trainer) and DCP,
-    # which every checkpoint goes through (its DTensor imports cost about 1.5 s of CPU).
-    mp.set_forkserver_preload([__name__, "torch.distributed.checkpoint",
-                               "torch.distributed.checkpoint.state_dict"])
+    ``ProcessRaisedException``, a killed worker as ``ProcessExitedException``.
+
+    The server is started by a process's first launch (or ``start_fork_server``) and serves
+    every later one, with what it imported then: ``compile_stack`` counts only on the first."""
+    mp.set_forkserver_preload(list(PRELOAD_COMPILE if compile_stack else PRELOAD))
     mp.start_processes(_with_environ, args=(dict(os.environ), fn, *args), nprocs=nprocs,
                        start_method="forkserver")
 
@@ -125,7 +154,8 @@ def _run_workers(cfg: Config, run_dir: Path, until_step: int | None) -> None:
     clear_worker_errors(run_dir)
     try:
         start_workers(_worker, (cfg.model_dump_json(), str(run_dir), free_port(), until_step,
-                                uuid.uuid4().hex), cfg.parallel.workers)
+                                uuid.uuid4().hex), cfg.parallel.workers,
+                      compile_stack=compiles(cfg))
     except mp.ProcessRaisedException as err:
         # torch's message is the worker's whole traceback; the worker recorded its own line.
         recorded = recorded_worker_error(run_dir, err.error_index)
