@@ -215,7 +215,7 @@ class ShardSource:
         if table.num_rows != shard.num_rows:
             raise DatasetError(f"shard {file}: has {table.num_rows} rows, the manifest says "
                                f"{shard.num_rows}")
-        self._views[index] = [self._as_rows(chunk, zero_copy=True)
+        self._views[index] = [self._as_rows(chunk)
                               for chunk in table.column(self.spec.name).chunks]
 
     def _will_need(self, parts: list[np.ndarray]) -> None:
@@ -239,20 +239,19 @@ class ShardSource:
         for aligned, length in regions:
             _libc.madvise(aligned, length, mmap.MADV_WILLNEED)
 
-    def _as_rows(self, chunk: pa.Array, zero_copy: bool) -> np.ndarray:
+    def _as_rows(self, chunk: pa.Array) -> np.ndarray:
         """A fixed-size-list chunk as ``(rows, *shape)``: a view of its values' buffer (of the
         memory map, for a local shard). Numeric values are viewed directly rather than through
         ``to_numpy``, whose first call imports pandas where it is installed (Ray installs it):
         0.3 s of CPU in every worker process, for a conversion numpy does by itself. Arrow's
-        booleans are bits, not bytes: they go through ``to_numpy``, a copy (``zero_copy``
-        refuses it)."""
+        booleans are bits, not bytes: they go through ``to_numpy``, always a copy."""
         values = chunk.values  # all of the list array's values: ``chunk``'s offset not applied
         if chunk.null_count or values.null_count:
             raise pa.ArrowInvalid(f"column {self.spec.name!r} holds nulls")
         dtype, size = np.dtype(self.spec.dtype), chunk.type.list_size
         first, count = values.offset + chunk.offset * size, len(chunk) * size
         if dtype == np.bool_:
-            flat = values.slice(first - values.offset, count).to_numpy(zero_copy_only=zero_copy)
+            flat = values.slice(first - values.offset, count).to_numpy(zero_copy_only=False)
         else:
             flat = np.frombuffer(values.buffers()[1], dtype=dtype, count=count,
                                  offset=first * dtype.itemsize)
@@ -292,7 +291,7 @@ class ShardSource:
                     if last > piece.start:
                         lo, hi = max(piece.start, first) - first, min(piece.stop, last) - first
                         column = batch.column(self.spec.name).slice(lo, hi - lo)
-                        parts.append(self._as_rows(column, zero_copy=False))
+                        parts.append(self._as_rows(column))
                     first = last
         except (OSError, pa.ArrowInvalid) as err:
             raise DatasetError(f"shard {file}: cannot be read ({err})") from err

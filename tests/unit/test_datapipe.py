@@ -79,3 +79,41 @@ def test_verify_finds_checksum_size_and_missing_shard_problems(tmp_path: Path) -
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"memtrain: error: {problems[0]} (3 bad of 3 shards)"]
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int16", "float16", "int64", "float64"])
+def test_a_shard_reads_back_the_rows_written_across_its_record_batches(
+        tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are read as views of the shard's values (bits for bool, a copy): any range, within
+    a record batch or across several, is the rows written, in their dtype and shape."""
+    import datapipe.writer
+
+    spec = [ColumnSpec("x", dtype, (2, 3))]
+    monkeypatch.setattr(datapipe.writer, "BATCH_BYTES", 13 * 6 * np.dtype(dtype).itemsize)
+    rows = (np.arange(40 * 6).reshape(40, 2, 3) % 7).astype(dtype)
+    write_rows(tmp_path / "ds", spec, [{"x": rows}], 40)
+    source = ShardSource(tmp_path / "ds", "x")
+    assert [len(batch) for batch in source._views[0]] == [13, 13, 13, 1]
+    for start, stop in ((0, 40), (5, 13), (11, 29), (39, 40)):
+        parts = source.read(Range(0, start, stop))
+        got = np.concatenate(parts)
+        assert got.dtype == np.dtype(dtype) and got.shape == (stop - start, 2, 3)
+        assert np.array_equal(got, rows[start:stop]), (start, stop)
+
+
+def test_reading_a_shard_imports_neither_pandas_nor_pyarrows_compute(tmp_path: Path) -> None:
+    """pyarrow's ``to_numpy`` imports pandas on its first call where it is installed (Ray
+    installs it), and ``flatten`` pyarrow.compute: about 0.4 s of CPU in every worker process
+    that reads data, for nothing numpy cannot do."""
+    import subprocess
+    import sys
+
+    write_rows(tmp_path / "ds", [ColumnSpec("x", "uint16", (4,))],
+               [{"x": np.arange(40, dtype=np.uint16).reshape(10, 4)}], 10)
+    code = ("import sys\nfrom datapipe.shards import ShardSource\n"
+            "from datapipe.split import Range\n"
+            f"ShardSource({str(tmp_path / 'ds')!r}, 'x').read(Range(0, 2, 7))\n"
+            "print(sorted({'pandas', 'pyarrow.compute'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
