@@ -249,12 +249,12 @@ class ShardSource:
         if chunk.null_count or values.null_count:
             raise pa.ArrowInvalid(f"column {self.spec.name!r} holds nulls")
         dtype, size = np.dtype(self.spec.dtype), chunk.type.list_size
-        first, count = values.offset + chunk.offset * size, len(chunk) * size
+        start, count = chunk.offset * size, len(chunk) * size  # in ``values``
         if dtype == np.bool_:
-            flat = values.slice(first - values.offset, count).to_numpy(zero_copy_only=False)
+            flat = values.slice(start, count).to_numpy(zero_copy_only=False)
         else:
             flat = np.frombuffer(values.buffers()[1], dtype=dtype, count=count,
-                                 offset=first * dtype.itemsize)
+                                 offset=(values.offset + start) * dtype.itemsize)
         return flat.reshape((len(chunk), *self.spec.shape))
 
     def read(self, piece: Range, advise: bool = False) -> list[np.ndarray]:

@@ -1,6 +1,6 @@
 """Imported by the local launcher's fork server for workers that compile (``PRELOAD_COMPILE``
 in ``trainer.launch.local``): Inductor, which ``torch.compile`` imports on its first call, and
-torchao's optimizers (quietly, as ``trainer.memory.optimizers`` imports them), so that each
+torchao's optimizers (through ``trainer.memory.optimizers.torchao_optim``, quietly), so that each
 worker forked from the server starts with them imported."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import contextlib
 
 import torch._inductor.compile_fx  # noqa: F401
 
-from trainer.memory.optimizers import quiet_torchao_import
+from trainer.memory.optimizers import MissingExtraError, torchao_optim
 
-with contextlib.suppress(ImportError), quiet_torchao_import():  # (no strategies extra)
-    import torchao.optim  # noqa: F401
+with contextlib.suppress(MissingExtraError):  # (no strategies extra: nothing to preload)
+    torchao_optim()

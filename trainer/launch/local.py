@@ -32,7 +32,7 @@ from trainer.context import LocalContext
 from trainer.errors import first_line
 from trainer.launch.prepare import available_cpus, checkpoint_settings, remote_run
 from trainer.logs import setup_logging
-from trainer.loop import train
+from trainer.loop import compiles_model, train
 from trainer.memory.allocator import configure_allocator_env
 from trainer.worker_errors import (
     clear_worker_errors,
@@ -119,20 +119,25 @@ PRELOAD = (__name__, "torch.distributed.checkpoint", "torch.distributed.checkpoi
 PRELOAD_COMPILE = (*PRELOAD, "trainer.launch.compile_preload")
 
 
+def _set_preload(compile_stack: bool) -> None:
+    mp.set_forkserver_preload(list(PRELOAD_COMPILE if compile_stack else PRELOAD))
+
+
 def start_fork_server(compile_stack: bool) -> None:
     """Start this process's fork server now, with ``PRELOAD_COMPILE`` if ``compile_stack``
     (else ``PRELOAD``), for the launches to come (the test suite's: many of them compile)."""
     import multiprocessing.forkserver
 
-    mp.set_forkserver_preload(list(PRELOAD_COMPILE if compile_stack else PRELOAD))
+    _set_preload(compile_stack)
     multiprocessing.forkserver.ensure_running()
 
 
 def compiles(cfg: Config) -> bool:
-    """Whether ``cfg``'s workers compile: ``train.compile`` (``auto``: on a GPU), or AdamW
-    states other than fp32 (torchao's step is compiled)."""
-    return (cfg.train.compile is True or cfg.memory.optimizer_states != "fp32"
-            or (cfg.train.compile == "auto" and cfg.parallel.use_gpu))
+    """Whether ``cfg``'s workers compile: the model (``trainer.loop.compiles_model``, on the
+    device this launcher gives them), or torchao's low-bit step (AdamW states other than
+    fp32)."""
+    return cfg.memory.optimizer_states != "fp32" or compiles_model(
+        cfg, "cuda" if cfg.parallel.use_gpu else "cpu")
 
 
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int,
@@ -143,7 +148,7 @@ def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int,
 
     The server is started by a process's first launch (or ``start_fork_server``) and serves
     every later one, with what it imported then: ``compile_stack`` counts only on the first."""
-    mp.set_forkserver_preload(list(PRELOAD_COMPILE if compile_stack else PRELOAD))
+    _set_preload(compile_stack)
     mp.start_processes(_with_environ, args=(dict(os.environ), fn, *args), nprocs=nprocs,
                        start_method="forkserver")
 
