@@ -383,6 +383,14 @@ class Config(_Strict):
             return wanted
         return "bf16" if precision == "bf16" or self.model.dtype == "bf16" else "fp32"
 
+    def compiles_model(self, device_type: str) -> bool:
+        """Whether the model is compiled on ``device_type``: ``train.compile`` true, or ``auto``
+        on a GPU without activation offload (its hooks run in eager mode only). The loop, the
+        launcher's preload and the planner's time model all ask here."""
+        return self.train.compile is True or (
+            self.train.compile == "auto" and device_type == "cuda"
+            and self.memory.activation_offload == "none")
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 

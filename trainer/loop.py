@@ -85,14 +85,6 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
 
 
 
-def compiles_model(cfg: Config, device_type: str) -> bool:
-    """Whether the model is compiled on ``device_type``: ``train.compile`` true, or ``auto`` on
-    a GPU without activation offload (its hooks run in eager mode only)."""
-    return cfg.train.compile is True or (
-        cfg.train.compile == "auto" and device_type == "cuda"
-        and cfg.memory.activation_offload == "none")
-
-
 class Trainer:
     """One worker's training run."""
 
@@ -107,7 +99,7 @@ class Trainer:
             if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1 else None
         if self.fsdp is not None:
             self.policy = self.fsdp.step_policy(self.policy)
-        self.watch = CompileWatch(ctx.rank, enabled=compiles_model(cfg, ctx.device.type))
+        self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))
         self.consecutive_skips = 0
         # train.checkpoint_async under the local launcher: saves on a thread (trainer.saves)
         self.saves = AsyncSaves() if ctx.saves_in_background else None

@@ -329,7 +329,8 @@ def test_auto_config_resolves_before_launch_and_says_so_on_the_console(corpus_di
 
 def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, caplog) -> None:
     """On CUDA, ``train.compile: auto`` is decided with the plan: each way's fastest plan,
-    compiled (the element-wise work fused, ``GPU_COMPILED_SHARE``) against eager, in numbers."""
+    compiled (the element-wise work fused, ``GPU_COMPILED_SHARE``) against eager, in numbers;
+    not with activation offload, whose hooks run eager only: that run is planned eager."""
     from tests.conftest import tiny_config
     from trainer.plan.strategy import resolve_auto
 
@@ -357,6 +358,11 @@ def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, c
     assert not any("train.compile" in r.getMessage() for r in caplog.records)
     assert any(f"predicted {numbers.group(2)} tokens/s (H200" in r.getMessage()
                for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="memtrain"):  # offload's hooks run eager only
+        offloaded = resolve("memory.activation_offload=all")
+    assert offloaded.train.compile == "auto" and not offloaded.compiles_model("cuda")
+    assert not any("train.compile" in r.getMessage() for r in caplog.records)
 
 
 class _ConvertingBlock(torch.nn.Module):

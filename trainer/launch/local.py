@@ -32,7 +32,7 @@ from trainer.context import LocalContext
 from trainer.errors import first_line
 from trainer.launch.prepare import available_cpus, checkpoint_settings, remote_run
 from trainer.logs import setup_logging
-from trainer.loop import compiles_model, train
+from trainer.loop import train
 from trainer.memory.allocator import configure_allocator_env
 from trainer.worker_errors import (
     clear_worker_errors,
@@ -133,11 +133,10 @@ def start_fork_server(compile_stack: bool) -> None:
 
 
 def compiles(cfg: Config) -> bool:
-    """Whether ``cfg``'s workers compile: the model (``trainer.loop.compiles_model``, on the
-    device this launcher gives them), or torchao's low-bit step (AdamW states other than
-    fp32)."""
-    return cfg.memory.optimizer_states != "fp32" or compiles_model(
-        cfg, "cuda" if cfg.parallel.use_gpu else "cpu")
+    """Whether ``cfg``'s workers compile: the model (``Config.compiles_model``, on the device
+    this launcher gives them), or torchao's low-bit step (AdamW states other than fp32)."""
+    return cfg.memory.optimizer_states != "fp32" or cfg.compiles_model(
+        "cuda" if cfg.parallel.use_gpu else "cpu")
 
 
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int,

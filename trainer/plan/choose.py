@@ -129,9 +129,10 @@ def speed_model(cfg: Config, gpu: str | None = None, measure_data: bool = False
                 ) -> SpeedModel:
     """The time model for ``cfg``'s device: this CPU, calibrated
     (``trainer.plan.calibrate.cpu_speed``, cached), or a GPU's peak figures: ``gpu`` by name,
-    else the driver's own GPU, else an H200's (said in the log); compiled where
-    ``train.compile`` is on (``auto``: on a GPU). ``measure_data``: with the data loader's cost
-    on the configured dataset (``loader_cost``)."""
+    else the driver's own GPU, else an H200's (said in the log); compiled where the loop
+    compiles (``Config.compiles_model``: the compiled step is modelled on GPUs only).
+    ``measure_data``: with the data loader's cost on the configured dataset
+    (``loader_cost``)."""
     if cfg.parallel.use_gpu:
         if gpu is None and torch.cuda.is_available():
             gpu = torch.cuda.get_device_name(0)
@@ -142,7 +143,7 @@ def speed_model(cfg: Config, gpu: str | None = None, measure_data: bool = False
                                   torch.device("cuda" if cfg.parallel.use_gpu else "cpu"))
     return SpeedModel(device, cfg.parallel.workers, overlap_allreduce=overlap,
                       loader=loader_cost(cfg) if measure_data else None,
-                      compiled=cfg.parallel.use_gpu and cfg.train.compile is not False)
+                      compiled=cfg.parallel.use_gpu and cfg.compiles_model("cuda"))
 
 
 def precision_candidates(cfg: Config) -> list[str]:
