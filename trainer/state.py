@@ -17,7 +17,10 @@ A checkpoint written before DDP's went through DCP holds the model and optimizer
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +50,28 @@ from trainer.saves import AsyncSaves, staged
 from trainer.schedule import resume_schedule
 from trainer.sharding import is_sharded, local_tensor
 from trainer.tokens import TokenLoader
+
+
+def rank_parts_prefix(run_dir: Path) -> str:
+    """How the directories start, in the system's temporary directory, where this run's ranks
+    write their parts of a checkpoint before the context publishes them
+    (``run_dir/checkpoint-<step>``) or Ray Train uploads them: named after the run directory,
+    so that the part a worker killed mid-save leaves behind is found by the run's next start
+    (``clear_rank_parts``)."""
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return f"memtrain-ckpt-{key}-"
+
+
+def clear_rank_parts(run_dir: Path) -> None:
+    """Remove the parts killed workers of this run left in this machine's temporary directory:
+    directories of this user only, never a link."""
+    for path in Path(tempfile.gettempdir()).glob(rank_parts_prefix(run_dir) + "*"):
+        try:
+            found = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -123,6 +148,8 @@ class TrainState:
         the run starts, from the weights of the checkpoint ``init_from`` where given). A run
         with no checkpoint of its own resumes from the checkpoint ``resume_from`` where given
         (``train.resume_from``: every part of its state)."""
+        if ctx.local_rank == 0:  # a killed attempt's parts: no rank of this one saves before
+            clear_rank_parts(ctx.run_dir)  # the collectives of its first step wait for it
         with ctx.latest_checkpoint() as own:
             checkpoint_dir = own if own is not None or resume_from is None else Path(resume_from)
             if checkpoint_dir is None:
@@ -176,7 +203,7 @@ def _write_and_report(ctx: WorkerContext, metrics: dict[str, Any], step: int,
                       states: tuple[dict[str, Any], dict[str, Any]], group: Any) -> None:
     """Write this rank's part of step ``step``'s checkpoint and hand it to ``ctx``, its
     collectives on ``group``; the files go with it unless ``ctx`` takes them over."""
-    directory = Path(tempfile.mkdtemp(prefix="memtrain-ckpt-"))
+    directory = Path(tempfile.mkdtemp(prefix=rank_parts_prefix(ctx.run_dir)))
     try:
         ctx.report(metrics, write_states(directory, state, states, group), step, group)
     finally:

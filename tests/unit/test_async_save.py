@@ -4,6 +4,7 @@ crash in the middle of a save that leaves the previous checkpoint the latest."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from trainer.checkpoint import published_checkpoints
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 from trainer.saves import staged
+from trainer.state import rank_parts_prefix
 
 
 def test_staged_copies_share_nothing_with_what_the_next_step_changes() -> None:
@@ -69,14 +71,18 @@ def test_a_crash_in_the_middle_of_an_async_save_leaves_the_previous_checkpoint(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 killed in step 4's save, its files written and not published: the run fails
     naming the signal, step 2 stays the latest, and the rerun resumes from it to the losses
-    of an uninterrupted run."""
+    of an uninterrupted run. The killed rank's part, left in the system's temporary directory,
+    was cleared by the rerun's start."""
     _, straight = _run(corpus_dir, tmp_path, "straight")
     monkeypatch.setenv("MEMTRAIN_FAULTS", "savekill@4")
     with pytest.raises(RuntimeError, match=r"rank 0 exited with code -9 \(signal SIGKILL\)"):
         _run(corpus_dir, tmp_path, "crash", "train.checkpoint_async=true")
     crashed = tmp_path / "crash"
     assert [s for s, _ in published_checkpoints(crashed)] == [2]
+    parts = Path(tempfile.gettempdir()).glob(rank_parts_prefix(crashed) + "*")
+    assert any((part / "__0_0.distcp").is_file() for part in parts)  # rank 0's, killed
     summary, _ = _run(corpus_dir, tmp_path, "crash", "train.checkpoint_async=true")
     assert summary["resumed_from_step"] == 2
+    assert not list(Path(tempfile.gettempdir()).glob(rank_parts_prefix(crashed) + "*"))
     losses = logged_losses(crashed)
     assert losses[-4:] == logged_losses(straight)[-4:]
