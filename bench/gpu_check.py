@@ -44,6 +44,7 @@ import gc
 import os
 import pickle
 import platform
+import shutil
 import socket
 import statistics
 import sys
@@ -471,6 +472,7 @@ def oom_recovery(cfg: GPTConfig, device: torch.device, micro_batch: int, dry: bo
            "reports": sorted(p.name for p in (run_dir / "memory").glob("*"))}
     del model, optimizer, batch, result, attempt  # attempt's defaults hold them too
     release_memory(device)
+    shutil.rmtree(run_dir, ignore_errors=True)  # the row names what was written there
     return row
 
 
