@@ -365,6 +365,40 @@ def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, c
     assert not any("train.compile" in r.getMessage() for r in caplog.records)
 
 
+def test_plan_measure_trains_the_configured_optimizer(corpus_dir, tmp_path, monkeypatch
+                                                       ) -> None:
+    """``plan --measure`` runs each plan with the run's own optimizer (8-bit moments stepping
+    in backward here), and with the step in backward at the per-rank batch only, one
+    micro-batch a step, as the run must: not plain AdamW at every micro-batch."""
+    from rich.console import Console
+
+    from tests.conftest import tiny_config
+    from trainer.memory.optimizers import BackwardSteps, state_tensors
+    from trainer.plan import measure
+    from trainer.plan.choose import probe_config
+    from trainer.plan.report import measure_plans
+
+    cfg = tiny_config(corpus_dir, tmp_path, "train.micro_batch_size=8", "train.grad_clip=0",
+                      "memory.optimizer_states=8bit", "memory.optimizer_in_backward=true")
+    runs: list[measure.PlanRun] = []
+    build = measure.PlanRun.__init__
+
+    def kept(run: measure.PlanRun, *args: object, **kwargs: object) -> None:
+        build(run, *args, **kwargs)
+        runs.append(run)
+
+    monkeypatch.setattr(measure.PlanRun, "__init__", kept)
+    static, profiles = probe_config(cfg, ["fp32"], ("none", "full"), work=True)
+    console = Console(record=True, width=80)
+    measure_plans(console, cfg, static, profiles, 2**30, 4, 1)  # the top 4, of 2 that can run
+    assert len(runs) == 2, console.export_text()  # micro-batch 8 with each checkpointing mode
+    for run in runs:
+        assert [len(run.micro_batches), run.micro_batches[0].shape[0]] == [1, 8]
+        assert BackwardSteps.of(run.optimizer) is not None
+        moments = [t for t in state_tensors(run.optimizer) if t.dtype == torch.uint8]
+        assert moments, "the 8-bit moments were not measured"
+
+
 class _ConvertingBlock(torch.nn.Module):
     """A block whose bf16 matrix product converts its input to fp32 in a buffer of its own, as
     a kernel that emulates bf16 may: the planner must find that buffer, per sample."""

@@ -33,10 +33,15 @@ class Measured:
 class PlanRun:
     """A plan built once to be trained for real on this CPU, one rank: its model, optimizer and
     random micro-batches, each ``step`` one optimizer step of the trainer's own ``train_step``
-    (``measure_plan`` times a few; ``make bench-plan`` alternates two plans' steps)."""
+    (``measure_plan`` times a few; ``make bench-plan`` alternates two plans' steps). The
+    optimizer is the run's: AdamW with ``states`` moments (``memory.optimizer_states``),
+    stepping in backward where ``in_backward`` (``memory.optimizer_in_backward``), fused as
+    ``fused`` says (None: torch's default on this CPU)."""
 
     def __init__(self, factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
-                 vocab_size: int, precision: str, micro_batch: int, accumulation: int) -> None:
+                 vocab_size: int, precision: str, micro_batch: int, accumulation: int,
+                 states: str = "fp32", in_backward: bool = False,
+                 fused: bool | None = None) -> None:
 
         device = torch.device("cpu")
         keep_freed_host_memory()  # as the trainer's CPU workers run
@@ -44,7 +49,8 @@ class PlanRun:
         self.model.train()
         self.policy = precision_policy(precision, device, warn=False)
         self.scaler = self.policy.grad_scaler(device)
-        self.optimizer = build_optimizer(self.model, lr=1e-4)
+        self.optimizer = build_optimizer(self.model, lr=1e-4, fused=fused, states=states,
+                                         in_backward="local" if in_backward else None)
         generator = torch.Generator().manual_seed(0)
         self.micro_batches = [torch.randint(0, vocab_size, (micro_batch, seq_len + 1),
                                             generator=generator) for _ in range(accumulation)]
@@ -67,12 +73,14 @@ class PlanRun:
 
 def measure_plan(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                  vocab_size: int, precision: str, micro_batch: int, accumulation: int,
-                 steps: int = 3, warmup: int = 1, peak: bool = True) -> Measured:
+                 steps: int = 3, warmup: int = 1, peak: bool = True, states: str = "fp32",
+                 in_backward: bool = False, fused: bool | None = None) -> Measured:
     """Train ``steps`` optimizer steps (after ``warmup``) of the plan with the trainer's own
-    ``train_step`` on random tokens, one rank on this CPU; then, with ``peak``, one more step
-    under the CPU allocator's record (``trainer.step.step_peak_bytes``)."""
+    ``train_step`` on random tokens, one rank on this CPU, with ``PlanRun``'s optimizer; then,
+    with ``peak``, one more step under the CPU allocator's record
+    (``trainer.step.step_peak_bytes``)."""
     run = PlanRun(factory, transforms, seq_len, vocab_size, precision, micro_batch,
-                  accumulation)
+                  accumulation, states, in_backward, fused)
     times = [run.step() for _ in range(warmup + steps)][warmup:]
     seconds = statistics.median(times)
     return Measured(seconds, run.tokens / seconds, run.peak_bytes() if peak else 0, min(times))

@@ -216,13 +216,17 @@ def best_table(rows: list[Any], auto: Any, device_memory: str, global_batch: int
 
 def measure_plans(console: Console, cfg: Any, static: Any, profiles: list[Any], budget: int,
                   top: int, steps: int) -> None:
-    """``plan --measure``: the ``top`` fastest predicted plans (every fitting micro-batch),
-    each trained ``steps`` steps as one rank on this CPU, predicted against measured."""
+    """``plan --measure``: the ``top`` fastest predicted plans (every fitting micro-batch; the
+    per-rank batch alone with the optimizer step in backward, which takes one micro-batch a
+    step), each trained ``steps`` steps as one rank on this CPU with the configured optimizer,
+    predicted against measured."""
     one_rank = SpeedModel(cpu_speed())
     per_rank = per_rank_batch(cfg.train.global_batch_size, cfg.parallel.workers)
+    in_backward = cfg.memory.optimizer_in_backward
+    micro_batches = [per_rank] if in_backward else micro_batch_candidates(per_rank)
     fitting = [row for profile in profiles
                for row in (plan_row(static, profile, micro, per_rank // micro, one_rank)
-                           for micro in micro_batch_candidates(per_rank))
+                           for micro in micro_batches)
                if row.predicted_peak_bytes <= HEADROOM * budget]
     chosen = sorted(fitting, key=lambda row: -row.tokens_per_s)[:top]
     table = plan_table(f"measured: {len(chosen)} fastest predicted plans, one rank on this "
@@ -238,7 +242,8 @@ def measure_plans(console: Console, cfg: Any, static: Any, profiles: list[Any], 
         got = measure_plan(factory, transforms.replace(
             activation_checkpointing=row.activation_checkpointing), cfg.model.seq_len,
             cfg.model.vocab_size, row.precision, row.micro_batch_size, row.accumulation_steps,
-            steps=steps)
+            steps=steps, states=cfg.memory.optimizer_states, in_backward=in_backward,
+            fused=None if cfg.train.fused_optimizer == "auto" else cfg.train.fused_optimizer)
         table.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
                       f"{row.tokens_per_s:,.0f}", f"{got.tokens_per_s:,.0f}",
                       f"{row.predicted_peak_bytes / gib:.2f}", f"{got.peak_bytes / gib:.2f}")
