@@ -84,7 +84,6 @@ def train(cfg: Config, ctx: WorkerContext, until_step: int | None = None) -> dic
     return Trainer(cfg, ctx).train(until_step)
 
 
-
 class Trainer:
     """One worker's training run."""
 
