@@ -156,6 +156,11 @@ class TrainConfig(_Strict):
     eval_batches: int = Field(4, ge=1)
     checkpoint_every: int = Field(50, ge=0)  # 0: only the final checkpoint
 
+    def fused(self) -> bool | None:
+        """``fused_optimizer`` as ``trainer.step.build_optimizer`` takes it: None for "auto"
+        (fused on CUDA parameters)."""
+        return None if self.fused_optimizer == "auto" else self.fused_optimizer
+
     def micro_batch(self) -> int:
         """The micro-batch size; "auto" must have been resolved first
         (trainer.plan.strategy.resolve_auto)."""

@@ -178,9 +178,8 @@ class Trainer:
             if init_hf is not None:
                 load_hf_weights(model, weights_of(init_hf), init_hf)
             self.compile(model)
-        fused = cfg.train.fused_optimizer
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
-                                    cfg.train.betas, None if fused == "auto" else fused,
+                                    cfg.train.betas, cfg.train.fused(),
                                     cfg.memory.optimizer_states, self.in_backward())
         return TrainState(
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),

@@ -243,7 +243,7 @@ def measure_plans(console: Console, cfg: Any, static: Any, profiles: list[Any], 
             activation_checkpointing=row.activation_checkpointing), cfg.model.seq_len,
             cfg.model.vocab_size, row.precision, row.micro_batch_size, row.accumulation_steps,
             steps=steps, states=cfg.memory.optimizer_states, in_backward=in_backward,
-            fused=None if cfg.train.fused_optimizer == "auto" else cfg.train.fused_optimizer)
+            fused=cfg.train.fused())
         table.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
                       f"{row.tokens_per_s:,.0f}", f"{got.tokens_per_s:,.0f}",
                       f"{row.predicted_peak_bytes / gib:.2f}", f"{got.peak_bytes / gib:.2f}")
