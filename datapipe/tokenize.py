@@ -6,7 +6,8 @@
   column's value is one. Documents are read in sorted path order, lines and rows in order.
 - **Encoding.** ``encode_batch_fast`` over batches of documents (the Rust library spreads a
   batch over every core), the next batch read and encoded on a thread while this one is packed
-  and written, without the tokenizer's own special tokens; each document is followed
+  and written, without the tokenizer's own special tokens, truncation or padding (a
+  ``tokenizer.json`` saved for a model's inputs may have both on); each document is followed
   by the end-of-text token. The token stream is cut into rows of ``seq_len + 1``; the last,
   partial row is dropped. The same inputs and tokenizer give the same shards.
 - **Token dtype.** ``uint16`` while every id fits (vocabulary up to 65,536), else ``uint32``.
@@ -75,9 +76,9 @@ def _require_tokenizers() -> None:
 def load_tokenizer(path: Path, eot_token: str | None = None
                    ) -> tuple[Tokenizer, TokenizerInfo]:
     """A ``tokenizer.json`` (or a model directory's, as Hugging Face saves one beside its
-    ``config.json``) and what the manifest records of it. The end-of-text token: ``eot_token``,
-    else the ``eos_token`` a model directory's ``tokenizer_config.json`` names, else
-    ``<|endoftext|>``."""
+    ``config.json``) and what the manifest records of it, with its saved truncation and
+    padding turned off. The end-of-text token: ``eot_token``, else the ``eos_token`` a model
+    directory's ``tokenizer_config.json`` names, else ``<|endoftext|>``."""
     _require_tokenizers()
     from tokenizers import Tokenizer
 
@@ -96,6 +97,10 @@ def load_tokenizer(path: Path, eot_token: str | None = None
     except Exception as err:  # tokenizers raises a plain Exception for every parse error
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DatasetError(f"tokenizer {path}: not a tokenizers tokenizer.json ({first})") from err
+    # A tokenizer.json saved for a model's inputs may cut or pad every encoding; documents are
+    # encoded whole here (rows are cut and padded by packing, pads never trained).
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     eot_id = tokenizer.token_to_id(eot_token)
     if eot_id is None:
         raise DatasetError(f"tokenizer {path}: has no end-of-text token {eot_token!r} "

@@ -1,0 +1,65 @@
+"""``memtrain data write`` as a user runs it, on inputs as Hugging Face tools leave them: token
+ids padded to a fixed length with their attention mask, a hub snapshot's parquet of several
+splits, a tokenizer.json saved with truncation and padding on, and a ``save_to_disk`` dataset of
+text. Each test reads back the written dataset's tokens and loss mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_finetune_data import columns
+from trainer.cli import main
+
+pytestmark = pytest.mark.unit
+
+WORDS = ["<|endoftext|>", "<pad>", *(f"w{n}" for n in range(40))]
+EOT, PAD = 0, 1
+
+
+def memtrain(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str]:
+    """``memtrain data write ARGS``: its exit code and its stderr."""
+    with pytest.raises(SystemExit) as exited:
+        main(["data", "write", *map(str, args)])
+    return int(exited.value.code or 0), capsys.readouterr().err.strip()
+
+
+def word_tokenizer(path: Path, *, truncate_and_pad: bool = False) -> Path:
+    """A word-level tokenizer.json: ``w<n>`` is id n + 2, so the expected ids are plain to
+    write; with ``truncate_and_pad``, saved with truncation to 8 and padding to 16 on."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)},
+                                           unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if truncate_and_pad:
+        tokenizer.enable_truncation(max_length=8)
+        tokenizer.enable_padding(length=16, pad_id=PAD, pad_token="<pad>")
+    tokenizer.save(str(path))
+    return path
+
+
+def text(ids: list[int]) -> str:
+    return " ".join(WORDS[i] for i in ids)
+
+
+def test_a_saved_truncation_and_padding_do_not_cut_or_pad_the_text(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokenizer = word_tokenizer(tmp_path / "tokenizer.json", truncate_and_pad=True)
+    docs = [list(range(2, 14)), list(range(20, 23))]  # 12 tokens (more than 8), then 3
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": text(ids)}) + "\n" for ids in docs))
+    code, err = memtrain(capsys, source, "--out", tmp_path / "packed", "--tokenizer",
+                         tokenizer, "--seq-len", 15, "--pack")
+    assert code == 0, err
+    packed = columns(tmp_path / "packed")
+    assert packed["tokens"].tolist() == [[*docs[0], EOT, *[EOT] * 3],
+                                         [*docs[1], EOT, *[EOT] * 12]]
+    assert packed["loss_mask"].tolist() == [[1] * 13 + [0] * 3, [1] * 4 + [0] * 12]
+    code, err = memtrain(capsys, source, "--out", tmp_path / "stream", "--tokenizer",
+                         tokenizer, "--seq-len", 7)
+    assert code == 0, err
+    stream = [*docs[0], EOT, *docs[1], EOT]  # 17 tokens: two rows of 8
+    assert columns(tmp_path / "stream")["tokens"].tolist() == [stream[:8], stream[8:16]]
