@@ -192,17 +192,18 @@ def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: t
                     "on the host, then sharding", model_name, first_line(err, type(err).__name__))
         model, recording = build_model(factory, MemoryTransforms(), device, seed), None
     owners = _owners(model)  # by the storages the record made (fp32 ones where ``cast``)
+    hf_model = getattr(model, "hf", None)  # its files' names are matched as transformers does
     if cast and recording is not None:
         _bf16_parameters(model)  # its shards are allocated in bf16
     apply_transforms(model, transforms)
     before_shard(model)
     shard_model(model, settings, device)
     if recording is None:
-        _fill_from_file(owners, weights)
+        _fill_from_file(owners, weights, hf_model)
         return model
     host = torch.device("cpu")
     model.to_empty(device=host if settings.offload == "cpu" else device)
-    from_file = _fill_from_file(owners, weights)
+    from_file = _fill_from_file(owners, weights, hf_model)
 
     def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for owner in owners[key]:
@@ -231,18 +232,12 @@ def _bf16_parameters(model: nn.Module) -> None:
             module._parameters[name] = swapped[id(param)]
 
 
-def load_hf_weights(model: nn.Module, weights: SafetensorsRows | None, source: str) -> None:
+def load_hf_weights(model: nn.Module, weights: SafetensorsRows | None) -> None:
     """``train.init_from: hf:DIR`` into a whole model: every tensor the directory's safetensors
     hold, by the Hugging Face model's own names (a LoRA target's base weight included; the
-    adapters keep their initialisation); ValueError naming the directory where none fits."""
-    try:
-        filled = _fill_from_file(_owners(model), weights)
-    except RuntimeError as err:  # a tensor of another shape
-        raise ValueError(f"train.init_from {source}: its weights do not fit the model "
-                         f"({first_line(err)})") from err
-    if not filled:
-        raise ValueError(f"train.init_from {source}: no parameter of the model is in its "
-                         "safetensors (an hf: model's weights load into an hf: model)")
+    adapters keep their initialisation); ValueError naming the directory where a tensor does
+    not fit or none is the model's."""
+    _fill_from_file(_owners(model), weights, getattr(model, "hf", None))
 
 
 def _fill_owner(owner: _Owner, value: torch.Tensor) -> None:
@@ -250,28 +245,42 @@ def _fill_owner(owner: _Owner, value: torch.Tensor) -> None:
                lambda rows: value if rows is None else value[rows], owner.meta.shape)
 
 
-def _fill_from_file(owners: dict[int, list[_Owner]], weights: SafetensorsRows | None
-                    ) -> set[int]:
-    """Each rank's rows of every tensor ``weights`` holds (by the Hugging Face model's own
-    names); returns the storages filled."""
+def _fill_from_file(owners: dict[int, list[_Owner]], weights: SafetensorsRows | None,
+                    hf_model: Any = None) -> set[int]:
+    """Each rank's rows of every tensor ``weights`` holds, matched to the model's names as
+    ``from_pretrained`` matches them for ``hf_model`` (``SafetensorsRows.names_for``); returns
+    the storages filled. ValueError naming the directory where a
+    tensor's shape is not the model's (``from_pretrained`` refuses it too; a slice would cut
+    it to fit) or where the files hold none of the model's tensors."""
     if weights is None:
         return set()
-    filled = set()
-    missing = []
-    def file_name(fqn: str) -> str:  # a LoRA target's base weight is the file's weight
+
+    def model_name(fqn: str) -> str:  # a LoRA target's base weight is the file's weight
         return base_name(fqn.removeprefix("hf."))
 
+    names = weights.names_for({model_name(o.fqn) for found in owners.values() for o in found},
+                              hf_model)
+    filled = set()
+    missing = []
     for key, found in owners.items():
-        names = [file_name(o.fqn) for o in found if file_name(o.fqn) in weights]
-        if not names:
-            missing += [file_name(o.fqn) for o in found
+        in_file = [names[model_name(o.fqn)] for o in found if model_name(o.fqn) in names]
+        if not in_file:
+            missing += [model_name(o.fqn) for o in found
                         if o.name in o.module._parameters and not is_adapter(o.fqn)]
             continue
+        shape = weights.shape(in_file[0])
+        if shape != tuple(found[0].meta.shape):
+            raise ValueError(f"{weights.directory}: {in_file[0]} has shape {list(shape)} in its "
+                             f"safetensors, the model's {model_name(found[0].fqn)} "
+                             f"{list(found[0].meta.shape)}")
         for owner in found:
             target = getattr(owner.module, owner.name)
-            fill_local(target, partial(weights.read, names[0], dtype=target.dtype),
+            fill_local(target, partial(weights.read, in_file[0], dtype=target.dtype),
                        owner.meta.shape)
         filled.add(key)
+    if not filled:
+        raise ValueError(f"{weights.directory}: none of the model's parameters is in its "
+                         "safetensors (they load into a model of the same architecture)")
     if missing:  # as from_pretrained does: said, and left to the model's own initialisation
         log.warning("%d parameter(s) not in the model's safetensors, initialised as the model "
                     "initialises them: %s", len(missing), ", ".join(missing[:5])

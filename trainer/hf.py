@@ -211,6 +211,7 @@ class SafetensorsRows:
     header parsed, the file mapped) once, when its first tensor is read."""
 
     def __init__(self, directory: Path):
+        self.directory = directory
         self._handles: dict[Path, Any] = {}
         index = directory / "model.safetensors.index.json"
         if index.is_file():
@@ -229,6 +230,38 @@ class SafetensorsRows:
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole shape of tensor ``name`` (from the file's header: nothing is read)."""
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def names_for(self, model_names: set[str], hf_model: Any | None) -> dict[str, str]:
+        """The file's name of each of ``model_names`` (the model's own) that the files hold,
+        matched as ``from_pretrained`` matches them for ``hf_model``: transformers' renames of
+        its class (GPT-NeoX's ``embed_out`` is ``lm_head``) and its base model's prefix, added
+        or taken off (GPT-2's files, saved from the base model, name ``h.0...``). Without a
+        transformers model the names are the file's. ValueError where a tensor is one that
+        transformers converts as it loads (experts fused, say): its rows as stored are not the
+        model's."""
+        if hf_model is None:
+            return {name: name for name in model_names if name in self.files}
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        transforms = get_model_conversion_mapping(hf_model)
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        wanted = dict.fromkeys(model_names, True)
+        found = {}
+        for file_name in self.files:
+            name, converted = rename_source_key(file_name, renamings, converters,
+                                                hf_model.base_model_prefix, wanted)
+            if converted is not None:
+                raise ValueError(f"{self.directory}: {file_name} is converted as transformers "
+                                 f"loads it ({converted!r}), which a read of its rows cannot do")
+            if name in wanted:
+                found[name] = file_name
+        return found
 
     def read(self, name: str, rows: slice | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``rows`` (None: all) of tensor ``name``, as ``dtype``."""

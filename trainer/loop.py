@@ -176,7 +176,7 @@ class Trainer:
             model = build_model(model_factory(cfg.model, load_weights=init_hf is None),
                                 transforms, ctx.device, seed=cfg.run.seed)  # same on every rank
             if init_hf is not None:
-                load_hf_weights(model, weights_of(init_hf), init_hf)
+                load_hf_weights(model, weights_of(init_hf))
             self.compile(model)
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
                                     cfg.train.betas, cfg.train.fused(),

@@ -1,0 +1,136 @@
+"""The sharded loader against ``from_pretrained``: on 2 gloo ranks each rank reads its rows of an
+``hf:`` directory's safetensors (``trainer.build.build_sharded``), and the sharded model's logits
+are the ones ``AutoModelForCausalLM.from_pretrained`` gives, for the families whose files differ
+in how they name and tie their tensors; a file that does not fit the model is refused in one line
+naming the tensor, not cut to fit."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("hf")]
+
+# memtrain's model fields (the GPT's, which an hf: model ignores); the data's vocabulary.
+_FIELDS = {"vocab_size": 96, "seq_len": 16}
+_SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _families(transformers) -> dict:
+    """Each family as the files a user would have: tied and untied Llama, GPT-2 saved from its
+    base model (keys without ``transformer.``, as the hub's gpt2 files are), GPT-NeoX (its
+    own names, an untied ``embed_out``), Qwen2 (attention biases) and Mistral."""
+    return {
+        "llama-tied": (transformers.LlamaConfig(**_SMALL, tie_word_embeddings=True), False),
+        "llama": (transformers.LlamaConfig(**_SMALL, tie_word_embeddings=False), False),
+        "gpt2-base": (transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+                                              n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                              attn_pdrop=0.0), True),
+        "gpt-neox": (transformers.GPTNeoXConfig(vocab_size=96, hidden_size=32,
+                                                intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4,
+                                                max_position_embeddings=64,
+                                                tie_word_embeddings=False), False),
+        "qwen2": (transformers.Qwen2Config(**_SMALL), False),
+        "mistral": (transformers.MistralConfig(**_SMALL), False),
+    }
+
+
+def _save(tmp_path: Path) -> dict[str, Path]:
+    """Each family's random weights saved as ``save_pretrained`` saves them."""
+    import transformers
+
+    directories = {}
+    for i, (name, (config, base_only)) in enumerate(_families(transformers).items()):
+        torch.manual_seed(100 + i)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        directory = tmp_path / name
+        if base_only:  # the base model's files, with the causal LM's config beside them
+            model.base_model.save_pretrained(directory)
+            config.save_pretrained(directory)
+        else:
+            model.save_pretrained(directory)
+        directories[name] = directory
+    return directories
+
+
+def _load_sharded(rank: int, port: int, directories: dict[str, str], tokens: torch.Tensor,
+                  out: str) -> None:
+    """Every family built sharded on the meta device and filled from its files, then run."""
+    from trainer.build import MemoryTransforms, build_sharded
+    from trainer.hf import weights_of
+    from trainer.model import create_model
+    from trainer.sharding import FsdpSettings
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        results: dict[str, object] = {}
+        for name, directory in directories.items():
+            spec = f"hf:{directory}"
+            try:
+                model = build_sharded(partial(create_model, spec, load_weights=False, **_FIELDS),
+                                      MemoryTransforms(), torch.device("cpu"), seed=3,
+                                      settings=FsdpSettings(), model_name=spec,
+                                      weights=weights_of(spec))
+                with torch.no_grad():
+                    results[name] = model(tokens)
+            except ValueError as err:
+                results[name] = str(err)
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _from_pretrained(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from trainer.launch.local import free_port, start_workers
+
+    directories = _save(tmp_path)
+    # A file whose embedding has more rows than its config's vocabulary (a resized tokenizer):
+    # from_pretrained refuses it; a slice of the rows a rank owns would cut it to fit.
+    wide = tmp_path / "llama-wide"
+    wide.mkdir()
+    (wide / "config.json").write_text((directories["llama"] / "config.json").read_text())
+    tensors = load_file(directories["llama"] / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = torch.randn(128, 32)
+    save_file(tensors, wide / "model.safetensors", metadata={"format": "pt"})
+    # A file of another architecture's names: nothing of the model's is in it.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text((directories["llama"] / "config.json").read_text())
+    save_file({"encoder.weight": torch.zeros(2, 2)}, foreign / "model.safetensors")
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / "results.pt"
+    start_workers(_load_sharded, (free_port(), {name: str(d) for name, d in
+                                                {**directories, "llama-wide": wide,
+                                                 "foreign": foreign}.items()},
+                                  tokens, str(out)), 2)
+    results = torch.load(out, weights_only=True)
+    for name, directory in directories.items():
+        assert isinstance(results[name], torch.Tensor), f"{name}: {results[name]}"
+        torch.testing.assert_close(results[name], _from_pretrained(directory, tokens),
+                                   rtol=1e-5, atol=1e-5, msg=name)
+    assert results["llama-wide"] == (f"{wide}: model.embed_tokens.weight has shape [128, 32] "
+                                     "in its safetensors, the model's "
+                                     "model.embed_tokens.weight [96, 32]")
+    assert results["foreign"] == (f"{foreign}: none of the model's parameters is in its "
+                                  "safetensors (they load into a model of the same "
+                                  "architecture)")
