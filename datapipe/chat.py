@@ -17,9 +17,12 @@
   the template's special tokens (``<|im_start|>``, the BOS) are the tokenizer's added tokens.
 - **Only assistant turns are trained.** Each assistant turn's text is found by rendering the
   conversation up to the turn (with the generation prompt) and through it: the characters in
-  between are the answer, and its tokens (by the encoding's offsets) get a loss mask of 1.
+  between are the answer.
   A template that does not render a conversation's turns as prefixes of it is refused in one
   line naming the row, since its answers cannot be found.
+- **A token is trained where it overlaps an answer**, by the encoding's offsets: the token
+  that begins on the space a generation prompt ends with (byte-level BPE's ``ĠSure``) is the
+  answer's first word. This is transformers' ``return_assistant_tokens_mask`` rule.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ def encode_conversations(rows: Iterator[tuple[object, str]], tokenizer: Tokenize
                          template: ChatTemplate, dtype: str, batch: int = 256
                          ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(ids, loss_mask)`` of each conversation: ``rows`` are ``(messages, where)``; a token
-    is trained where it starts inside an assistant turn."""
+    is trained where its characters overlap an assistant turn's."""
     pending: list[tuple[str, list[tuple[int, int]]]] = []
 
     def flush() -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -159,11 +162,14 @@ def encode_conversations(rows: Iterator[tuple[object, str]], tokenizer: Tokenize
         encodings = tokenizer.encode_batch([text for text, _ in pending],
                                            add_special_tokens=False)
         for (_, spans), encoding in zip(pending, encodings, strict=True):
-            starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64,
-                                 count=len(encoding.ids))
+            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            starts, ends = offsets[:, 0], offsets[:, 1]
             mask = np.zeros(len(starts), dtype=np.uint8)
             for first, last in spans:
-                mask |= ((starts >= first) & (starts < last)).astype(np.uint8)
+                # Overlap, not "starts inside": byte-level BPE's `ĠSure` begins on the space a
+                # generation prompt ends with. For ordered offsets this is the token set
+                # transformers' single pass marks.
+                mask |= ((starts < last) & (ends > first)).astype(np.uint8)
             yield np.asarray(encoding.ids, dtype=dtype), mask
         pending.clear()
 
