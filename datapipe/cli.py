@@ -61,10 +61,11 @@ ColumnOption = Annotated[str, typer.Option(
     help="Text/.npy: the column's name; a tokenized dataset: its token column (ragged rows are "
          "packed; input_ids is found without it).")]
 TokenizerOption = Annotated[Path | None, typer.Option(
-    help="A tokenizers tokenizer.json, or a model directory holding one: text, JSON lines or "
-         "Parquet text become tokens.")]
+    help="A tokenizers tokenizer.json, or a model directory holding one: text, JSON lines, "
+         "Parquet or a saved (save_to_disk) dataset's text become tokens.")]
 TextFieldOption = Annotated[str, typer.Option(
-    help="With --tokenizer: the JSON field or Parquet column holding the text.")]
+    help="With --tokenizer: the JSON field, or the Parquet or saved dataset's column, holding "
+         "the text.")]
 TokenDtypeOption = Annotated[str, typer.Option(
     help="With --tokenizer: auto (uint16 up to 65,536 tokens, else uint32) | uint16 | uint32.")]
 EotOption = Annotated[str | None, typer.Option(

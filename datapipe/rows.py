@@ -74,7 +74,8 @@ def split_files(files: list[Path], split: str | None) -> list[Path]:
     return kept
 
 
-def _batches(file: Path, kind: str, fields: list[str]) -> Iterator[pa.RecordBatch]:
+def record_batches(file: Path, kind: str, fields: list[str]) -> Iterator[pa.RecordBatch]:
+    """The ``fields`` of a Parquet or ``save_to_disk`` Arrow file, batch by batch."""
     try:
         if kind == "parquet":
             reader = pq.ParquetFile(file)
@@ -103,6 +104,15 @@ def _arrow_reader(source: pa.MemoryMappedFile) -> Any:
     except pa.ArrowInvalid:
         source.seek(0)
         return pa.ipc.open_file(source)
+
+
+def saved_schema(file: Path) -> pa.Schema:
+    """The schema of one Arrow file of a ``save_to_disk`` dataset."""
+    try:
+        with pa.memory_map(str(file)) as source:
+            return _arrow_reader(source).schema
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"{file}: not readable as hf ({err})") from err
 
 
 def _check_fields(file: Path, fields: list[str], names: list[str]) -> None:
@@ -137,7 +147,7 @@ def rows(files: list[Path], kind: str, fields: list[str]
             yield from _jsonl_rows(file, fields)
             continue
         first = 0
-        for batch in _batches(file, kind, fields):
+        for batch in record_batches(file, kind, fields):
             columns = [batch.column(i).to_pylist() for i in range(len(fields))]
             for offset, values in enumerate(zip(*columns, strict=True)):
                 yield dict(zip(fields, values, strict=True)), f"{file}: row {first + offset}"

@@ -2,8 +2,9 @@
 ``tokenizers`` tokenizer (``tokenizer.json``) and packed into rows of ``seq_len + 1`` tokens.
 
 - **Documents.** A text file is one document (read in pieces that end at a line break, so
-  files larger than memory convert); a JSON line's ``text_field`` is one; a Parquet string
-  column's value is one. Documents are read in sorted path order, lines and rows in order.
+  files larger than memory convert); a JSON line's ``text_field`` is one; a string column's
+  value is one, in Parquet or in a ``save_to_disk`` dataset's Arrow files (``datapipe.rows``).
+  Documents are read in sorted path order, lines and rows in order.
 - **Encoding.** ``encode_batch_fast`` over batches of documents (the Rust library spreads a
   batch over every core), the next batch read and encoded on a thread while this one is packed
   and written, without the tokenizer's own special tokens, truncation or padding (a
@@ -38,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from datapipe.manifest import DatasetError, read_manifest, read_text_bytes
+from datapipe.rows import record_batches, saved_schema
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -243,24 +245,23 @@ def _jsonl_documents(file: Path, field: str, progress: ByteProgress | None
         raise DatasetError(f"{file}: empty (no JSON lines)")
 
 
-def _parquet_documents(file: Path, field: str, progress: ByteProgress | None
-                       ) -> Iterator[tuple[str, bool]]:
-    try:
-        reader = pq.ParquetFile(file)
-    except (pa.ArrowInvalid, OSError) as err:
-        raise DatasetError(f"{file}: not readable as Parquet ({err})") from err
-    names = reader.schema_arrow.names
-    if field not in names:
-        raise DatasetError(f"{file}: no text column {field!r} (columns: {', '.join(names)}; "
-                           "pass --text-field)")
-    kind = reader.schema_arrow.field(field).type
+def _text_column(file: Path, schema: pa.Schema, field: str) -> None:
+    """Refuse a table whose ``field`` is not a column of strings."""
+    if field not in schema.names:
+        raise DatasetError(f"{file}: no text column {field!r} (columns: "
+                           f"{', '.join(schema.names)}; pass --text-field)")
+    kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DatasetError(f"{file}: column {field!r} is {kind}, not strings")
-    if reader.metadata.num_rows == 0:
-        raise DatasetError(f"{file}: empty (no rows)")
+
+
+def _column_documents(file: Path, batches: Iterator[pa.RecordBatch], field: str,
+                      progress: ByteProgress | None) -> Iterator[tuple[str, bool]]:
+    """Each value of the string column ``field`` of ``batches`` as one document; a null value
+    or a table of no rows is refused."""
     first = 0
-    for batch in reader.iter_batches(batch_size=8192, columns=[field]):
-        column = batch.column(0)
+    for batch in batches:
+        column = batch.column(field)
         if column.null_count:
             row = first + int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DatasetError(f"{file}: row {row}: column {field!r} is null")
@@ -270,6 +271,26 @@ def _parquet_documents(file: Path, field: str, progress: ByteProgress | None
         for value in values:
             yield value, True
         first += len(column)
+    if first == 0:
+        raise DatasetError(f"{file}: empty (no rows)")
+
+
+def _parquet_documents(file: Path, field: str, progress: ByteProgress | None
+                       ) -> Iterator[tuple[str, bool]]:
+    try:
+        reader = pq.ParquetFile(file)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"{file}: not readable as Parquet ({err})") from err
+    _text_column(file, reader.schema_arrow, field)
+    yield from _column_documents(
+        file, reader.iter_batches(batch_size=8192, columns=[field]), field, progress)
+
+
+def _saved_documents(file: Path, field: str, progress: ByteProgress | None
+                     ) -> Iterator[tuple[str, bool]]:
+    """The text column of one Arrow file of a ``save_to_disk`` dataset."""
+    _text_column(file, saved_schema(file), field)
+    yield from _column_documents(file, record_batches(file, "hf", [field]), field, progress)
 
 
 def documents(files: list[Path], kind: str, text_field: str = "text",
@@ -277,9 +298,11 @@ def documents(files: list[Path], kind: str, text_field: str = "text",
     """``(text, ends_document)`` for every document of ``files``, in order."""
     read = {"text": lambda f: _text_pieces(f, progress),
             "jsonl": lambda f: _jsonl_documents(f, text_field, progress),
-            "parquet": lambda f: _parquet_documents(f, text_field, progress)}.get(kind)
+            "parquet": lambda f: _parquet_documents(f, text_field, progress),
+            "hf": lambda f: _saved_documents(f, text_field, progress)}.get(kind)
     if read is None:
-        raise DatasetError(f"--tokenizer reads text, jsonl or parquet inputs, not {kind}")
+        raise DatasetError(f"--tokenizer reads text, jsonl, parquet or saved (hf) datasets, "
+                           f"not {kind}")
     for file in files:
         yield from read(file)
 

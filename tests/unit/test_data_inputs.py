@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from tests.unit.test_finetune_data import columns
+from tests.unit.test_finetune_data import columns, hf_save_to_disk
 from trainer.cli import main
 
 pytestmark = pytest.mark.unit
@@ -63,3 +65,30 @@ def test_a_saved_truncation_and_padding_do_not_cut_or_pad_the_text(
     assert code == 0, err
     stream = [*docs[0], EOT, *docs[1], EOT]  # 17 tokens: two rows of 8
     assert columns(tmp_path / "stream")["tokens"].tolist() == [stream[:8], stream[8:16]]
+
+
+def test_a_saved_dataset_of_text_is_tokenized_as_its_parquet_is(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokenizer = word_tokenizer(tmp_path / "tokenizer.json")
+    docs = [list(range(2, 9)), list(range(10, 13)), list(range(30, 40))]
+    table = pa.table({"id": [0, 1, 2], "body": [text(ids) for ids in docs]})
+    saved = hf_save_to_disk(tmp_path / "saved", table)  # Arrow batches of 2 rows
+    pq.write_table(table, tmp_path / "docs.parquet")
+    for pack in ([], ["--pack"]):
+        written = []
+        for source in (saved, tmp_path / "docs.parquet"):
+            out = tmp_path / f"{source.stem}{pack}"
+            code, err = memtrain(capsys, source, "--out", out, "--tokenizer", tokenizer,
+                                 "--text-field", "body", "--seq-len", 11, *pack)
+            assert code == 0, err
+            written.append(columns(out))
+        assert written[0].keys() == written[1].keys()
+        for name in written[0]:
+            assert written[0][name].tolist() == written[1][name].tolist()
+    assert written[0]["tokens"].tolist() == [[*docs[0], EOT, *docs[1], EOT],
+                                             [*docs[2], EOT, EOT]]
+    assert written[0]["loss_mask"].tolist() == [[1] * 12, [1] * 11 + [0]]
+    code, err = memtrain(capsys, saved, "--out", tmp_path / "bad", "--tokenizer", tokenizer)
+    assert code == 2
+    assert err == (f"memtrain: error: {saved / 'data-00000-of-00001.arrow'}: no text column "
+                   "'text' (columns: id, body; pass --text-field)")
