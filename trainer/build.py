@@ -168,8 +168,15 @@ def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
 
 
 def _meta_build(factory: ModelFactory, hf_init: bool) -> tuple[nn.Module, meta_init.MetaRecording]:
+    """The model on meta with its record; ValueError naming a tensor whose values the record
+    cannot make again (the replay would leave it uninitialised memory)."""
     with initialise_on_meta() if hf_init else contextlib.nullcontext():
-        return meta_init.record(factory)
+        model, recording = meta_init.record(factory)
+    unmade = meta_init.unrecorded(recording, dict(meta_init.module_tensors(model)))
+    if unmade:
+        raise ValueError(f"{', '.join(unmade[:3])}: made without a tensor operation the meta "
+                         "device records (torch.from_numpy, load_state_dict(assign=True))")
+    return model, recording
 
 
 def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,

@@ -215,6 +215,15 @@ def replay(recording: MetaRecording, finals: set[int], seed: int | None,
         storages.free(key)
 
 
+def unrecorded(recording: MetaRecording, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names among ``tensors`` whose values ``replay`` cannot make: a tensor off the meta
+    device (``torch.from_numpy`` and ``load_state_dict(assign=True)`` make real ones, which
+    the device context does not reach), or a meta one no recorded operation wrote."""
+    written = set().union(*(op.writes for op in recording.ops))
+    return [name for name, tensor in tensors.items()
+            if not tensor.is_meta or storage_key(tensor) not in written]
+
+
 def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``module`` by name, shared ones under each name."""
     yield from module.named_parameters(remove_duplicate=False)

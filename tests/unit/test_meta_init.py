@@ -87,3 +87,55 @@ def test_a_factory_that_reads_values_cannot_be_recorded() -> None:
         return layer
     with pytest.raises((RuntimeError, NotImplementedError)):
         meta_init.record(factory)
+
+
+# A state dict as a factory reads one from a file: host tensors, made outside the meta device.
+_LOADED = {"weight": torch.full((4, 4), 2.0), "bias": torch.ones(4)}
+
+
+class _FromNumpy(nn.Module):
+    """Weights a factory makes outside torch's operations: a numpy array's, and a state dict
+    assigned over a meta-built layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import numpy as np
+
+        self.table = nn.Parameter(torch.from_numpy(np.arange(12, dtype=np.float32).reshape(3, 4)))
+        self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+        self.blocks[0].load_state_dict(_LOADED, assign=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](self.table[idx])
+
+
+def test_weights_made_outside_the_record_are_built_on_the_host(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """The replay cannot make what the record never saw: those tensors are named, and the
+    sharded build takes the host build's values (one warning) instead of uninitialised memory."""
+    import logging
+
+    import torch.distributed as dist
+
+    from trainer.build import MemoryTransforms, build_sharded
+    from trainer.sharding import FsdpSettings
+
+    meta, recording = meta_init.record(_FromNumpy)
+    assert meta_init.unrecorded(recording, dict(meta_init.module_tensors(meta))) == [
+        "table", "blocks.0.weight", "blocks.0.bias"]
+    gpt, recording = meta_init.record(partial(GPT, GPTConfig(vocab_size=16, seq_len=4,
+                                                             n_layer=1, n_head=1, n_embd=8)))
+    assert meta_init.unrecorded(recording, dict(meta_init.module_tensors(gpt))) == []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer.build"):
+            model = build_sharded(_FromNumpy, MemoryTransforms(), torch.device("cpu"), 0,
+                                  FsdpSettings(), model_name="tests:from_numpy")
+        weights = {name: p.full_tensor() for name, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert "made without a tensor operation the meta device records" in caplog.text
+    assert torch.equal(weights["table"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(weights["blocks.0.weight"], torch.full((4, 4), 2.0))
+    assert torch.equal(weights["blocks.0.bias"], torch.ones(4))
