@@ -17,7 +17,7 @@ wrapped in ``HFCausalLM``, which answers what the memory transforms ask of a mod
 The model's own config is the truth: memtrain's ``model.n_layer``, ``n_head`` and ``n_embd`` are
 ignored, with a warning where they differ from it. ``model.seq_len`` must fit it; the dataset's
 vocabulary is checked against it before any worker starts (``model.vocab_size``, which sizes
-memtrain's GPT, is not needed, and one larger than the model's vocabulary is refused).
+memtrain's GPT, is not used).
 ``transformers`` comes with the ``hf`` extra (``pip install 'memtrain[hf]'``) and is imported
 only when such a model is built.
 """
@@ -157,16 +157,15 @@ def build_hf_model(spec: str, vocab_size: int, seq_len: int, load_weights: bool 
                    **fields: Any) -> HFCausalLM:
     """``hf:<spec>``: the model of a directory (or its ``config.json``), with its weights where
     the directory has them (and ``load_weights``: the sharded build reads them per rank,
-    ``SafetensorsRows``). ``vocab_size`` and ``seq_len`` are the data's, checked against the
-    model's config; the other GPT ``fields`` are ignored (warned where they differ)."""
+    ``SafetensorsRows``). ``seq_len`` must fit the model's config. ``vocab_size`` (memtrain's
+    GPT's) is not used: the data's vocabulary is checked against the model's own before any
+    worker starts (``trainer.launch.prepare``). The other GPT ``fields`` are ignored, with a
+    warning where they differ."""
     directory = _config_json(spec).parent
     if not (directory / "config.json").is_file():
         raise ValueError(f"model.name 'hf:{spec}': no config.json in {directory}")
     transformers = _transformers()
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    if vocab_size > config.vocab_size:
-        raise ValueError(f"model.vocab_size {vocab_size} is larger than the vocabulary of "
-                         f"hf:{spec} ({config.vocab_size}): the data holds tokens it cannot embed")
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         raise ValueError(f"model.seq_len {seq_len} is longer than hf:{spec} takes "

@@ -166,8 +166,6 @@ def test_bad_hf_models_are_one_line_each(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="no config.json in"):
         create_model(f"hf:{tmp_path}", **FIELDS)
     CONFIGS["llama"]().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="model.vocab_size 512 is larger than the vocabulary"):
-        create_model(f"hf:{tmp_path}", **{**FIELDS, "vocab_size": 512})
     with pytest.raises(ValueError, match="model.seq_len 1024 is longer than"):
         create_model(f"hf:{tmp_path}", **{**FIELDS, "seq_len": 1024})
     monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
@@ -322,3 +320,27 @@ def test_a_dataset_with_more_tokens_than_the_model_embeds_is_refused(corpus_dir:
                                           r"larger than that of model.name 'hf:.*small' \(200\)"):
         prepare_run(tiny_config(corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'small'}",
                                 "parallel.launcher=local", "parallel.workers=1"))
+
+
+def test_model_vocab_size_is_not_an_hf_models_vocabulary(corpus_dir: Path, tmp_path: Path) -> None:
+    """``model.vocab_size`` sizes memtrain's GPT: an ``hf:`` model with a smaller vocabulary
+    than it trains on data its own vocabulary holds (256 byte tokens into 300), and a setting
+    the model refuses is one line, not the planner's fallback and then the error."""
+    import subprocess
+
+    CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
+    summary = launch_local(*prepare_run(tiny_config(
+        corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'llama'}", "model.vocab_size=400",
+        "train.steps=1", "parallel.launcher=local", "parallel.workers=1", "run.name=wide")))
+    assert summary["final_step"] == 1
+    config = CONFIGS["llama"]()
+    config.max_position_embeddings = 32
+    config.save_pretrained(tmp_path / "short")
+    out = subprocess.run(tiny_train_command(corpus_dir, tmp_path,
+                                            f"model.name=hf:{tmp_path / 'short'}",
+                                            "run.name=short"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if "max_position_embeddings" in line]
+    assert errors == [f"memtrain: error: model.seq_len {SEQ_LEN} is longer than "
+                      f"hf:{tmp_path / 'short'} takes (max_position_embeddings 32)"]

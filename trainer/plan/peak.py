@@ -448,6 +448,8 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
             with fake_tensor_mode():
                 profile, block_call = _profile(factory, transforms, seq_len, vocab_size,
                                                precision, device, packed)
+        except ValueError:  # a setting the model refuses (memtrain's config errors): said once
+            raise
         except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
             log.info("planner: the model cannot be probed with fake tensors (%s: %s); probing "
                      "with real ones", type(err).__name__, first_line(err)[:200])
