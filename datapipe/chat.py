@@ -15,9 +15,11 @@
   (each message a role line and its content, turns separated by a line break, and each
   assistant turn ending with the end-of-text token). The rendered text is encoded as it is:
   the template's special tokens (``<|im_start|>``, the BOS) are the tokenizer's added tokens.
-- **Only assistant turns are trained.** Each assistant turn's text is found by rendering the
-  conversation up to the turn (with the generation prompt) and through it: the characters in
-  between are the answer.
+- **Only assistant turns are trained.** A template with ``{% generation %}`` ...
+  ``{% endgeneration %}`` blocks (what TRL's assistant-only loss needs) names the assistant's
+  text itself: the blocks' rendered characters, placed as transformers places them. Otherwise
+  each assistant turn's text is found by rendering the conversation up to the turn (with the
+  generation prompt) and through it: the characters in between are the answer.
   A template that does not render a conversation's turns as prefixes of it is refused in one
   line naming the row, since its answers cannot be found.
 - **A token is trained where it overlaps an answer**, by the encoding's offsets: the token
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +52,7 @@ PLAIN_TEMPLATE = (  # line breaks as expressions: trim_blocks drops one after a 
     "{% if message.role == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '\\n<|assistant|>\\n' }}{% endif %}")
 ROLES = ("system", "user", "assistant", "tool")
+GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")  # as transformers finds one
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class ChatTemplate:
     source: str  # "the chat template of DIR" or "memtrain's plain template"
     render: Callable[..., str]
     jinja: str  # the template itself: the dataset's manifest keeps it, and export passes it on
+    # Where the template has generation blocks: the text and each block's (start, rendered
+    # text), from the same keywords as ``render``.
+    blocks: Callable[..., tuple[str, list[tuple[int, str]]]] | None = None
 
     def text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         return self.render(messages=messages, add_generation_prompt=add_generation_prompt)
@@ -67,39 +75,11 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
     ``chat_template.jinja`` beside it), else ``PLAIN_TEMPLATE``; compiled in jinja2's sandbox."""
     try:
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as err:
         raise DatasetError("--format chat needs the `jinja2` package (pip install jinja2)") \
             from err
-    config: dict[str, Any] = {}
-    source, text = "memtrain's plain template", PLAIN_TEMPLATE
-    if model_dir is not None and model_dir.is_dir():
-        config = tokenizer_config(model_dir)
-        found = config.get("chat_template")
-        if isinstance(found, list):  # named templates: the default one
-            found = next((t.get("template") for t in found if t.get("name") == "default"), None)
-        jinja = model_dir / "chat_template.jinja"
-        if not found and jinja.is_file():
-            found = jinja.read_text()
-        if isinstance(found, str) and found:
-            source, text = f"the chat template of {model_dir}", found
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    # The environment transformers renders chat templates in: the same loop controls, globals
-    # and a tojson that does not escape HTML (Llama 3.1's template calls strftime_now: its
-    # rows then carry the day they were written).
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    config, source, text = _find_template(model_dir)
+    env, tracker = _environment()
     try:
         template = env.from_string(text)
     except TemplateError as err:
@@ -114,7 +94,98 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
         except TemplateError as err:
             raise DatasetError(f"{source}: {err}") from err
 
-    return ChatTemplate(source, render, text)
+    def blocks(**kwargs: Any) -> tuple[str, list[tuple[int, str]]]:
+        try:
+            return tracker.track(template, **specials, **kwargs)
+        except TemplateError as err:
+            raise DatasetError(f"{source}: {err}") from err
+
+    return ChatTemplate(source, render, text,
+                        blocks=blocks if GENERATION_TAG.search(text) else None)
+
+
+def _find_template(model_dir: Path | None) -> tuple[dict[str, Any], str, str]:
+    """The tokenizer config, and the chat template's source and text."""
+    config: dict[str, Any] = {}
+    source, text = "memtrain's plain template", PLAIN_TEMPLATE
+    if model_dir is not None and model_dir.is_dir():
+        config = tokenizer_config(model_dir)
+        found = config.get("chat_template")
+        if isinstance(found, list):  # named templates: the default one
+            found = next((t.get("template") for t in found if t.get("name") == "default"), None)
+        jinja = model_dir / "chat_template.jinja"
+        if not found and jinja.is_file():
+            found = jinja.read_text()
+        if isinstance(found, str) and found:
+            source, text = f"the chat template of {model_dir}", found
+    return config, source, text
+
+
+def _environment() -> tuple[Any, Any]:
+    """The environment transformers renders chat templates in (the same loop controls and
+    generation blocks, globals, and a tojson that does not escape HTML; Llama 3.1's template
+    calls strftime_now: its rows then carry the day they were written), and its extension
+    for generation blocks."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    blocks = _generation_blocks()
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[blocks, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env, env.extensions[blocks.identifier]
+
+
+def _generation_blocks() -> Any:
+    """jinja2's extension for ``{% generation %}`` ... ``{% endgeneration %}``, as
+    transformers' ``AssistantTracker``: a block renders its body, and in a ``track``ed render
+    records the body and its start, the length of the text the template has yielded so far."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment: Any) -> None:
+            super().__init__(environment)
+            self.tracked: ContextVar[tuple[list[str], list[tuple[int, str]]] | None] = \
+                ContextVar("generation_blocks", default=None)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_block"), [], [], body).set_lineno(lineno)
+
+        def _block(self, caller: Callable[[], str]) -> str:
+            body = caller()
+            tracked = self.tracked.get()
+            if tracked is not None:
+                rendered, blocks = tracked
+                blocks.append((sum(map(len, rendered)), body))
+            return body
+
+        def track(self, template: Any, **kwargs: Any) -> tuple[str, list[tuple[int, str]]]:
+            rendered: list[str] = []
+            blocks: list[tuple[int, str]] = []
+            reset = self.tracked.set((rendered, blocks))
+            try:
+                for piece in template.generate(**kwargs):  # pieces one by one: see _block
+                    rendered.append(piece)
+            finally:
+                self.tracked.reset(reset)
+            return "".join(rendered), blocks
+
+    return GenerationBlocks
 
 
 def check_messages(messages: object, where: str) -> list[dict[str, Any]]:
@@ -134,7 +205,10 @@ def check_messages(messages: object, where: str) -> list[dict[str, Any]]:
 
 def assistant_spans(template: ChatTemplate, messages: list[dict[str, Any]], where: str
                     ) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character spans of its assistant turns."""
+    """The conversation's text and the character spans of its assistant turns: the template's
+    generation blocks where it has them, else each turn found by rendering prefixes."""
+    if template.blocks is not None:
+        return _generation_spans(template, messages, where)
     text = template.text(messages)
     spans = []
     for turn, message in enumerate(messages):
@@ -148,6 +222,19 @@ def assistant_spans(template: ChatTemplate, messages: list[dict[str, Any]], wher
                                "turns cannot be found")
         spans.append((len(before), len(through)))
     return text, spans
+
+
+def _generation_spans(template: ChatTemplate, messages: list[dict[str, Any]], where: str
+                      ) -> tuple[str, list[tuple[int, int]]]:
+    assert template.blocks is not None
+    text, blocks = template.blocks(messages=messages, add_generation_prompt=False)
+    for start, body in blocks:
+        # A block inside a macro or a set block is not yielded where it is rendered: its
+        # start is wrong (transformers then marks other tokens without a word).
+        if text[start:start + len(body)] != body:
+            raise DatasetError(f"{where}: {template.source} renders a generation block inside "
+                               "a macro or a set block, so its place in the text is unknown")
+    return text, [(start, start + len(body)) for start, body in blocks]
 
 
 def encode_conversations(rows: Iterator[tuple[object, str]], tokenizer: Tokenizer,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from datapipe.chat import chat_template, encode_conversations
+from datapipe.manifest import DatasetError
 
 pytestmark = pytest.mark.unit
 
@@ -170,3 +171,78 @@ def test_the_first_word_after_a_generation_prompt_ending_in_a_space_is_trained(
     trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m],
                                skip_special_tokens=False)
     assert trained == " Hello there!</s>"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_blocks_train_the_tokens_transformers_marks(family: str, tokenizer_file: Path,
+                                                               tmp_path: Path) -> None:
+    template, specials = FAMILIES[family]
+    expected = transformers_encodings(tokenizer_file, template, specials)
+    assert all(0 < sum(mask) < len(mask) for _, mask in expected)
+    directory = model_dir(tmp_path, tokenizer_file, template, specials)
+    assert memtrain_encodings(directory, specials) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_prefix_method_trains_what_generation_blocks_name(family: str, tokenizer_file: Path,
+                                                              tmp_path: Path) -> None:
+    """Without generation blocks, each turn is found by rendering prefixes: the same tokens."""
+    template, specials = FAMILIES[family]
+    expected = transformers_encodings(tokenizer_file, template, specials)
+    directory = model_dir(tmp_path, tokenizer_file, without_generation_tags(template), specials)
+    assert memtrain_encodings(directory, specials) == expected
+
+
+def test_phi3s_own_template_trains_through_generation_blocks(tokenizer_file: Path,
+                                                             tmp_path: Path) -> None:
+    """Phi-3's template ends a render without a generation prompt with the EOS, so a turn's
+    rendering is not a prefix of the conversation's: the prefix method refuses it in one line,
+    while its generation blocks name the turns as transformers finds them."""
+    template = FAMILIES["phi3"][0].replace(
+        "{{ '<|assistant|>\\n' }}{% endif %}", "{{ '<|assistant|>\\n' }}{% else %}"
+        "{{ eos_token }}{% endif %}")
+    specials = FAMILIES["phi3"][1]
+    expected = transformers_encodings(tokenizer_file, template, specials)
+    tagged = model_dir(tmp_path / "tagged", tokenizer_file, template, specials)
+    assert memtrain_encodings(tagged, specials) == expected
+    plain = model_dir(tmp_path / "plain", tokenizer_file, without_generation_tags(template),
+                      specials)
+    with pytest.raises(DatasetError, match=r"^conversation 0: the chat template of .* does not "
+                                           "render the conversation up to message 2 as a prefix"):
+        memtrain_encodings(plain, specials)
+
+
+def test_a_generation_block_inside_a_macro_is_refused(tokenizer_file: Path,
+                                                      tmp_path: Path) -> None:
+    """A macro's output is yielded only when the macro returns, so the block's start would be
+    counted from the wrong place; one line naming the row, not a wrong mask."""
+    template = ("{% macro answer(m) %}{{ 'ASSISTANT: ' }}{% generation %}{{ m.content }}"
+                "{% endgeneration %}{% endmacro %}{% for m in messages %}"
+                "{% if m.role == 'assistant' %}{{ answer(m) }}{% else %}{{ m.content }}"
+                "{% endif %}{% endfor %}")
+    directory = model_dir(tmp_path, tokenizer_file, template, {"eos_token": "</s>"})
+    with pytest.raises(DatasetError, match=r"^conversation 0: the chat template of .* renders a "
+                                           "generation block inside a macro or a set block"):
+        memtrain_encodings(directory, {"eos_token": "</s>"})
+
+
+def test_memtrain_data_write_packs_transformers_ids_and_masks(
+        tokenizer_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``memtrain data write --format chat`` as a user runs it: each packed conversation holds
+    transformers' ids and assistant mask (packing adds only padding, after the documents)."""
+    from tests.unit.test_finetune_data import columns
+    from trainer.cli import main
+
+    template, specials = FAMILIES["vicuna"]
+    directory = model_dir(tmp_path / "model", tokenizer_file, template, specials)
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CONVERSATIONS))
+    with pytest.raises(SystemExit) as exited:
+        main(["data", "write", str(source), "--out", str(tmp_path / "ds"), "--format", "chat",
+              "--tokenizer", str(directory), "--seq-len", "511"])
+    assert exited.value.code in (None, 0), capsys.readouterr().err
+    data = columns(tmp_path / "ds")
+    (tokens,), (mask,), (docs,) = data["tokens"], data["loss_mask"], data["document_ids"]
+    written = [(tokens[docs == doc].tolist(), mask[docs == doc].tolist())
+               for doc in range(len(CONVERSATIONS))]
+    assert written == transformers_encodings(tokenizer_file, template, specials)
