@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 EOT_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"  # the name of a dataset's copy of its tokenizer
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # a chat template's
 PIECE_BYTES = 1 << 20  # a text file is read and encoded in pieces of about this size
 BATCH_BYTES = 4 << 20  # text handed to one encode_batch call (spread over every core)
 TOKEN_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}
@@ -135,6 +136,14 @@ def special_token(config: dict[str, Any], name: str) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+def special_tokens(directory: Path | None) -> dict[str, str]:
+    """The special tokens (``SPECIAL_TOKENS``) a model directory's ``tokenizer_config.json``
+    names, by name; a chat dataset's manifest keeps them, as its template renders with them."""
+    config = tokenizer_config(directory) if directory is not None and directory.is_dir() else {}
+    return {name: token for name in SPECIAL_TOKENS
+            if (token := special_token(config, name)) is not None}
 
 
 def configured_eos(directory: Path) -> str | None:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from datapipe.manifest import DatasetError, read_manifest
-from datapipe.tokenize import TOKENIZER_FILE, dataset_tokenizer
+from datapipe.tokenize import SPECIAL_TOKENS, TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
 from monitoring.units import format_bytes
 from trainer.build import MemoryTransforms, build_model, model_factory
@@ -111,8 +111,8 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
 def _write_tokenizer(dataset: str, out: Path) -> bool:
     """The tokenizer the dataset was written with, beside the model in ``out``, with the
     ``tokenizer_config.json`` that ``AutoTokenizer`` needs (its end-of-text token, and a chat
-    dataset's template, so the model is prompted as it was trained); False where the dataset
-    kept none (said in the log when it cannot be read)."""
+    dataset's template and special tokens, so the model is prompted as it was trained); False
+    where the dataset kept none (said in the log when it cannot be read)."""
     try:
         tokenizer = dataset_tokenizer(dataset)
     except DatasetError as err:  # the weights are written; say why the tokenizer is not
@@ -124,10 +124,12 @@ def _write_tokenizer(dataset: str, out: Path) -> bool:
 
     raw, eot_id = tokenizer
     (out / TOKENIZER_FILE).write_bytes(raw)
+    metadata = read_manifest(dataset).metadata
     config = {"eos_token": Tokenizer.from_str(raw.decode("utf-8")).id_to_token(eot_id)}
-    template = read_manifest(dataset).metadata.get("chat_template")
-    if template:
-        config["chat_template"] = template
+    # A chat dataset's special tokens, as its template rendered the rows with them.
+    config |= {name: metadata[name] for name in SPECIAL_TOKENS if metadata.get(name)}
+    if metadata.get("chat_template"):
+        config["chat_template"] = metadata["chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return True
 
