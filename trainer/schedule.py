@@ -12,7 +12,9 @@ A resume takes the rates of the config it runs under, not of the checkpoint (tor
   restart the curve: from the resume step, the cosine runs from the factor the run had reached
   (``anchor``) down to the floor at the new last step, so more steps stretch the rest of the
   decay and fewer compress it, and the rate does not jump at the resume. A resume within
-  warm-up follows the new warm-up.
+  either warm-up follows the new schedule: the new warm-up, or, where the new one is shorter
+  and already over, the new schedule's own rate, so the run reaches its peak (continuing from
+  the factor the old warm-up had reached would decay from below the peak and never reach it).
 """
 
 from __future__ import annotations
@@ -66,9 +68,13 @@ class Schedule:
         ran ``before`` (None: one from before schedules were kept, taken as this one)."""
         if before is None or before.shape() == self.shape():
             return before or self
-        if step < self.warmup_steps:
-            return self
+        if step < self.warmup_steps or before.warming_up(step):
+            return self  # the new warm-up, or the peak the old one had not reached yet
         return replace(self, anchor=(step, before(step)))
+
+    def warming_up(self, step: int) -> bool:
+        """Whether ``step`` is still in this schedule's warm-up (below the peak)."""
+        return step < self.warmup_steps and (self.anchor is None or step < self.anchor[0])
 
 
 def _cosine(progress: float) -> float:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import logged_losses, tiny_config
 from trainer.config import ConfigError
@@ -164,3 +166,37 @@ def test_the_run_keeps_as_many_checkpoints_as_it_is_told(corpus_dir: Path,
         "run.name=kept"))
     launch_local(cfg, run_dir)
     assert [step for step, _ in published_checkpoints(run_dir)] == [4, 6]
+
+
+def test_a_resume_inside_the_old_warm_up_with_a_shorter_one_reaches_the_peak() -> None:
+    before = Schedule(steps=300, warmup_steps=100, min_lr_ratio=0.1)
+    resumed = Schedule(steps=300, warmup_steps=20, min_lr_ratio=0.1).resumed(before, 50)
+    assert resumed(50) == Schedule(300, 20, 0.1)(50) > 0.95 > before(50)
+
+
+@settings(max_examples=400, deadline=None)
+@given(steps=st.tuples(st.integers(2, 400), st.integers(2, 400)),
+       warmups=st.tuples(st.integers(0, 120), st.integers(0, 120)),
+       floors=st.tuples(st.sampled_from([0.0, 0.1, 0.5]), st.sampled_from([0.0, 0.1, 0.5])),
+       at=st.integers(0, 399))
+def test_every_resume_of_a_schedule_keeps_its_promises(steps, warmups, floors, at) -> None:
+    """Over old and new shapes and resume points: a resume in either warm-up runs the new
+    schedule itself; past both, the rate does not jump at the resume, moves one way only, from
+    the factor reached to the new floor, which it reaches at the new last step."""
+    before = Schedule(steps[0], min(warmups[0], steps[0] - 1), floors[0])
+    new = Schedule(steps[1], min(warmups[1], steps[1] - 1), floors[1])
+    at = min(at, before.steps, new.steps - 1)
+    runs = new.resumed(before, at)
+    after = [runs(s) for s in range(at, new.steps + 1)]
+    if before.shape() == new.shape():
+        assert runs == before
+    elif at < new.warmup_steps or at < before.warmup_steps:
+        assert after == [new(s) for s in range(at, new.steps + 1)]
+        assert max(after) == pytest.approx(max(new(s) for s in range(at, new.steps + 1)))
+    else:
+        assert after[0] == pytest.approx(before(at))
+        sign = 1 if before(at) >= new.min_lr_ratio else -1  # a raised floor: the rate rises
+        assert all(sign * (a - b) >= -1e-12 for a, b in zip(after, after[1:], strict=False))
+        low, high = sorted((new.min_lr_ratio, before(at)))
+        assert all(low - 1e-12 <= f <= high + 1e-12 <= 1 + 2e-12 for f in after)
+        assert after[-1] == pytest.approx(new.min_lr_ratio)
