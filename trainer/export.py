@@ -28,7 +28,7 @@ from datapipe.manifest import DatasetError, read_manifest
 from datapipe.tokenize import SPECIAL_TOKENS, TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
 from monitoring.units import format_bytes
-from trainer.build import MemoryTransforms, build_model, model_factory
+from trainer.build import MemoryTransforms, build_model, load_hf_weights, model_factory
 from trainer.checkpoint import (
     CheckpointReadError,
     latest_whole,
@@ -39,7 +39,7 @@ from trainer.checkpoint import (
     verified,
 )
 from trainer.config import Config, ConfigError, load_config
-from trainer.hf import PREFIX, HFCausalLM, has_weights
+from trainer.hf import PREFIX, HFCausalLM, weights_of
 from trainer.memory.lora import (
     lora_of,
     merge_adapters,
@@ -48,6 +48,7 @@ from trainer.memory.lora import (
     trainable_state_dict,
 )
 from trainer.meta_init import storage_key
+from trainer.state import lora_base_source, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +137,22 @@ def _write_tokenizer(dataset: str, out: Path) -> bool:
 
 def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
                 merge: bool) -> None:
-    """A LoRA run's checkpoint: the base built as the run built it (its pretrained weights, or
-    its seeded initialisation), the checkpoint's adapters loaded, then PEFT's adapter
-    directory (``PeftModel.from_pretrained(base, out)``), or with ``merge`` the merged model
-    (``from_pretrained(out)``)."""
-    base = cfg.model.name.removeprefix(PREFIX)
-    if not merge and not has_weights(base):
+    """A LoRA run's checkpoint: the base built as the run built it (the weights of
+    ``train.init_from: hf:DIR``, else of ``model.name``, else its seeded initialisation),
+    checked against what the checkpoint recorded of it, the checkpoint's adapters loaded, then
+    PEFT's adapter directory (``PeftModel.from_pretrained(base, out)``), or with ``merge`` the
+    merged model (``from_pretrained(out)``)."""
+    source = check_lora_base(cfg, state.get("lora_base"))
+    if not merge and source is None:
         raise ConfigError(f"{cfg.model.name} has no weights of its own (the run's base was its "
                           "seeded initialisation), so an adapter directory would have nothing "
                           "to apply to: export with --merge")
-    model = build_model(model_factory(cfg.model), MemoryTransforms(), seed=cfg.run.seed)
+    init_hf = cfg.train.init_from if source == cfg.train.init_from else None
+    model = build_model(model_factory(cfg.model, load_weights=init_hf is None),
+                        MemoryTransforms(), seed=cfg.run.seed)
     assert isinstance(model, HFCausalLM), type(model)
+    if init_hf is not None:  # as the loop fills it: the directory's tensors over the build's
+        load_hf_weights(model, weights_of(init_hf))
     adapters = trainable_state_dict(model)
     if state.get("sharded"):
         loaded = load_sharded_tensors(directory, {
@@ -163,12 +169,47 @@ def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
         return
     from safetensors.torch import save_file
 
+    assert source is not None
     out.mkdir(parents=True, exist_ok=True)
     save_file(peft_adapter_state(model), str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
-    peft_config(settings, model, str(Path(base).resolve())).save_pretrained(str(out))
+    base = Path(source.removeprefix(PREFIX)).expanduser().resolve()
+    peft_config(settings, model, str(base)).save_pretrained(str(out))
     log.info("exported %s: the adapters alone (%d tensors), for PeftModel.from_pretrained",
              directory.name, len(adapters))
+
+
+def check_lora_base(cfg: Config, recorded: dict[str, Any] | None) -> str | None:
+    """The ``hf:`` directory the run's LoRA base takes its weights from (None: its seeded
+    initialisation). ConfigError where the checkpoint recorded another, or where its weight
+    files are missing or not the ones the run trained on (sizes, and SHA-256 where the run
+    recorded them); a checkpoint that recorded nothing (written before checkpoints did) is
+    checked for its files alone, and the log says so."""
+    init_hf = (cfg.train.init_from or "").startswith(PREFIX)
+    field = "train.init_from" if init_hf else "model.name"
+    source = lora_base_source(cfg.model.name, cfg.train.init_from)
+    if recorded is not None:
+        if recorded["source"] != (cfg.train.init_from if init_hf else cfg.model.name):
+            raise ConfigError(f"{field}: the run's config names the LoRA base "
+                              f"{cfg.train.init_from if init_hf else cfg.model.name}, but its "
+                              f"checkpoint was trained on {recorded['source']}")
+        source = recorded["source"]
+    elif source is not None:
+        log.warning("the checkpoint records no fingerprint of its LoRA base %s: its files "
+                    "are taken as they are now", source)
+    if source is None:
+        return None
+    hashes = recorded is not None and any("sha256" in f for f in recorded["files"].values())
+    now = weights_fingerprint(source, hashes)
+    if not now:
+        raise ConfigError(f"{field} {source}: the LoRA run's base weights are missing (no "
+                          "model.safetensors or its index); export needs the base it trained on")
+    before = now if recorded is None else recorded["files"]
+    changed = sorted(name for name in set(now) | set(before) if now.get(name) != before.get(name))
+    if changed:
+        raise ConfigError(f"{field} {source}: {changed[0]} is not the file the LoRA run trained "
+                          "on (changed since training); export needs the base it trained on")
+    return source
 
 
 def _saved_names(model: HFCausalLM) -> list[tuple[str, torch.Tensor]]:

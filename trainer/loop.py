@@ -63,7 +63,7 @@ from trainer.run_metrics import RunMetrics, StepRecord
 from trainer.saves import AsyncSaves
 from trainer.schedule import Schedule
 from trainer.sharding import FsdpSettings
-from trainer.state import NonFiniteError, StepResult, TrainState
+from trainer.state import NonFiniteError, StepResult, TrainState, lora_base
 from trainer.step import build_optimizer, evaluate, step_seed, train_step
 from trainer.tokens import DOCUMENT_IDS, LOSS_MASK, TokenBatch, TokenLoader
 
@@ -185,7 +185,11 @@ class Trainer:
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
             resources.enter_context(build_loader(cfg.data, ctx, self.plan.micro_batch_size,
-                                                 cfg.run.seed)))
+                                                 cfg.run.seed)),
+            # rank 0's checkpoints record a LoRA base's files (hashed once here, if hashes)
+            lora_base=lora_base(cfg.model.name, cfg.train.init_from,
+                                cfg.run.checkpoint_verify == "hashes")
+            if cfg.model.lora is not None and ctx.is_main else None)
 
     def in_backward(self) -> str | None:
         """Where the optimizer steps in backward (``memory.optimizer_in_backward``): under

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -45,6 +46,8 @@ from trainer.checkpoint import (
 )
 from trainer.context import WorkerContext
 from trainer.hf import PREFIX as HF_PREFIX
+from trainer.hf import has_weights
+from trainer.manifest import sha256_of
 from trainer.memory.optimizers import BackwardSteps
 from trainer.saves import AsyncSaves, staged
 from trainer.schedule import resume_schedule
@@ -74,6 +77,41 @@ def clear_rank_parts(run_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def lora_base_source(model_name: str, init_from: str | None) -> str | None:
+    """The ``hf:`` directory a LoRA model's frozen base takes its weights from, as the loop
+    builds it: ``train.init_from``'s where it names one, else ``model.name``'s where that holds
+    weights; None for a base of its seeded initialisation."""
+    if init_from is not None and init_from.startswith(HF_PREFIX):
+        return init_from
+    if model_name.startswith(HF_PREFIX) and has_weights(model_name.removeprefix(HF_PREFIX)):
+        return model_name
+    return None
+
+
+def weights_fingerprint(source: str, hashes: bool) -> dict[str, dict[str, Any]]:
+    """The weight files of an ``hf:`` directory (``model.safetensors``, or the index and the
+    files it names) by name: their size, and their SHA-256 where ``hashes``; empty where it
+    holds none."""
+    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    directory = path if path.is_dir() else path.parent
+    index = directory / "model.safetensors.index.json"
+    names = {"model.safetensors"}
+    if index.is_file():
+        names = {index.name, *json.loads(index.read_text())["weight_map"].values()}
+    return {name: {"size": (directory / name).stat().st_size,
+                   **({"sha256": sha256_of(directory / name)} if hashes else {})}
+            for name in sorted(names) if (directory / name).is_file()}
+
+
+def lora_base(model_name: str, init_from: str | None, hashes: bool) -> dict[str, Any] | None:
+    """What a LoRA model's checkpoints record of its base (``TrainState.lora_base``); None
+    for a base of its seeded initialisation."""
+    source = lora_base_source(model_name, init_from)
+    if source is None:
+        return None
+    return {"source": source, "files": weights_fingerprint(source, hashes)}
+
+
 class NonFiniteError(RuntimeError):
     """Training produced non-finite numbers that it cannot step over."""
 
@@ -99,6 +137,9 @@ class TrainState:
     loader: TokenLoader
     step: int = 0
     schedule_change: str | None = None  # what a resume changed in the learning rate, if anything
+    # A LoRA model's base weights, {"source": "hf:DIR", "files": weights_fingerprint}: its
+    # checkpoints hold the adapters alone, so an export rebuilds the base and checks it is this.
+    lora_base: dict[str, Any] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -128,6 +169,8 @@ class TrainState:
             "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
             "sharded": True,  # the model and optimizer are in DCP files beside it
         }
+        if self.lora_base is not None:
+            state["lora_base"] = self.lora_base
         return state
 
     def load_state_dict(self, state: dict[str, Any], source: str) -> None:

@@ -87,6 +87,38 @@ def memtrain(*args: str) -> int:
     return int(exited.value.code or 0)
 
 
+def test_merged_export_is_peft_merge_and_unload_over_the_adapter_export(
+        lora_run: dict[str, Path]) -> None:
+    import transformers
+    from peft import PeftModel
+
+    adapter, merged = lora_run["tmp"] / "adapter", lora_run["tmp"] / "merged"
+    assert memtrain("export", str(lora_run["run"]), "--hf", str(adapter)) == 0
+    assert memtrain("export", str(lora_run["run"]), "--hf", str(merged), "--merge") == 0
+    adapter_config = json.loads((adapter / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(lora_run["base"].resolve())
+
+    auto = transformers.AutoModelForCausalLM
+    original = auto.from_pretrained(lora_run["base"]).eval()
+    base_state = {name: t.clone() for name, t in original.state_dict().items()}
+    reference = PeftModel.from_pretrained(auto.from_pretrained(lora_run["base"]), adapter)
+    reference = reference.merge_and_unload().eval()
+    ours = auto.from_pretrained(merged).eval()
+    tokens_BT = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = reference(tokens_BT).logits, ours(tokens_BT).logits
+        before = original(tokens_BT).logits
+    assert (expected - before).abs().max() > 1e-4  # three steps moved the adapters
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    targets = set(adapter_config["target_modules"])
+    merged_state = ours.state_dict()
+    frozen = [name for name in base_state if name.split(".")[-2] not in targets]
+    assert "model.embed_tokens.weight" in frozen and "lm_head.weight" in frozen
+    for name in frozen:  # untouched by LoRA: the real base's weights, to the bit
+        torch.testing.assert_close(merged_state[name], base_state[name], rtol=0, atol=0,
+                                   msg=name)
+
+
 def test_exported_tokenizer_renders_the_training_rows_text(lora_run: dict[str, Path]) -> None:
     import transformers
     from tokenizers import Tokenizer
@@ -109,3 +141,32 @@ def test_exported_tokenizer_renders_the_training_rows_text(lora_run: dict[str, P
     first = row[0][ids[0] == ids[0][0]].tolist()
     trained = Tokenizer.from_file(str(lora_run["data"] / TOKENIZER_FILE))
     assert trained.decode(first, skip_special_tokens=False).startswith(text)
+
+
+def test_export_refuses_a_lora_base_missing_or_changed(lora_run: dict[str, Path],
+                                                       capsys: pytest.CaptureFixture) -> None:
+    from safetensors.torch import load_file, save_file
+
+    base, run = lora_run["base"], str(lora_run["run"])
+    out = str(lora_run["tmp"] / "refused")
+    moved = base.with_name("llama-moved")
+    base.rename(moved)
+    try:
+        assert memtrain("export", run, "--hf", out, "--merge") == 2
+    finally:
+        moved.rename(base)
+    err = capsys.readouterr().err
+    assert f"train.init_from hf:{base}: the LoRA run's base weights are missing" in err
+    weights = base / "model.safetensors"
+    original = weights.read_bytes()
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3  # same size, new bytes
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    try:
+        assert memtrain("export", run, "--hf", out) == 2
+    finally:
+        weights.write_bytes(original)
+    err = capsys.readouterr().err
+    assert f"train.init_from hf:{base}: model.safetensors is not the file the LoRA run " \
+           "trained on" in err
+    assert not Path(out).exists()
