@@ -6,8 +6,9 @@ memtrain dataset (Arrow IPC shards + manifest, published last).
   batches (Parquet) or blocks (JSON), so inputs larger than memory convert.
 - **Text**: the files' bytes, concatenated in sorted path order, cut into rows of
   ``seq_len + 1`` byte tokens (a language model's inputs plus next-token targets).
-- **Tokenized text** (``tokenizer``): text files, a JSON lines field or a Parquet string
-  column, through a Hugging Face ``tokenizers`` tokenizer (``datapipe.tokenize``).
+- **Tokenized text** (``tokenizer``): text files, a JSON lines field, or a string column of
+  Parquet or a ``save_to_disk`` dataset, through a Hugging Face ``tokenizers`` tokenizer
+  (``datapipe.tokenize``).
 - **numpy**: ``.npy`` files are rows of one column (concatenated in order); an ``.npz`` file's
   arrays are columns (e.g. ``image`` and ``label``), memory-mapped where numpy allows.
 
@@ -39,6 +40,7 @@ from datapipe.manifest import (
 )
 from datapipe.pack import DOCUMENT_IDS, LOSS_MASK, Packing, TooLong, pack
 from datapipe.rows import (
+    ATTENTION_MASK,
     is_saved_dataset,
     rows,
     saved_dataset_files,
@@ -52,7 +54,6 @@ from datapipe.tokenize import (
     ByteProgress,
     documents,
     load_tokenizer,
-    special_tokens,
     text_documents,
     token_blocks,
 )
@@ -188,8 +189,8 @@ def _write_blocks(blocks: Iterator[Block], out: Path, shard_bytes: int,
 class PackOptions:
     """Fine-tuning inputs (``datapipe.pack``): documents packed into rows with their loss masks
     and boundaries. ``fmt`` "chat" / "instruction" rows go through the chat template; a
-    tokenized dataset's ``input_ids`` (ragged) or, with ``pack``, tokenized text documents are
-    packed as they are."""
+    tokenized dataset's ``input_ids`` (ragged, or padded with an ``attention_mask`` whose pads
+    are dropped) or, with ``pack``, tokenized text documents are packed as they are."""
 
     pack: bool = False  # text with --tokenizer: whole documents into rows, not one stream
     too_long: TooLong = "cut"
@@ -309,17 +310,18 @@ def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | No
                                  tok.id_to_token(info.eot_id))
         docs = encode_conversations(_conversations(files, kind, fmt, packing), tok, template,
                                     dtype)
-        more = info.metadata() | special_tokens(tokenizer_path) | {
-            "chat_template_source": template.source, "chat_template": template.jinja}
+        more = info.metadata() | {"chat_template_source": template.source,
+                                  "chat_template": template.jinja}
         pad = info.eot_id
     elif ragged:
         # The vocabulary is not known without a tokenizer: auto is the wide dtype, and a
         # dtype asked for is checked as with one (each id is checked against it as it comes).
         dtype = "uint32" if token_dtype == "auto" else token_dtype_for(0, token_dtype)
         labels = packing.labels_field if packing.labels_field in names else None
-        fields = [ragged, *([labels] if labels else [])]
+        attention = ATTENTION_MASK if ATTENTION_MASK in names else None  # padded ids
+        fields = [ragged, *(f for f in (labels, attention) if f)]
         docs = token_documents(rows(files, kind, fields), ragged, labels, dtype,
-                               TOKEN_DTYPES[dtype])
+                               TOKEN_DTYPES[dtype], attention)
         more, pad = {"token_column": ragged}, 0
     else:
         assert tokenized is not None

@@ -30,6 +30,7 @@ from datapipe.manifest import DatasetError
 STATE = "state.json"
 DICT = "dataset_dict.json"
 IGNORE_LABEL = -100  # a label Hugging Face's losses skip
+ATTENTION_MASK = "attention_mask"  # a tokenizer's padding: 1 for a token, 0 for a pad
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -173,22 +174,38 @@ def _jsonl_rows(file: Path, fields: list[str]) -> Iterator[tuple[dict[str, Any],
 
 
 def token_documents(rows_: Iterator[tuple[dict[str, Any], str]], column: str,
-                    labels: str | None, dtype: str, vocab_limit: int
-                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                    labels: str | None, dtype: str, vocab_limit: int,
+                    attention: str | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(ids, loss_mask)`` of pre-tokenized rows: ``column`` holds a list of token ids;
-    ``labels`` (optional) a list of the same length where -100 marks a token not trained."""
+    ``labels`` (optional) a list of the same length where -100 marks a token not trained;
+    ``attention`` (optional) a 0/1 list of the same length where 0 marks a pad, dropped."""
     for row, where in rows_:
         ids = row[column]
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise DatasetError(f"{where}: {column!r} is not a list of token ids")
-        array = np.asarray(ids, dtype=np.int64)
+        kept = _attended(row, where, column, attention) if attention else slice(None)
+        array = np.asarray(ids, dtype=np.int64)[kept]
         if len(array) and (array.min() < 0 or array.max() >= vocab_limit):
             raise DatasetError(f"{where}: {column!r} holds id {int(array.max())} outside "
                                f"[0, {vocab_limit}) of --token-dtype {dtype}")
-        mask = np.ones(len(array), dtype=np.uint8)
+        mask = np.ones(len(ids), dtype=np.uint8)
         if labels is not None:
             marks = row[labels]
             if not isinstance(marks, list) or len(marks) != len(ids):
                 raise DatasetError(f"{where}: {labels!r} is not a list as long as {column!r}")
             mask = (np.asarray(marks, dtype=np.int64) != IGNORE_LABEL).astype(np.uint8)
-        yield array.astype(dtype), mask
+        yield array.astype(dtype), mask[kept]
+
+
+def _attended(row: dict[str, Any], where: str, column: str, attention: str) -> np.ndarray:
+    """Which of ``row``'s ids its attention mask keeps (1), not a pad (0), as booleans."""
+    marks, ids = row[attention], row[column]
+    if not isinstance(marks, list):
+        raise DatasetError(f"{where}: {attention!r} is not a list of 0s and 1s")
+    if len(marks) != len(ids):
+        raise DatasetError(f"{where}: {attention!r} has {len(marks)} values, {column!r} "
+                           f"{len(ids)}")
+    bad = [m for m in marks if m not in (0, 1)]
+    if bad:
+        raise DatasetError(f"{where}: {attention!r} holds {bad[0]!r}, not only 0 and 1")
+    return np.asarray(marks, dtype=bool)

@@ -92,3 +92,42 @@ def test_a_saved_dataset_of_text_is_tokenized_as_its_parquet_is(
     assert code == 2
     assert err == (f"memtrain: error: {saved / 'data-00000-of-00001.arrow'}: no text column "
                    "'text' (columns: id, body; pass --text-field)")
+
+
+def test_padded_token_ids_keep_only_what_their_attention_mask_marks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # padding="max_length" to 6: right padding, left padding, and a row with no pad.
+    table = pa.table({"input_ids": [[5, 6, 7, PAD, PAD, PAD], [PAD, PAD, 8, 9, 10, 11],
+                                    [12, 13, 14, 15, 16, 17]],
+                      "attention_mask": [[1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1], [1] * 6],
+                      "labels": [[-100, 6, 7, -100, -100, -100], [-100, -100, 8, 9, 10, 11],
+                                 [12, 13, 14, 15, 16, 17]]})
+    pq.write_table(table, tmp_path / "padded.parquet")
+    saved = hf_save_to_disk(tmp_path / "saved", table.drop_columns(["labels"]))
+    code, err = memtrain(capsys, tmp_path / "padded.parquet", "--out", tmp_path / "ds",
+                         "--seq-len", 8)
+    assert code == 0, err
+    written = columns(tmp_path / "ds")
+    assert written["tokens"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 0, 0],
+                                          [12, 13, 14, 15, 16, 17, 0, 0, 0]]
+    assert written["loss_mask"].tolist() == [[0, 1, 1, 1, 1, 1, 1, 0, 0],
+                                             [1, 1, 1, 1, 1, 1, 0, 0, 0]]
+    assert written["document_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2],
+                                                [0, 0, 0, 0, 0, 0, 1, 1, 1]]
+    code, err = memtrain(capsys, saved, "--out", tmp_path / "saved-ds", "--seq-len", 8)
+    assert code == 0, err
+    assert columns(tmp_path / "saved-ds")["tokens"].tolist() == written["tokens"].tolist()
+
+
+@pytest.mark.parametrize(("mask", "message"), [
+    ([[1, 1, 0], [1, 1]], "row 1: 'attention_mask' has 2 values, 'input_ids' 3"),
+    ([[1, 1, 0], [1, 2, 0]], "row 1: 'attention_mask' holds 2, not only 0 and 1"),
+])
+def test_an_attention_mask_that_does_not_fit_its_ids_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], mask: list, message: str) -> None:
+    source = tmp_path / "padded.parquet"
+    pq.write_table(pa.table({"input_ids": [[5, 6, PAD], [7, 8, PAD]], "attention_mask": mask}),
+                   source)
+    code, err = memtrain(capsys, source, "--out", tmp_path / "ds", "--seq-len", 8)
+    assert (code, err) == (2, f"memtrain: error: {source}: {message}")
+    assert not (tmp_path / "ds" / "manifest.json").exists()
