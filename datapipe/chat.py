@@ -87,16 +87,19 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
     specials = {name: special_token(config, name) or "" for name in
                 ("bos_token", "eos_token", "unk_token", "pad_token")}
     specials["eos_token"] = specials["eos_token"] or eos_token
+    # transformers passes tools and documents to every render, None where there are none:
+    # templates test `tools is not none` (Mistral's), which an undefined name passes.
+    context = specials | {"tools": None, "documents": None}
 
     def render(**kwargs: Any) -> str:
         try:
-            return template.render(**specials, **kwargs)
+            return template.render(**context, **kwargs)
         except TemplateError as err:
             raise DatasetError(f"{source}: {err}") from err
 
     def blocks(**kwargs: Any) -> tuple[str, list[tuple[int, str]]]:
         try:
-            return tracker.track(template, **specials, **kwargs)
+            return tracker.track(template, **context, **kwargs)
         except TemplateError as err:
             raise DatasetError(f"{source}: {err}") from err
 

@@ -246,3 +246,16 @@ def test_memtrain_data_write_packs_transformers_ids_and_masks(
     written = [(tokens[docs == doc].tolist(), mask[docs == doc].tolist())
                for doc in range(len(CONVERSATIONS))]
     assert written == transformers_encodings(tokenizer_file, template, specials)
+
+
+def test_templates_see_tools_and_documents_as_none(tokenizer_file: Path, tmp_path: Path) -> None:
+    """Mistral's templates list tools where `tools is not none`: transformers passes None for
+    both tools and documents, so a conversation without them renders no tool list."""
+    template, specials = FAMILIES["mistral"]
+    template = ("{% if tools is not none %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+                "[/AVAILABLE_TOOLS]{% endif %}{% if documents is not none %}{{ documents }}"
+                "{% endif %}" + template)
+    expected = transformers_encodings(tokenizer_file, template, specials)
+    for name, source in (("tagged", template), ("plain", without_generation_tags(template))):
+        directory = model_dir(tmp_path / name, tokenizer_file, source, specials)
+        assert memtrain_encodings(directory, specials) == expected
