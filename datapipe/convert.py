@@ -54,6 +54,7 @@ from datapipe.tokenize import (
     ByteProgress,
     documents,
     load_tokenizer,
+    special_tokens,
     text_documents,
     token_blocks,
 )
@@ -310,8 +311,8 @@ def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | No
                                  tok.id_to_token(info.eot_id))
         docs = encode_conversations(_conversations(files, kind, fmt, packing), tok, template,
                                     dtype)
-        more = info.metadata() | {"chat_template_source": template.source,
-                                  "chat_template": template.jinja}
+        more = info.metadata() | special_tokens(tokenizer_path) | {
+            "chat_template_source": template.source, "chat_template": template.jinja}
         pad = info.eot_id
     elif ragged:
         # The vocabulary is not known without a tokenizer: auto is the wide dtype, and a
