@@ -42,6 +42,7 @@ from datapipe.pack import DOCUMENT_IDS, LOSS_MASK, Packing, TooLong, pack
 from datapipe.rows import (
     ATTENTION_MASK,
     is_saved_dataset,
+    require_one_split,
     rows,
     saved_dataset_files,
     split_files,
@@ -280,8 +281,11 @@ def _inputs(sources: list[Path], fmt: str, split: str | None) -> tuple[list[Path
     Arrow files), else files by suffix (or ``fmt``); ``split`` chooses a split."""
     if len(sources) == 1 and is_saved_dataset(sources[0]):
         return saved_dataset_files(sources[0], split), "hf"
-    files = split_files(expand_sources(sources), split)
-    return files, detect_format(files) if fmt in ("auto", "chat", "instruction") else fmt
+    files = split_files(expand_sources(sources), sources, split)
+    kind = detect_format(files) if fmt in ("auto", "chat", "instruction") else fmt
+    if split is None and kind in ("parquet", "jsonl"):  # a hub snapshot's layouts
+        require_one_split(files, sources)
+    return files, kind
 
 
 def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | None,

@@ -4,8 +4,10 @@
   ``dataset_dict.json`` above its splits' directories for a ``DatasetDict``): its Arrow files,
   listed by ``state.json``, are read with pyarrow (the ``datasets`` package is not needed). A
   dataset of several splits needs ``--split``; ``train`` is taken where there is one.
-- **Parquet from a dataset's snapshot** (``data/train-00000-of-00002.parquet``, or
-  ``train/*.parquet``): ``--split`` keeps the files of that split.
+- **Parquet or JSON lines from a dataset's snapshot** (``data/train-00000-of-00002.parquet``,
+  ``train/*.parquet``, ``dev.jsonl``): a file's split is named as ``datasets`` names it
+  (``file_split``); ``--split`` keeps the files of that split, and without it a directory
+  whose files are of several splits is refused rather than read as one.
 - **Rows** come in input order as dicts of the fields asked for, each with where it came from
   (``file: row N``, ``file: line N``) for the one-line errors.
 
@@ -17,8 +19,9 @@ rows go through the chat template (``datapipe.chat``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,12 @@ from datapipe.manifest import DatasetError
 STATE = "state.json"
 DICT = "dataset_dict.json"
 IGNORE_LABEL = -100  # a label Hugging Face's losses skip
+# The split names datasets' data files resolution knows, with the keywords that name each.
+SPLIT_KEYWORDS = {"train": ("train", "training"),
+                  "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+_DELIMITER = "[-._ 0-9]"  # what may stand beside a split's keyword in a name
+_SHARDED = re.compile(r"(\w+(?:\.\w+)*)-[0-9]{5}-of-[0-9]{5}")  # train-00000-of-00002.parquet
 ATTENTION_MASK = "attention_mask"  # a tokenizer's padding: 1 for a token, 0 for a pad
 
 
@@ -62,17 +71,62 @@ def saved_dataset_files(path: Path, split: str | None) -> list[Path]:
     return [path / name for name in files]
 
 
-def split_files(files: list[Path], split: str | None) -> list[Path]:
-    """The files of ``split`` (``train-*.parquet``, or under a ``train/`` directory); all of
-    them without a split."""
+def split_name(name: str) -> str:
+    """The split ``name`` stands for: train, validation or test for one of their keywords
+    (``dev`` is validation), else ``name`` itself."""
+    return next((split for split, words in SPLIT_KEYWORDS.items() if name in words), name)
+
+
+def file_split(file: Path, relative: PurePath, wanted: str | None = None) -> str | None:
+    """The split of ``file`` (at ``relative`` in the directory given) as ``datasets``' data
+    files resolution names it: ``{split}`` of ``data/{split}-00000-of-00002.*``; else the
+    split whose keyword names a directory of ``relative``, else its file name, the keyword
+    delimited by ``-._``, a space, a digit or the name's ends; None where nothing names one.
+    ``wanted`` (a split asked for) is one more keyword where it is none of theirs."""
+    sharded = _SHARDED.match(file.name)
+    if sharded and file.parent.name == "data":
+        return sharded.group(1)
+    groups = dict(SPLIT_KEYWORDS)
+    if wanted is not None and split_name(wanted) not in groups:
+        groups[wanted] = (wanted,)
+    # Directories first, as datasets tries them first; a file name's keyword is followed by
+    # a delimiter (at least the suffix's dot).
+    for names, after in ((relative.parts[:-1], f"(?:{_DELIMITER}|$)"), ((file.name,), _DELIMITER)):
+        for split, words in groups.items():
+            keyword = re.compile(f"(?:^|{_DELIMITER})(?:{'|'.join(map(re.escape, words))}){after}")
+            if any(keyword.search(name) for name in names):
+                return split
+    return None
+
+
+def _relative(file: Path, sources: list[Path]) -> PurePath:
+    """``file`` inside the directory it was found in; a file given by name: its name alone."""
+    found = next((s for s in sources if s.is_dir() and file.is_relative_to(s)), None)
+    return file.relative_to(found) if found else PurePath(file.name)
+
+
+def split_files(files: list[Path], sources: list[Path], split: str | None) -> list[Path]:
+    """The files of ``split`` (``file_split``); all of them without a split."""
     if split is None:
         return files
-    kept = [f for f in files if f.name.startswith(f"{split}-") or f.name.startswith(f"{split}.")
-            or split in f.parent.parts[-2:]]
+    kept = [f for f in files
+            if split_name(file_split(f, _relative(f, sources), split) or "") == split_name(split)]
     if not kept:
         raise DatasetError(f"--split {split}: no input file is of that split (names like "
                            f"{split}-00000-of-00001.parquet or a {split}/ directory)")
     return kept
+
+
+def require_one_split(files: list[Path], sources: list[Path]) -> None:
+    """Refuse a directory whose files are of several splits (``file_split``), as a snapshot
+    of a hub dataset's train and test files is: read together they would mix."""
+    for source in (s for s in sources if s.is_dir()):
+        found = {split_name(split) for f in files if f.is_relative_to(source)
+                 if (split := file_split(f, f.relative_to(source))) is not None}
+        if len(found) > 1:
+            named = [s for s in SPLIT_KEYWORDS if s in found] + sorted(found - set(SPLIT_KEYWORDS))
+            raise DatasetError(f"{source}: files of several splits ({', '.join(named)}): pass "
+                               "--split to choose one")
 
 
 def record_batches(file: Path, kind: str, fields: list[str]) -> Iterator[pa.RecordBatch]:

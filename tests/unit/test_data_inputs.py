@@ -131,3 +131,52 @@ def test_an_attention_mask_that_does_not_fit_its_ids_is_one_line(
     code, err = memtrain(capsys, source, "--out", tmp_path / "ds", "--seq-len", 8)
     assert (code, err) == (2, f"memtrain: error: {source}: {message}")
     assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def snapshot(root: Path, layout: dict[str, list[list[int]]]) -> Path:
+    """A hub snapshot's parquet files, each path in ``layout`` holding rows of ``input_ids``."""
+    for name, ids in layout.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"input_ids": ids}), root / name)
+    return root
+
+
+@pytest.mark.parametrize(("layout", "splits"), [
+    ({"data/train-00000-of-00001.parquet": [[2, 3]], "data/test-00000-of-00001.parquet": [[4]]},
+     "train, test"),
+    ({"train/part-0.parquet": [[2, 3]], "test/part-0.parquet": [[4]],
+      "dev/part-0.parquet": [[5]]}, "train, validation, test"),
+    ({"data/train.parquet": [[2, 3]], "data/valid.parquet": [[5]]}, "train, validation"),
+])
+def test_a_snapshot_of_several_splits_needs_split(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: dict, splits: str) -> None:
+    root = snapshot(tmp_path / "snapshot", layout)
+    code, err = memtrain(capsys, root, "--out", tmp_path / "ds", "--seq-len", 3)
+    assert (code, err) == (2, f"memtrain: error: {root}: files of several splits ({splits}): "
+                              "pass --split to choose one")
+    code, err = memtrain(capsys, root, "--out", tmp_path / "train", "--seq-len", 3,
+                         "--split", "train")
+    assert code == 0, err
+    assert columns(tmp_path / "train")["tokens"].tolist() == [[2, 3, 0, 0]]
+
+
+def test_the_split_names_datasets_knows_choose_files_and_one_split_is_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = snapshot(tmp_path / "snapshot", {
+        "data/train-00000-of-00002.parquet": [[2, 3]],
+        "data/train-00001-of-00002.parquet": [[4, 5]],
+        "data/validation-00000-of-00001.parquet": [[5, 6]], "eval/x.parquet": [[7, 8]]})
+    for split, tokens in (("dev", [[5, 6, 0, 0]]), ("test", [[7, 8, 0, 0]])):
+        code, err = memtrain(capsys, root, "--out", tmp_path / split, "--seq-len", 3,
+                             "--split", split)
+        assert code == 0, err
+        assert columns(tmp_path / split)["tokens"].tolist() == tokens
+    code, err = memtrain(capsys, root / "data", "--out", tmp_path / "all", "--seq-len", 3,
+                         "--split", "train")
+    assert code == 0, err
+    assert columns(tmp_path / "all")["tokens"].tolist() == [[2, 3, 4, 5]]
+    only = snapshot(tmp_path / "only", {"data/test-00000-of-00001.parquet": [[9, 10]],
+                                        "data/test-00001-of-00001.parquet": [[11, 12]]})
+    code, err = memtrain(capsys, only, "--out", tmp_path / "only-ds", "--seq-len", 3)
+    assert code == 0, err
+    assert columns(tmp_path / "only-ds")["tokens"].tolist() == [[9, 10, 11, 12]]
