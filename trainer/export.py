@@ -187,12 +187,12 @@ def check_lora_base(cfg: Config, recorded: dict[str, Any] | None) -> str | None:
     checked for its files alone, and the log says so."""
     init_hf = (cfg.train.init_from or "").startswith(PREFIX)
     field = "train.init_from" if init_hf else "model.name"
+    configured = cfg.train.init_from if init_hf else cfg.model.name
     source = lora_base_source(cfg.model.name, cfg.train.init_from)
     if recorded is not None:
-        if recorded["source"] != (cfg.train.init_from if init_hf else cfg.model.name):
-            raise ConfigError(f"{field}: the run's config names the LoRA base "
-                              f"{cfg.train.init_from if init_hf else cfg.model.name}, but its "
-                              f"checkpoint was trained on {recorded['source']}")
+        if recorded["source"] != configured:
+            raise ConfigError(f"{field}: the run's config names the LoRA base {configured}, but "
+                              f"its checkpoint was trained on {recorded['source']}")
         source = recorded["source"]
     elif source is not None:
         log.warning("the checkpoint records no fingerprint of its LoRA base %s: its files "
