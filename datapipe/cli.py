@@ -72,7 +72,8 @@ EotOption = Annotated[str | None, typer.Option(
     help="With --tokenizer: the token that ends each document (default: the eos_token of the "
          "model directory's tokenizer_config.json, else <|endoftext|>).")]
 SplitOption = Annotated[str | None, typer.Option(
-    help="A Hugging Face dataset's split (a DatasetDict's, or train-*.parquet files).")]
+    help="A Hugging Face dataset's split (a DatasetDict's, or a snapshot's train-*.parquet, "
+         "train/ or dev.jsonl files); needed where a directory holds several.")]
 PackOption = Annotated[bool, typer.Option(
     help="With --tokenizer: pack whole documents into rows, with their boundaries, instead of "
          "one stream cut into rows.")]
