@@ -4,14 +4,16 @@ loop, and cleanup on failure."""
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from datapipe.loader import BatchLoader
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, tiny_config, tiny_train_command
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.checkpoint import STATE_FILE, load_checkpoint, load_sharded_tensors
 from trainer.compat import cpu_capability
@@ -35,28 +37,49 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# On another CPU kind the run is held to the recording's kernels as far as flags reach (ATen's
+# AVX2 kernels, oneDNN's and MKL's AVX2 paths, bf16 emulated), set before torch loads. MKL's
+# blocking and oneDNN's emulated bf16 still round differently there: measured on a Xeon with
+# AMX, the 20 losses stay within 5.4e-7 (fp32) and 9.1e-5 (bf16) of the recording, while one
+# step more of warm-up moves them by up to 0.34, so the tolerances below keep a margin of about
+# 10x over rounding and are 300x tighter than any change of seeding, data or schedule.
+AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2,STRICT",
+                "OMP_NUM_THREADS": "1"}
+ELSEWHERE_RTOL = {"fp32": 1e-5, "bf16": 1e-3}
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_twenty_steps_give_the_recorded_losses_bit_for_bit(precision: str, corpus_dir: Path,
-                                                          tmp_path: Path, one_thread) -> None:
+def test_twenty_steps_give_the_recorded_losses(precision: str, corpus_dir: Path,
+                                               tmp_path: Path) -> None:
     """The losses of 20 steps, recorded with the loop as it was before ``train()`` was split
     into state, metrics and batch plan: any change to the order of seeding, data, steps or
-    schedule changes a bit. Kernels differ between CPU instruction sets and the corpus between
-    Python versions, so the recording holds where it was made (and on machines like it);
+    schedule moves them. Bit for bit on the recording's CPU kind and torch; on any other x86
+    kind within ``ELSEWHERE_RTOL``, from a ``memtrain train`` process on ``AVX2_KERNELS``.
     ``test_train_is_a_plain_loop_bit_for_bit`` holds the loop to a reference on every CPU."""
-    here = {"cpu_capability": cpu_capability(), "torch": torch.__version__,
-            "python": platform.python_version()}  # the corpus is this Python's stdlib
-    if any(RECORDED[key] != value for key, value in here.items()):
-        pytest.skip(f"losses recorded with {', '.join(f'{k} {RECORDED[k]}' for k in here)}; "
-                    f"this machine has {here}")
-    cfg, run_dir = prepare_run(tiny_config(
-        corpus_dir, tmp_path, f"memory.precision={precision}", "parallel.launcher=local",
-        "parallel.workers=1", "train.steps=20", "train.log_every=1", "train.eval_every=0",
-        "train.checkpoint_every=0", f"run.name=rec-{precision}",
-        "memory.bf16_norm_inputs=true"))  # as recorded, before its default became "auto"
-    launch_local(cfg, run_dir)
+    if RECORDED["python"] != platform.python_version():  # the corpus is this Python's stdlib
+        pytest.skip(f"losses recorded on the stdlib of Python {RECORDED['python']}")
+    # The recording's own kind: AVX2 by the CPU itself, not by ATEN_CPU_CAPABILITY on a larger one
+    exact = cpu_capability() == RECORDED["cpu_capability"] and torch.__version__ == \
+        RECORDED["torch"] and "ATEN_CPU_CAPABILITY" not in os.environ
+    if not exact and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the recording's AVX2 kernels are x86's")
+    command = tiny_train_command(
+        corpus_dir, tmp_path, f"memory.precision={precision}", "train.steps=20",
+        "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+        f"run.name=rec-{precision}",
+        "memory.bf16_norm_inputs=true")  # as recorded, before its default became "auto"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({} if exact else AVX2_KERNELS)}
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in
-            (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()]
-    assert [r["loss"].hex() for r in rows if "loss" in r] == RECORDED["losses"][precision]
+            (tmp_path / f"rec-{precision}" / "metrics" / "rank-0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    recorded = [float.fromhex(h) for h in RECORDED["losses"][precision]]
+    if exact:
+        assert [loss.hex() for loss in losses] == RECORDED["losses"][precision]
+    else:
+        assert losses == pytest.approx(recorded, rel=ELSEWHERE_RTOL[precision], abs=0)
 
 
 def reference_run(cfg: Config) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
