@@ -1,5 +1,5 @@
-"""Write the image's lock files: every Python package of ``memtrain[train,hf,tracking]``,
-pinned with hashes.
+"""Write the image's lock files: every Python package of
+``memtrain[train,hf,strategies,tracking]``, pinned with hashes.
 
     python scripts/lock.py            # make lock: (re)write docker/requirements/{gpu,cpu}.txt
     python scripts/lock.py --check    # exit 1 when pyproject.toml changed since the last lock
@@ -35,7 +35,9 @@ OUT = REPO / "docker" / "requirements"
 PLATFORM = ["--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_28"]
 INDEX = "https://pypi.org/simple"
 TORCH_CPU = "torch==2.13.0+cpu"
-EXTRAS = ("train", "hf", "tracking")  # it trains, Hugging Face models too, and runs MLflow
+# It trains, Hugging Face models too, with every memory strategy (LoRA: peft; 8-bit, 4-bit and
+# bf16 optimizer states and bf16 weights: torchao), and runs MLflow. Not dev's tools, nor bench's.
+EXTRAS = ("train", "hf", "strategies", "tracking")
 DIGEST_PREFIX = "# inputs-sha256: "
 
 

@@ -239,21 +239,40 @@ def test_the_locks_are_fresh_hashed_and_differ_only_in_torchs_build() -> None:
     assert all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in cuda), cuda
     assert set(cpu) <= set(gpu)
     assert {n: v for n, v in cpu.items() if gpu[n] != v} == {"torch": "2.13.0+cpu"}
-    # everything memtrain[train,hf,tracking] names is in both
+    # everything the image's extras name is in both
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    for requirement in (project["dependencies"] + extras["train"] + extras["hf"]
-                        + extras["tracking"]):
+    for requirement in project["dependencies"] + [r for extra in _lock_script().EXTRAS
+                                                  for r in extras[extra]]:
         name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()  # type: ignore[union-attr]
         assert all(name.replace("_", "-") in lock for lock in locks.values()), name
 
 
-def test_a_changed_dependency_makes_the_locks_stale(tmp_path: Path) -> None:
+def _lock_script() -> Any:
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import lock
     finally:
         sys.path.pop(0)
+    return lock
+
+
+def test_the_image_locks_every_extra_a_documented_feature_needs() -> None:
+    """A cluster runs the image, so it holds every feature's packages: the memory strategies
+    (peft for model.lora; torchao for 8-bit, 4-bit and bf16 optimizer states and bf16 weights)
+    as much as training, Hugging Face models and trackers. Only the developer's tools and the
+    benchmarks' peers stay out."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert set(_lock_script().EXTRAS) == set(extras) - {"dev", "bench"}
+    for variant in ("gpu", "cpu"):
+        lock = (DOCKER / "requirements" / f"{variant}.txt").read_text()
+        for requirement in extras["strategies"]:  # pinned in pyproject.toml: the same here
+            assert f"\n{requirement} \\\n" in lock, (variant, requirement)
+
+
+def test_a_changed_dependency_makes_the_locks_stale(tmp_path: Path) -> None:
+    lock = _lock_script()
     changed = tmp_path / "pyproject.toml"
     changed.write_text((REPO / "pyproject.toml").read_text().replace(
         '"pyarrow>=17"', '"pyarrow>=18"'))
