@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.build import MemoryTransforms, build_sharded
+from trainer.launch.rendezvous import backend_for
 from trainer.memory.precision import precision_policy
 from trainer.model import GPT, GPTConfig
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
@@ -43,8 +44,9 @@ def one_rank(device: torch.device) -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                            rank=0, world_size=1)
+    # On a GPU, NCCL with gloo beside it: CPU offload reduces host tensors (the product's group)
+    dist.init_process_group(backend_for(device.type), store=dist.HashStore(), rank=0,
+                            world_size=1)
     try:
         yield
     finally:

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -333,6 +333,18 @@ def ray_cancel_train_request(requester_id: str, timeout: float = 10.0) -> None:
 
     coordinator = get_or_create_autoscaling_coordinator()
     ray.get(coordinator.cancel_request.remote(requester_id=requester_id), timeout=timeout)
+
+
+def ray_torch_backend() -> tuple[type, Callable[[], None], Callable[[], tuple[str, int]]]:
+    """Ray Train 2.60's torch backend, to subclass (``_TorchBackend``: its ``on_start`` makes
+    the process group with torch's ``env://`` store, which listens on every interface), the
+    function that sets torchrun's variables in a worker (``LOCAL_RANK``, ``RANK``, ...), and
+    the one that picks rank 0's node address and a free port, as its ``on_start`` calls them
+    (``ray/train/torch/config.py``, ``ray/train/_internal/utils.py``)."""
+    from ray.train._internal.utils import get_address_and_port
+    from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
+
+    return _TorchBackend, _set_torch_distributed_env_vars, get_address_and_port
 
 
 def ray_train_request_id(trainer: Any) -> str:

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import running_s3_server, tiny_config
+from tests.distributed.test_bind_addresses import ListeningSockets
 from trainer.checkpoint import read_model_weights, stored_checkpoints
 from trainer.launch.prepare import prepare_run
 from trainer.runstore import RemoteRun
@@ -51,6 +52,7 @@ class RayRun:
     final_weights: dict[str, torch.Tensor]  # checkpoint 12, read before any test resumes it
     losses: dict[int, float]  # the last logged loss of each step (after the restart: resumed)
     first_losses: dict[int, float]  # the first logged loss of each step (before the kill)
+    sockets: ListeningSockets  # the listening sockets of the cluster's processes as it trained
 
 
 def _losses(run_dir: Path, first: bool = False) -> dict[int, float]:
@@ -92,11 +94,20 @@ def ray_run(ray_cluster, store: RemoteRun, corpus_dir: Path,
                                            f"run.work_dir={work / 'machine-a'}", TRACKERS))
     os.environ["MEMTRAIN_FAULTS"] = "kill@9:1"  # the launcher hands it to Ray's workers
     try:
-        summary = launch_ray(cfg, run_dir)
+        with ListeningSockets() as sockets:
+            summary = launch_ray(cfg, run_dir)
     finally:
         del os.environ["MEMTRAIN_FAULTS"]
     return RayRun(run_dir, summary, _stored_weights(store, 12), _losses(run_dir),
-                  _losses(run_dir, first=True))
+                  _losses(run_dir, first=True), sockets)
+
+
+def test_ray_trains_workers_listen_on_loopback_only(ray_run: RayRun) -> None:
+    """Rank 0's rendezvous store (torch's own listens on every interface) and gloo's sockets,
+    in both of the run's worker groups (before and after the kill)."""
+    assert any(name.startswith("ray::") for name, _, _ in ray_run.sockets.new), \
+        ray_run.sockets.new
+    assert ray_run.sockets.beyond_loopback() == []
 
 
 def test_ray_train_two_workers_learn_checkpoint_and_resume(ray_run: RayRun, store: RemoteRun,

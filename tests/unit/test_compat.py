@@ -220,3 +220,18 @@ def test_the_profilers_native_log_lines_are_held_back(mode: str) -> None:
         assert "profiler_start" not in out.stderr, out.stderr
     else:  # the logger at DEBUG shows them, as `memtrain --debug` would
         assert "profiler_start" in out.stderr, out.stderr
+
+
+def test_ray_trains_torch_backend_is_what_memtrain_subclasses() -> None:
+    """``on_start`` makes the group with torch's ``env://`` store (memtrain's backend replaces
+    it), and the helpers it calls keep their signatures."""
+    import inspect as inspect_
+
+    from trainer.compat import ray_torch_backend
+
+    backend, set_env, address_and_port = ray_torch_backend()
+    source = inspect_.getsource(backend.on_start)
+    assert "get_address_and_port" in source and "_set_torch_distributed_env_vars" in source
+    assert "_setup_torch_process_group" in source
+    assert list(inspect_.signature(set_env).parameters) == []
+    assert list(inspect_.signature(address_and_port).parameters) == []

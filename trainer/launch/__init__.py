@@ -5,6 +5,8 @@
   directory;
 - ``local``: the local launcher (in-process, or worker processes forked from a preloaded server;
   no Ray);
+- ``rendezvous``: the process group, its store listening on the ranks' meeting address alone
+  (torch's own listens on every interface), NCCL with gloo beside it on GPUs;
 - ``ray``: the Ray launcher (Ray Train's ``TorchTrainer``); with ``submit`` (the Jobs client) the
   only code that imports ``ray``.
 """

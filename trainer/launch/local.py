@@ -31,6 +31,7 @@ from trainer.config import Config
 from trainer.context import LocalContext
 from trainer.errors import first_line
 from trainer.launch.prepare import available_cpus, checkpoint_settings, remote_run
+from trainer.launch.rendezvous import init_process_group
 from trainer.logs import setup_logging
 from trainer.loop import train
 from trainer.memory.allocator import configure_allocator_env
@@ -82,8 +83,7 @@ def _worker(rank: int, cfg_json: str, run_dir: str, port: int, until_step: int |
     if device.type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, available_cpus() // world_size))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                            world_size=world_size)
+    init_process_group(device.type, rank, world_size, "127.0.0.1", port)
     try:
         ctx = LocalContext(rank, rank, world_size, device, Path(run_dir), remote=remote_run(cfg),
                            launch_id=launch_id, **checkpoint_settings(cfg))

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -40,7 +41,7 @@ from ray.train import (  # noqa: E402
     RunConfig,
     ScalingConfig,
 )
-from ray.train.torch import TorchTrainer  # noqa: E402
+from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from ray.util.metrics import Counter, Gauge, Histogram  # noqa: E402
 
 from monitoring.memory import worker_labels  # noqa: E402
@@ -53,6 +54,7 @@ from trainer.compat import (  # noqa: E402
     ray_cancel_train_request,
     ray_loopback_init_kwargs,
     ray_metrics_export_seconds,
+    ray_torch_backend,
     ray_train_request_id,
     ray_worker_output_filter,
 )
@@ -66,6 +68,7 @@ from trainer.launch.prepare import (  # noqa: E402
     checkpoint_settings,
     remote_run,
 )
+from trainer.launch.rendezvous import init_process_group  # noqa: E402
 from trainer.logs import LEVEL_ENV, setup_logging  # noqa: E402
 from trainer.loop import train  # noqa: E402
 from trainer.memory.allocator import configure_allocator_env  # noqa: E402
@@ -363,6 +366,36 @@ def release_orphaned_request(run_dir: Path) -> None:
                     "lets it expire within 180 s", requester, first_line(err))
 
 
+_TorchBackend, _set_torchrun_env, _address_and_port = ray_torch_backend()
+
+
+def _set_master(addr: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+
+
+class _BoundStoreBackend(_TorchBackend):  # type: ignore[misc, valid-type]
+    """Ray Train's torch backend with memtrain's process group (``trainer.launch.rendezvous``):
+    the store listens on rank 0's node address alone, and GPUs get gloo beside NCCL."""
+
+    def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
+        device_type = "cuda" if worker_group.get_resources_per_worker().get("GPU", 0) else "cpu"
+        addr, port = worker_group.execute_single(0, _address_and_port)
+        worker_group.execute(_set_master, addr=addr, port=port)
+        worker_group.execute(_set_torchrun_env)
+        timeout = timedelta(seconds=backend_config.timeout_s)
+        ray.get([worker_group.execute_single_async(rank, init_process_group, device_type, rank,
+                                                   len(worker_group), addr, port, timeout)
+                 for rank in range(len(worker_group))])
+
+
+class BoundStoreTorchConfig(TorchConfig):
+    """``TorchConfig`` whose backend is ``_BoundStoreBackend``."""
+
+    @property
+    def backend_cls(self) -> type:
+        return _BoundStoreBackend
+
+
 def _torch_trainer(cfg: Config, run_dir: Path, remote: RemoteRun | None, launch_id: str,
                    ray_logs: bool) -> TorchTrainer:
     """Ray Train's trainer for ``cfg``: one launch (``launch_id``), however often the
@@ -384,6 +417,7 @@ def _torch_trainer(cfg: Config, run_dir: Path, remote: RemoteRun | None, launch_
                            "faults": os.environ.get(faults.ENV, ""), "ray_logs": ray_logs,
                            "log_level": os.environ.get(LEVEL_ENV, ""),
                            "launch_id": launch_id, "remote": remote},
+        torch_config=BoundStoreTorchConfig(),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=cfg.parallel.use_gpu,
                                      resources_per_worker={"CPU": 1}, **elastic),
         run_config=RunConfig(
