@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from datapipe.convert import write_dataset
 from datapipe.tokenize import train_tokenizer
-from tests.conftest import SEQ_LEN, tiny_config, tiny_train_command
+from tests.conftest import REPO, SEQ_LEN, tiny_config, tiny_train_command
 from tests.unit.test_tokenize import make_texts
 from trainer.build import MemoryTransforms, build_model, checkpointed_blocks
 from trainer.hf import HFCausalLM
@@ -344,3 +344,43 @@ def test_model_vocab_size_is_not_an_hf_models_vocabulary(corpus_dir: Path, tmp_p
     errors = [line for line in out.stderr.splitlines() if "max_position_embeddings" in line]
     assert errors == [f"memtrain: error: model.seq_len {SEQ_LEN} is longer than "
                       f"hf:{tmp_path / 'short'} takes (max_position_embeddings 32)"]
+
+
+_PREPARE_PEAK = """
+import resource, sys
+from pathlib import Path
+from tests.conftest import tiny_config
+from trainer.launch.prepare import prepare_run
+corpus, run_dir, model = sys.argv[1:]
+prepare_run(tiny_config(Path(corpus), Path(run_dir), f"model.name=hf:{model}",
+                        "memory.precision=auto", "parallel.launcher=local",
+                        "parallel.workers=1", f"run.name={Path(model).name}"))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_the_launcher_plans_an_hf_model_without_reading_its_weights(corpus_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """``prepare_run`` (the launcher; on a cluster the driver, on the head node) resolves
+    ``auto`` from the model's shapes: its peak resident memory with a 75 MB safetensors file is
+    the one without (the probe loaded the whole model: +297 MB on this file)."""
+    import shutil
+    import subprocess
+
+    transformers = _transformers()
+    config = transformers.LlamaConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
+        tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "weights")
+    (tmp_path / "shapes").mkdir()
+    shutil.copy(tmp_path / "weights" / "config.json", tmp_path / "shapes" / "config.json")
+    weight_bytes = (tmp_path / "weights" / "model.safetensors").stat().st_size
+    peaks = {}
+    for name in ("shapes", "weights"):
+        out = subprocess.run([sys.executable, "-c", _PREPARE_PEAK, str(corpus_dir),
+                              str(tmp_path / "runs"), str(tmp_path / name)],
+                             capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-2000:]
+        peaks[name] = int(out.stdout.split()[-1])
+    assert peaks["weights"] - peaks["shapes"] < weight_bytes // 4, (peaks, weight_bytes)

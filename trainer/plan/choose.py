@@ -77,7 +77,10 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     """The planner's inputs for ``cfg``: one rank's static bytes and an activation profile per
     (precision, checkpointing) pair, probed on CPU for the configured device type (``work``:
     with the step's operators recorded, for ``speed_model``)."""
-    profiles = profile_all(model_factory(cfg.model), MemoryTransforms.of(cfg.memory),
+    # Shapes are all a probe needs: an hf: directory's weights are never read here (on a
+    # cluster this process is the driver, on the head node).
+    profiles = profile_all(model_factory(cfg.model, load_weights=False),
+                           MemoryTransforms.of(cfg.memory),
                            cfg.model.seq_len, cfg.model.vocab_size, precisions, ac_modes,
                            target="cuda" if cfg.parallel.use_gpu else "cpu", work=work,
                            packed=packed_dataset(cfg))
