@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Literal
 
 import numpy as np
@@ -41,11 +41,13 @@ from datapipe.manifest import (
 from datapipe.pack import DOCUMENT_IDS, LOSS_MASK, Packing, TooLong, pack
 from datapipe.rows import (
     ATTENTION_MASK,
+    SPLIT_KEYWORDS,
+    file_split,
     is_saved_dataset,
     require_one_split,
     rows,
     saved_dataset_files,
-    split_files,
+    split_name,
     table_fields,
     token_documents,
 )
@@ -281,11 +283,43 @@ def _inputs(sources: list[Path], fmt: str, split: str | None) -> tuple[list[Path
     Arrow files), else files by suffix (or ``fmt``); ``split`` chooses a split."""
     if len(sources) == 1 and is_saved_dataset(sources[0]):
         return saved_dataset_files(sources[0], split), "hf"
-    files = split_files(expand_sources(sources), sources, split)
+    files = expand_sources(sources)
+    if split is not None:
+        splits = input_splits(files, sources, split)
+        files = [f for f in files if splits[f] == split_name(split)]
+        if not files:
+            raise DatasetError(f"--split {split}: no input file is of that split (names like "
+                               f"{split}-00000-of-00001.parquet or a {split}/ directory)")
     kind = detect_format(files) if fmt in ("auto", "chat", "instruction") else fmt
     if split is None and kind in ("parquet", "jsonl"):  # a hub snapshot's layouts
         require_one_split(files, sources)
     return files, kind
+
+
+def input_splits(files: list[Path], sources: list[Path], wanted: str | None = None
+                 ) -> dict[Path, str | None]:
+    """Each of ``files``' split (``rows.file_split``, as ``split_name`` names it), or None.
+
+    A file found in a directory given is named by its path inside it; where no file there
+    is, by the directory's own name. A file given by name is named by its name, else by its
+    folder's. A directory's or folder's own name counts where it is a split's keyword
+    (``train``, ``dev``) or ``wanted`` (the split asked for).
+    """
+    def own(name: str) -> str | None:
+        return split_name(name) if name == wanted or split_name(name) in SPLIT_KEYWORDS else None
+
+    splits: dict[Path, str | None] = {}
+    for source in sources:
+        if source.is_dir():
+            inside = {f: file_split(f, f.relative_to(source), wanted)
+                      for f in files if f.is_relative_to(source)}
+            if not any(inside.values()):
+                inside = dict.fromkeys(inside, own(source.name))
+            splits |= {f: split_name(s) if s else None for f, s in inside.items()}
+        else:
+            named = file_split(source, PurePath(source.name), wanted)
+            splits[source] = split_name(named) if named else own(source.parent.name)
+    return splits
 
 
 def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | None,

@@ -180,3 +180,18 @@ def test_the_split_names_datasets_knows_choose_files_and_one_split_is_read(
     code, err = memtrain(capsys, only, "--out", tmp_path / "only-ds", "--seq-len", 3)
     assert code == 0, err
     assert columns(tmp_path / "only-ds")["tokens"].tolist() == [[9, 10, 11, 12]]
+
+
+def test_split_takes_a_split_directory_given_or_its_files_named_one_by_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory named for a split, given itself, is that split; a file named one by one
+    (a shell glob) is of the split its folder names."""
+    root = snapshot(tmp_path / "snapshot", {"train/part-0.parquet": [[2, 3]],
+                                            "test/part-0.parquet": [[4, 5]]})
+    for name, sources in (("dir", [root / "train"]),
+                          ("files", [root / "train" / "part-0.parquet",
+                                     root / "test" / "part-0.parquet"])):
+        code, err = memtrain(capsys, *sources, "--out", tmp_path / name, "--seq-len", 3,
+                             "--split", "train")
+        assert code == 0, err
+        assert columns(tmp_path / name)["tokens"].tolist() == [[2, 3, 0, 0]]
