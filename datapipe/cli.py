@@ -73,7 +73,7 @@ EotOption = Annotated[str | None, typer.Option(
          "model directory's tokenizer_config.json, else <|endoftext|>).")]
 SplitOption = Annotated[str | None, typer.Option(
     help="A Hugging Face dataset's split (a DatasetDict's, or a snapshot's train-*.parquet, "
-         "train/ or dev.jsonl files); needed where a directory holds several.")]
+         "train/, dev.jsonl or test.txt files); needed where the inputs hold several.")]
 PackOption = Annotated[bool, typer.Option(
     help="With --tokenizer: pack whole documents into rows, with their boundaries, instead of "
          "one stream cut into rows.")]

@@ -18,6 +18,7 @@ byte-identical shards and manifest.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,7 +45,6 @@ from datapipe.rows import (
     SPLIT_KEYWORDS,
     file_split,
     is_saved_dataset,
-    require_one_split,
     rows,
     saved_dataset_files,
     split_name,
@@ -68,6 +68,10 @@ Format = Literal["auto", "parquet", "jsonl", "text", "numpy"]
 _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl",
              ".ndjson": "jsonl", ".npy": "numpy", ".npz": "numpy"}
 Block = dict[str, np.ndarray]
+# datasets' data files of these kinds carry a split in their names; other text (a code
+# corpus's .py files) is read whatever it is called.
+_SPLIT_SUFFIXES = {"parquet": None, "jsonl": None, "text": (".txt",)}
+log = logging.getLogger("memtrain.data")
 
 
 def expand_sources(sources: list[Path]) -> list[Path]:
@@ -291,8 +295,8 @@ def _inputs(sources: list[Path], fmt: str, split: str | None) -> tuple[list[Path
             raise DatasetError(f"--split {split}: no input file is of that split (names like "
                                f"{split}-00000-of-00001.parquet or a {split}/ directory)")
     kind = detect_format(files) if fmt in ("auto", "chat", "instruction") else fmt
-    if split is None and kind in ("parquet", "jsonl"):  # a hub snapshot's layouts
-        require_one_split(files, sources)
+    if split is None and kind in _SPLIT_SUFFIXES:  # a hub snapshot's layouts
+        files = _one_split(files, sources, kind)
     return files, kind
 
 
@@ -320,6 +324,29 @@ def input_splits(files: list[Path], sources: list[Path], wanted: str | None = No
             named = file_split(source, PurePath(source.name), wanted)
             splits[source] = split_name(named) if named else own(source.parent.name)
     return splits
+
+
+def _one_split(files: list[Path], sources: list[Path], kind: str) -> list[Path]:
+    """``files`` without ``--split``: refused where they are of several splits; where some
+    are of one split, those files (others are left out in one log line, as ``datasets``
+    takes only a split's files); all of them where none is of a split."""
+    suffixes = _SPLIT_SUFFIXES[kind]
+    splits = {f: s for f, s in input_splits(files, sources).items()
+              if suffixes is None or f.suffix.lower() in suffixes}
+    found = {s for s in splits.values() if s is not None}
+    where = str(sources[0]) if len(sources) == 1 else f"{len(sources)} inputs"
+    if len(found) > 1:
+        named = [s for s in SPLIT_KEYWORDS if s in found] + sorted(found - set(SPLIT_KEYWORDS))
+        raise DatasetError(f"{where}: files of several splits ({', '.join(named)}): pass "
+                           "--split to choose one")
+    if not found:
+        return files
+    left_out = {f for f, s in splits.items() if s is None}
+    if left_out:
+        log.warning("%s: only the %s split's files are read; left out (no split in their "
+                    "names): %s", where,
+                    found.pop(), ", ".join(str(f) for f in files if f in left_out))
+    return [f for f in files if f not in left_out]
 
 
 def _packed_blocks(files: list[Path], kind: str, fmt: str, tokenized: tuple | None,

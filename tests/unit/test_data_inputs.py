@@ -195,3 +195,53 @@ def test_split_takes_a_split_directory_given_or_its_files_named_one_by_one(
                              "--split", "train")
         assert code == 0, err
         assert columns(tmp_path / name)["tokens"].tolist() == [[2, 3, 0, 0]]
+
+
+def test_files_named_one_by_one_of_several_splits_need_split(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = snapshot(tmp_path / "snapshot", {"train/part-0.parquet": [[2, 3]],
+                                            "test/part-0.parquet": [[4, 5]]})
+    code, err = memtrain(capsys, root / "train" / "part-0.parquet",
+                         root / "test" / "part-0.parquet", "--out", tmp_path / "ds",
+                         "--seq-len", 3)
+    assert (code, err) == (2, "memtrain: error: 2 inputs: files of several splits (train, test): "
+                              "pass --split to choose one")
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_text_files_of_several_splits_need_split_and_a_code_corpus_is_read_whole(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokenizer = word_tokenizer(tmp_path / "tokenizer.json")
+    root = tmp_path / "snapshot"
+    root.mkdir()
+    (root / "train.txt").write_text(text([2, 3, 4, 5]))
+    (root / "test.txt").write_text(text([6, 7, 8, 9]))
+    code, err = memtrain(capsys, root, "--out", tmp_path / "ds", "--tokenizer", tokenizer,
+                         "--seq-len", 3)
+    assert (code, err) == (2, f"memtrain: error: {root}: files of several splits (train, "
+                              "test): pass --split to choose one")
+    code, err = memtrain(capsys, root, "--out", tmp_path / "train", "--tokenizer", tokenizer,
+                         "--seq-len", 3, "--split", "train")
+    assert code == 0, err
+    assert columns(tmp_path / "train")["tokens"].tolist() == [[2, 3, 4, 5]]
+    corpus = tmp_path / "corpus"  # code: its file names are no splits
+    corpus.mkdir()
+    (corpus / "train.py").write_text(text([2, 3, 4, 5]))
+    (corpus / "test_model.py").write_text(text([6, 7, 8, 9]))
+    code, err = memtrain(capsys, corpus, "--out", tmp_path / "code", "--tokenizer", tokenizer,
+                         "--seq-len", 3)
+    assert code == 0, err
+    assert columns(tmp_path / "code")["tokens"].tolist() == [[6, 7, 8, 9], [EOT, 2, 3, 4]]
+
+
+def test_files_of_no_split_beside_a_splits_files_are_left_out_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As ``datasets`` resolves a directory: where some files name a split, only they are
+    read."""
+    root = snapshot(tmp_path / "snapshot", {"train.parquet": [[2, 3]],
+                                            "extra.parquet": [[4, 5]]})
+    code, err = memtrain(capsys, root, "--out", tmp_path / "ds", "--seq-len", 3)
+    assert code == 0, err
+    assert columns(tmp_path / "ds")["tokens"].tolist() == [[2, 3, 0, 0]]
+    assert err == (f"warning: {root}: only the train split's files are read; left out (no "
+                   f"split in their names): {root / 'extra.parquet'}")
