@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.deploy, pytest.mark.xdist_group("ray")]
 
 def test_the_cpu_image_builds_trains_as_non_root_and_serves_submitted_jobs(
         tmp_path: Path) -> None:
+    """Besides the demo: LoRA with 8-bit AdamW states trains in the image (its lock holds peft
+    and torchao, and it has the compiler torchao's compiled step needs)."""
     if shutil.which("podman") is None:
         pytest.skip("podman not installed (apt-get install podman runc debootstrap): the image "
                     "is checked offline only; make image-check builds and runs it")
@@ -35,6 +37,7 @@ def test_the_cpu_image_builds_trains_as_non_root_and_serves_submitted_jobs(
     figures = json.loads((tmp_path / "image-check.json").read_text())
     assert figures["demo_steps"] == 8 and figures["healthcheck"] == "passed"
     assert figures["resubmitted_run"] == "resumed from step 4, finished at 8"
+    assert figures["lora_8bit_steps"] == 4 and figures["lora_8bit_moment_to_weight_bytes"] < 0.5
     # a code-only change is memtrain's own small layers, never the locked packages' layer
     biggest = max(size for _, size, _ in figures["layers"])
     assert figures["code_change_layers"] >= 1
