@@ -232,11 +232,12 @@ def _generation_spans(template: ChatTemplate, messages: list[dict[str, Any]], wh
     assert template.blocks is not None
     text, blocks = template.blocks(messages=messages, add_generation_prompt=False)
     for start, body in blocks:
-        # A block inside a macro or a set block is not yielded where it is rendered: its
-        # start is wrong (transformers then marks other tokens without a word).
+        # A block inside a macro, a set block or a filter block is not yielded where it is
+        # rendered: its start is wrong (transformers then marks other tokens without a word).
         if text[start:start + len(body)] != body:
             raise DatasetError(f"{where}: {template.source} renders a generation block inside "
-                               "a macro or a set block, so its place in the text is unknown")
+                               "a macro, a set block or a filter block, so its place in the "
+                               "text is unknown")
     return text, [(start, start + len(body)) for start, body in blocks]
 
 

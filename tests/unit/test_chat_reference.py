@@ -222,7 +222,7 @@ def test_a_generation_block_inside_a_macro_is_refused(tokenizer_file: Path,
                 "{% endif %}{% endfor %}")
     directory = model_dir(tmp_path, tokenizer_file, template, {"eos_token": "</s>"})
     with pytest.raises(DatasetError, match=r"^conversation 0: the chat template of .* renders a "
-                                           "generation block inside a macro or a set block"):
+                                           "generation block inside a macro, a set block"):
         memtrain_encodings(directory, {"eos_token": "</s>"})
 
 
@@ -259,3 +259,25 @@ def test_templates_see_tools_and_documents_as_none(tokenizer_file: Path, tmp_pat
     for name, source in (("tagged", template), ("plain", without_generation_tags(template))):
         directory = model_dir(tmp_path / name, tokenizer_file, source, specials)
         assert memtrain_encodings(directory, specials) == expected
+
+
+def test_a_generation_block_inside_a_filter_block_is_refused_naming_it(
+        tokenizer_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A filter block's output, like a macro's, is yielded only when it ends: ``memtrain data
+    write`` refuses it in one line that names the filter block among what it checks."""
+    from trainer.cli import main
+
+    template = ("{% filter trim %}{% for m in messages %}{{ m.role }}: "
+                "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+                "{% else %}{{ m.content }}{% endif %}\n{% endfor %}{% endfilter %}")
+    directory = model_dir(tmp_path / "model", tokenizer_file, template, {"eos_token": "</s>"})
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CONVERSATIONS))
+    with pytest.raises(SystemExit) as exited:
+        main(["data", "write", str(source), "--out", str(tmp_path / "ds"), "--format", "chat",
+              "--tokenizer", str(directory), "--seq-len", "511"])
+    err = capsys.readouterr().err.strip()
+    assert (exited.value.code, err) == (2, f"memtrain: error: {source}: line 1: the chat "
+                                           f"template of {directory} renders a generation block "
+                                           "inside a macro, a set block or a filter block, so "
+                                           "its place in the text is unknown")
