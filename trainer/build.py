@@ -21,6 +21,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer import meta_init
@@ -33,7 +34,7 @@ from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.offload import install as install_offload
 from trainer.model import create_model
-from trainer.sharding import FsdpSettings, fill_local, shard_model
+from trainer.sharding import FsdpSettings, fill_local, shard_model, shard_rows
 
 if TYPE_CHECKING:
     from trainer.config import MemoryConfig, ModelConfig
@@ -256,33 +257,25 @@ def _fill_from_file(owners: dict[int, list[_Owner]], weights: SafetensorsRows | 
                     hf_model: Any = None) -> set[int]:
     """Each rank's rows of every tensor ``weights`` holds, matched to the model's names as
     ``from_pretrained`` matches them for ``hf_model`` (``SafetensorsRows.names_for``); returns
-    the storages filled. ValueError naming the directory where a
-    tensor's shape is not the model's (``from_pretrained`` refuses it too; a slice would cut
-    it to fit) or where the files hold none of the model's tensors."""
+    the storages filled. ValueError naming the directory where a tensor does not fit
+    (``_check_fits``) or where the files hold none of the model's tensors."""
     if weights is None:
         return set()
-
-    def model_name(fqn: str) -> str:  # a LoRA target's base weight is the file's weight
-        return base_name(fqn.removeprefix("hf."))
-
-    names = weights.names_for({model_name(o.fqn) for found in owners.values() for o in found},
+    names = weights.names_for({_file_key(o.fqn) for found in owners.values() for o in found},
                               hf_model)
     filled = set()
     missing = []
     for key, found in owners.items():
-        in_file = [names[model_name(o.fqn)] for o in found if model_name(o.fqn) in names]
-        if not in_file:
-            missing += [model_name(o.fqn) for o in found
+        matched = [(o, names[_file_key(o.fqn)]) for o in found if _file_key(o.fqn) in names]
+        if not matched:
+            missing += [_file_key(o.fqn) for o in found
                         if o.name in o.module._parameters and not is_adapter(o.fqn)]
             continue
-        shape = weights.shape(in_file[0])
-        if shape != tuple(found[0].meta.shape):
-            raise ValueError(f"{weights.directory}: {in_file[0]} has shape {list(shape)} in its "
-                             f"safetensors, the model's {model_name(found[0].fqn)} "
-                             f"{list(found[0].meta.shape)}")
+        _check_fits(weights, matched)
+        file_name = matched[0][1]
         for owner in found:
             target = getattr(owner.module, owner.name)
-            fill_local(target, partial(weights.read, in_file[0], dtype=target.dtype),
+            fill_local(target, partial(weights.read, file_name, dtype=target.dtype),
                        owner.meta.shape)
         filled.add(key)
     if not filled:
@@ -293,3 +286,39 @@ def _fill_from_file(owners: dict[int, list[_Owner]], weights: SafetensorsRows | 
                     "initialises them: %s", len(missing), ", ".join(missing[:5])
                     + (", ..." if len(missing) > 5 else ""))
     return filled
+
+
+def _file_key(fqn: str) -> str:
+    """A model tensor's name as the files name it (a LoRA target's base weight is the file's)."""
+    return base_name(fqn.removeprefix("hf."))
+
+
+def _check_fits(weights: SafetensorsRows, matched: list[tuple[_Owner, str]]) -> None:
+    """ValueError naming the directory where a file's tensor is of another shape than the
+    model's (``from_pretrained`` refuses it too; a slice would cut it to fit), or where tensors
+    the model ties (one storage) are two different tensors in the files: ``from_pretrained``
+    then unties them, and a tied fill would train another model. The values are compared on
+    each rank's rows, agreed over the process group."""
+    for owner, file_name in matched:
+        shape = weights.shape(file_name)
+        if shape != tuple(owner.meta.shape):
+            raise ValueError(f"{weights.directory}: {file_name} has shape {list(shape)} in its "
+                             f"safetensors, the model's {_file_key(owner.fqn)} "
+                             f"{list(owner.meta.shape)}")
+    distinct = list(dict.fromkeys(file_name for _, file_name in matched))
+    if len(distinct) < 2:
+        return
+    rows = None
+    if dist.is_available() and dist.is_initialized():
+        rows = shard_rows(matched[0][0].meta.shape[0], dist.get_rank(), dist.get_world_size())
+    first = weights.read(distinct[0], rows, torch.float32)
+    differ = torch.tensor([float(any(not torch.equal(first, weights.read(name, rows,
+                                                                           torch.float32))
+                                     for name in distinct[1:]))])
+    if rows is not None:
+        dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+    if differ.item():
+        raise ValueError(f"{weights.directory}: {' and '.join(distinct)} are one tensor in the "
+                         "model (its config ties them) but differ in its safetensors, where "
+                         "from_pretrained unties them: set tie_word_embeddings false in its "
+                         "config.json")

@@ -6,7 +6,9 @@ naming the tensor, not cut to fit."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -117,11 +119,19 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
     foreign.mkdir()
     (foreign / "config.json").write_text((directories["llama"] / "config.json").read_text())
     save_file({"encoder.weight": torch.zeros(2, 2)}, foreign / "model.safetensors")
+    # Untied files under a config that ties them: from_pretrained unties (both are present and
+    # differ); a tied fill would take one of the two for both.
+    conflict = tmp_path / "llama-tied-conflict"
+    conflict.mkdir()
+    config = json.loads((directories["llama"] / "config.json").read_text())
+    (conflict / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    shutil.copy(directories["llama"] / "model.safetensors", conflict / "model.safetensors")
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = tmp_path / "results.pt"
     start_workers(_load_sharded, (free_port(), {name: str(d) for name, d in
                                                 {**directories, "llama-wide": wide,
-                                                 "foreign": foreign}.items()},
+                                                 "foreign": foreign,
+                                                 "conflict": conflict}.items()},
                                   tokens, str(out)), 2)
     results = torch.load(out, weights_only=True)
     for name, directory in directories.items():
@@ -131,6 +141,13 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
     assert results["llama-wide"] == (f"{wide}: model.embed_tokens.weight has shape [128, 32] "
                                      "in its safetensors, the model's "
                                      "model.embed_tokens.weight [96, 32]")
+    assert results["conflict"] == (
+        f"{conflict}: model.embed_tokens.weight and lm_head.weight are one tensor in the model "
+        "(its config ties them) but differ in its safetensors, where from_pretrained unties "
+        "them: set tie_word_embeddings false in its config.json")
+    # what the reference makes of it: the untied model, as the files hold it
+    torch.testing.assert_close(_from_pretrained(conflict, tokens),
+                               _from_pretrained(directories["llama"], tokens))
     assert results["foreign"] == (f"{foreign}: none of the model's parameters is in its "
                                   "safetensors (they load into a model of the same "
                                   "architecture)")
