@@ -144,6 +144,12 @@ def config_vocab_size(model_name: str) -> int | None:
     return vocab_size if isinstance(vocab_size, int) else None
 
 
+def model_vocab_size(model_name: str, configured: int) -> int:
+    """The vocabulary a model embeds: an ``hf:`` model's config's, else ``configured``
+    (``model.vocab_size``, memtrain's GPT's); what a probe's random tokens are drawn under."""
+    return config_vocab_size(model_name) or configured
+
+
 def _transformers() -> Any:
     try:
         import transformers

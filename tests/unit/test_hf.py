@@ -333,6 +333,14 @@ def test_model_vocab_size_is_not_an_hf_models_vocabulary(corpus_dir: Path, tmp_p
         corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'llama'}", "model.vocab_size=400",
         "train.steps=1", "parallel.launcher=local", "parallel.workers=1", "run.name=wide")))
     assert summary["final_step"] == 1
+    # memtrain plan --measure trains real steps on tokens the model embeds
+    plan = tiny_train_command(corpus_dir, tmp_path, f"model.name=hf:{tmp_path / 'llama'}",
+                              "model.vocab_size=400")
+    plan[plan.index("train")] = "plan"
+    plan[plan.index("--launcher"):plan.index("--launcher") + 2] = []
+    measured = subprocess.run([*plan, "--measure", "--top", "1", "--steps", "1"],
+                              capture_output=True, text=True, timeout=300)
+    assert measured.returncode == 0, measured.stderr[-2000:]
     config = CONFIGS["llama"]()
     config.max_position_embeddings = 32
     config.save_pretrained(tmp_path / "short")

@@ -24,6 +24,7 @@ import torch
 from monitoring.units import format_bytes, parse_bytes
 from trainer.build import MemoryTransforms, build_model, model_factory
 from trainer.config import Config, ConfigError
+from trainer.hf import model_vocab_size
 from trainer.memory.precision import resolve_precision
 from trainer.oom import oom_recovery_on
 from trainer.plan.calibrate import cpu_speed
@@ -81,7 +82,9 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
     # cluster this process is the driver, on the head node).
     profiles = profile_all(model_factory(cfg.model, load_weights=False),
                            MemoryTransforms.of(cfg.memory),
-                           cfg.model.seq_len, cfg.model.vocab_size, precisions, ac_modes,
+                           cfg.model.seq_len,
+                           model_vocab_size(cfg.model.name, cfg.model.vocab_size), precisions,
+                           ac_modes,
                            target="cuda" if cfg.parallel.use_gpu else "cpu", work=work,
                            packed=packed_dataset(cfg))
     return config_static(cfg), profiles

@@ -19,6 +19,7 @@ from monitoring.units import format_bytes
 from trainer.batch import micro_batch_candidates, per_rank_batch
 from trainer.build import MemoryTransforms, model_factory
 from trainer.config import ConfigError
+from trainer.hf import model_vocab_size
 from trainer.memory.loss import ChunkedLossShape
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import HEADROOM, feasible_plans
@@ -241,7 +242,8 @@ def measure_plans(console: Console, cfg: Any, static: Any, profiles: list[Any], 
                       f"{row.micro_batch_size} x {row.accumulation_steps}...")
         got = measure_plan(factory, transforms.replace(
             activation_checkpointing=row.activation_checkpointing), cfg.model.seq_len,
-            cfg.model.vocab_size, row.precision, row.micro_batch_size, row.accumulation_steps,
+            model_vocab_size(cfg.model.name, cfg.model.vocab_size), row.precision,
+            row.micro_batch_size, row.accumulation_steps,
             steps=steps, states=cfg.memory.optimizer_states, in_backward=in_backward,
             fused=cfg.train.fused())
         table.add_row(row.precision, row.activation_checkpointing, str(row.micro_batch_size),
