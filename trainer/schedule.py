@@ -104,8 +104,11 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[st
     if old_peaks != peaks:
         changes.append(f"peak {old_peaks[0]:g} -> {peaks[0]:g}")
     if before is not None and before.shape() != configured.shape():
-        changes.append(f"steps, warm-up, floor {before.shape()} -> {configured.shape()}, the "
-                       f"cosine continuing from factor {before(step):.4g} at step {step}")
+        how = (f"the cosine continuing from factor {before(step):.4g} at step {step}"
+               if runs.anchor is not None else
+               f"inside a warm-up at step {step}: the new schedule from there (factor "
+               f"{before(step):.4g} -> {runs(step):.4g})")
+        changes.append(f"steps, warm-up, floor {before.shape()} -> {configured.shape()}, {how}")
     if not changes:
         return None
     return (f"learning rate: {'; '.join(changes)}; the next step's rate "

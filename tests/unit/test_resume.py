@@ -200,3 +200,21 @@ def test_every_resume_of_a_schedule_keeps_its_promises(steps, warmups, floors, a
         low, high = sorted((new.min_lr_ratio, before(at)))
         assert all(low - 1e-12 <= f <= high + 1e-12 <= 1 + 2e-12 for f in after)
         assert after[-1] == pytest.approx(new.min_lr_ratio)
+
+
+def test_a_resume_inside_a_warm_up_says_the_new_schedule_runs_from_there() -> None:
+    """The line a resume logs names what the rate does: inside a warm-up the new schedule's
+    own rate, not a cosine continuing from the factor reached."""
+    from trainer.schedule import resume_schedule
+
+    def scheduler(schedule: Schedule) -> torch.optim.lr_scheduler.LambdaLR:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+    old = scheduler(Schedule(1000, 100, 0.1))
+    for _ in range(50):
+        old.optimizer.step()
+        old.step()
+    line = resume_schedule(scheduler(Schedule(1000, 20, 0.1)), old.state_dict())
+    assert line is not None and "inside a warm-up at step 50: the new schedule from there " \
+        "(factor 0.51 -> 0.9979)" in line and "cosine continuing" not in line
