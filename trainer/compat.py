@@ -335,6 +335,28 @@ def ray_cancel_train_request(requester_id: str, timeout: float = 10.0) -> None:
     ray.get(coordinator.cancel_request.remote(requester_id=requester_id), timeout=timeout)
 
 
+def hf_checkpoint_renamer(hf_model: Any, model_names: set[str]
+                          ) -> Callable[[str], tuple[str, str | None]]:
+    """How ``from_pretrained`` (transformers 5) names a checkpoint's tensor in ``hf_model``:
+    a function of the file's name giving the model's, and the pattern of the conversion that
+    changes its values, if one does (experts fused, say; None for a rename alone). It applies
+    the model class's registered renames, then adds or takes off the base model's prefix where
+    ``model_names`` (the model's) call for it (``transformers/core_model_loading.py``
+    ``rename_source_key``, ``conversion_mapping.py`` ``get_model_conversion_mapping``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(hf_model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    wanted = dict.fromkeys(model_names, True)  # the lookup rename_source_key makes of its dict
+
+    def rename(file_name: str) -> tuple[str, str | None]:
+        return rename_source_key(file_name, renamings, converters, hf_model.base_model_prefix,
+                                 wanted)
+    return rename
+
+
 def ray_torch_backend() -> tuple[type, Callable[[], None], Callable[[], tuple[str, int]]]:
     """Ray Train 2.60's torch backend, to subclass (``_TorchBackend``: its ``on_start`` makes
     the process group with torch's ``env://`` store, which listens on every interface), the

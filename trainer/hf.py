@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.compat import hf_positions_read_as_unpacked, is_fake
+from trainer.compat import hf_checkpoint_renamer, hf_positions_read_as_unpacked, is_fake
 from trainer.memory.loss import linear_cross_entropy_sum
 
 PREFIX = "hf:"
@@ -250,21 +250,14 @@ class SafetensorsRows:
         model's."""
         if hf_model is None:
             return {name: name for name in model_names if name in self.files}
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-
-        transforms = get_model_conversion_mapping(hf_model)
-        converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-        wanted = dict.fromkeys(model_names, True)
+        rename = hf_checkpoint_renamer(hf_model, model_names)
         found = {}
         for file_name in self.files:
-            name, converted = rename_source_key(file_name, renamings, converters,
-                                                hf_model.base_model_prefix, wanted)
+            name, converted = rename(file_name)
             if converted is not None:
                 raise ValueError(f"{self.directory}: {file_name} is converted as transformers "
                                  f"loads it ({converted!r}), which a read of its rows cannot do")
-            if name in wanted:
+            if name in model_names:
                 found[name] = file_name
         return found
 

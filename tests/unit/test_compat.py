@@ -235,3 +235,21 @@ def test_ray_trains_torch_backend_is_what_memtrain_subclasses() -> None:
     assert "_setup_torch_process_group" in source
     assert list(inspect_.signature(set_env).parameters) == []
     assert list(inspect_.signature(address_and_port).parameters) == []
+
+
+def test_transformers_names_checkpoint_tensors_as_memtrain_reads_them() -> None:
+    """The renames ``from_pretrained`` applies (GPT-NeoX's ``embed_out`` is ``lm_head``) and
+    the base model's prefix added to a file saved from the base model (GPT-2's ``h.0``)."""
+    import transformers
+
+    from trainer.compat import hf_checkpoint_renamer
+
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2))
+    rename = hf_checkpoint_renamer(neox, set(neox.state_dict()))
+    assert rename("embed_out.weight") == ("lm_head.weight", None)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8))
+    rename = hf_checkpoint_renamer(gpt2, set(gpt2.state_dict()))
+    assert rename("h.0.attn.c_attn.weight") == ("transformer.h.0.attn.c_attn.weight", None)

@@ -13,6 +13,7 @@ host memory, which NCCL cannot carry.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -48,7 +49,12 @@ def bound_store(addr: str, port: int, rank: int, world_size: int,
 
 def init_process_group(device_type: str, rank: int, world_size: int, addr: str, port: int,
                        timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """This rank's process group, met at ``addr:port`` through ``bound_store``."""
+    """This rank's process group, met at ``addr:port`` through ``bound_store``. On a GPU, a
+    timed-out NCCL collective fails the process instead of hanging it, as Ray Train sets it
+    (unless the user set it or its blocking-wait alternative)."""
+    if device_type == "cuda" and not {"TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                      "TORCH_NCCL_BLOCKING_WAIT"} & set(os.environ):
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
     dist.init_process_group(backend_for(device_type),
                             store=bound_store(addr, port, rank, world_size, timeout),
                             rank=rank, world_size=world_size, timeout=timeout)
