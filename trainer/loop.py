@@ -47,7 +47,7 @@ from trainer.context import WorkerContext
 from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_memory_summary
 from trainer.hf import PREFIX as HF_PREFIX
 from trainer.hf import weights_of
-from trainer.memory.allocator import keep_freed_host_memory
+from trainer.memory.allocator import keep_freed_host_memory, return_freed_host_memory
 from trainer.memory.lora import lora_of
 from trainer.memory.loss import computes_own_loss, takes_position_ids
 from trainer.memory.precision import precision_policy, resolve_precision
@@ -89,13 +89,14 @@ class Trainer:
 
     def __init__(self, cfg: Config, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
-        if ctx.device.type == "cpu":
-            keep_freed_host_memory()  # large tensors reuse the last step's pages
         self.plan = BatchPlan(cfg.train.micro_batch(), cfg.train.accumulation_steps(ctx.world_size))
         self.precision = resolve_precision(cfg.memory.precision, ctx.device, cfg.parallel.strategy)
         self.policy = precision_policy(self.precision.name, ctx.device)
         self.fsdp = FsdpSettings.of(cfg, self.precision.name, ctx.world_size) \
             if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1 else None
+        if ctx.device.type == "cpu":  # FSDP's changing transients fragment a heap that keeps
+            # them; elsewhere large tensors reuse the last step's pages
+            (keep_freed_host_memory if self.fsdp is None else return_freed_host_memory)()
         if self.fsdp is not None:
             self.policy = self.fsdp.step_policy(self.policy)
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))

@@ -1,6 +1,7 @@
 """The allocators: CUDA's caching allocator gets ``expandable_segments:True`` through the
 environment, before CUDA initialises (fewer fragmented segments); on CPU, glibc's malloc keeps
-freed memory for the next step (``keep_freed_host_memory``); and the peak a run reaches."""
+freed memory for the next step (``keep_freed_host_memory``), except under FSDP, where it gives
+large tensors back when freed (``return_freed_host_memory``); and the peak a run reaches."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import torch
 
 ALLOCATOR_SETTING = "expandable_segments:True"
 # glibc's mallopt parameters (malloc.h), and the variables with which a user sets them instead.
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+# glibc's own initial mmap threshold; fixed, it no longer rises to 32 MiB as large chunks are freed
+RETURNED_ABOVE_BYTES = 128 * 1024
 _MALLOC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
                      "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
-_kept = False
+_mode: str | None = None  # "kept" or "returned", once set for the process
 
 
 def configure_allocator_env() -> str:
@@ -58,16 +61,44 @@ def keep_freed_host_memory() -> bool:
     preloads for the same reason, trade the same way.
 
     Left alone where the user set malloc's variables or preloads another allocator; a no-op
-    elsewhere than glibc. Process-wide and idempotent; returns whether it is in effect."""
-    global _kept
-    if _kept:
-        return True
+    elsewhere than glibc. Process-wide: the first call of either function decides; returns
+    whether this one is in effect."""
+    return _set_malloc("kept")
+
+
+def return_freed_host_memory() -> bool:
+    """On glibc, map every host allocation above 128 KiB on its own and unmap it when freed,
+    at that fixed threshold, so resident memory falls back after each transient: FSDP's CPU
+    workers take this instead of ``keep_freed_host_memory``.
+
+    Under FSDP a step's transients are many and of changing sizes (each block's gathered
+    parameters, its unsharded gradients, the reduce-scatter buffers gloo copies), and a heap
+    that keeps them fragments: measured with ``python -m bench.fsdp_resident`` (a 100M Llama,
+    2 ranks, fp32 AdamW), resident memory above the workers' baselines rose to 5.3x the model's
+    fp32 bytes through step 1 and 7.8x by step 12, kept; with glibc's default (its threshold
+    rising as large chunks are freed) 3.8-4.1x and 6.4x; at this fixed threshold 2.6x and 3.6x,
+    level from step 5 (docs/benchmarks.md has the figures and their cost in tokens/s).
+
+    Left alone where the user set malloc's variables or preloads another allocator; a no-op
+    elsewhere than glibc. Process-wide: the first call of either function decides; returns
+    whether this one is in effect."""
+    return _set_malloc("returned")
+
+
+def _set_malloc(mode: str) -> bool:
+    global _mode
+    if _mode is not None:
+        return _mode == mode
     if any(name in os.environ for name in _MALLOC_VARIABLES) or \
             "malloc" in os.environ.get("LD_PRELOAD", ""):
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the symbols already in the process: its own glibc
-    _kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and \
-        bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    return _kept
+    if mode == "kept":
+        done = bool(libc.mallopt(_M_MMAP_MAX, 0)) and \
+            bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    else:
+        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, RETURNED_ABOVE_BYTES))
+    _mode = mode if done else None
+    return done
