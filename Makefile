@@ -120,8 +120,9 @@ bench-elastic: setup ## Ray: an elastic group's start size and growth after a ki
 bench-plan: setup ## CPU: the planner's predicted tokens/s against measured steps, 3 model shapes
 	$(BIN)/python -m bench.plan --out bench/results
 
-bench-fsdp: setup ## FSDP on 4 gloo ranks: the largest GPT under a per-rank budget, host build vs meta build
+bench-fsdp: setup ## FSDP on gloo ranks: the largest GPT under a per-rank budget (host vs meta build); memtrain's own workers' resident memory
 	$(BIN)/python -m bench.fsdp --out bench/results
+	$(BIN)/python -m bench.fsdp_resident --out bench/results
 
 bench-hf: setup ## A HF Llama at vocabulary 128,256: chunked loss vs its own labels= loss (peak, tokens/s)
 	$(BIN)/python -m bench.hf --out bench/results
