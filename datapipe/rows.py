@@ -4,10 +4,11 @@
   ``dataset_dict.json`` above its splits' directories for a ``DatasetDict``): its Arrow files,
   listed by ``state.json``, are read with pyarrow (the ``datasets`` package is not needed). A
   dataset of several splits needs ``--split``; ``train`` is taken where there is one.
-- **Parquet or JSON lines from a dataset's snapshot** (``data/train-00000-of-00002.parquet``,
-  ``train/*.parquet``, ``dev.jsonl``): a file's split is named as ``datasets`` names it
-  (``file_split``); ``--split`` keeps the files of that split, and without it a directory
-  whose files are of several splits is refused rather than read as one.
+- **Parquet, JSON lines or text from a dataset's snapshot**
+  (``data/train-00000-of-00002.parquet``, ``train/*.parquet``, ``dev.jsonl``, ``test.txt``): a
+  file's split is named as ``datasets`` names it (``file_split``); which files a write reads
+  (``--split``, or refused where they are of several splits) is
+  ``datapipe.convert.input_splits``' decision, for directories and files named alike.
 - **Rows** come in input order as dicts of the fields asked for, each with where it came from
   (``file: row N``, ``file: line N``) for the one-line errors.
 
@@ -97,36 +98,6 @@ def file_split(file: Path, relative: PurePath, wanted: str | None = None) -> str
             if any(keyword.search(name) for name in names):
                 return split
     return None
-
-
-def _relative(file: Path, sources: list[Path]) -> PurePath:
-    """``file`` inside the directory it was found in; a file given by name: its name alone."""
-    found = next((s for s in sources if s.is_dir() and file.is_relative_to(s)), None)
-    return file.relative_to(found) if found else PurePath(file.name)
-
-
-def split_files(files: list[Path], sources: list[Path], split: str | None) -> list[Path]:
-    """The files of ``split`` (``file_split``); all of them without a split."""
-    if split is None:
-        return files
-    kept = [f for f in files
-            if split_name(file_split(f, _relative(f, sources), split) or "") == split_name(split)]
-    if not kept:
-        raise DatasetError(f"--split {split}: no input file is of that split (names like "
-                           f"{split}-00000-of-00001.parquet or a {split}/ directory)")
-    return kept
-
-
-def require_one_split(files: list[Path], sources: list[Path]) -> None:
-    """Refuse a directory whose files are of several splits (``file_split``), as a snapshot
-    of a hub dataset's train and test files is: read together they would mix."""
-    for source in (s for s in sources if s.is_dir()):
-        found = {split_name(split) for f in files if f.is_relative_to(source)
-                 if (split := file_split(f, f.relative_to(source))) is not None}
-        if len(found) > 1:
-            named = [s for s in SPLIT_KEYWORDS if s in found] + sorted(found - set(SPLIT_KEYWORDS))
-            raise DatasetError(f"{source}: files of several splits ({', '.join(named)}): pass "
-                               "--split to choose one")
 
 
 def record_batches(file: Path, kind: str, fields: list[str]) -> Iterator[pa.RecordBatch]:
