@@ -4,7 +4,9 @@ every 0.1 s from outside, through build, load and training.
 
 The figures are multiples of the model's fp32 bytes, each worker's resident memory above its
 own first sample (a worker is forked from the launcher's preloaded server, so that sample is
-the imports' pages, not the model's):
+the imports' pages, not the model's), in all and its anonymous part alone (less the file-backed
+pages: the libraries' code a worker touches after the fork, about 0.34x here, which other
+processes share):
 - ``start``: when step 1 begins (its row's time less its seconds): the build and the load;
 - ``step 1``: the most through step 1;
 - ``step 5`` and ``step N``: at the end of those steps; their ratio is the creep.
@@ -158,9 +160,19 @@ def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_by
     figures = {}
     for rank, pid in enumerate(sorted(workers)):
         rows = _rows(run_dir, rank)
+        anonymous = [(t, rss - shared) for (t, rss), (_, shared)
+                     in zip(sampler.series[pid], sampler.file_backed[pid], strict=True)]
         figures[f"rank_{rank}"] = worker_figures(sampler.series[pid], rows, model_bytes, steps)
-        figures[f"rank_{rank}"]["file_backed"] = worker_figures(sampler.file_backed[pid], rows,
-                                                                model_bytes, steps)
+        figures[f"rank_{rank}"]["anonymous"] = {
+            key: value for key, value in worker_figures(anonymous, rows, model_bytes,
+                                                        steps).items()
+            if key not in ("live_peak", "tokens_per_s")}
+    figures["series"] = {name: [(round(t, 2), rss, shared) for (t, rss), (_, shared) in
+                                zip(sampler.series[pid], sampler.file_backed[pid], strict=True)]
+                         for name, pid in (("rank_0", min(workers)), ("rank_1", max(workers)),
+                                           ("launcher", launcher.pid))}
+    figures["step_times"] = {step: (row["time"] - row["step_seconds"], row["time"])
+                             for step, row in _rows(run_dir, 0).items() if step <= 5}
     launcher_series = sampler.series[launcher.pid]
     figures["launcher_peak"] = round(max(r for _, r in launcher_series) / model_bytes, 3)
     return figures
@@ -190,7 +202,8 @@ def main() -> None:
                 "memory.precision=bf16") if row == "lora" else ()
         rows[row] = run(work, work / "llama", data, f"{row}-{stamp}", args.steps, model_bytes,
                         *lora, env=env)
-        print(f"{row}: {json.dumps(rows[row])}", flush=True)
+        print(f"{row}: {json.dumps({k: v for k, v in rows[row].items() if k != 'series'})}",
+              flush=True)
     cpu = cpu_description()
     report = {"machine": describe_cpu(cpu), "cpu": cpu, "env": env, "parameters": params,
               "model_fp32_bytes": model_bytes, "steps": args.steps, "rows": rows}
