@@ -105,6 +105,32 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode()
 
 
+@contextlib.contextmanager
+def modules_kept_in_place() -> Iterator[None]:
+    """``nn.Module.to`` returns a module untouched where every tensor of it already has the
+    device and dtype asked for. Under ``fake_tensor_mode`` torch swaps a module's parameters even
+    for such a move (``Module._apply`` on fake parameters), which fails; PEFT moves each adapter
+    it injects to its base layer's device so, a move that changes nothing here."""
+    import torch
+    from torch import nn
+
+    to = nn.Module.to
+
+    def kept_in_place(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if all((device is None or t.device == device) and
+               (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+            return self
+        return to(self, *args, **kwargs)
+
+    nn.Module.to = kept_in_place  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = to  # type: ignore[method-assign]
+
+
 def is_fake(tensor: Any) -> bool:
     """Whether ``tensor`` is a fake tensor (``fake_tensor_mode``'s: no data to copy)."""
     from torch._subclasses.fake_tensor import is_fake as _is_fake

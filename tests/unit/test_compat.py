@@ -253,3 +253,18 @@ def test_transformers_names_checkpoint_tensors_as_memtrain_reads_them() -> None:
         vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8))
     rename = hf_checkpoint_renamer(gpt2, set(gpt2.state_dict()))
     assert rename("h.0.attn.c_attn.weight") == ("transformer.h.0.attn.c_attn.weight", None)
+
+
+def test_a_module_already_in_place_is_kept_on_fake_tensors() -> None:
+    """Under fake tensors torch swaps parameters even for a move that changes nothing, and
+    cannot; ``modules_kept_in_place`` returns such a module untouched."""
+    import torch
+
+    from trainer.compat import fake_tensor_mode, modules_kept_in_place
+
+    with fake_tensor_mode():
+        layer = torch.nn.Linear(4, 4)
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            layer.to("cpu")
+        with modules_kept_in_place():
+            assert layer.to("cpu") is layer and layer.to(torch.float32) is layer

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from functools import partial
 
@@ -474,6 +475,31 @@ def test_a_fake_tensor_probe_saves_the_real_probes_bytes_exactly(
     fake, real = probe(True), probe(False)
     assert fake == real
     assert fake.per_sample_bytes > 0 and (fake.loss_shape is not None)
+
+
+@pytest.mark.parametrize("base_dtype", ["fp32", "bf16"])
+def test_a_lora_model_is_probed_on_fake_tensors_as_on_real_ones(
+        base_dtype: str, caplog: pytest.LogCaptureFixture) -> None:
+    """PEFT moves each adapter it injects to its base layer's device, a move torch cannot make
+    on fake parameters: the probe keeps such a module in place, and the profile (and the
+    step's operators) are the real probe's, with no fallback to real tensors (which build the
+    whole model in the launcher)."""
+    from trainer.build import model_factory
+    from trainer.config import LoraConfig, ModelConfig
+
+    cfg = ModelConfig(name="gpt", vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=32,
+                      lora=LoraConfig(rank=4, base_dtype=base_dtype))
+    precision = "bf16" if base_dtype == "bf16" else "fp32"
+
+    def probe(fake: bool) -> ActivationProfile:
+        return profile_activations(model_factory(cfg, load_weights=False),
+                                   MemoryTransforms("full", loss_chunk_tokens=64), 32, 256,
+                                   precision, target="cuda", fake=fake, work=fake)
+
+    with caplog.at_level(logging.INFO, logger="memtrain.planner"):
+        fake = probe(True)
+    assert "real" not in caplog.text, caplog.text
+    assert dataclasses.replace(fake, work=None) == probe(False)
 
 
 def test_a_model_that_reads_values_is_probed_for_real(caplog: pytest.LogCaptureFixture) -> None:

@@ -62,6 +62,7 @@ from trainer.compat import (
     fake_tensor_mode,
     is_checkpoint_wrapper,
     is_fake,
+    modules_kept_in_place,
     quiet_native_logs,
 )
 from trainer.errors import first_line
@@ -445,7 +446,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     profile = block_call = None
     if device.type == "cpu" if fake is None else fake:
         try:
-            with fake_tensor_mode():
+            with fake_tensor_mode(), modules_kept_in_place():
                 profile, block_call = _profile(factory, transforms, seq_len, vocab_size,
                                                precision, device, packed)
         except ValueError:  # a setting the model refuses (memtrain's config errors): said once

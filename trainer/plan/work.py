@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
-from trainer.compat import fake_tensor_mode
+from trainer.compat import fake_tensor_mode, modules_kept_in_place
 from trainer.memory.loss import (
     ChunkedLossShape,
     in_chunked_loss,
@@ -297,7 +297,7 @@ def record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: in
     """Count the operators of a training step of the model built with ``transforms``: on fake
     tensors, or on real ones for a model whose forward cannot run on fake tensors."""
     try:
-        with fake_tensor_mode():
+        with fake_tensor_mode(), modules_kept_in_place():
             return _record_work(factory, transforms, seq_len, vocab_size, precision)
     except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
         log.info("planner: counting the step's operators on real tensors (%s)",
