@@ -2,18 +2,19 @@
 2 gloo ranks, an ``hf:`` Llama read from its safetensors, each worker's resident memory sampled
 every 0.1 s from outside, through build, load and training.
 
-The figures are multiples of the model's fp32 bytes, each worker's resident memory above its
-own first sample (a worker is forked from the launcher's preloaded server, so that sample is
-the imports' pages, not the model's), in all and its anonymous part alone (less the file-backed
-pages: the libraries' code a worker touches after the fork, about 0.34x here, which other
-processes share):
-- ``start``: when step 1 begins (its row's time less its seconds): the build and the load;
-- ``step 1``: the most through step 1;
-- ``step 5`` and ``step N``: at the end of those steps; their ratio is the creep.
+The figures are multiples of the model's fp32 bytes: each worker's highest resident memory up
+to a point, above its own first sample (a worker is forked from the launcher's preloaded server,
+so that sample is the imports' pages, not the model's), in all and its anonymous part alone
+(less the file-backed pages: the libraries' code a worker touches after the fork, about 0.2-0.34x
+here, which other processes share, and the safetensors file while the build reads it):
+- ``start``: through the build and the load, until step 1 begins (its row's time less its
+  seconds);
+- ``step 1``, ``step 5`` and ``step N``: through the end of those steps; the last two's ratio is
+  the creep.
 Beside them, the launcher's own peak (it plans from shapes, never reading the weights), the
-worker's live tensors at its peak as the run logs them (``peak_memory_bytes``: on CPU the
-process's high-water mark), and tokens/s at steady state. Rows: plain fp32 AdamW, and LoRA on
-a bf16 base (``--lora``).
+worker's high-water mark as the run logs it (``peak_memory_bytes``: on CPU the process's
+``ru_maxrss``, its baseline included), and tokens/s at steady state. Rows (``--rows``): plain
+fp32 AdamW, and LoRA on a bf16 base.
 
 Targets (2 ranks, fp32 AdamW): at most 0.75x at start, 3.0x through step 1, step N within 5%
 of step 5; LoRA on a bf16 base at most 0.6x through step 1.
@@ -73,6 +74,7 @@ class Sampler:
         # the file-backed and shared part of each sample (a mapped safetensors file's pages)
         self.file_backed: dict[int, list[tuple[float, int]]] = {}
         self.names: dict[int, str] = {}
+        self.parents: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -86,7 +88,8 @@ class Sampler:
             for process in processes:
                 try:
                     info = process.memory_info()
-                    self.names.setdefault(process.pid, " ".join(process.cmdline()[:3]))
+                    self.names.setdefault(process.pid, " ".join(process.cmdline()))
+                    self.parents.setdefault(process.pid, process.ppid())
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
                 self.series.setdefault(process.pid, []).append((now, info.rss))
@@ -106,8 +109,8 @@ def _rows(run_dir: Path, rank: int) -> dict[int, dict[str, Any]]:
     return {row["step"]: row for row in map(json.loads, lines) if "loss" in row}
 
 
-def _at(series: list[tuple[float, int]], when: float) -> int:
-    """The last sample at or before ``when``."""
+def _through(series: list[tuple[float, int]], when: float) -> int:
+    """The most of the samples up to ``when``: a high-water mark, which a creep raises."""
     return max((rss for t, rss in series if t <= when), default=series[0][1])
 
 
@@ -122,10 +125,10 @@ def worker_figures(series: list[tuple[float, int]], rows: dict[int, dict[str, An
     def share(rss: int) -> float:
         return round((rss - baseline) / model_bytes, 3)
 
-    return {"baseline_bytes": baseline, "start": share(_at(series, step1_start)),
-            "step_1": share(through_1), "step_5": share(_at(series, rows[5]["time"])),
-            f"step_{last}": share(_at(series, rows[last]["time"])),
-            "live_peak": round(max(r["peak_memory_bytes"] for r in rows.values())
+    return {"baseline_bytes": baseline, "start": share(_through(series, step1_start)),
+            "step_1": share(through_1), "step_5": share(_through(series, rows[5]["time"])),
+            f"step_{last}": share(_through(series, rows[last]["time"])),
+            "process_peak": round(max(r["peak_memory_bytes"] for r in rows.values())
                                / model_bytes, 3),
             "tokens_per_s": round(sum(r["tokens_per_second"] for s, r in rows.items()
                                       if s > 5) / max(1, len(rows) - 5), 1)}
@@ -153,10 +156,11 @@ def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_by
     if launcher.returncode != 0:
         raise SystemExit(f"bench.fsdp_resident: {name} failed:\n{output[-3000:]}")
     run_dir = work / "runs" / name
-    workers = sorted((pid for pid in sampler.series
-                      if pid != launcher.pid and "forkserver" not in sampler.names[pid]
-                      and len(sampler.series[pid]) > 10),
-                     key=lambda pid: sampler.series[pid][0][0])[-2:]
+    # the workers: the fork server's children (the server's command line names its module)
+    workers = [pid for pid in sampler.series
+               if "forkserver" in sampler.names.get(sampler.parents[pid], "")]
+    if len(workers) != 2:
+        raise SystemExit(f"bench.fsdp_resident: {name}: {len(workers)} worker processes seen")
     figures = {}
     for rank, pid in enumerate(sorted(workers)):
         rows = _rows(run_dir, rank)
@@ -166,7 +170,7 @@ def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_by
         figures[f"rank_{rank}"]["anonymous"] = {
             key: value for key, value in worker_figures(anonymous, rows, model_bytes,
                                                         steps).items()
-            if key not in ("live_peak", "tokens_per_s")}
+            if key not in ("process_peak", "tokens_per_s")}
     figures["series"] = {name: [(round(t, 2), rss, shared) for (t, rss), (_, shared) in
                                 zip(sampler.series[pid], sampler.file_backed[pid], strict=True)]
                          for name, pid in (("rank_0", min(workers)), ("rank_1", max(workers)),

@@ -383,16 +383,18 @@ def hf_checkpoint_renamer(hf_model: Any, model_names: set[str]
     return rename
 
 
-def ray_torch_backend() -> tuple[type, Callable[[], None], Callable[[], tuple[str, int]]]:
+def ray_torch_backend() -> tuple[type, Callable[[], None], Callable[[], tuple[str, int]], type]:
     """Ray Train 2.60's torch backend, to subclass (``_TorchBackend``: its ``on_start`` makes
     the process group with torch's ``env://`` store, which listens on every interface), the
-    function that sets torchrun's variables in a worker (``LOCAL_RANK``, ``RANK``, ...), and
-    the one that picks rank 0's node address and a free port, as its ``on_start`` calls them
+    function that sets torchrun's variables in a worker (``LOCAL_RANK``, ``RANK``, ...), the
+    one that picks rank 0's node address and a free port, as its ``on_start`` calls them, and
+    Train V1's worker group, for which it sets no torchrun variables
     (``ray/train/torch/config.py``, ``ray/train/_internal/utils.py``)."""
     from ray.train._internal.utils import get_address_and_port
+    from ray.train._internal.worker_group import WorkerGroup
     from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
 
-    return _TorchBackend, _set_torch_distributed_env_vars, get_address_and_port
+    return _TorchBackend, _set_torch_distributed_env_vars, get_address_and_port, WorkerGroup
 
 
 def ray_train_request_id(trainer: Any) -> str:

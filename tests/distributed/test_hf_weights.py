@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from functools import partial
 from pathlib import Path
 
@@ -119,13 +118,17 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
     foreign.mkdir()
     (foreign / "config.json").write_text((directories["llama"] / "config.json").read_text())
     save_file({"encoder.weight": torch.zeros(2, 2)}, foreign / "model.safetensors")
-    # Untied files under a config that ties them: from_pretrained unties (both are present and
-    # differ); a tied fill would take one of the two for both.
+    # Two tensors under a config that ties them, the same but in rank 1's rows: from_pretrained
+    # unties them (both are present and differ); a tied fill would take one of the two for both,
+    # and every rank must refuse, rank 0 too, which sees its rows agree.
     conflict = tmp_path / "llama-tied-conflict"
     conflict.mkdir()
     config = json.loads((directories["llama"] / "config.json").read_text())
     (conflict / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    shutil.copy(directories["llama"] / "model.safetensors", conflict / "model.safetensors")
+    tensors = load_file(directories["llama"] / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["lm_head.weight"][48:] += 1.0  # rank 1's rows of 96 (torch.chunk's split)
+    save_file(tensors, conflict / "model.safetensors", metadata={"format": "pt"})
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = tmp_path / "results.pt"
     start_workers(_load_sharded, (free_port(), {name: str(d) for name, d in
@@ -145,9 +148,11 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
         f"{conflict}: model.embed_tokens.weight and lm_head.weight are one tensor in the model "
         "(its config ties them) but differ in its safetensors, where from_pretrained unties "
         "them: set tie_word_embeddings false in its config.json")
-    # what the reference makes of it: the untied model, as the files hold it
-    torch.testing.assert_close(_from_pretrained(conflict, tokens),
-                               _from_pretrained(directories["llama"], tokens))
+    import transformers  # what the reference makes of it: both tensors, untied
+
+    untied = transformers.AutoModelForCausalLM.from_pretrained(conflict)
+    assert torch.equal(untied.lm_head.weight, tensors["lm_head.weight"])
+    assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
     assert results["foreign"] == (f"{foreign}: none of the model's parameters is in its "
                                   "safetensors (they load into a model of the same "
                                   "architecture)")

@@ -229,10 +229,12 @@ def test_ray_trains_torch_backend_is_what_memtrain_subclasses() -> None:
 
     from trainer.compat import ray_torch_backend
 
-    backend, set_env, address_and_port = ray_torch_backend()
+    backend, set_env, address_and_port, v1_group = ray_torch_backend()
     source = inspect_.getsource(backend.on_start)
     assert "get_address_and_port" in source and "_set_torch_distributed_env_vars" in source
     assert "_setup_torch_process_group" in source
+    assert "if not isinstance(worker_group, V1WorkerGroup):" in source
+    assert v1_group.__name__ == "WorkerGroup"
     assert list(inspect_.signature(set_env).parameters) == []
     assert list(inspect_.signature(address_and_port).parameters) == []
 

@@ -3,10 +3,8 @@ address the ranks meet at and nowhere else, and a GPU group carries host tensors
 
 from __future__ import annotations
 
-import os
 import threading
 from datetime import timedelta
-from pathlib import Path
 
 import psutil
 import pytest
@@ -42,14 +40,15 @@ def test_the_store_listens_on_its_address_alone_and_serves_the_other_ranks() -> 
 
 
 @pytest.mark.gpu
-def test_fsdp_with_cpu_offload_clips_host_gradients_on_a_gpu_group(tmp_path: Path) -> None:
+def test_fsdp_with_cpu_offload_clips_host_gradients_on_a_gpu_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP's CPU offload keeps gradients in host memory: clipping their norm reduces a host
     tensor over the group, which NCCL alone refuses; gloo beside it carries it."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from trainer.launch.local import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # what the group would set
     init_process_group("cuda", 0, 1, "127.0.0.1", free_port())
     try:
         model = fully_shard(torch.nn.Linear(16, 16, device="cuda"),

@@ -366,7 +366,7 @@ def release_orphaned_request(run_dir: Path) -> None:
                     "lets it expire within 180 s", requester, first_line(err))
 
 
-_TorchBackend, _set_torchrun_env, _address_and_port = ray_torch_backend()
+_TorchBackend, _set_torchrun_env, _address_and_port, _V1WorkerGroup = ray_torch_backend()
 
 
 def _set_master(addr: str, port: int) -> None:
@@ -381,7 +381,8 @@ class _BoundStoreBackend(_TorchBackend):  # type: ignore[misc, valid-type]
         device_type = "cuda" if worker_group.get_resources_per_worker().get("GPU", 0) else "cpu"
         addr, port = worker_group.execute_single(0, _address_and_port)
         worker_group.execute(_set_master, addr=addr, port=port)
-        worker_group.execute(_set_torchrun_env)
+        if not isinstance(worker_group, _V1WorkerGroup):  # as Ray's own on_start
+            worker_group.execute(_set_torchrun_env)
         timeout = timedelta(seconds=backend_config.timeout_s)
         ray.get([worker_group.execute_single_async(rank, init_process_group, device_type, rank,
                                                    len(worker_group), addr, port, timeout)

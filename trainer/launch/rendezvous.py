@@ -3,8 +3,9 @@
 torch's ``env://`` and ``tcp://`` rendezvous start rank 0's ``TCPStore`` server on every
 interface of its node, unauthenticated: whoever reaches the port can read and write the store,
 and so join or stall the group. memtrain binds that socket itself, to the address the ranks
-meet at (127.0.0.1 on one node; the node's own address when a group spans nodes, with the port
-in docs/deploy.md's network policy), and hands it to the store (``master_listen_fd``).
+meet at (127.0.0.1 on one node; rank 0's node address when a group spans nodes, where
+docs/deploy.md's network policy admits the namespace's pods), and hands it to the store
+(``master_listen_fd``).
 
 On a GPU the group is NCCL for device tensors with gloo beside it for host tensors
 (``cpu:gloo,cuda:nccl``): FSDP's CPU offload clips and reduces gradients and norms that live in
@@ -49,9 +50,10 @@ def bound_store(addr: str, port: int, rank: int, world_size: int,
 
 def init_process_group(device_type: str, rank: int, world_size: int, addr: str, port: int,
                        timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """This rank's process group, met at ``addr:port`` through ``bound_store``. On a GPU, a
-    timed-out NCCL collective fails the process instead of hanging it, as Ray Train sets it
-    (unless the user set it or its blocking-wait alternative)."""
+    """This rank's process group, met at ``addr:port`` through ``bound_store``. On a GPU a
+    timed-out NCCL collective aborts its communicator before the process is torn down
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, as Ray Train's own setup sets it; torch's default
+    tears the process down without the abort), unless the user set it or blocking waits."""
     if device_type == "cuda" and not {"TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                       "TORCH_NCCL_BLOCKING_WAIT"} & set(os.environ):
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"

@@ -73,11 +73,9 @@ def return_freed_host_memory() -> bool:
 
     Under FSDP a step's transients are many and of changing sizes (each block's gathered
     parameters, its unsharded gradients, the reduce-scatter buffers gloo copies), and a heap
-    that keeps them fragments: measured with ``python -m bench.fsdp_resident`` (a 100M Llama,
-    2 ranks, fp32 AdamW), resident memory above the workers' baselines rose to 5.3x the model's
-    fp32 bytes through step 1 and 7.8x by step 12, kept; with glibc's default (its threshold
-    rising as large chunks are freed) 3.8-4.1x and 6.4x; at this fixed threshold 2.6x and 3.6x,
-    level from step 5 (docs/benchmarks.md has the figures and their cost in tokens/s).
+    that keeps them fragments and creeps; glibc's default, whose threshold rises past each freed
+    chunk, keeps them too. What each costs, in memory and tokens/s: docs/memory.md ("Host memory
+    of FSDP's CPU workers").
 
     Left alone where the user set malloc's variables or preloads another allocator; a no-op
     elsewhere than glibc. Process-wide: the first call of either function decides; returns

@@ -234,7 +234,7 @@ def measure_plans(console: Console, cfg: Any, static: Any, profiles: list[Any], 
                         f"CPU, {steps} steps each", "precision", "act.\nckpt", "micro-\nbatch",
                         "predicted\ntokens/s", "measured\ntokens/s", "predicted\npeak GiB",
                         "measured\npeak GiB")
-    factory = model_factory(cfg.model)
+    factory = model_factory(cfg.model, load_weights=False)  # time and bytes need no weights
     transforms = MemoryTransforms.of(cfg.memory)
     gib = 2**30
     for row in chosen:
