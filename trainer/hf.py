@@ -97,6 +97,14 @@ class HFCausalLM(nn.Module):
     def vocab_size(self) -> int:
         return int(self.hf.config.vocab_size)
 
+    @property
+    def fsdp_units(self) -> list[nn.Module]:
+        """Modules FSDP shards as units of their own besides the blocks: the input embedding,
+        unless the output layer shares its weight (the loss reads that weight outside any
+        module's forward, so it stays in the root)."""
+        embedding, output = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
+        return [] if output is not None and output.weight is embedding.weight else [embedding]
+
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar).

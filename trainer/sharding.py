@@ -1,6 +1,7 @@
 """Sharded data parallelism with FSDP2 (``fully_shard``), built so no rank holds the whole model.
 
-``parallel.strategy: fsdp`` shards every block of ``model.blocks`` and then the root module, so
+``parallel.strategy: fsdp`` shards every block of ``model.blocks``, the modules a model names
+in ``fsdp_units`` (a Hugging Face model's untied input embedding), and then the root module, so
 parameters, gradients and optimizer state are split across ranks (each holds 1/world of them) and
 a block's parameters are all-gathered only while it runs. Its checkpoints are DCP files
 (``trainer.checkpoint``), which reshard on load: one worker is not wrapped (nothing to shard) but
@@ -110,8 +111,9 @@ def _fsdp_kwargs(settings: FsdpSettings, device: torch.device) -> dict:
 
 def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
                 device: torch.device | None = None) -> nn.Module:
-    """``fully_shard`` each block of ``model.blocks``, then the root; returns the model. The root
-    keeps its parameters gathered after forward (backward needs them first)."""
+    """``fully_shard`` each block of ``model.blocks``, each module of ``model.fsdp_units`` where
+    the model names some, then the root; returns the model. The root keeps its parameters
+    gathered after forward (backward needs them first)."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"parallel.strategy 'fsdp' needs the model to expose its blocks as "
@@ -121,6 +123,11 @@ def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
     kwargs = _fsdp_kwargs(settings, device or torch.device("cpu"))
     for block in blocks:
         fully_shard(block, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+    # A unit of its own runs its all-gather only in its forward and backward (the input
+    # embedding: at the step's start and end), where the root holds what it has gathered for
+    # the whole step, since backward needs it first.
+    for unit in getattr(model, "fsdp_units", ()):
+        fully_shard(unit, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
