@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,7 @@ class HFCausalLM(nn.Module):
                 raise ValueError(f"{type(model).__name__}: config.{attribute} changes the logits "
                                  "before the loss, which memtrain's chunked loss does not do")
         self.hf = model
+        output.summed_loss = types.MethodType(_summed_loss, output)
         self.loss_chunk_tokens = 0  # set by trainer.memory.loss.set_loss_chunking
         self._layers = "hf." + decoder_layers_path(model)
 
@@ -100,10 +102,18 @@ class HFCausalLM(nn.Module):
     @property
     def fsdp_units(self) -> list[nn.Module]:
         """Modules FSDP shards as units of their own besides the blocks: the input embedding,
-        unless the output layer shares its weight (the loss reads that weight outside any
-        module's forward, so it stays in the root)."""
-        embedding, output = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
-        return [] if output is not None and output.weight is embedding.weight else [embedding]
+        unless the output layer shares its weight (then both stay in the root)."""
+        return [] if self._tied() else [self.hf.get_input_embeddings()]
+
+    @property
+    def fsdp_loss_unit(self) -> nn.Module | None:
+        """The output layer, where FSDP may shard it as a unit of its own: the loss reads its
+        weight in its ``summed_loss`` method (``_summed_loss``), which FSDP then runs as it runs
+        a forward (``register_fsdp_forward_method``); None where the embedding shares it."""
+        return None if self._tied() else self.hf.get_output_embeddings()
+
+    def _tied(self) -> bool:
+        return self.hf.get_output_embeddings().weight is self.hf.get_input_embeddings().weight
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,9 +129,16 @@ class HFCausalLM(nn.Module):
                                use_cache=False).logits
             hidden_BTC = self.hf.base_model(input_ids=idx_BT, position_ids=position_ids,
                                             use_cache=False).last_hidden_state
-        weight_VC = self.hf.get_output_embeddings().weight
-        return linear_cross_entropy_sum(hidden_BTC.flatten(0, 1), weight_VC,
-                                        targets_BT.flatten(), self.loss_chunk_tokens)
+        return self.hf.get_output_embeddings().summed_loss(
+            hidden_BTC.flatten(0, 1), targets_BT.flatten(), self.loss_chunk_tokens)
+
+
+def _summed_loss(output: nn.Module, hidden_NC: torch.Tensor, targets_N: torch.Tensor,
+                 chunk_tokens: int) -> torch.Tensor:
+    """The summed token loss of ``hidden_NC`` through the output layer ``output`` (chunked:
+    ``linear_cross_entropy_sum``), bound to the layer as its method ``summed_loss``, so that
+    FSDP gathers the layer's weight around it where the layer is a unit of its own."""
+    return linear_cross_entropy_sum(hidden_NC, output.weight, targets_N, chunk_tokens)
 
 
 def _has_weights(directory: Path) -> bool:

@@ -1,7 +1,8 @@
 """Sharded data parallelism with FSDP2 (``fully_shard``), built so no rank holds the whole model.
 
 ``parallel.strategy: fsdp`` shards every block of ``model.blocks``, the modules a model names
-in ``fsdp_units`` (a Hugging Face model's untied input embedding), and then the root module, so
+in ``fsdp_units`` and ``fsdp_loss_unit`` (a Hugging Face model's untied input embedding and
+output layer), and then the root module, so
 parameters, gradients and optimizer state are split across ranks (each holds 1/world of them) and
 a block's parameters are all-gathered only while it runs. Its checkpoints are DCP files
 (``trainer.checkpoint``), which reshard on load: one worker is not wrapped (nothing to shard) but
@@ -111,14 +112,14 @@ def _fsdp_kwargs(settings: FsdpSettings, device: torch.device) -> dict:
 
 def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
                 device: torch.device | None = None) -> nn.Module:
-    """``fully_shard`` each block of ``model.blocks``, each module of ``model.fsdp_units`` where
-    the model names some, then the root; returns the model. The root keeps its parameters
-    gathered after forward (backward needs them first)."""
+    """``fully_shard`` each block of ``model.blocks``, each module of ``model.fsdp_units`` and
+    ``model.fsdp_loss_unit`` where the model names them, then the root; returns the model. The
+    root keeps its parameters gathered after forward (backward needs them first)."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"parallel.strategy 'fsdp' needs the model to expose its blocks as "
                          f"`model.blocks` (an nn.ModuleList); {type(model).__name__} does not")
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     kwargs = _fsdp_kwargs(settings, device or torch.device("cpu"))
     for block in blocks:
@@ -128,6 +129,10 @@ def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
     # the whole step, since backward needs it first.
     for unit in getattr(model, "fsdp_units", ()):
         fully_shard(unit, **kwargs)
+    loss_unit = getattr(model, "fsdp_loss_unit", None)
+    if loss_unit is not None:  # kept gathered from the loss to its backward, which comes next
+        fully_shard(loss_unit, reshard_after_forward=False, **kwargs)
+        register_fsdp_forward_method(loss_unit, "summed_loss")
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
