@@ -63,6 +63,7 @@ import json, sys, psutil, torch
 from trainer.memory.allocator import keep_freed_host_memory, return_freed_host_memory
 returned = return_freed_host_memory() if sys.argv[1] != "default" else False
 kept = keep_freed_host_memory() if sys.argv[1] == "then-keep" else None
+torch.empty(3 * 2**20).fill_(1.0)  # the first tensor's lazy set-up (thread pool) is not a step's
 start = psutil.Process().memory_info().rss
 held = []
 for _ in range(8):
@@ -86,7 +87,7 @@ def test_under_fsdp_freed_transients_go_back_to_the_system() -> None:
         return returned, kept, held
 
     returned, _, held = run("return")  # the interpreter's own objects may take a page or two
-    assert returned and max(held) < 4 * 2**20 and held[-1] == held[1], held
+    assert returned and max(held) < 2**20, held
     _, _, held = run("default")
     assert min(held[1:]) >= 12 * 2**20, held
     _, kept, _ = run("then-keep")  # decided once per process: a later keep is not in effect
