@@ -31,7 +31,7 @@ import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -138,7 +138,8 @@ def _summed_loss(output: nn.Module, hidden_NC: torch.Tensor, targets_N: torch.Te
     """The summed token loss of ``hidden_NC`` through the output layer ``output`` (chunked:
     ``linear_cross_entropy_sum``), bound to the layer as its method ``summed_loss``, so that
     FSDP gathers the layer's weight around it where the layer is a unit of its own."""
-    return linear_cross_entropy_sum(hidden_NC, output.weight, targets_N, chunk_tokens)
+    return linear_cross_entropy_sum(hidden_NC, cast(torch.Tensor, output.weight), targets_N,
+                                    chunk_tokens)
 
 
 def _has_weights(directory: Path) -> bool:
