@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from datapipe.manifest import DatasetError
-from datapipe.tokenize import special_token, tokenizer_config
+from datapipe.tokenize import SPECIAL_TOKENS, special_token, tokenizer_config
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -84,8 +84,7 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
         template = env.from_string(text)
     except TemplateError as err:
         raise DatasetError(f"{source}: not a Jinja template ({err})") from err
-    specials = {name: special_token(config, name) or "" for name in
-                ("bos_token", "eos_token", "unk_token", "pad_token")}
+    specials = {name: special_token(config, name) or "" for name in SPECIAL_TOKENS}
     specials["eos_token"] = specials["eos_token"] or eos_token
     # transformers passes tools and documents to every render, None where there are none:
     # templates test `tools is not none` (Mistral's), which an undefined name passes.

@@ -27,7 +27,8 @@ from torch import nn
 from trainer import meta_init
 from trainer.compat import is_checkpoint_wrapper
 from trainer.errors import first_line
-from trainer.hf import SafetensorsRows, initialise_on_meta
+from trainer.hf import PREFIX as HF_PREFIX
+from trainer.hf import SafetensorsRows, initialise_on_meta, weights_of
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
 from trainer.memory.lora import LoraSettings, apply_lora, base_name, is_adapter
 from trainer.memory.loss import set_loss_chunking
@@ -238,6 +239,19 @@ def _bf16_parameters(model: nn.Module) -> None:
                 swapped[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16),
                                                   requires_grad=param.requires_grad)
             module._parameters[name] = swapped[id(param)]
+
+
+def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTransforms,
+                device: torch.device | None = None, seed: int | None = 0) -> nn.Module:
+    """The whole model ``model`` names, with ``transforms`` (``build_model``): with the weights
+    of ``init_from`` where it is ``hf:DIR`` (``load_hf_weights``, over the seeded build's), else
+    with the model's own. How the loop builds it without FSDP, and export a LoRA run's base."""
+    init_hf = init_from if (init_from or "").startswith(HF_PREFIX) else None
+    built = build_model(model_factory(model, load_weights=init_hf is None), transforms, device,
+                        seed)
+    if init_hf is not None:
+        load_hf_weights(built, weights_of(init_hf))
+    return built
 
 
 def load_hf_weights(model: nn.Module, weights: SafetensorsRows | None) -> None:

@@ -28,7 +28,7 @@ from datapipe.manifest import DatasetError, read_manifest
 from datapipe.tokenize import SPECIAL_TOKENS, TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
 from monitoring.units import format_bytes
-from trainer.build import MemoryTransforms, build_model, load_hf_weights, model_factory
+from trainer.build import MemoryTransforms, build_model, build_whole, model_factory
 from trainer.checkpoint import (
     CheckpointReadError,
     latest_whole,
@@ -39,7 +39,7 @@ from trainer.checkpoint import (
     verified,
 )
 from trainer.config import Config, ConfigError, load_config
-from trainer.hf import PREFIX, HFCausalLM, weights_of
+from trainer.hf import PREFIX, HFCausalLM
 from trainer.memory.lora import (
     lora_of,
     merge_adapters,
@@ -147,12 +147,8 @@ def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
         raise ConfigError(f"{cfg.model.name} has no weights of its own (the run's base was its "
                           "seeded initialisation), so an adapter directory would have nothing "
                           "to apply to: export with --merge")
-    init_hf = cfg.train.init_from if source == cfg.train.init_from else None
-    model = build_model(model_factory(cfg.model, load_weights=init_hf is None),
-                        MemoryTransforms(), seed=cfg.run.seed)
+    model = build_whole(cfg.model, cfg.train.init_from, MemoryTransforms(), seed=cfg.run.seed)
     assert isinstance(model, HFCausalLM), type(model)
-    if init_hf is not None:  # as the loop fills it: the directory's tensors over the build's
-        load_hf_weights(model, weights_of(init_hf))
     adapters = trainable_state_dict(model)
     if state.get("sharded"):
         loaded = load_sharded_tensors(directory, {

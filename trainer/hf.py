@@ -259,9 +259,6 @@ class SafetensorsRows:
             self._handles[path] = safe_open(path, framework="pt")
         return self._handles[path]
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
     def shape(self, name: str) -> tuple[int, ...]:
         """The whole shape of tensor ``name`` (from the file's header: nothing is read)."""
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())

@@ -35,11 +35,10 @@ from monitoring.trackers import Trackers, flatten, open_trackers
 from trainer import faults
 from trainer.build import (
     MemoryTransforms,
-    build_model,
     build_sharded,
+    build_whole,
     checkpointed_blocks,
     compile_model,
-    load_hf_weights,
     model_factory,
 )
 from trainer.compat import allocator_settings, compile_counts
@@ -174,10 +173,8 @@ class Trainer:
                                   before_shard=self.compile,
                                   weights=weights_of(init_hf or cfg.model.name))
         else:
-            model = build_model(model_factory(cfg.model, load_weights=init_hf is None),
-                                transforms, ctx.device, seed=cfg.run.seed)  # same on every rank
-            if init_hf is not None:
-                load_hf_weights(model, weights_of(init_hf))
+            model = build_whole(cfg.model, cfg.train.init_from, transforms, ctx.device,
+                                seed=cfg.run.seed)  # the same on every rank
             self.compile(model)
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
                                     cfg.train.betas, cfg.train.fused(),
