@@ -156,18 +156,30 @@ def _config_json(spec: str) -> Path:
     return path if path.is_file() else path / "config.json"
 
 
-def config_vocab_size(model_name: str) -> int | None:
-    """The vocabulary in an ``hf:`` model's ``config.json``, read without ``transformers``
-    (``prepare_run`` checks the dataset's against it); None for other models, or where the
-    file does not say (building the model then says what is wrong)."""
+def _config_field(model_name: str, key: str) -> Any:
+    """``key`` of an ``hf:`` model's ``config.json``, read without ``transformers``; None for
+    other models, or where the file does not say (building the model then says what is
+    wrong)."""
     if not model_name.startswith(PREFIX):
         return None
     try:
-        vocab_size = json.loads(_config_json(model_name.removeprefix(PREFIX)).read_text()).get(
-            "vocab_size")
+        return json.loads(_config_json(model_name.removeprefix(PREFIX)).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def config_vocab_size(model_name: str) -> int | None:
+    """The vocabulary in an ``hf:`` model's ``config.json`` (``prepare_run`` checks the
+    dataset's against it); None for other models, or where the file does not say."""
+    vocab_size = _config_field(model_name, "vocab_size")
     return vocab_size if isinstance(vocab_size, int) else None
+
+
+def config_model_type(model_name: str) -> str | None:
+    """An ``hf:`` model's architecture as its ``config.json`` names it (``model_type``:
+    "llama", "gpt_neox"); None for other models, or where the file does not say."""
+    model_type = _config_field(model_name, "model_type")
+    return model_type if isinstance(model_type, str) else None
 
 
 def model_vocab_size(model_name: str, configured: int) -> int:

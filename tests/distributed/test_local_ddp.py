@@ -174,6 +174,29 @@ def test_workers_start_with_the_fork_servers_imports(tmp_path: Path,
     assert compiles(tiny_config(corpus_dir, tmp_path, "train.compile=true"))
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "qwen2", "gpt2"])
+def test_an_hf_models_code_is_preloaded_for_its_workers(tmp_path: Path, corpus_dir: Path,
+                                                       model_type: str) -> None:
+    """For an hf: model the server imports transformers' code for its architecture (and PEFT
+    under LoRA), once, instead of every worker importing it: each name must import, since the
+    server skips one that does not without a word."""
+    import importlib
+
+    from trainer.launch.local import PRELOAD, preload
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": model_type}))
+    hf = f"model.name=hf:{tmp_path / 'model'}"
+    added = preload(tiny_config(corpus_dir, tmp_path, hf))[len(PRELOAD):]
+    assert added == ("transformers.modeling_utils",
+                     f"transformers.models.{model_type}.modeling_{model_type}")
+    lora = preload(tiny_config(corpus_dir, tmp_path, hf, "model.lora.rank=4"))[len(PRELOAD):]
+    assert lora == (*added, "peft")
+    for name in lora:
+        importlib.import_module(name)
+    assert preload(tiny_config(corpus_dir, tmp_path)) == PRELOAD  # memtrain's GPT
+
+
 def test_a_worker_killed_by_a_signal_is_one_line_naming_its_rank(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """As the kernel's OOM killer would: rank 1 SIGKILLed at step 5, past the step-4
