@@ -1,10 +1,10 @@
 """What checkpoints cost.
 
 1. Checking one against its manifest: the demo's checkpoint and one of ``--gib`` GiB, each
-   written as memtrain writes one (``trainer.checkpoint.save_checkpoint``: ``torch.save``, then
-   the manifest, which hashes every file) and then checked as a reader checks it
-   (``trainer.manifest.local_problem``): sizes alone, and sizes with SHA-256. The files are
-   read back from the page cache (just written): a checkpoint read from a cold disk or
+   written as memtrain writes one (``trainer.checkpoint.files.save_checkpoint``: ``torch.save``,
+   then the manifest, which hashes every file) and then checked as a reader checks it
+   (``trainer.checkpoint.integrity.local_problem``): sizes alone, and sizes with SHA-256. The files
+   are read back from the page cache (just written): a checkpoint read from a cold disk or
    downloaded from a store pays its read once either way, and the hash reads it a second time.
 2. What saving costs the step: the demo's model and data on the local launcher (its 2
    workers, fp32), ``--steps`` steps with no checkpoint but the final one, then a checkpoint
@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from bench.results import describe_cpu, write_json
-from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint.files import save_checkpoint
+from trainer.checkpoint.integrity import local_problem
 from trainer.config import load_config
-from trainer.manifest import local_problem
-from trainer.model import GPT, GPTConfig
+from trainer.models.gpt import GPT, GPTConfig
 
 DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo-cpu.yaml"
 

@@ -1,11 +1,11 @@
 """FSDP on gloo ranks: the largest GPT that builds, and builds and trains one step, with every
 rank under a resident-memory budget; the build before the meta device against memtrain's.
 
-Both paths shard the same models with FSDP2 (``trainer.sharding``) on ``--workers`` gloo ranks
+Both paths shard the same models with FSDP2 (``trainer.parallel.fsdp``) on ``--workers`` gloo ranks
 of this CPU:
 - (p) the host build: every rank builds the whole model (seeded), then shards it;
 - (m) memtrain's: built on the meta device, sharded, each rank's shards filled with the same
-  weights (``trainer.build.build_sharded``).
+  weights (``trainer.parallel.fsdp.build_sharded``).
 Each path is trained two ways, the same for both:
 - plain: fp32 weights, fp32 AdamW after backward, activation checkpointing off;
 - lean: what memtrain offers where memory is short: bf16 weights with no fp32 copy
@@ -14,14 +14,14 @@ Through the build, each rank's resident memory above its own baseline (a process
 a tiny model the same way once, so code pages are not counted) is sampled every millisecond
 (``monitoring.memory.PeakResident``), with glibc's mmap threshold fixed (``MALLOC_ENV``).
 Through the build and one step, the CPU allocator's record of live tensors is the measure
-(``trainer.diagnostics.cpu_peak_bytes``), as a device's allocator would hold them; the step's
-resident memory, printed beside it, also counts what the process keeps for itself (for the lean
-path most likely torch.compile's work on torchao's step, host memory on a GPU).
-GPTs of width 512 (vocabulary 8,192, sequence 64) grow by layers until a path's worst rank
-goes over ``--budget``. For every size it also prints rank 0's step peak as the planner
-predicts it (``trainer.plan.peak.plan_row``) beside the one measured. Target: (m) builds and
-trains a model at least 3x (p)'s parameters.
-Run: ``make bench-fsdp`` (writes ``bench/results/fsdp-<date>-<host>.json``).
+(``trainer.telemetry.diagnostics.cpu_peak_bytes``), as a device's allocator would hold them; the
+step's resident memory, printed beside it, also counts what the process keeps for itself (for the
+lean path most likely torch.compile's work on torchao's step, host memory on a GPU). GPTs of width
+512 (vocabulary 8,192, sequence 64) grow by layers until a path's worst rank goes over ``--budget``.
+For every size it also prints rank 0's step peak as the planner predicts it
+(``trainer.plan.peak.plan_row``) beside the one measured. Target: (m) builds and trains a model at
+least 3x (p)'s parameters. Run: ``make bench-fsdp`` (writes
+``bench/results/fsdp-<date>-<host>.json``).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ import torch.distributed as dist
 
 from bench.results import describe_cpu, write_json
 from monitoring.memory import PeakResident
-from trainer.build import Bf16Weights, MemoryTransforms, build_model, build_sharded
-from trainer.diagnostics import cpu_peak_bytes
 from trainer.launch.local import free_port, start_workers
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import Bf16Weights, MemoryTransforms, build_model
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.optim import build_optimizer
+from trainer.parallel.fsdp import FsdpSettings, build_sharded, shard_model
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.sharding import FsdpSettings, shard_model
-from trainer.step import build_optimizer
+from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 LAYERS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LEAN_LAYERS = (8, 16, 24, 32, 48, 64, 80, 96, 112, 128)

@@ -65,23 +65,23 @@ from bench.results import result_path, write_json
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
 from datapipe.writer import write_rows
-from trainer.build import MemoryTransforms, build_model
-from trainer.build import compile_model as compile_blocks
 from trainer.compat import allocator_settings, record_memory_history
 from trainer.context import LocalContext
-from trainer.diagnostics import cpu_peak_bytes
 from trainer.memory.allocator import configure_allocator_env
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms, build_model
+from trainer.models.build import compile_model as compile_blocks
+from trainer.models.gpt import GPT, GPTConfig
 from trainer.oom import BatchPlan, OOMAgreement, StepOutOfMemory, start_memory_history
+from trainer.optim import build_optimizer
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Request, choose, feasible_plans
 from trainer.plan.devices import DeviceSpeed, named_gpu_speed
 from trainer.plan.measure import spearman
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.plan.speed import SpeedModel
-from trainer.state import StepResult
-from trainer.step import build_optimizer, step_peak_bytes, train_step
+from trainer.step import StepResult, step_peak_bytes, train_step
+from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 GPT2_124M = GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_embd=768)
 TINY = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, n_embd=64)
@@ -486,7 +486,7 @@ def metric_families(cfg: GPTConfig, device: torch.device, micro_batch: int,
     from monitoring.memory import gpu_uuid, worker_labels
     from monitoring.metrics import METRICS
     from monitoring.sinks import PrometheusSink
-    from trainer.run_metrics import device_values, peak_tracker
+    from trainer.telemetry.run_metrics import device_values, peak_tracker
 
     release_memory(device)
     sink = PrometheusSink(worker_labels("gpu-check", 0, 0, socket.gethostname(), device))

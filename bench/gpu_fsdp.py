@@ -1,14 +1,14 @@
 """gpu-check's FSDP rows: ``parallel.fsdp``'s settings on one device, measured and planned.
 
 One rank (a process group of one: NCCL on CUDA, gloo on CPU) still runs every part of FSDP2 that
-moves memory: the meta-device build (``trainer.build.build_sharded``), the all-gather into the
-parameter dtype (``MixedPrecisionPolicy``), the reduce-scatter's copies, and CPU offload's
-copies between pinned host memory and the device (``CPUOffloadPolicy``). Each row trains the
-model with the trainer's own ``train_step`` and records the device's peak (CUDA's
+moves memory: the meta-device build (``trainer.parallel.fsdp.build_sharded``), the all-gather into
+the parameter dtype (``MixedPrecisionPolicy``), the reduce-scatter's copies, and CPU offload's
+copies between pinned host memory and the device (``CPUOffloadPolicy``). Each row trains the model
+with the trainer's own ``train_step`` and records the device's peak (CUDA's
 ``max_memory_allocated``; dry, on CPU, the allocator's record of one step) beside the planner's
-prediction for it (``trainer.plan.peak.plan_row`` with the same settings, its host bytes
-apart). Rows: bf16 through autocast over fp32 shards, bf16 parameters through
-``MixedPrecisionPolicy``, and the latter with CPU offload.
+prediction for it (``trainer.plan.peak.plan_row`` with the same settings, its host bytes apart).
+Rows: bf16 through autocast over fp32 shards, bf16 parameters through ``MixedPrecisionPolicy``, and
+the latter with CPU offload.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.build import MemoryTransforms, build_sharded
-from trainer.launch.rendezvous import backend_for
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.optim import build_optimizer
+from trainer.parallel.fsdp import FsdpSettings, build_sharded
+from trainer.parallel.rendezvous import backend_for
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.sharding import FsdpSettings
-from trainer.step import build_optimizer, step_peak_bytes, train_step
+from trainer.step import step_peak_bytes, train_step
 
 CASES = {
     "bf16 autocast": FsdpSettings(),

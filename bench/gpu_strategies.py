@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from bench.gpu_fsdp import measured_steps
-from trainer.build import MemoryTransforms, build_model, to_bf16
 from trainer.memory.lora import LoraSettings, apply_lora
 from trainer.memory.optimizers import MissingExtraError
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms, build_model, to_bf16
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.optim import build_optimizer
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.step import build_optimizer, create_optimizer_state
+from trainer.step import create_optimizer_state
 
 # (name, activation offload, AdamW states, step in backward, LoRA, weights' dtype)
 CASES = {

@@ -6,14 +6,14 @@ embeddings, so that the vocabulary's tensors dominate as they do in a small mode
 downloaded), on the same tokens, with AdamW and gradient clipping, in fp32 on this CPU:
 - (p) the peer: ``model(input_ids, labels=input_ids).loss.backward()``, as the Hugging Face
   docs train a causal LM: the full ``(B, T, V)`` logits, their fp32 copy and their gradients;
-- (m) memtrain: the same model as ``model.name: hf:<dir>`` builds it (``trainer.hf``), with
+- (m) memtrain: the same model as ``model.name: hf:<dir>`` builds it (``trainer.models.hf``), with
   ``memory.loss_chunk_tokens: auto`` (512-token chunks at this vocabulary), through the
   trainer's own ``train_step``.
-The peak is the CPU allocator's record over one step (``trainer.diagnostics.cpu_peak_bytes``),
-counting the parameters, AdamW's state and the tokens held before it; tokens/s is the median of
-``--steps`` steps, the two sides alternating. Targets: (p) / (m) peak >= 3x at (m) / (p)
-tokens/s >= 0.95x.
-Run: ``make bench-hf`` (writes ``bench/results/hf-<date>-<host>.json``).
+The peak is the CPU allocator's record over one step
+(``trainer.telemetry.diagnostics.cpu_peak_bytes``), counting the parameters, AdamW's state and the
+tokens held before it; tokens/s is the median of ``--steps`` steps, the two sides alternating.
+Targets: (p) / (m) peak >= 3x at (m) / (p) tokens/s >= 0.95x. Run: ``make bench-hf`` (writes
+``bench/results/hf-<date>-<host>.json``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import torch
 import transformers
 
 from bench.results import describe_cpu, write_json
-from trainer.diagnostics import cpu_peak_bytes
-from trainer.hf import HFCausalLM
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.precision import precision_policy
-from trainer.step import build_optimizer, create_optimizer_state, train_step
+from trainer.models.hf import HFCausalLM
+from trainer.optim import build_optimizer
+from trainer.step import create_optimizer_state, train_step
+from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 
 def llama(vocab_size: int, seq_len: int) -> Any:

@@ -6,7 +6,7 @@ checkpointing (none, selective, full) is measured against fp32 without checkpoin
   benchmark micro-batch (``trainer.plan.peak.measure_saved_bytes``);
 - the planner's prediction for the same micro-batch, from probes at micro-batch 1 and 2;
 - the median step time of the trainer's own ``train_step`` (forward, backward, AdamW);
-- the peak of one more step as the CPU allocator recorded it (``trainer.diagnostics.
+- the peak of one more step as the CPU allocator recorded it (``trainer.telemetry.diagnostics.
   cpu_peak_bytes``) beside the planner's predicted step peak
   (``trainer.plan.peak.plan_row``): the check of the whole prediction, transients included,
   not only of the saved bytes.
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from bench.results import describe_cpu, result_path, write_json
-from trainer.build import MemoryTransforms, build_model
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms, build_model
+from trainer.models.gpt import GPT, GPTConfig
 from trainer.plan.measure import measure_plan
 from trainer.plan.peak import measure_saved_bytes, plan_row, profile_activations, static_bytes
 

@@ -30,11 +30,12 @@ from monitoring.memory import gpu_uuid, worker_labels
 from monitoring.publisher import Publisher
 from monitoring.sinks import PrometheusSink
 from monitoring.trackers import KINDS, open_trackers
-from trainer.build import MemoryTransforms, build_model
 from trainer.memory.precision import precision_policy, resolve_precision
-from trainer.model import GPT, GPTConfig
-from trainer.run_metrics import device_values, peak_tracker
-from trainer.step import build_optimizer, train_step
+from trainer.models.build import MemoryTransforms, build_model
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.optim import build_optimizer
+from trainer.step import train_step
+from trainer.telemetry.run_metrics import device_values, peak_tracker
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from bench.results import cpu_description, describe_cpu, write_json
-from trainer.build import MemoryTransforms, build_model
 from trainer.compat import fake_tensor_mode
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms, build_model
+from trainer.models.gpt import GPT, GPTConfig
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Request, choose
 from trainer.plan.measure import PlanRun, spearman
@@ -58,7 +58,7 @@ def llama(vocab_size: int, seq_len: int) -> nn.Module:
     """A small Llama (4 layers of width 256, grouped-query attention, tied embeddings)."""
     import transformers
 
-    from trainer.hf import HFCausalLM
+    from trainer.models.hf import HFCausalLM
 
     config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -170,7 +170,7 @@ def measure_against_auto(run: Callable[[str, str, int], PlanRun], auto: PlanRow,
 def gpt2_planning_seconds() -> float:
     """``memtrain plan``'s work for GPT-2 124M on 8 GPUs: every probe and operator count."""
     from trainer.config import load_config
-    from trainer.plan.choose import probe_config, speed_model
+    from trainer.plan.auto import probe_config, speed_model
 
     cfg = load_config(Path("configs/gpt2-124m-8xgpu.yaml"), [])
     start = time.perf_counter()

@@ -1,11 +1,11 @@
 """Soak: thousands of steps of a tiny model through the real loop, watching for leaks.
 
-The trainer's own leak guard (``trainer/diagnostics.py``) samples the live-tensor count and the
-process's resident memory every ``--every`` steps; this runs ``trainer.loop.train`` in-process
-(local launcher, one worker, loader, metrics exporter, accumulation, checkpoints all on) and
-reports the growth between the first sample after warm-up and the last. Target:
-under 1% for both. ``tests/unit/test_soak.py`` runs a short version with a looser bound.
-Run: ``python -m bench.soak`` (writes ``bench/results/soak-<date>-<host>.json``).
+The trainer's own leak guard (``trainer/telemetry/diagnostics.py``) samples the live-tensor count
+and the process's resident memory every ``--every`` steps; this runs ``trainer.loop.train``
+in-process (local launcher, one worker, loader, metrics exporter, accumulation, checkpoints all on)
+and reports the growth between the first sample after warm-up and the last. Target: under 1% for
+both. ``tests/unit/test_soak.py`` runs a short version with a looser bound. Run: ``python -m
+bench.soak`` (writes ``bench/results/soak-<date>-<host>.json``).
 """
 
 from __future__ import annotations

@@ -15,15 +15,15 @@ The model is a Llama built from ``LlamaConfig`` (nothing downloaded) as ``model.
 builds it, with the chunked loss, in fp32; every row trains it from the same seed on the same
 tokens through the trainer's own ``train_step`` (the loss in chunks of 256 tokens, so that the
 model's own bytes, not the loss's, set the peaks). Per row: the step's peak as the CPU allocator
-records it (``trainer.diagnostics.cpu_peak_bytes``, the parameters, optimizer state and tokens
-held before the step counted), the planner's prediction beside it (``trainer.plan.peak``: its
-device peak, and the host bytes offload would hold on a GPU; on a CPU both are one memory, so
-the offload rows' measured peak holds both, and their error is taken against device + host),
-tokens/s (the median of ``--steps`` steps) and the loss after them (one batch, memorised: each
-step trains on it again). Targets: 8-bit states cut the optimizer state's bytes by at least 70%
-against fp32 AdamW's; LoRA's step peak at most half the full fine-tune's; the planner within 5%
-of every row's measured peak.
-Run: ``make bench-strategies`` (writes ``bench/results/strategies-<date>-<host>.json``).
+records it (``trainer.telemetry.diagnostics.cpu_peak_bytes``, the parameters, optimizer state and
+tokens held before the step counted), the planner's prediction beside it (``trainer.plan.peak``: its
+device peak, and the host bytes offload would hold on a GPU; on a CPU both are one memory, so the
+offload rows' measured peak holds both, and their error is taken against device + host), tokens/s
+(the median of ``--steps`` steps) and the loss after them (one batch, memorised: each step trains on
+it again). Targets: 8-bit states cut the optimizer state's bytes by at least 70% against fp32
+AdamW's; LoRA's step peak at most half the full fine-tune's; the planner within 5% of every row's
+measured peak. Run: ``make bench-strategies`` (writes
+``bench/results/strategies-<date>-<host>.json``).
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ from typing import Any
 import torch
 
 from bench.results import describe_cpu, write_json
-from trainer.build import MemoryTransforms, build_model
-from trainer.hf import build_hf_model
 from trainer.memory.lora import LoraSettings, apply_lora
 from trainer.memory.optimizers import held_state_bytes
 from trainer.memory.precision import precision_policy
+from trainer.models.build import MemoryTransforms, build_model
+from trainer.models.hf import build_hf_model
+from trainer.optim import build_optimizer
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.step import build_optimizer, create_optimizer_state, step_peak_bytes, train_step
+from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ SETTINGS = ["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.seq_
 def _counted_ddp(rank: int, port: int) -> tuple[DDP, dict[str, int]]:
     """Join the gloo group; the benchmark's GPT under DDP with a comm hook that counts the
     gradient all-reduce rounds and their bytes."""
-    from trainer.model import GPT, GPTConfig
+    from trainer.models.gpt import GPT, GPTConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORKERS)

@@ -1,11 +1,11 @@
 """A checkpoint of 8 FSDP ranks uploaded to an S3-compatible store through a slow network:
-one file at a time against memtrain's parallel upload (``trainer.runstore.UPLOAD_THREADS``).
+one file at a time against memtrain's parallel upload (``trainer.checkpoint.store.UPLOAD_THREADS``).
 
 The store is moto's S3 server on 127.0.0.1, behind the chaos campaign's fault proxy
 (``tests/chaos/proxy.py``) holding every chunk ``--delay`` seconds each way, as a store across a
 long link would. The checkpoint is what 8 ranks write: a DCP shard file per rank of
 ``--shard-mib`` MiB, DCP's ``.metadata``, ``state.pt`` and the manifest, published by
-``trainer.checkpoint.upload_checkpoint`` (``meta.json`` last). Best of ``--repeats``.
+``trainer.checkpoint.files.upload_checkpoint`` (``meta.json`` last). Best of ``--repeats``.
 Run: ``make bench-uploads`` (writes ``bench/results/uploads-<date>-<host>.json``).
 """
 
@@ -24,9 +24,10 @@ import torch
 from bench.results import describe_cpu, write_json
 from tests.chaos.proxy import FaultProxy
 from tests.conftest import running_s3_server
-from trainer import runstore
-from trainer.checkpoint import checkpoint_dir_name, stored_checkpoints, upload_checkpoint
-from trainer.manifest import describe, write_manifest
+from trainer.checkpoint import store as runstore
+from trainer.checkpoint.files import checkpoint_dir_name
+from trainer.checkpoint.integrity import describe, write_manifest
+from trainer.checkpoint.publish import stored_checkpoints, upload_checkpoint
 
 BUCKET = "memtrain-bench"
 

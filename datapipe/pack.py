@@ -9,7 +9,7 @@ packing puts several into one row. Each row then has three columns of the same l
   prompts and padding;
 - ``document_ids`` (uint16): the document each token belongs to within the row (0, 1, ...;
   padding has an id of its own), from which the trainer drops every target across a boundary
-  and restarts positions, so that attention keeps to each document (``trainer.tokens``).
+  and restarts positions, so that attention keeps to each document (``trainer.batches``).
 
 Documents are placed in input order, greedily: one that does not fit in the row's space left
 starts the next row, and the rest of the row is padding. One longer than a row is cut to the

@@ -8,12 +8,12 @@ path by the loop.
 
     config.yaml                  the resolved config (prepare_run)
     summary.json                 the run's summary (rank 0, at the end)
-    checkpoint-<step>/           checkpoints (trainer.checkpoint)
-    metrics/rank-<r>.jsonl       each rank's step metrics (trainer.run_metrics)
+    checkpoint-<step>/           checkpoints (trainer.checkpoint.files)
+    metrics/rank-<r>.jsonl       each rank's step metrics (trainer.telemetry.run_metrics)
     metrics/rows-rank-<r>.jsonl  the rows each rank trained (data.record_rows)
-    errors/rank-<r>.json         a failed worker's error, one line (trainer.worker_errors)
+    errors/rank-<r>.json         a failed worker's error, one line (trainer.telemetry.worker_errors)
     errors-previous/             the launch before's
-    attempts.jsonl, progress     the run's starts and its last step (trainer.recovery)
+    attempts.jsonl, progress     the run's starts and its last step (trainer.telemetry.restarts)
     profile/rank-<r>.trace.json  profiler traces (memory.profile_steps)
     memory/                      OOM reports, memory snapshots and summaries
     report.png                   memtrain report

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from datapipe.cli import data_app
+from datapipe.commands import data_app
 from datapipe.paths import is_remote
 from trainer.config import ConfigError, load_config
 from trainer.errors import first_line
@@ -27,7 +27,7 @@ from trainer.errors import first_line
 app = typer.Typer(help="memtrain: distributed PyTorch training that minds GPU memory.",
                   no_args_is_help=True, pretty_exceptions_enable=False,
                   add_completion=False)
-app.add_typer(data_app, name="data")  # datapipe/cli.py: memtrain data ...
+app.add_typer(data_app, name="data")  # datapipe/commands.py: memtrain data ...
 console = Console(stderr=False)
 # The `train` extra's top-level modules: the core install (enough for `memtrain submit`) lacks them.
 TRAINING_MODULES = {"torch", "numpy", "pyarrow", "prometheus_client", "tokenizers", "matplotlib",
@@ -258,7 +258,7 @@ def plan_command(
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
     from trainer.launch.prepare import check_weight_precision
-    from trainer.plan.report import print_plan
+    from trainer.plan.table import print_plan
 
     cfg = load_config(config, list(overrides or []),
                       {"parallel.workers": workers} if workers else None)
@@ -328,7 +328,7 @@ def export_command(
     """Write a run's trained weights in the model's own format (a Hugging Face model's
     save_pretrained directory)."""
     from monitoring.units import parse_bytes
-    from trainer.export import export_hf
+    from trainer.checkpoint.export import export_hf
 
     with console.status(f"exporting {run_dir} to {hf} (checking the checkpoint, building the "
                         "model, writing its files)"):

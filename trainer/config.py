@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.batch import accumulation_steps, per_rank_batch
+from trainer.batches import accumulation_steps, per_rank_batch
 
 
 class ConfigError(ValueError):
@@ -37,14 +37,15 @@ class RunConfig(_Strict):
     name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     dir: str = "runs"  # run directories live at <dir>/<name>/; or s3://bucket/prefix
     # With dir on object storage: the workers' local working copy, <work_dir>/<name>/
-    # (trainer/runstore.py); default <cache>/runs/<scheme>/<bucket>/<prefix>, the cache
+    # (trainer/checkpoint/store.py); default <cache>/runs/<scheme>/<bucket>/<prefix>, the cache
     # $MEMTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/memtrain, else ~/.cache/memtrain
     work_dir: str | None = None
     seed: int = 0
     # Checkpoints kept in the run directory (and its store): the newest ones.
     keep_checkpoints: int = Field(3, ge=1)
-    # What is checked before a checkpoint is read (trainer/manifest.py): every file's size and
-    # SHA-256 against meta.json ("hashes", about 1.1 s per GiB), or the sizes alone ("sizes").
+    # What is checked before a checkpoint is read (trainer/checkpoint/integrity.py): every file's
+    # size and SHA-256 against meta.json ("hashes", about 1.1 s per GiB), or the sizes alone
+    # ("sizes").
     checkpoint_verify: Literal["hashes", "sizes"] = "hashes"
 
 
@@ -63,8 +64,8 @@ class LoraConfig(_Strict):
 
 class ModelConfig(_Strict):
     # A registered name ("gpt"), a "module:function" entry point returning an nn.Module, or
-    # "hf:<directory or config.json>": a Hugging Face causal LM (trainer/hf.py), whose own config
-    # decides its shape (n_layer, n_head, n_embd are then ignored).
+    # "hf:<directory or config.json>": a Hugging Face causal LM (trainer/models/hf.py), whose own
+    # config decides its shape (n_layer, n_head, n_embd are then ignored).
     name: str = "gpt"
     vocab_size: int = Field(256, ge=2)
     seq_len: int = Field(256, ge=1)
@@ -128,13 +129,13 @@ class TrainConfig(_Strict):
     # H200, GPT-2 124M) or torch's default implementation (false). Checkpoints load
     # across the switch.
     # Checkpoints saved without holding the step: the local launcher writes, publishes and
-    # uploads each on a thread of its own once staged in host memory (trainer/saves.py); under
-    # Ray the files are written in the step and Ray Train uploads them in the background.
-    # Start a new run from another run's weights (weights only: the optimizer, schedule and
-    # data start afresh): a run directory (its latest whole checkpoint) or one checkpoint
-    # directory, any strategy and world size; or hf:DIR, a Hugging Face directory's
-    # safetensors loaded into a compatible hf: model (a LoRA model's base too; under FSDP each
-    # rank reads its rows). A resume ignores it: the run's own checkpoint decides.
+    # uploads each on a thread of its own once staged in host memory
+    # (trainer/checkpoint/async_save.py); under Ray the files are written in the step and Ray Train
+    # uploads them in the background. Start a new run from another run's weights (weights only: the
+    # optimizer, schedule and data start afresh): a run directory (its latest whole checkpoint) or
+    # one checkpoint directory, any strategy and world size; or hf:DIR, a Hugging Face directory's
+    # safetensors loaded into a compatible hf: model (a LoRA model's base too; under FSDP each rank
+    # reads its rows). A resume ignores it: the run's own checkpoint decides.
     init_from: str | None = None
     # Resume a run that has no checkpoint of its own from another checkpoint, every part of
     # its state (weights, optimizer, schedule, data position, RNG): a run directory (its latest
@@ -144,7 +145,7 @@ class TrainConfig(_Strict):
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after
     # activation checkpointing and before DDP/FSDP wrap it; "auto": on CUDA (where the planner
-    # runs, its time model's choice, said in the log: trainer.plan.strategy.resolve_auto). The
+    # runs, its time model's choice, said in the log: trainer.plan.auto.resolve_auto). The
     # first step pays the compile (reported in the summary); later recompilations are counted
     # and warned.
     compile: bool | Literal["auto"] = "auto"
@@ -163,14 +164,14 @@ class TrainConfig(_Strict):
 
     def micro_batch(self) -> int:
         """The micro-batch size; "auto" must have been resolved first
-        (trainer.plan.strategy.resolve_auto)."""
+        (trainer.plan.auto.resolve_auto)."""
         if self.micro_batch_size == "auto":
             raise ConfigError("train.micro_batch_size is 'auto' and has not been resolved")
         return self.micro_batch_size
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank; the global batch is kept exactly
-        (``trainer.batch``)."""
+        (``trainer.batches``)."""
         try:
             return accumulation_steps(self.global_batch_size, self.micro_batch(), world_size)
         except ValueError as err:
@@ -194,7 +195,7 @@ class MemoryConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # fp16: the GradScaler's starting scale (it halves on overflow, grows after stable steps).
     grad_scaler_init_scale: float = Field(2.0**16, gt=0)
-    # "auto": the mode of the fastest plan that fits (trainer.plan.strategy.resolve_auto).
+    # "auto": the mode of the fastest plan that fits (trainer.plan.auto.resolve_auto).
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = "full"
     checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
     # Memory of one device for the "auto" choices, e.g. "80GiB". Unset: the CUDA device's total
@@ -246,7 +247,7 @@ class MemoryConfig(_Strict):
 
 
 class FsdpConfig(_Strict):
-    """How FSDP2 shards (``parallel.strategy: fsdp``; trainer/sharding.py)."""
+    """How FSDP2 shards (``parallel.strategy: fsdp``; trainer/parallel/fsdp.py)."""
 
     # The dtype blocks compute in and all-gather (MixedPrecisionPolicy.param_dtype): bf16 keeps
     # fp32 shards and casts them once per all-gather, in place of autocast. auto: bf16 when
@@ -259,7 +260,7 @@ class FsdpConfig(_Strict):
     reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     # After a block's forward: true frees its all-gathered parameters (gathered again for
     # backward), false keeps them to backward, N >= 2 keeps a copy sharded over N ranks (N
-    # must divide the world size); auto: true or false, by the planner (trainer/plan/strategy.py).
+    # must divide the world size); auto: true or false, by the planner (trainer/plan/auto.py).
     reshard_after_forward: StrictBool | Annotated[int, Field(ge=2)] | Literal["auto"] = True
     # cpu: shards, gradients and optimizer state live in host memory (CPUOffloadPolicy); the
     # optimizer steps on the host, and each block's shards are copied to the device to gather.
@@ -288,7 +289,7 @@ class ParallelConfig(_Strict):
     # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state
     # sharded across ranks (FSDP2), checkpoints sharded (torch.distributed.checkpoint).
     # auto: ddp where the whole model fits a device, else fsdp, by the planner's predicted
-    # tokens/s (with parallel.fsdp's auto fields; trainer/plan/strategy.py decide_sharding).
+    # tokens/s (with parallel.fsdp's auto fields; trainer/plan/auto.py decide_sharding).
     strategy: Literal["ddp", "fsdp", "auto"] = "ddp"
     fsdp: FsdpConfig = FsdpConfig()
     # Ray: how many times a failed worker group is restarted from the latest checkpoint

@@ -3,7 +3,7 @@
 A context knows the worker's place (rank, local rank, world size, device, run directory) and does
 two things: ``report`` metrics with an optional checkpoint directory, and hand back the latest
 checkpoint to resume from. ``LocalContext`` (here) publishes checkpoints in the run directory
-(and its run store) with ``trainer.checkpoint``;
+(and its run store) with ``trainer.checkpoint.files``;
 ``trainer.launch.ray.RayContext`` hands them to Ray Train. Collectives are plain
 ``torch.distributed`` calls, no-ops when no process group exists.
 """
@@ -20,14 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import (
-    fetch_latest,
-    latest_whole,
-    publish_checkpoint,
-    published_checkpoints,
-    upload_checkpoint,
-)
-from trainer.runstore import RemoteRun
+from trainer.checkpoint.files import latest_whole, published_checkpoints
+from trainer.checkpoint.publish import fetch_latest, publish_checkpoint, upload_checkpoint
+from trainer.checkpoint.store import RemoteRun
 
 
 @dataclass
@@ -42,14 +37,15 @@ class WorkerContext(ABC):
     # Set after construction by the launcher.
     metrics_sink: Any = field(default=None, kw_only=True)
     # The launch this worker belongs to (an id the launcher draws): a start under another
-    # launch than the previous attempt's is a relaunch (trainer.recovery).
+    # launch than the previous attempt's is a relaunch (trainer.telemetry.restarts).
     launch_id: str = field(default="", kw_only=True)
     # How many checkpoints are kept (``run.keep_checkpoints``), and whether a checkpoint's
     # bytes are checked against their hashes before it is read (``run.checkpoint_verify``).
     keep_checkpoints: int = field(default=3, kw_only=True)
     verify_hashes: bool = field(default=True, kw_only=True)
     # ``train.checkpoint_async``: where the context saves in the background (the local one:
-    # the whole save on a thread, trainer.saves) or uploads in the background (Ray's).
+    # the whole save on a thread, trainer.checkpoint.async_save) or uploads in the background
+    # (Ray's).
     checkpoint_async: bool = field(default=False, kw_only=True)
 
     @property
@@ -60,7 +56,8 @@ class WorkerContext(ABC):
 
     @property
     def saves_in_background(self) -> bool:
-        """Whether the whole save runs on a thread of its own (``trainer.saves``)."""
+        """Whether the whole save runs on a thread of its own
+        (``trainer.checkpoint.async_save``)."""
         return False
 
     @property
@@ -111,8 +108,8 @@ class WorkerContext(ABC):
 
 @dataclass
 class LocalContext(WorkerContext):
-    """Checkpoints live in ``run_dir/checkpoint-<step>`` (``trainer.checkpoint``). With a run
-    directory on object storage (``remote``, ``trainer.runstore``), ``run_dir`` is its local
+    """Checkpoints live in ``run_dir/checkpoint-<step>`` (``trainer.checkpoint.files``). With a run
+    directory on object storage (``remote``, ``trainer.checkpoint.store``), ``run_dir`` is its local
     working copy: rank 0 uploads each checkpoint once published here, and the store's latest
     is what resumes."""
 

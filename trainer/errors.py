@@ -25,5 +25,9 @@ def is_user_error(err: BaseException) -> bool:
 
 def error_kind(err: BaseException) -> str:
     """How a one-line error names its type: not at all for an error whose message was written
-    for the user (``one_line``, e.g. ``trainer.model.ModelError``)."""
+    for the user (``one_line``, e.g. ``trainer.models.registry.ModelError``)."""
     return "" if getattr(err, "one_line", False) else type(err).__name__
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite numbers that it cannot step over."""

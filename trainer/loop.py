@@ -9,8 +9,8 @@ checkpoint, a step loop, finish. Every concern of the loop is a named method or 
 - the cadences of logging, evaluation and checkpoints (``due``), each a method that also tells
   the ``CompileWatch`` what to expect;
 - what a checkpoint holds: ``TrainState`` (``trainer.state``); counters, logs, the summary and
-  the metrics sink: ``RunMetrics`` (``trainer.run_metrics``), which only records; the micro-batch
-  a step runs at: a ``BatchPlan`` (``trainer.oom``);
+  the metrics sink: ``RunMetrics`` (``trainer.telemetry.run_metrics``), which only records; the
+  micro-batch a step runs at: a ``BatchPlan`` (``trainer.oom``);
 - gc policy, loader threads, profiler and the metrics log: one ``ExitStack``, released on any
   exception.
 
@@ -33,23 +33,25 @@ from datapipe.audit import RowRecord
 from monitoring.run_files import rank_rows
 from monitoring.trackers import Trackers, flatten, open_trackers
 from trainer import faults
-from trainer.build import (
+from trainer.batches import DOCUMENT_IDS, LOSS_MASK, TokenBatch, TokenLoader
+from trainer.checkpoint.async_save import AsyncSaves
+from trainer.checkpoint.lora_base import lora_base
+from trainer.compat import allocator_settings, compile_counts
+from trainer.context import WorkerContext
+from trainer.errors import NonFiniteError
+from trainer.memory.allocator import keep_freed_host_memory, return_freed_host_memory
+from trainer.memory.lora import lora_of
+from trainer.memory.loss import computes_own_loss, takes_position_ids
+from trainer.memory.precision import precision_policy, resolve_precision
+from trainer.models.build import (
     MemoryTransforms,
-    build_sharded,
     build_whole,
     checkpointed_blocks,
     compile_model,
     model_factory,
 )
-from trainer.compat import allocator_settings, compile_counts
-from trainer.context import WorkerContext
-from trainer.diagnostics import Diagnostics, LeakGuard, profiler_window, write_memory_summary
-from trainer.hf import PREFIX as HF_PREFIX
-from trainer.hf import weights_of
-from trainer.memory.allocator import keep_freed_host_memory, return_freed_host_memory
-from trainer.memory.lora import lora_of
-from trainer.memory.loss import computes_own_loss, takes_position_ids
-from trainer.memory.precision import precision_policy, resolve_precision
+from trainer.models.hf import PREFIX as HF_PREFIX
+from trainer.models.hf import weights_of
 from trainer.oom import (
     BatchPlan,
     OOMAgreement,
@@ -57,14 +59,18 @@ from trainer.oom import (
     start_memory_history,
     step_with_oom_recovery,
 )
-from trainer.recovery import Recovery
-from trainer.run_metrics import RunMetrics, StepRecord
-from trainer.saves import AsyncSaves
-from trainer.schedule import Schedule
-from trainer.sharding import FsdpSettings
-from trainer.state import NonFiniteError, StepResult, TrainState, lora_base
-from trainer.step import build_optimizer, evaluate, step_seed, train_step
-from trainer.tokens import DOCUMENT_IDS, LOSS_MASK, TokenBatch, TokenLoader
+from trainer.optim import Schedule, build_optimizer
+from trainer.parallel.fsdp import FsdpSettings, build_sharded
+from trainer.state import TrainState
+from trainer.step import StepResult, evaluate, step_seed, train_step
+from trainer.telemetry.diagnostics import (
+    Diagnostics,
+    LeakGuard,
+    profiler_window,
+    write_memory_summary,
+)
+from trainer.telemetry.restarts import Recovery
+from trainer.telemetry.run_metrics import RunMetrics, StepRecord
 
 if TYPE_CHECKING:  # the loop runs without pydantic too (bench/gpu_check.py)
     from trainer.config import Config, DataConfig, MemoryConfig
@@ -100,7 +106,8 @@ class Trainer:
             self.policy = self.fsdp.step_policy(self.policy)
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))
         self.consecutive_skips = 0
-        # train.checkpoint_async under the local launcher: saves on a thread (trainer.saves)
+        # train.checkpoint_async under the local launcher: saves on a thread
+        # (trainer.checkpoint.async_save)
         self.saves = AsyncSaves() if ctx.saves_in_background else None
 
     def train(self, until_step: int | None = None) -> dict[str, Any]:
@@ -367,7 +374,7 @@ class Trainer:
 
 
 def describe_masks(columns: list[str], model: torch.nn.Module) -> str:
-    """The log's line on what a fine-tuning dataset's columns change (``trainer.tokens``)."""
+    """The log's line on what a fine-tuning dataset's columns change (``trainer.batches``)."""
     said = []
     if LOSS_MASK in columns:
         said.append(f"the loss takes the targets its {LOSS_MASK} marks (tokens/s counts them)")
@@ -502,7 +509,7 @@ def build_loader(data: DataConfig, ctx: WorkerContext, micro_batch_size: int, se
                  validation: bool = False) -> TokenLoader:
     """This rank's loader of ``data.path`` (shuffled) or, for ``validation``, of
     ``data.val_path`` (in order, rewound before each evaluation): its token column and, where
-    the dataset has them, its loss mask and document ids (``trainer.tokens``)."""
+    the dataset has them, its loss mask and document ids (``trainer.batches``)."""
     if validation:
         assert data.val_path is not None, "validation needs data.val_path"
         return TokenLoader(data.val_path, data.column, rank=ctx.rank, world_size=ctx.world_size,

@@ -1,4 +1,4 @@
-"""``TrainState``: everything a checkpoint holds; and ``StepResult``, what one step gives back.
+"""``TrainState``: everything a checkpoint holds, and how it is saved and restored.
 
 The state owns the model (DDP-wrapped once the process group needs it), the optimizer, the LR
 schedule, the GradScaler, the loader's position, the step and, in every checkpoint, the RNG.
@@ -8,7 +8,7 @@ part (FSDP: its shards; DDP: DCP spreads the replicated tensors over the ranks, 
 once), and a checkpoint of either loads under the other at any world size, DCP resharding it.
 ``save`` refuses non-finite weights and writes this rank's part for the worker context to
 publish; ``restore`` loads the context's latest checkpoint. How checkpoints are written, named,
-published and read is ``trainer.checkpoint``.
+published and read is ``trainer.checkpoint.files``.
 
 A checkpoint written before DDP's went through DCP holds the model and optimizer in its
 ``state.pt``: it still loads under DDP, and is refused in one line under FSDP.
@@ -17,11 +17,7 @@ A checkpoint written before DDP's went through DCP holds the model and optimizer
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.checkpoint import (
+from trainer.batches import TokenLoader
+from trainer.checkpoint.async_save import AsyncSaves, staged
+from trainer.checkpoint.files import (
     CheckpointReadError,
     load_checkpoint,
     load_model_state,
@@ -44,88 +42,14 @@ from trainer.checkpoint import (
     set_rng_state,
     write_states,
 )
+from trainer.checkpoint.publish import clear_rank_parts, rank_parts_prefix
 from trainer.context import WorkerContext
-from trainer.hf import PREFIX as HF_PREFIX
-from trainer.hf import has_weights
-from trainer.manifest import sha256_of
+from trainer.errors import NonFiniteError
 from trainer.memory.optimizers import BackwardSteps
-from trainer.saves import AsyncSaves, staged
-from trainer.schedule import resume_schedule
-from trainer.sharding import is_sharded, local_tensor
-from trainer.tokens import TokenLoader
-
-
-def rank_parts_prefix(run_dir: Path) -> str:
-    """How the directories start, in the system's temporary directory, where this run's ranks
-    write their parts of a checkpoint before the context publishes them
-    (``run_dir/checkpoint-<step>``) or Ray Train uploads them: named after the run directory,
-    so that the part a worker killed mid-save leaves behind is found by the run's next start
-    (``clear_rank_parts``)."""
-    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
-    return f"memtrain-ckpt-{key}-"
-
-
-def clear_rank_parts(run_dir: Path) -> None:
-    """Remove the parts killed workers of this run left in this machine's temporary directory:
-    directories of this user only, never a link."""
-    for path in Path(tempfile.gettempdir()).glob(rank_parts_prefix(run_dir) + "*"):
-        try:
-            found = path.lstat()
-        except OSError:
-            continue
-        if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid():
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def lora_base_source(model_name: str, init_from: str | None) -> str | None:
-    """The ``hf:`` directory a LoRA model's frozen base takes its weights from, as the loop
-    builds it: ``train.init_from``'s where it names one, else ``model.name``'s where that holds
-    weights; None for a base of its seeded initialisation."""
-    if init_from is not None and init_from.startswith(HF_PREFIX):
-        return init_from
-    if model_name.startswith(HF_PREFIX) and has_weights(model_name.removeprefix(HF_PREFIX)):
-        return model_name
-    return None
-
-
-def weights_fingerprint(source: str, hashes: bool) -> dict[str, dict[str, Any]]:
-    """The weight files of an ``hf:`` directory (``model.safetensors``, or the index and the
-    files it names) by name: their size, and their SHA-256 where ``hashes``; empty where it
-    holds none."""
-    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
-    directory = path if path.is_dir() else path.parent
-    index = directory / "model.safetensors.index.json"
-    names = {"model.safetensors"}
-    if index.is_file():
-        names = {index.name, *json.loads(index.read_text())["weight_map"].values()}
-    return {name: {"size": (directory / name).stat().st_size,
-                   **({"sha256": sha256_of(directory / name)} if hashes else {})}
-            for name in sorted(names) if (directory / name).is_file()}
-
-
-def lora_base(model_name: str, init_from: str | None, hashes: bool) -> dict[str, Any] | None:
-    """What a LoRA model's checkpoints record of its base (``TrainState.lora_base``); None
-    for a base of its seeded initialisation."""
-    source = lora_base_source(model_name, init_from)
-    if source is None:
-        return None
-    return {"source": source, "files": weights_fingerprint(source, hashes)}
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced non-finite numbers that it cannot step over."""
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step gives back, on the device (no host sync until read)."""
-
-    loss: torch.Tensor  # detached mean token loss over this rank's micro-batches
-    grad_norm: torch.Tensor
-    skipped: bool  # non-finite gradients: the optimizer did not step
-    # The targets trained over every rank, where a loss mask or packed documents leave some out
-    # (None: every target of the global batch is trained).
-    trained_tokens: torch.Tensor | None = None
+from trainer.models.hf import PREFIX as HF_PREFIX
+from trainer.optim import resume_schedule
+from trainer.parallel.fsdp import is_sharded
+from trainer.tensors import local_tensor
 
 
 @dataclass
@@ -214,8 +138,8 @@ class TrainState:
     def save(self, ctx: WorkerContext, metrics: dict[str, Any], saves: AsyncSaves | None = None,
              saved: Callable[[float], None] = lambda seconds: None) -> None:
         """Write a checkpoint of this step into a staging directory and hand it to ``ctx``:
-        here, or with ``saves`` on its thread once staged (``trainer.saves``), ``saved`` then
-        told the seconds it took.
+        here, or with ``saves`` on its thread once staged (``trainer.checkpoint.async_save``),
+        ``saved`` then told the seconds it took.
 
         Every rank calls. Raises NonFiniteError on every rank, writing nothing, when any rank
         holds a non-finite weight: the last good checkpoint stays the latest.

@@ -5,8 +5,8 @@
   last so gradients are all-reduced once per step, then unscale, clip, non-finite check, step,
   ``zero_grad(set_to_none=True)``.
 - ``evaluate``: the mean token loss over validation batches, under ``no_grad``.
-- ``build_optimizer``: AdamW (its schedule: ``trainer.schedule``); ``step_seed``: the RNG seed of
-  one rank's step.
+- ``StepResult``: what one step gives back; ``step_seed``: the RNG seed of one rank's step.
+  AdamW and its schedule are ``trainer.optim``.
 
 Loss normalisation: each rank divides its summed token loss by the tokens it sees in the whole
 optimizer step (micro-batch x accumulation x sequence length); DDP then averages over ranks, so
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -32,15 +33,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer import faults
-from trainer.diagnostics import cpu_peak_bytes
-from trainer.errors import first_line
+from trainer.batches import TokenBatch, as_batch
+from trainer.errors import NonFiniteError, first_line
 from trainer.memory.loss import summed_loss
-from trainer.memory.optimizers import BackwardSteps, make_adamw, state_tensors
+from trainer.memory.optimizers import BackwardSteps, state_tensors
 from trainer.memory.precision import PrecisionPolicy
 from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
-from trainer.sharding import is_sharded
-from trainer.state import NonFiniteError, StepResult
-from trainer.tokens import TokenBatch, as_batch
+from trainer.parallel.fsdp import is_sharded
+from trainer.telemetry.diagnostics import cpu_peak_bytes
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step gives back, on the device (no host sync until read)."""
+
+    loss: torch.Tensor  # detached mean token loss over this rank's micro-batches
+    grad_norm: torch.Tensor
+    skipped: bool  # non-finite gradients: the optimizer did not step
+    # The targets trained over every rank, where a loss mask or packed documents leave some out
+    # (None: every target of the global batch is trained).
+    trained_tokens: torch.Tensor | None = None
 
 
 def forward_backward(model: nn.Module, batch: TokenBatch, policy: PrecisionPolicy,
@@ -208,30 +220,3 @@ def evaluate(model: nn.Module, batches: Iterator[TokenBatch | torch.Tensor],
     return float(total[0] / total[1].clamp(min=1))
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
-                    betas: tuple[float, float] = (0.9, 0.95),
-                    fused: bool | None = None, states: str = "fp32",
-                    in_backward: str | None = None) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on norms, biases), over the parameters
-    that train (``requires_grad``: all but a LoRA model's frozen base).
-
-    ``states``: the moments' dtype (``memory.optimizer_states``, trainer/memory/optimizers.py).
-    ``in_backward``: each parameter steps in backward (``memory.optimizer_in_backward``):
-    ``"ddp"`` where DDP will wrap the model, ``"fsdp"`` under FSDP2, ``"local"`` otherwise.
-
-    ``fused``: torch's fused kernel, one launch per parameter group and no temporary of a
-    moment's size (None: on CUDA parameters, as ``train.fused_optimizer: auto``); else torch's
-    default (foreach on CUDA, a per-parameter loop on CPU). Both keep the same state, so a
-    checkpoint of one loads into the other.
-    """
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if fused is None:
-        fused = states == "fp32" and any(p.is_cuda for p in decay + no_decay)
-    bf16 = any(p.dtype == torch.bfloat16 for p in decay + no_decay)  # ``model.dtype: bf16``
-    optimizer = make_adamw(groups, lr, betas, states, bool(fused), stochastic_round=bf16)
-    if in_backward is not None:
-        BackwardSteps(optimizer, ddp=in_backward == "ddp", sharded=in_backward == "fsdp")
-    return optimizer

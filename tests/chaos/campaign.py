@@ -269,8 +269,8 @@ class Campaign:
         """The steps of the fixed run's checkpoints that memtrain's store listing counts whole
         (``stored_checkpoints``: every file the manifest lists, at its size), read past the
         proxy."""
-        from trainer.checkpoint import stored_checkpoints
-        from trainer.runstore import RemoteRun
+        from trainer.checkpoint.publish import stored_checkpoints
+        from trainer.checkpoint.store import RemoteRun
 
         remote = RemoteRun(f"s3://{BUCKET}/runs/{RUN}")
         remote.fs = self.store
@@ -326,7 +326,7 @@ class Campaign:
     def errors_since(self, since: float) -> bool:
         """Whether a rank (not a lost peer's echo) or the driver, for Ray Train's controller,
         recorded an error in the working copy after ``since``."""
-        from trainer.worker_errors import CONTROLLER_FILE, error_records, is_peer_echo
+        from trainer.telemetry.worker_errors import CONTROLLER_FILE, error_records, is_peer_echo
 
         with contextlib.suppress(OSError):
             if (self.run_copy / "errors" / CONTROLLER_FILE).stat().st_mtime > since:
@@ -584,7 +584,7 @@ def check(campaign: Campaign, outcome: dict[str, Any]) -> dict[str, Any]:
         summary = json.loads(f.read())
     results["summary"] = {k: summary.get(k) for k in (
         "final_step", "resumed_from_step", "attempt", "restarts", "recovery_seconds", "workers")}
-    from trainer.checkpoint import load_checkpoint, read_model_weights
+    from trainer.checkpoint.files import load_checkpoint, read_model_weights
 
     final = campaign.work / "final" / f"checkpoint-{campaign.steps:08d}"
     final.mkdir(parents=True)

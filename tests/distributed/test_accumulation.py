@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainer.batches import TokenBatch
 from trainer.launch.local import free_port, start_workers
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
+from trainer.models.gpt import GPT, GPTConfig
 from trainer.oom import OOMAgreement
 from trainer.step import train_step
-from trainer.tokens import TokenBatch
 
 pytestmark = pytest.mark.distributed
 

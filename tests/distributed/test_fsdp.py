@@ -15,16 +15,18 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import logged_losses, tiny_config
-from trainer.build import MemoryTransforms, to_bf16
 from trainer.config import ConfigError, load_config
 from trainer.launch.local import free_port, launch_local, start_workers
 from trainer.launch.prepare import prepare_run
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms, to_bf16
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.optim import build_optimizer
+from trainer.parallel.fsdp import FsdpSettings, shard_model
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.sharding import FsdpSettings, local_parameter_bytes, shard_model
-from trainer.step import build_optimizer, create_optimizer_state, step_peak_bytes, train_step
-from trainer.worker_errors import WorkerError
+from trainer.step import create_optimizer_state, step_peak_bytes, train_step
+from trainer.telemetry.worker_errors import WorkerError
+from trainer.tensors import local_parameter_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -161,7 +163,7 @@ def test_ddp_and_fsdp_checkpoints_resume_under_each_other(corpus_dir: Path,
     # The single-file format: state.pt with the model and optimizer, no DCP files.
     from torch.distributed.checkpoint import FileSystemReader
 
-    from trainer.checkpoint import load_checkpoint, load_sharded_tensors, save_checkpoint
+    from trainer.checkpoint.files import load_checkpoint, load_sharded_tensors, save_checkpoint
 
     checkpoint = tmp_path / "switch" / "checkpoint-00000006"
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from monitoring.memory import PeakResident
-from trainer.build import Bf16Weights, MemoryTransforms, build_model, build_sharded
 from trainer.launch.local import free_port, start_workers
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import Bf16Weights, MemoryTransforms, build_model
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.parallel.fsdp import FsdpSettings, build_sharded, shard_model
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.sharding import FsdpSettings, local_parameter_bytes, shard_model
 from trainer.step import create_optimizer_state, step_peak_bytes
+from trainer.tensors import local_parameter_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -158,7 +159,7 @@ def _phase(rank: int, port: int, world_size: int, load: str, save: str, out: str
     """Build on meta, load ``load`` (a DCP checkpoint; "": none), train a step on data of its
     own (every world size draws the same global batch), save to ``save``; rank 0 records the
     whole state it loaded and the one it saved."""
-    from trainer.checkpoint import load_sharded, model_and_optimizer_states, write_states
+    from trainer.checkpoint.files import load_sharded, model_and_optimizer_states, write_states
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

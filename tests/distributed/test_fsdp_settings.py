@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.build import MemoryTransforms, build_model, build_sharded, model_factory
 from trainer.config import load_config
-from trainer.hf import weights_of
 from trainer.launch.local import free_port, start_workers
-from trainer.model import GPT, GPTConfig, create_model
-from trainer.sharding import FsdpSettings
+from trainer.models.build import MemoryTransforms, build_model, model_factory
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.models.hf import weights_of
+from trainer.models.registry import create_model
+from trainer.parallel.fsdp import FsdpSettings, build_sharded
 
 pytestmark = pytest.mark.distributed
 
@@ -155,7 +156,7 @@ def _falls_back(rank: int, port: int, out: str) -> None:
         records: list[str] = []
         handler = logging.Handler()
         handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("trainer.build").addHandler(handler)
+        logging.getLogger("trainer.parallel.fsdp").addHandler(handler)
         factory = partial(create_model, ENTRY_POINT)
         model = build_sharded(factory, MemoryTransforms(), torch.device("cpu"), 9,
                               FsdpSettings(), model_name=ENTRY_POINT)

@@ -59,7 +59,7 @@ def _exports_a_file_at_a_time(tmp_path: Path, run_dir: Path) -> None:
     """The FSDP run's export: one file, or files of at most 40 kB (a larger tensor alone), read
     from the DCP shards a file at a time; ``from_pretrained`` loads both to the same weights
     (that they are the trained ones: ``tests/unit/test_hf.py``'s export test)."""
-    from trainer.export import export_hf
+    from trainer.checkpoint.export import export_hf
 
     transformers = _transformers()
     export_hf(run_dir, tmp_path / "whole")

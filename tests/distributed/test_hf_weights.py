@@ -1,8 +1,8 @@
 """The sharded loader against ``from_pretrained``: on 2 gloo ranks each rank reads its rows of an
-``hf:`` directory's safetensors (``trainer.build.build_sharded``), and the sharded model's logits
-are the ones ``AutoModelForCausalLM.from_pretrained`` gives, for the families whose files differ
-in how they name and tie their tensors; a file that does not fit the model is refused in one line
-naming the tensor, not cut to fit."""
+``hf:`` directory's safetensors (``trainer.parallel.fsdp.build_sharded``), and the sharded model's
+logits are the ones ``AutoModelForCausalLM.from_pretrained`` gives, for the families whose files
+differ in how they name and tie their tensors; a file that does not fit the model is refused in one
+line naming the tensor, not cut to fit."""
 
 from __future__ import annotations
 
@@ -64,10 +64,10 @@ def _save(tmp_path: Path) -> dict[str, Path]:
 def _load_sharded(rank: int, port: int, directories: dict[str, str], tokens: torch.Tensor,
                   out: str) -> None:
     """Every family built sharded on the meta device and filled from its files, then run."""
-    from trainer.build import MemoryTransforms, build_sharded
-    from trainer.hf import weights_of
-    from trainer.model import create_model
-    from trainer.sharding import FsdpSettings
+    from trainer.models.build import MemoryTransforms
+    from trainer.models.hf import weights_of
+    from trainer.models.registry import create_model
+    from trainer.parallel.fsdp import FsdpSettings, build_sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import prepared_local_run, tiny_config
 from tests.distributed.rows import recorded_rows, rows_trained, stored_fingerprints
-from trainer.checkpoint import complete_checkpoints
+from trainer.checkpoint.files import complete_checkpoints
 from trainer.launch.local import launch_local, start_workers
 from trainer.launch.prepare import prepare_run
 

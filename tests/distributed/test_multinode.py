@@ -126,7 +126,7 @@ def test_a_killed_node_is_replaced_and_the_run_ends_bit_exact(
                                                   "parallel.launcher=local",
                                                   "parallel.workers=2"), 4)
     launch_local(cfg, run_dir)
-    from trainer.checkpoint import read_model_weights
+    from trainer.checkpoint.files import read_model_weights
 
     ray_weights = read_model_weights(Path(scenario["run_dir"]) / "checkpoint-00000008")
     local_weights = read_model_weights(run_dir / "checkpoint-00000008")

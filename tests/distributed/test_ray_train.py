@@ -30,9 +30,10 @@ import torch
 
 from tests.conftest import running_s3_server, tiny_config
 from tests.distributed.test_bind_addresses import ListeningSockets
-from trainer.checkpoint import read_model_weights, stored_checkpoints
+from trainer.checkpoint.files import read_model_weights
+from trainer.checkpoint.publish import stored_checkpoints
+from trainer.checkpoint.store import RemoteRun
 from trainer.launch.prepare import prepare_run
-from trainer.runstore import RemoteRun
 
 # One Ray cluster for the session: every test on it runs in one xdist worker.
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray")]

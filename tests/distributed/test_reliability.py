@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_root_mount, tiny_config
-from trainer.checkpoint import complete_checkpoints
+from trainer.checkpoint.files import complete_checkpoints
+from trainer.errors import NonFiniteError
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
-from trainer.state import NonFiniteError
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_a_model_with_nan_weights_is_never_checkpointed(tmp_path: Path) -> None:
     import torch
 
     from trainer.context import LocalContext
-    from trainer.model import GPT, GPTConfig
+    from trainer.models.gpt import GPT, GPTConfig
     from trainer.state import TrainState
 
     model = GPT(GPTConfig(seq_len=8, n_layer=1, n_head=1, n_embd=8))
@@ -109,7 +109,7 @@ def test_a_full_disk_at_checkpoint_time_stops_the_run_and_keeps_the_previous_one
     """The run directory on a tmpfs that holds one checkpoint but not two."""
     import subprocess
 
-    from trainer.checkpoint import CheckpointWriteError
+    from trainer.checkpoint.files import CheckpointWriteError
 
     require_root_mount()
     probe_cfg, probe_dir = prepare_run(tiny_config(
@@ -133,7 +133,7 @@ def test_a_full_disk_at_checkpoint_time_stops_the_run_and_keeps_the_previous_one
             launch_local(cfg, run_dir)
         assert [step for step, _ in complete_checkpoints(run_dir)] == [2]
         assert not (run_dir / ".staging-checkpoint-00000004").exists()  # cleaned up
-        from trainer.checkpoint import load_checkpoint
+        from trainer.checkpoint.files import load_checkpoint
 
         assert load_checkpoint(run_dir / "checkpoint-00000002")["step"] == 2  # still loads
     finally:
@@ -146,7 +146,7 @@ def test_read_only_storage_is_one_clear_line_and_the_checkpoint_survives(
     import subprocess
 
     from tests.conftest import tiny_train_command
-    from trainer.checkpoint import load_checkpoint
+    from trainer.checkpoint.files import load_checkpoint
 
     require_root_mount()
     store = tmp_path / "store"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import logged_losses, tiny_config
-from trainer.checkpoint import load_sharded_tensors
+from trainer.checkpoint.files import load_sharded_tensors
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
@@ -106,9 +106,9 @@ def test_a_hf_lora_run_exports_adapters_and_a_merged_model_with_its_logits(
     import transformers
     from peft import PeftModel
 
-    from trainer.build import MemoryTransforms, build_model, model_factory
+    from trainer.checkpoint.export import export_hf
     from trainer.config import load_config
-    from trainer.export import export_hf
+    from trainer.models.build import MemoryTransforms, build_model, model_factory
 
     torch.manual_seed(0)
     base_dir = tmp_path / "llama"

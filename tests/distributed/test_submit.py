@@ -104,7 +104,7 @@ def test_a_resubmitted_run_resumes_from_its_checkpoint_in_the_users_directory(
     assert json.loads(summary_path.read_text())["final_step"] == 4  # it did not train on
     # Its workers, killed by the stop, may have been in a save: their parts wait in the
     # system's temporary directory for the run's next start, which this test does not make.
-    from trainer.state import clear_rank_parts
+    from trainer.checkpoint.publish import clear_rank_parts
 
     clear_rank_parts(summary_path.parent)
 

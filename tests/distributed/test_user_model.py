@@ -118,7 +118,7 @@ def test_a_model_from_the_readme_trains_with_the_demo_config(launcher: str, user
             in out.stderr
     else:  # the transformers model's own parameter names, in the workers' checkpoint
 
-        from trainer.checkpoint import read_model_weights
+        from trainer.checkpoint.files import read_model_weights
 
         [checkpoint] = run_dir.glob("checkpoint-*")
         assert "hf.model.layers.1.self_attn.q_norm.weight" in read_model_weights(checkpoint)
@@ -156,7 +156,7 @@ def test_under_ray_a_shard_that_vanishes_is_one_line_naming_the_rank(
     from tests.conftest import tiny_config
     from trainer.launch.prepare import prepare_run
     from trainer.launch.ray import launch_ray
-    from trainer.worker_errors import WorkerError
+    from trainer.telemetry.worker_errors import WorkerError
 
     data = tmp_path / "train"
     shutil.copytree(corpus_dir / "train", data)

@@ -146,8 +146,8 @@ def test_a_run_directory_on_s3_resumes_on_another_machine_from_its_fsdp_checkpoi
 
     cfg, second_copy = prepare_run(tiny_config(corpus_dir, tmp_path, *common, *remote,
                                                f"run.work_dir={tmp_path / 'machine-b'}"))
-    from trainer.checkpoint import fetch_latest
-    from trainer.runstore import RemoteRun
+    from trainer.checkpoint.publish import fetch_latest
+    from trainer.checkpoint.store import RemoteRun
 
     with caplog.at_level(logging.WARNING, logger="memtrain"):  # what rank 0 does on resume
         chosen = fetch_latest(RemoteRun(f"s3://{BUCKET}/runs/remote"), tmp_path / "probe")

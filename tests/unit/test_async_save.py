@@ -1,5 +1,5 @@
-"""Asynchronous checkpoint saves (``train.checkpoint_async``, ``trainer/saves.py``): staged
-copies that the next step cannot change, the same checkpoints as a synchronous save, and a
+"""Asynchronous checkpoint saves (``train.checkpoint_async``, ``trainer/checkpoint/async_save.py``):
+staged copies that the next step cannot change, the same checkpoints as a synchronous save, and a
 crash in the middle of a save that leaves the previous checkpoint the latest."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.conftest import logged_losses, tiny_config
-from trainer.checkpoint import published_checkpoints
+from trainer.checkpoint.async_save import staged
+from trainer.checkpoint.files import published_checkpoints
+from trainer.checkpoint.publish import rank_parts_prefix
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
-from trainer.saves import staged
-from trainer.state import rank_parts_prefix
 
 
 def test_staged_copies_share_nothing_with_what_the_next_step_changes() -> None:

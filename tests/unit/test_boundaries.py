@@ -101,15 +101,15 @@ def test_the_cycle_finder_finds_a_cycle_through_a_type_checking_import() -> None
 # trainer/'s layers, lowest first: a module imports only from its own layer or below (the
 # cycle test above holds each layer free of loops). docs/architecture.md states the same order.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    # the base: the config, errors, torch's private APIs, logs, fault injection, the batches,
+    # what a tensor is underneath
     ("trainer", "trainer.errors", "trainer.config", "trainer.compat", "trainer.faults",
-     "trainer.batch", "trainer.logs", "trainer.schedule", "trainer.tokens"),
-    ("trainer.memory", "trainer.sharding", "trainer.meta_init"),  # the memory strategies
-    ("trainer.model", "trainer.hf"),
-    ("trainer.build",),
-    ("trainer.worker_errors", "trainer.recovery", "trainer.runstore", "trainer.manifest",
-     "trainer.checkpoint", "trainer.saves",
-     "trainer.context", "trainer.state", "trainer.run_metrics", "trainer.diagnostics",
-     "trainer.export"),
+     "trainer.logs", "trainer.batches", "trainer.tensors"),
+    ("trainer.memory",),  # the memory strategies
+    ("trainer.models",),  # what is trained, built with its memory transforms
+    ("trainer.parallel",),  # how the work is split over ranks
+    ("trainer.checkpoint", "trainer.telemetry", "trainer.optim", "trainer.context",
+     "trainer.state"),
     ("trainer.oom", "trainer.step"),
     ("trainer.plan",),
     ("trainer.loop",),
@@ -137,10 +137,10 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_trainers_layers_import_only_downwards() -> None:
     graph = import_graph(REPO)
-    assert "trainer.plan.choose" in graph and "trainer.memory.planner" not in graph
+    assert "trainer.plan.auto" in graph and "trainer.memory.planner" not in graph
     assert upward_imports(graph) == []
     # The strategies plan nothing: trainer/memory/ imports nothing from the planner or above.
-    assert not any(other.startswith(("trainer.plan", "trainer.step", "trainer.build"))
+    assert not any(other.startswith(("trainer.plan", "trainer.step", "trainer.models"))
                    for module, imported in graph.items() if module.startswith("trainer.memory")
                    for other in imported)
 

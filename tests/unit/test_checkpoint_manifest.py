@@ -13,21 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import runstore
-from trainer.checkpoint import (
+from trainer.checkpoint import store as runstore
+from trainer.checkpoint.files import (
     CheckpointReadError,
     checkpoint_dir_name,
     complete_checkpoints,
-    fetch_latest,
     latest_whole,
     published_checkpoints,
     save_checkpoint,
-    stored_checkpoints,
-    upload_checkpoint,
     verified,
 )
-from trainer.manifest import local_problem
-from trainer.runstore import RemoteRun
+from trainer.checkpoint.integrity import local_problem
+from trainer.checkpoint.publish import fetch_latest, stored_checkpoints, upload_checkpoint
+from trainer.checkpoint.store import RemoteRun
 
 
 def _checkpoint(run_dir: Path, step: int, shard: bytes = b"") -> Path:

@@ -198,7 +198,7 @@ def test_op_workspace_counts_what_an_op_frees_not_its_output() -> None:
 
 _PROFILED_WITH_STDERR = """
 import logging, sys, torch
-from trainer.diagnostics import cpu_peak_bytes
+from trainer.telemetry.diagnostics import cpu_peak_bytes
 if sys.argv[1] == "debug":
     logging.basicConfig(level=logging.DEBUG, format="%(name)s %(message)s")
 def noisy():

@@ -61,7 +61,7 @@ def test_impossible_batch_arithmetic_is_refused() -> None:
 
 def test_a_run_directory_uri_pyarrow_cannot_open_is_one_line_not_a_local_directory(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A URI is a store (``trainer.runstore``; s3:// on moto: tests/e2e/test_s3.py), never a
+    """A URI is a store (``trainer.checkpoint.store``; s3:// on moto: tests/e2e/test_s3.py), never a
     local path: one that pyarrow cannot open is refused before launch, and no directory named
     after its scheme appears (``Path("s3://b")`` would make one)."""
     from tests.conftest import tiny_config

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import tiny_config
-from trainer.diagnostics import Diagnostics, LeakGuard, parse_step_range
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
-from trainer.model import GPT, GPTConfig
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.telemetry.diagnostics import Diagnostics, LeakGuard, parse_step_range
 
 
 def _eval_loop(detach: bool) -> list[str]:

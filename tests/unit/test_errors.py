@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainer.errors import error_kind, first_line, is_user_error
-from trainer.model import ModelError
+from trainer.models.registry import ModelError
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +42,7 @@ def test_the_rank_seen_failing_first_gives_way_to_the_cause_when_it_only_lost_it
         tmp_path: Path) -> None:
     """The local launcher asks for the rank torch saw fail first: its own error where it has
     one, but a rank whose collective broke because rank 0 died reports rank 0's cause."""
-    from trainer.worker_errors import record_worker_error, recorded_worker_error
+    from trainer.telemetry.worker_errors import record_worker_error, recorded_worker_error
 
     record_worker_error(tmp_path, 0, OSError("checkpoint write failed at step 4"))
     record_worker_error(tmp_path, 1, RuntimeError("[pair.cc:553] Connection closed by peer"))

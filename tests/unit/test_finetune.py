@@ -93,8 +93,8 @@ def test_a_chat_dataset_fine_tunes_a_pretrained_model_and_exports(tmp_path: Path
         moved = (tuned(input_ids=ids).logits - start(input_ids=ids).logits).abs().max()
     assert moved > 1e-3  # eight steps moved the pretrained weights
 
-    from trainer.checkpoint import complete_checkpoints, load_sharded_tensors
-    from trainer.hf import HFCausalLM
+    from trainer.checkpoint.files import complete_checkpoints, load_sharded_tensors
+    from trainer.models.hf import HFCausalLM
 
     wrapped = HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(model))
     [(step, checkpoint)] = complete_checkpoints(tmp_path / "chat")[-1:]
@@ -113,10 +113,10 @@ def test_masked_tokens_of_a_written_row_carry_no_gradient(tmp_path: Path) -> Non
     import transformers
 
     from datapipe.loader import BatchLoader
-    from trainer.hf import HFCausalLM
+    from trainer.batches import TokenBatch
     from trainer.memory.loss import summed_loss
     from trainer.memory.precision import PrecisionPolicy
-    from trainer.tokens import TokenBatch
+    from trainer.models.hf import HFCausalLM
 
     model_dir = pretrained_llama(tmp_path / "llama")
     chats = tmp_path / "chats.jsonl"
@@ -158,7 +158,7 @@ def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path:
 
     from safetensors.torch import load_file
 
-    from trainer.checkpoint import complete_checkpoints, load_sharded_tensors
+    from trainer.checkpoint.files import complete_checkpoints, load_sharded_tensors
 
     model = pretrained_llama(tmp_path / "llama")
     bare = tmp_path / "bare"
@@ -204,10 +204,11 @@ def test_init_from_a_hf_directory_is_a_lora_models_base(tmp_path: Path) -> None:
 
     from safetensors.torch import load_file
 
-    from trainer.build import MemoryTransforms, build_model, load_hf_weights, model_factory
     from trainer.config import LoraConfig, ModelConfig
-    from trainer.hf import weights_of
     from trainer.memory.lora import base_name
+    from trainer.models.build import MemoryTransforms, build_model, model_factory
+    from trainer.models.hf import weights_of
+    from trainer.models.weights import load_hf_weights
 
     model_dir = pretrained_llama(tmp_path / "llama")
     bare = tmp_path / "bare"

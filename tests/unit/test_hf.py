@@ -1,5 +1,6 @@
-"""Hugging Face causal LMs as memtrain models (``trainer/hf.py``): tiny models built from their
-config classes (nothing downloaded), given by directory (``hf:<dir>``) or by an entry point."""
+"""Hugging Face causal LMs as memtrain models (``trainer/models/hf.py``): tiny models built from
+their config classes (nothing downloaded), given by directory (``hf:<dir>``) or by an entry
+point."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from datapipe.convert import write_dataset
 from datapipe.tokenize import train_tokenizer
 from tests.conftest import REPO, SEQ_LEN, tiny_config, tiny_train_command
 from tests.unit.test_tokenize import make_texts
-from trainer.build import MemoryTransforms, build_model, checkpointed_blocks
-from trainer.hf import HFCausalLM
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 from trainer.memory.loss import auto_loss_chunk_tokens
-from trainer.model import create_model
+from trainer.models.build import MemoryTransforms, build_model, checkpointed_blocks
+from trainer.models.hf import HFCausalLM
+from trainer.models.registry import create_model
 from trainer.plan.peak import profile_activations
 
 
@@ -137,8 +138,8 @@ def test_rows_read_per_rank_say_which_parameters_the_files_lack(
     missing one is named, as ``from_pretrained`` names it."""
     from safetensors.torch import load_file, save_file
 
-    from trainer.build import _fill_from_file, _owners
-    from trainer.hf import SafetensorsRows
+    from trainer.models.weights import fill_from_file, owners
+    from trainer.models.hf import SafetensorsRows
 
     torch.manual_seed(7)
     tiny_llama().save_pretrained(tmp_path)
@@ -147,8 +148,8 @@ def test_rows_read_per_rank_say_which_parameters_the_files_lack(
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     model = build_model(partial(create_model, f"hf:{tmp_path}", load_weights=False, **FIELDS),
                         MemoryTransforms())
-    with caplog.at_level(logging.WARNING, logger="trainer.build"):
-        _fill_from_file(_owners(model), SafetensorsRows(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="trainer.models.weights"):
+        fill_from_file(owners(model), SafetensorsRows(tmp_path))
     state = model.state_dict()
     assert all(torch.equal(state["hf." + name], tensor) for name, tensor in tensors.items())
     assert "1 parameter(s) not in the model's safetensors" in caplog.text
@@ -233,13 +234,13 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     ``state.pt``), and ``AutoTokenizer`` the dataset's tokenizer where it has one."""
     import subprocess
 
-    from trainer.checkpoint import (
+    from trainer.checkpoint.export import export_hf
+    from trainer.checkpoint.files import (
         complete_checkpoints,
         load_checkpoint,
         load_model_state,
         load_sharded_tensors,
     )
-    from trainer.export import export_hf
 
     CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
     overrides = (f"model.name=hf:{tmp_path / 'llama'}", "train.steps=2",
@@ -288,8 +289,8 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
 
 
 def test_export_refuses_what_it_cannot_write(tmp_path: Path) -> None:
+    from trainer.checkpoint.export import export_hf
     from trainer.config import ConfigError
-    from trainer.export import export_hf
 
     with pytest.raises(ConfigError, match="no config.yaml"):
         export_hf(tmp_path, tmp_path / "out")

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.diagnostics import cpu_peak_bytes
 from trainer.memory.loss import (
     AUTO_LOSS_CHUNK_BYTES,
     auto_loss_chunk_tokens,
@@ -16,7 +15,8 @@ from trainer.memory.loss import (
     observe_chunked_losses,
     set_loss_chunking,
 )
-from trainer.model import GPT, GPTConfig
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 
 def _plain_and_chunked(dtype: torch.dtype | None, chunk: int):

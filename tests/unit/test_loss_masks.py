@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer.batches import IGNORE_INDEX, TokenBatch
 from trainer.memory.loss import linear_cross_entropy_sum, set_loss_chunking, summed_loss
 from trainer.memory.precision import PrecisionPolicy
-from trainer.model import GPT, GPTConfig, document_mask
+from trainer.models.gpt import GPT, GPTConfig, document_mask
 from trainer.step import evaluate, step_tokens
-from trainer.tokens import IGNORE_INDEX, TokenBatch
 
 pytestmark = pytest.mark.unit
 FP32 = PrecisionPolicy("fp32", None, False)
@@ -123,7 +123,7 @@ def test_a_packed_document_sees_what_it_would_see_alone() -> None:
 
 def test_a_hf_llama_keeps_packed_documents_apart() -> None:
     transformers = pytest.importorskip("transformers")
-    from trainer.hf import HFCausalLM
+    from trainer.models.hf import HFCausalLM
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

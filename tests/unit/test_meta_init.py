@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import meta_init
-from trainer.hf import initialise_on_meta
-from trainer.model import GPT, GPTConfig
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.models.hf import initialise_on_meta
+from trainer.parallel import meta_init
+from trainer.tensors import storage_key
 
 
 def _replayed(factory: Callable[[], nn.Module], seed: int, hf: bool = False
@@ -22,7 +23,7 @@ def _replayed(factory: Callable[[], nn.Module], seed: int, hf: bool = False
         meta, recording = meta_init.record(factory)
     names: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in meta_init.module_tensors(meta):
-        names.setdefault(meta_init.storage_key(tensor), []).append((name, tensor))
+        names.setdefault(storage_key(tensor), []).append((name, tensor))
     got: dict[str, torch.Tensor] = {}
 
     def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -73,7 +74,7 @@ def test_only_what_reaches_the_weights_is_replayed_whole() -> None:
         nn.init.normal_(layer.weight)
         return layer
     meta, recording = meta_init.record(factory)
-    needed, _ = meta_init._needed(recording.ops, {meta_init.storage_key(meta.weight)})
+    needed, _ = meta_init._needed(recording.ops, {storage_key(meta.weight)})
     ops = [(op.name, keep) for op, keep in zip(recording.ops, needed, strict=True)]
     assert ops == [("empty", False), ("uniform_", False), ("normal_", True)]
     _assert_same(_replayed(factory, 4), _host(factory, 4))
@@ -117,8 +118,8 @@ def test_weights_made_outside_the_record_are_built_on_the_host(
 
     import torch.distributed as dist
 
-    from trainer.build import MemoryTransforms, build_sharded
-    from trainer.sharding import FsdpSettings
+    from trainer.models.build import MemoryTransforms
+    from trainer.parallel.fsdp import FsdpSettings, build_sharded
 
     meta, recording = meta_init.record(_FromNumpy)
     assert meta_init.unrecorded(recording, dict(meta_init.module_tensors(meta))) == [
@@ -129,7 +130,7 @@ def test_weights_made_outside_the_record_are_built_on_the_host(
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
-        with caplog.at_level(logging.WARNING, logger="trainer.build"):
+        with caplog.at_level(logging.WARNING, logger="trainer.parallel.fsdp"):
             model = build_sharded(_FromNumpy, MemoryTransforms(), torch.device("cpu"), 0,
                                   FsdpSettings(), model_name="tests:from_numpy")
         weights = {name: p.full_tensor() for name, p in model.named_parameters()}

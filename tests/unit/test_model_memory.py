@@ -8,14 +8,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint import CheckpointError, load_checkpoint, load_model_state, save_checkpoint
+from trainer.checkpoint.files import (
+    CheckpointError,
+    load_checkpoint,
+    load_model_state,
+    save_checkpoint,
+)
 from trainer.memory.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpointed_block_indices,
 )
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig, create_model
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.models.registry import create_model
 
 
 def _loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor):
@@ -141,7 +147,7 @@ def test_fused_adamw_is_chosen_on_cuda_only_and_checkpoints_load_across_the_swit
     """``train.fused_optimizer: auto`` is the fused kernel for CUDA parameters and torch's default
     here; an optimizer checkpoint of either kind loads into the other (weights_only) and the
     next step matches the one the saving kind takes."""
-    from trainer.step import build_optimizer
+    from trainer.optim import build_optimizer
 
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
     tokens = torch.randint(0, 64, (4, 17))

@@ -123,7 +123,7 @@ def test_docs_list_every_metric_of_the_contract() -> None:
 
 
 def test_the_time_left_is_the_steps_to_go_at_the_mean_step_time(tmp_path: Path) -> None:
-    from trainer.run_metrics import RunMetrics
+    from trainer.telemetry.run_metrics import RunMetrics
 
     metrics = RunMetrics(LocalContext(0, 0, 1, torch.device("cpu"), tmp_path), "t", 1, 1, 1,
                          total_steps=1000)

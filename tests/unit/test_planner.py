@@ -8,11 +8,12 @@ from functools import partial
 import pytest
 import torch
 
-from trainer.build import MemoryTransforms, build_model, compile_model
 from trainer.config import Config
 from trainer.memory.loss import ChunkedLossShape
 from trainer.memory.precision import precision_policy
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms, build_model, compile_model
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.candidates import choose_norm_inputs, choose_plan, feasible_plans
 from trainer.plan.peak import (
     ActivationProfile,
@@ -24,7 +25,6 @@ from trainer.plan.peak import (
     profile_activations,
     static_bytes,
 )
-from trainer.sharding import FsdpSettings
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 CFG = GPTConfig(seq_len=64, n_layer=4, n_head=2, n_embd=64)
@@ -231,7 +231,7 @@ def test_feasible_plans_keep_the_global_batch_and_fit() -> None:
 def _live_tensors() -> int:
     import gc
 
-    from trainer.diagnostics import live_tensor_count
+    from trainer.telemetry.diagnostics import live_tensor_count
 
     gc.collect()
     return live_tensor_count()
@@ -333,7 +333,7 @@ def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, c
     compiled (the element-wise work fused, ``GPU_COMPILED_SHARE``) against eager, in numbers;
     not with activation offload, whose hooks run eager only: that run is planned eager."""
     from tests.conftest import tiny_config
-    from trainer.plan.strategy import resolve_auto
+    from trainer.plan.auto import resolve_auto
 
     def resolve(*overrides: str) -> Config:
         return resolve_auto(tiny_config(
@@ -376,8 +376,8 @@ def test_plan_measure_trains_the_configured_optimizer(corpus_dir, tmp_path, monk
     from tests.conftest import tiny_config
     from trainer.memory.optimizers import BackwardSteps, state_tensors
     from trainer.plan import measure
-    from trainer.plan.choose import probe_config
-    from trainer.plan.report import measure_plans
+    from trainer.plan.auto import probe_config
+    from trainer.plan.table import measure_plans
 
     cfg = tiny_config(corpus_dir, tmp_path, "train.micro_batch_size=8", "train.grad_clip=0",
                       "memory.optimizer_states=8bit", "memory.optimizer_in_backward=true")
@@ -484,8 +484,8 @@ def test_a_lora_model_is_probed_on_fake_tensors_as_on_real_ones(
     on fake parameters: the probe keeps such a module in place, and the profile (and the
     step's operators) are the real probe's, with no fallback to real tensors (which build the
     whole model in the launcher)."""
-    from trainer.build import model_factory
     from trainer.config import LoraConfig, ModelConfig
+    from trainer.models.build import model_factory
 
     cfg = ModelConfig(name="gpt", vocab_size=256, seq_len=32, n_layer=2, n_head=2, n_embd=32,
                       lora=LoraConfig(rank=4, base_dtype=base_dtype))
@@ -551,10 +551,9 @@ def test_bf16_norm_inputs_auto_resolves_before_launch(corpus_dir, tmp_path, capl
     fits only with them; off without bf16, whatever the budget; on where the budget cannot be
     known (a GPU run planned on a machine without one)."""
     from tests.conftest import tiny_config
-    from trainer.build import MemoryTransforms
     from trainer.config import ConfigError
-    from trainer.plan.choose import device_memory_bytes, probe_config
-    from trainer.plan.strategy import resolve_auto
+    from trainer.models.build import MemoryTransforms
+    from trainer.plan.auto import device_memory_bytes, probe_config, resolve_auto
 
     base = ("memory.precision=bf16", "memory.activation_checkpointing=none",
             "memory.bf16_norm_inputs=auto")

@@ -17,7 +17,7 @@ from trainer.compat import cpu_bf16_support
 from trainer.config import load_config
 from trainer.memory import precision as precision_module
 from trainer.memory.precision import resolve_precision
-from trainer.plan.choose import planned_precision
+from trainer.plan.auto import planned_precision
 
 CPU = torch.device("cpu")
 

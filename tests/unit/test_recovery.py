@@ -1,5 +1,5 @@
-"""Restarts as the run records them (``trainer.recovery``): which start is a restart, its cause,
-what it cost, and the run's totals for the metrics contract.
+"""Restarts as the run records them (``trainer.telemetry.restarts``): which start is a restart, its
+cause, what it cost, and the run's totals for the metrics contract.
 
 Each attempt here is what a worker's loop does at its start and after each step; the cluster's
 node list is the one thing given (``lost_nodes``), as Ray would answer it."""
@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 
 from monitoring.run_files import ATTEMPTS
 from monitoring.sinks import PrometheusSink
-from trainer.recovery import Recovery
-from trainer.worker_errors import (
+from trainer.telemetry.restarts import Recovery
+from trainer.telemetry.worker_errors import (
     clear_worker_errors,
     record_controller_error,
     record_worker_error,

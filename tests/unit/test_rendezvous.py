@@ -1,4 +1,4 @@
-"""The process group's rendezvous (``trainer.launch.rendezvous``): the store listens on the
+"""The process group's rendezvous (``trainer.parallel.rendezvous``): the store listens on the
 address the ranks meet at and nowhere else, and a GPU group carries host tensors through gloo."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.launch.rendezvous import backend_for, bound_store, init_process_group
+from trainer.parallel.rendezvous import backend_for, bound_store, init_process_group
 
 pytestmark = pytest.mark.unit
 

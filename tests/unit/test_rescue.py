@@ -10,9 +10,8 @@ import logging
 import pytest
 
 from trainer.config import Config, ConfigError, load_config
-from trainer.plan.choose import decide
+from trainer.plan.auto import decide, describe, resolve_auto
 from trainer.plan.rescue import describe_added, rescue_tiers
-from trainer.plan.strategy import describe, resolve_auto
 
 # 3.3M parameters on 4 GPUs under DDP: fp32 AdamW holds 53 MB a GPU (16 bytes a parameter),
 # 8-bit states 33 MB; the activations at micro-batch 4 are a few MB.

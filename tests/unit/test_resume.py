@@ -16,7 +16,7 @@ from tests.conftest import logged_losses, tiny_config
 from trainer.config import ConfigError
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
-from trainer.schedule import Schedule
+from trainer.optim import Schedule
 
 
 def test_a_changed_step_count_continues_the_decay_from_where_it_was() -> None:
@@ -99,7 +99,7 @@ def test_a_new_run_starts_from_another_runs_weights(corpus_dir: Path, tmp_path: 
     """``train.init_from``: run A's latest whole checkpoint's weights, at step 0 of run B (its
     optimizer, schedule and data from their start); a path without a checkpoint, or a model
     the weights do not fit, is one line."""
-    from trainer.checkpoint import CheckpointReadError, load_sharded_tensors
+    from trainer.checkpoint.files import CheckpointReadError, load_sharded_tensors
 
     common = ("parallel.launcher=local", "parallel.workers=1", "train.eval_every=0",
               "train.checkpoint_every=2")
@@ -158,7 +158,7 @@ def test_a_new_run_name_resumes_from_another_runs_checkpoint(corpus_dir: Path,
 
 def test_the_run_keeps_as_many_checkpoints_as_it_is_told(corpus_dir: Path,
                                                          tmp_path: Path) -> None:
-    from trainer.checkpoint import published_checkpoints
+    from trainer.checkpoint.files import published_checkpoints
 
     cfg, run_dir = prepare_run(tiny_config(
         corpus_dir, tmp_path, "parallel.launcher=local", "parallel.workers=1", "train.steps=6",
@@ -205,7 +205,7 @@ def test_every_resume_of_a_schedule_keeps_its_promises(steps, warmups, floors, a
 def test_a_resume_inside_a_warm_up_says_the_new_schedule_runs_from_there() -> None:
     """The line a resume logs names what the rate does: inside a warm-up the new schedule's
     own rate, not a cosine continuing from the factor reached."""
-    from trainer.schedule import resume_schedule
+    from trainer.optim import resume_schedule
 
     def scheduler(schedule: Schedule) -> torch.optim.lr_scheduler.LambdaLR:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from tests.conftest import recorded_cpu_speed
-from trainer.build import MemoryTransforms
-from trainer.model import GPT, GPTConfig
+from trainer.models.build import MemoryTransforms
+from trainer.models.gpt import GPT, GPTConfig
+from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan import calibrate as calibration
 from trainer.plan import measure as plan_measure
 from trainer.plan import work as plan_work
@@ -29,7 +30,6 @@ from trainer.plan.speed import (
     step_time,
 )
 from trainer.plan.work import StepWork, Work, record_work
-from trainer.sharding import FsdpSettings
 
 CFG = GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=32, vocab_size=256)
 
@@ -353,10 +353,10 @@ def test_a_slow_loader_moves_auto_to_larger_micro_batches() -> None:
 
 def _step_work(chunk: int, batch: int, precision: str) -> Work:
     """One forward and backward of the vocabulary-1,000 GPT, loss in chunks of ``chunk``."""
-    from trainer.build import build_model
     from trainer.compat import fake_tensor_mode
     from trainer.memory.loss import summed_loss
     from trainer.memory.precision import precision_policy
+    from trainer.models.build import build_model
 
     cfg = dataclasses.replace(CFG, vocab_size=1000)
     with fake_tensor_mode():

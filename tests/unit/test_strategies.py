@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import logged_losses, tiny_config
-from trainer.build import MemoryTransforms, build_model, to_bf16
-from trainer.checkpoint import STATE_FILE
+from trainer.checkpoint.files import STATE_FILE
 from trainer.compat import cpu_bf16_support
 from trainer.config import ConfigError
 from trainer.launch.local import launch_local
@@ -31,9 +30,11 @@ from trainer.memory.optimizers import (
     trainable,
 )
 from trainer.memory.precision import precision_policy
-from trainer.model import gpt
+from trainer.models.build import MemoryTransforms, build_model, to_bf16
+from trainer.models.registry import gpt
+from trainer.optim import build_optimizer
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.step import build_optimizer, create_optimizer_state, step_peak_bytes, train_step
+from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 pytestmark = pytest.mark.unit
 FP32 = precision_policy("fp32", torch.device("cpu"))
@@ -324,7 +325,7 @@ def test_prepare_names_a_missing_library_and_bf16_weights_auto_cannot_give(
     one line naming both fields."""
     import importlib.util
 
-    import trainer.plan.choose
+    import trainer.plan.auto
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -332,7 +333,7 @@ def test_prepare_names_a_missing_library_and_bf16_weights_auto_cannot_give(
     with pytest.raises(ConfigError, match=r"memory.optimizer_states 8bit needs the torchao "
                                           r"package: pip install 'memtrain\[strategies\]'"):
         prepare_run(tiny_config(corpus_dir, tmp_path, "memory.optimizer_states=8bit"))
-    monkeypatch.setattr(trainer.plan.choose, "planned_precision", lambda cfg: "fp32")
+    monkeypatch.setattr(trainer.plan.auto, "planned_precision", lambda cfg: "fp32")
     with pytest.raises(ConfigError, match="model.lora.base_dtype 'bf16': memory.precision auto "
                                           "resolves to fp32 here"):
         prepare_run(tiny_config(corpus_dir, tmp_path, "model.lora.base_dtype=bf16",
@@ -347,7 +348,7 @@ def test_prepare_names_a_missing_library_and_bf16_weights_auto_cannot_give(
 def test_auto_searches_bf16_weights_in_bf16_alone(corpus_dir: Path, tmp_path: Path) -> None:
     """``memory.precision: auto`` lets the time model choose between fp32 and bf16, except
     for bf16 weights (a whole model or a LoRA base), which compute in bf16 only."""
-    from trainer.plan.choose import planned_precision, precision_candidates
+    from trainer.plan.auto import planned_precision, precision_candidates
 
     plain = tiny_config(corpus_dir, tmp_path, "memory.precision=auto")
     assert sorted(precision_candidates(plain)) == ["bf16", "fp32"]
@@ -363,7 +364,7 @@ def test_the_planner_counts_a_lora_model_by_what_it_trains(corpus_dir: Path,
     """The static bytes of a LoRA model with a bf16 base (built on the meta device, where
     PEFT can inject its adapters): the base's weights at half their fp32 bytes, gradients and
     AdamW state for the adapters alone."""
-    from trainer.plan.choose import config_static
+    from trainer.plan.auto import config_static
 
     full = config_static(tiny_config(corpus_dir, tmp_path, "memory.precision=bf16"))
     lora = config_static(tiny_config(corpus_dir, tmp_path, "memory.precision=bf16",

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from trainer.config import Config, ConfigError, load_config
-from trainer.plan.strategy import decide_sharding, describe, sharding_candidates
+from trainer.plan.auto import decide_sharding, describe, sharding_candidates
 
 # 3.3M parameters: DDP holds 53 MB of weights, gradients and AdamW state on each of 4 GPUs.
 SHAPE = ["model.vocab_size=256", "model.seq_len=256", "model.n_layer=4", "model.n_embd=256",

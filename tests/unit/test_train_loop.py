@@ -14,16 +14,15 @@ import torch
 
 from datapipe.loader import BatchLoader
 from tests.conftest import REPO, tiny_config, tiny_train_command
-from trainer.build import MemoryTransforms, build_model, model_factory
-from trainer.checkpoint import STATE_FILE, load_checkpoint, load_sharded_tensors
+from trainer.checkpoint.files import STATE_FILE, load_checkpoint, load_sharded_tensors
 from trainer.compat import cpu_capability
 from trainer.config import Config
 from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 from trainer.memory.loss import summed_loss
 from trainer.memory.precision import precision_policy
-from trainer.schedule import Schedule
-from trainer.step import build_optimizer
+from trainer.models.build import MemoryTransforms, build_model, model_factory
+from trainer.optim import Schedule, build_optimizer
 
 pytestmark = pytest.mark.unit
 RECORDED = json.loads((REPO / "tests" / "fixtures" / "losses_before_refactor.json").read_text())

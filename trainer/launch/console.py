@@ -5,7 +5,7 @@ A worker that fails, or one whose peer died, prints its traceback to its stderr,
 controller logs each failure with one; Ray forwards all of it to the driver. A run that recovers
 from faults would scroll pages of them (``Connection closed by peer``, ``ActorDiedError``), where
 memtrain says what happened in one line of its own (``restarted after ...``:
-``trainer.recovery``; a run that stops: its one error line). So the driver drops every
+``trainer.telemetry.restarts``; a run that stops: its one error line). So the driver drops every
 traceback block from the forwarded output: the ``Traceback (most recent call last):`` line, its
 indented frames, the exception's lines up to the next line that is not part of it, and the
 "During handling ..." chains between. Ray's own log files keep everything, and

@@ -30,13 +30,13 @@ from monitoring.run_files import SUMMARY
 from trainer.config import Config
 from trainer.context import LocalContext
 from trainer.errors import first_line
-from trainer.hf import config_model_type
 from trainer.launch.prepare import available_cpus, checkpoint_settings, remote_run
-from trainer.launch.rendezvous import init_process_group
 from trainer.logs import setup_logging
 from trainer.loop import train
 from trainer.memory.allocator import configure_allocator_env
-from trainer.worker_errors import (
+from trainer.models.hf import config_model_type
+from trainer.parallel.rendezvous import init_process_group
+from trainer.telemetry.worker_errors import (
     clear_worker_errors,
     record_worker_error,
     record_worker_exit,

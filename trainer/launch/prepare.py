@@ -3,7 +3,7 @@
 ``prepare_run`` turns a loaded config into one the workers can use anywhere (absolute paths),
 checks what would otherwise fail late inside a worker (dataset present, batch arithmetic, worker
 count against CPUs, the run store reachable), resolves ``auto`` choices
-(``trainer.plan.choose``), says what a resume changes (``trainer.launch.resume``), and writes
+(``trainer.plan.auto``), says what a resume changes (``trainer.launch.resume``), and writes
 the resolved config into the run directory.
 """
 
@@ -20,15 +20,15 @@ from datapipe.manifest import read_manifest
 from datapipe.paths import is_remote
 from monitoring.run_files import CONFIG
 from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
-from trainer.checkpoint import checkpoint_step, latest_whole, published_checkpoints
+from trainer.batches import DOCUMENT_IDS, LOSS_MASK
+from trainer.checkpoint.files import checkpoint_step, latest_whole, published_checkpoints
+from trainer.checkpoint.integrity import local_problem
+from trainer.checkpoint.store import RemoteRun, default_work_dir
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
-from trainer.hf import PREFIX, config_vocab_size, has_weights
 from trainer.launch.resume import check_resume
-from trainer.manifest import local_problem
-from trainer.plan.strategy import resolve_auto
-from trainer.runstore import RemoteRun, default_work_dir
-from trainer.tokens import DOCUMENT_IDS, LOSS_MASK
+from trainer.models.hf import PREFIX, config_vocab_size, has_weights
+from trainer.plan.auto import resolve_auto
 
 log = logging.getLogger("memtrain")
 
@@ -243,7 +243,7 @@ def _check_datasets(cfg: Config) -> None:
             raise ConfigError(f"{field}: column {spec.name!r} has rows of shape {list(spec.shape)},"
                               f" model.seq_len {cfg.model.seq_len} needs [{cfg.model.seq_len + 1}]")
         for extra in (c for c in manifest.columns if c.name in (LOSS_MASK, DOCUMENT_IDS)):
-            if extra.shape != spec.shape:  # trainer.tokens reads them beside the tokens
+            if extra.shape != spec.shape:  # trainer.batches reads them beside the tokens
                 raise ConfigError(f"{field}: column {extra.name!r} has rows of shape "
                                   f"{list(extra.shape)}, its tokens {list(spec.shape)}")
 
@@ -284,7 +284,7 @@ def check_weight_precision(cfg: Config) -> None:
     """bf16 weights (``model.dtype``, a LoRA base's ``base_dtype``) compute in bf16 only: with
     ``memory.precision: auto``, ``auto`` must resolve to bf16 here, else one line saying so
     (``train`` and ``plan`` both)."""
-    from trainer.plan.choose import bf16_weights, planned_precision
+    from trainer.plan.auto import bf16_weights, planned_precision
 
     if bf16_weights(cfg) and cfg.memory.precision == "auto":
         field, weights = ("model.dtype", "weights") if cfg.model.dtype == "bf16" else \

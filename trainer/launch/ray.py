@@ -49,7 +49,8 @@ from monitoring.metrics import LABELS, METRICS, STEP_SECONDS_BUCKETS  # noqa: E4
 from monitoring.run_files import ERRORS_DIR, SUMMARY  # noqa: E402
 from monitoring.sinks import Sink  # noqa: E402
 from trainer import faults  # noqa: E402
-from trainer.checkpoint import checkpoint_dir_name, verified  # noqa: E402
+from trainer.checkpoint.files import checkpoint_dir_name, verified  # noqa: E402
+from trainer.checkpoint.store import RemoteRun  # noqa: E402
 from trainer.compat import (  # noqa: E402
     ray_cancel_train_request,
     ray_loopback_init_kwargs,
@@ -61,19 +62,18 @@ from trainer.compat import (  # noqa: E402
 from trainer.config import Config, ConfigError  # noqa: E402
 from trainer.context import WorkerContext  # noqa: E402
 from trainer.errors import error_kind, first_line, is_user_error  # noqa: E402
-from trainer.hf import PREFIX as HF_PREFIX  # noqa: E402
 from trainer.launch.console import TracebackFilter  # noqa: E402
 from trainer.launch.prepare import (  # noqa: E402
     available_cpus,
     checkpoint_settings,
     remote_run,
 )
-from trainer.launch.rendezvous import init_process_group  # noqa: E402
 from trainer.logs import LEVEL_ENV, setup_logging  # noqa: E402
 from trainer.loop import train  # noqa: E402
 from trainer.memory.allocator import configure_allocator_env  # noqa: E402
-from trainer.runstore import RemoteRun  # noqa: E402
-from trainer.worker_errors import (  # noqa: E402
+from trainer.models.hf import PREFIX as HF_PREFIX  # noqa: E402
+from trainer.parallel.rendezvous import init_process_group  # noqa: E402
+from trainer.telemetry.worker_errors import (  # noqa: E402
     WorkerError,
     clear_worker_errors,
     record_controller_error,
@@ -374,7 +374,7 @@ def _set_master(addr: str, port: int) -> None:
 
 
 class _BoundStoreBackend(_TorchBackend):  # type: ignore[misc, valid-type]
-    """Ray Train's torch backend with memtrain's process group (``trainer.launch.rendezvous``):
+    """Ray Train's torch backend with memtrain's process group (``trainer.parallel.rendezvous``):
     the store listens on rank 0's node address alone, and GPUs get gloo beside NCCL."""
 
     def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
@@ -401,7 +401,7 @@ def _torch_trainer(cfg: Config, run_dir: Path, remote: RemoteRun | None, launch_
                    ray_logs: bool) -> TorchTrainer:
     """Ray Train's trainer for ``cfg``: one launch (``launch_id``), however often the
     controller is started again. Checkpoints: Ray Train writes and restores them in the run
-    directory, on object storage through the same pyarrow filesystem (trainer.runstore) when
+    directory, on object storage through the same pyarrow filesystem (trainer.checkpoint.store) when
     run.dir is a URI."""
     storage: dict[str, Any] = (
         {"storage_path": remote.root.rsplit("/", 1)[0], "storage_filesystem": remote.fs}

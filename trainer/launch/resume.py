@@ -7,7 +7,7 @@ line each. Some changes break an exact resume, and are refused in one line unles
 ``data.shuffle``, ``data.shuffle_window``), the model (any ``model.*``: its shape, its weights'
 meaning), the global batch, the seed and the optimizer's state format (a checkpoint of one
 does not load into the other). The rest take effect as meant: the learning rate and its
-schedule (``trainer.schedule``), the step count, evaluation, logging, checkpointing, the
+schedule (``trainer.optim``), the step count, evaluation, logging, checkpointing, the
 parallel strategy (DDP and FSDP checkpoints load under each other), memory strategies that keep
 the math (checkpointing, offload, the micro-batch split, which keeps the global batch). Where
 the run directory lives (``run.dir``, ``run.work_dir``) is not a change of the run.

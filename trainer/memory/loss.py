@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.tokens import IGNORE_INDEX, TokenBatch, as_batch
+from trainer.batches import IGNORE_INDEX, TokenBatch, as_batch
 
 if TYPE_CHECKING:
     from trainer.memory.precision import PrecisionPolicy
@@ -238,7 +238,7 @@ def summed_loss(model: nn.Module, batch: TokenBatch | torch.Tensor, policy: Prec
 
 def takes_position_ids(model: nn.Module) -> bool:
     """Whether ``model``'s forward takes ``position_ids`` (by name, or any keyword): then packed
-    documents keep to themselves in attention (trainer.tokens). Asked every micro-batch: the
+    documents keep to themselves in attention (trainer.batches). Asked every micro-batch: the
     signature is read once per forward function."""
     forward = getattr(model, "_orig_mod", model).forward
     return _takes_position_ids(getattr(forward, "__func__", forward))

@@ -30,7 +30,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from trainer.compat import is_checkpoint_wrapper, is_fake
-from trainer.meta_init import storage_key
+from trainer.tensors import storage_key
 
 # Smaller saved storages stay on the device. 0: every one moves, so the host bytes grow exactly
 # linearly with the batch, as the planner fits them (with a threshold, a tensor of a few hundred

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.sharding import local_tensor
+from trainer.tensors import local_tensor
 
 STATE_DTYPES = ("fp32", "bf16", "8bit", "4bit")
 # Elements per quantization block (torchao's defaults); bf16 has no blocks.

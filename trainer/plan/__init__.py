@@ -1,9 +1,15 @@
 """The planner: every choice's peak bytes and step time per rank, predicted before a run, and
 the one place ``auto`` is decided.
 
-It sits above the memory strategies it plans (``trainer.memory``), the models and the step,
-and below the loop and the launchers. One concern a module:
+It sits above the memory strategies it plans (``trainer.memory``), the models, the ways of
+splitting the work and the step, and below the loop and the launchers. One concern a module:
 
+- ``auto``: a config's every ``auto`` resolved once (``resolve_auto``: the strategy, then the
+  rest, ``decide``), for ``train``, ``memtrain plan``, ``make bench-plan`` and ``make
+  gpu-check``;
+- ``candidates``: the plans that fit, fastest first, and the rules that pick among them (pure
+  functions, no config: ``make gpu-check`` runs them without pydantic);
+- ``rescue``: what ``auto`` adds when nothing fits with the strategies a config has;
 - ``peak``: static bytes, activation profiles probed on CPU with fake tensors, and
   ``plan_row`` (one plan's predicted peak, the moment it falls at, and its step time);
 - ``work``: a step's operators counted on fake tensors (FLOPs and bytes by kind and dtype);
@@ -15,9 +21,5 @@ and below the loop and the launchers. One concern a module:
   (``SpeedModel``);
 - ``measure``: plans run for real, to hold the predictions against (``memtrain plan
   --measure``, ``make bench-plan``);
-- ``candidates``: the plans that fit, fastest first, and the rules that pick among them (pure
-  functions, no config: ``make gpu-check`` runs them without pydantic);
-- ``choose``: a config's ``auto`` resolved once, for ``train``, ``memtrain plan``,
-  ``make bench-plan`` and ``make gpu-check``;
-- ``report``: what ``memtrain plan`` prints.
+- ``table``: what ``memtrain plan`` prints.
 """

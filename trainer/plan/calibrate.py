@@ -266,7 +266,7 @@ def _in_model(speed: DeviceSpeed) -> DeviceSpeed:
     (``_fit_scales``): the operators' fixed cost and the dtype's rates. fp32 first:
     a bf16 step runs fp32 operators too, and its fixed-cost scale is autocast's
     (``op_seconds["autocast"]``, a factor)."""
-    from trainer.model import GPT, GPTConfig
+    from trainer.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=256, n_layer=2, n_head=4, n_embd=128)
     torch.manual_seed(0)

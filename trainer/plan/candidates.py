@@ -5,7 +5,7 @@ profiles, ``plan_row``) and its time model (``trainer.plan.speed``): which (prec
 checkpointing, micro-batch, loss chunk) keep the global batch and fit the device, fastest first
 (``feasible_plans``); whether bf16 norm inputs pay (``choose_norm_inputs``); and ``auto``'s one
 decision over a request's precisions, norm inputs and compile (``choose``). No config here:
-``trainer.plan.choose`` reads a config into a ``Request``, and ``make gpu-check`` calls
+``trainer.plan.auto`` reads a config into a ``Request``, and ``make gpu-check`` calls
 ``choose`` on a machine without the config's dependencies.
 """
 
@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainer.batch import micro_batch_candidates, per_rank_batch
+from trainer.batches import micro_batch_candidates, per_rank_batch
 from trainer.memory.loss import MIN_AUTO_LOSS_CHUNK_TOKENS, ChunkedLossShape
 from trainer.plan.peak import ActivationProfile, PlanRow, StaticBytes, plan_row
 from trainer.plan.speed import SpeedModel
@@ -148,7 +148,7 @@ Probe = Callable[[str, bool], tuple[StaticBytes, list[ActivationProfile]]]
 
 @dataclass(frozen=True)
 class Request:
-    """What ``auto`` is asked to decide, with no config: ``trainer.plan.choose`` reads one from
+    """What ``auto`` is asked to decide, with no config: ``trainer.plan.auto`` reads one from
     a config, benches and gpu-check set one up for their shapes.
 
     ``precisions``: the candidates, the device's own first. ``micro_batch_size`` None: every
@@ -193,7 +193,7 @@ def choose(request: Request, probe: Probe, speed: SpeedModel) -> Decision:
     """``auto``'s one decision: the fitting plan with the most predicted tokens/s over the
     request's precisions, checkpointing modes, micro-batches and (``choose_loss_chunk``) loss
     chunks; with bf16 norm inputs where they pay (``norm_inputs: "auto"``), compiled where that
-    is faster (``weigh_compile``). ``train`` (``trainer.plan.strategy.resolve_auto``),
+    is faster (``weigh_compile``). ``train`` (``trainer.plan.auto.resolve_auto``),
     ``memtrain plan``, ``make bench-plan`` and ``make gpu-check`` all take their ``auto``
     from here. Each pair's probe runs once."""
     probes: dict[tuple[str, bool], tuple[StaticBytes, list[ActivationProfile]]] = {}

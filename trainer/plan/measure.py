@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.build import MemoryTransforms, ModelFactory, build_model
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.precision import precision_policy
-from trainer.step import build_optimizer, step_peak_bytes, train_step
+from trainer.models.build import MemoryTransforms, ModelFactory, build_model
+from trainer.optim import build_optimizer
+from trainer.step import step_peak_bytes, train_step
 
 log = logging.getLogger("memtrain.planner")
 

@@ -37,8 +37,8 @@ Under FSDP the static bytes are one rank's shards (in host memory under CPU offl
 (``fsdp_in_flight``; calibrated on CPU), with a fourth moment at the end of backward.
 Gradients are not held during the forward pass: the loop zeroes them with ``set_to_none=True``.
 On CPU the whole formula is checked against the allocator's record of real steps
-(``trainer.diagnostics.cpu_peak_bytes``, ``tests/unit/test_planner.py``). The planner does not
-model the CUDA allocator's rounding and caching, nor kernel workspaces; ``make gpu-check``
+(``trainer.telemetry.diagnostics.cpu_peak_bytes``, ``tests/unit/test_planner.py``). The planner does
+not model the CUDA allocator's rounding and caching, nor kernel workspaces; ``make gpu-check``
 measures how far the prediction is from the real CUDA peak.
 """
 
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
+from trainer.batches import TokenBatch, as_batch
 from trainer.compat import (
     cpu_bf16_support,
     fake_tensor_mode,
@@ -75,11 +75,11 @@ from trainer.memory.loss import (
 from trainer.memory.offload import offload_of
 from trainer.memory.optimizers import state_bytes, trainable
 from trainer.memory.precision import precision_policy
-from trainer.meta_init import storage_key
+from trainer.models.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
+from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.speed import SpeedModel, strategy_seconds
 from trainer.plan.work import StepWork, record_work
-from trainer.sharding import FsdpSettings
-from trainer.tokens import TokenBatch, as_batch
+from trainer.tensors import storage_key
 
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -93,7 +93,7 @@ class StaticBytes:
     optimizer: int
     world_size: int = 1
     sharded: bool = False  # FSDP: the bytes above are one rank's shards
-    # FSDP (``parallel.fsdp``, ``trainer.sharding.FsdpSettings``): how it shards.
+    # FSDP (``parallel.fsdp``, ``trainer.parallel.fsdp.FsdpSettings``): how it shards.
     fsdp: FsdpSettings | None = None
     full_param_bytes: int = 0  # the whole model's parameters, unsharded
     # memory.optimizer_in_backward: each gradient is stepped and dropped as it completes, so
@@ -301,7 +301,7 @@ def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: st
 def probe_batch(batch: int, seq_len: int, vocab_size: int, device: torch.device,
                 packed: bool = False) -> TokenBatch:
     """The probe's micro-batch: random tokens; ``packed``, with a loss mask and two documents
-    a row, as a fine-tuning dataset's rows have them (``trainer.tokens``)."""
+    a row, as a fine-tuning dataset's rows have them (``trainer.batches``)."""
     tokens_BT = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
     if not packed:
         return TokenBatch(tokens_BT)
@@ -437,7 +437,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     ``work``: also count the step's operators for the time model
     (``trainer.plan.work.record_work``; on fake tensors, or real ones where those fail).
 
-    ``packed``: the dataset has a loss mask and packed documents (``trainer.tokens``): the
+    ``packed``: the dataset has a loss mask and packed documents (``trainer.batches``): the
     probe's batch has them too, so what they add is measured with the rest (the mask's bytes,
     memtrain's GPT's B x T x T attention mask and the masked attention's saved tensors).
     """
@@ -713,7 +713,7 @@ def _under_fsdp(static: StaticBytes, profile: ActivationProfile
 
 
 def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int, int, int]:
-    """What FSDP holds whole beside one rank's shards (``trainer.sharding``), as (throughout
+    """What FSDP holds whole beside one rank's shards (``trainer.parallel.fsdp``), as (throughout
     forward and backward, backward's unsharded gradients, kept from forward to backward):
 
     - the root's parameters, gathered for the whole step (it is not resharded after forward),

@@ -14,7 +14,7 @@ The candidates come in tiers, each tried only where nothing in the tiers before 
 Within a tier the most predicted tokens/s wins: the time model counts offload's copies over the
 host link and the low-bit step's quantize and dequantize work (``trainer.plan.speed``). LoRA is
 never added: it changes what is trained. Each candidate is planned as any config is
-(``trainer.plan.choose.rescued``), the activations probed once per offload setting: the step in
+(``trainer.plan.auto.rescued``), the activations probed once per offload setting: the step in
 backward and the state dtype change only the static bytes.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.batch import per_rank_batch
+from trainer.batches import per_rank_batch
 from trainer.config import Config, strategy_combinations
 from trainer.memory.optimizers import MissingExtraError, torchao_optim
 from trainer.plan.candidates import Decision, Request
@@ -128,7 +128,7 @@ def rescue_tiers(cfg: Config) -> list[list[Config]]:
 def rescue(cfg: Config, plan: Callable[[Config], tuple[Request, Decision]]
            ) -> tuple[Rescue | None, list[Config]]:
     """The first tier's fastest fitting candidate for ``cfg``, each planned by ``plan`` (its
-    request and ``choose``'s decision: ``trainer.plan.choose.rescued``), and every candidate
+    request and ``choose``'s decision: ``trainer.plan.auto.rescued``), and every candidate
     planned (for the refusal's line where none fits)."""
     tried: list[Config] = []
     for tier in rescue_tiers(cfg):

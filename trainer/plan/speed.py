@@ -28,9 +28,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.devices import DeviceSpeed, compiled_speed
 from trainer.plan.work import StepWork
-from trainer.sharding import FsdpSettings
 
 log = logging.getLogger("memtrain.planner")
 
@@ -54,7 +54,7 @@ def measure_loader(path: str, column: str, world_size: int, batch_size: int, see
     ``batch_size`` samples, each loader's first batch (which opens the first window) left out,
     then as many as ``budget_seconds`` allow (at least 4 of each). Raises what the loader
     raises for a dataset it cannot read (``datapipe.manifest.DatasetError``, ``OSError``)."""
-    from trainer.tokens import TokenLoader  # with a loss mask and document ids where present
+    from trainer.batches import TokenLoader  # with a loss mask and document ids where present
 
     def per_batch(size: int) -> float:
         with TokenLoader(path, column, rank=0, world_size=world_size, batch_size=size,

@@ -36,7 +36,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from trainer.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.compat import fake_tensor_mode, modules_kept_in_place
 from trainer.memory.loss import (
     ChunkedLossShape,
@@ -45,7 +44,8 @@ from trainer.memory.loss import (
     summed_loss,
 )
 from trainer.memory.precision import precision_policy
-from trainer.step import build_optimizer
+from trainer.models.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
+from trainer.optim import build_optimizer
 
 log = logging.getLogger("memtrain.planner")
 

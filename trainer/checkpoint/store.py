@@ -5,7 +5,8 @@ resolved ``config.yaml``, the metrics logs and ``summary.json``, so a run resume
 that can reach the bucket. The workers write into a local working copy (``run.work_dir``,
 ``<work_dir>/<run.name>``) and publish from it:
 
-- checkpoints as ``trainer.checkpoint`` publishes them (under the local launcher rank 0 uploads
+- checkpoints as ``trainer.checkpoint.files`` publishes them (under the local launcher rank 0
+uploads
   each one once complete locally, ``meta.json`` last; under Ray, Ray Train writes and restores
   them in the store itself, ``storage_filesystem``, in the same layout);
 - the logs (``config.yaml``, ``metrics/``, ``summary.json``, ``errors/``) with each checkpoint
@@ -18,7 +19,7 @@ Resuming reads the store, not the working copy: its latest complete checkpoint i
 unless the copy already holds it, and a working copy without metrics logs gets the store's, so
 they continue rather than restart. Endpoints and credentials come from the usual environment
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as for datasets. ``RemoteRun`` is the store's
-file operations; what a checkpoint is lives in ``trainer.checkpoint``.
+file operations; what a checkpoint is lives in ``trainer.checkpoint.files``.
 """
 
 from __future__ import annotations

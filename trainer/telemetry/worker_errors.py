@@ -53,7 +53,8 @@ def record_worker_error(run_dir: Path, rank: int, err: BaseException) -> None:
 
 def record_worker_exit(run_dir: Path, rank: int, how: str) -> None:
     """In the launcher: a worker that ended without an error of its own (``how``: "exited with
-    code -9 (signal SIGKILL)"), for the next attempt's restart line (``trainer.recovery``)."""
+    code -9 (signal SIGKILL)"), for the next attempt's restart line
+    (``trainer.telemetry.restarts``)."""
     _write(run_dir, f"rank-{rank}.json", {"kind": "", "message": how, "user_error": False,
                                          "exited": True})
 
@@ -63,7 +64,7 @@ CONTROLLER_FILE = "controller.json"  # errors/controller.json: Ray Train's contr
 
 def record_controller_error(run_dir: Path, message: str) -> None:
     """In the driver: Ray Train's controller failed (the run is started again), for the next
-    attempt's restart line (``trainer.recovery``)."""
+    attempt's restart line (``trainer.telemetry.restarts``)."""
     _write(run_dir, CONTROLLER_FILE, {"kind": "", "message": message, "user_error": False})
 
 
@@ -131,7 +132,8 @@ def _last_failure(records: list[tuple[float, int, dict]]) -> tuple[int, dict] | 
 
 def clear_worker_errors(run_dir: Path) -> None:
     """Before a launch: the previous launch's errors move to ``errors-previous`` (one launch
-    kept), where the next attempt reads why its predecessor ended (``trainer.recovery``)."""
+    kept), where the next attempt reads why its predecessor ended
+    (``trainer.telemetry.restarts``)."""
     previous = run_dir / PREVIOUS_ERRORS_DIR
     shutil.rmtree(previous, ignore_errors=True)
     if (run_dir / ERRORS_DIR).is_dir():

@@ -3,8 +3,8 @@
 ``model.name: hf:<directory or its config.json>`` builds the model from its own config with
 ``AutoModelForCausalLM.from_config`` (nothing is downloaded) and, where the directory holds
 weights (safetensors), loads them. A ``module:function`` entry point that returns a
-``transformers`` causal LM is taken the same way (``trainer.model.create_model``). Either is
-wrapped in ``HFCausalLM``, which answers what the memory transforms ask of a model:
+``transformers`` causal LM is taken the same way (``trainer.models.registry.create_model``). Either
+is wrapped in ``HFCausalLM``, which answers what the memory transforms ask of a model:
 
 - ``blocks``: its decoder layers (the ``nn.ModuleList`` of the modules its class names in
   ``_no_split_modules``), so activation checkpointing and FSDP apply per layer;
@@ -119,7 +119,7 @@ class HFCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar).
 
-        ``position_ids``: packed documents' positions (``trainer.tokens``); with no attention
+        ``position_ids``: packed documents' positions (``trainer.batches``); with no attention
         mask, transformers finds the documents from them and keeps attention within each."""
         # The planner's probe runs on fake tensors: unpacked, it takes the real forward's path.
         with hf_positions_read_as_unpacked() if position_ids is None and is_fake(idx_BT) \
@@ -233,7 +233,7 @@ def build_hf_model(spec: str, vocab_size: int, seq_len: int, load_weights: bool 
 def initialise_on_meta() -> Iterator[None]:
     """Let ``transformers`` run its weight initialisation while a model is built on the meta
     device. It skips it there (``init_weights`` asks for the context's device), and the
-    meta-device build (``trainer.meta_init``) must record the same random draws as the host
+    meta-device build (``trainer.parallel.meta_init``) must record the same random draws as the host
     build makes; a test holds the replayed weights to ``from_config``'s bit for bit."""
     if importlib.util.find_spec("transformers") is None:
         yield

@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from monitoring.memory import resident_bytes
 from monitoring.run_files import MEMORY_DIR, PROFILE_DIR
 from trainer.compat import cpu_allocation_events, quiet_native_logs
-from trainer.sharding import local_tensor
+from trainer.tensors import local_tensor
 
 log = logging.getLogger("memtrain")
 

@@ -15,7 +15,7 @@ its ``meta.json`` exists:
   checkpoints are too large to read twice.
 
 Each rank hashes the files it wrote, as it writes them; rank 0 gathers every rank's list into
-``meta.json`` (``trainer.checkpoint.write_states``). A ``meta.json`` without a file list
+``meta.json`` (``trainer.checkpoint.files.write_states``). A ``meta.json`` without a file list
 (written before manifests) is accepted when its ``state.pt`` is there: it cannot say more.
 """
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from monitoring.run_files import ATTEMPTS, ERRORS_DIR, PREVIOUS_ERRORS_DIR, PROGRESS
-from trainer.worker_errors import (
+from trainer.telemetry.worker_errors import (
     CONTROLLER_FILE,
     as_worker_error,
     error_records,

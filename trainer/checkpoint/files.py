@@ -15,8 +15,8 @@ and LR-schedule state, the step, the data loader's position and the RNG state:
   ``ray.train.report``, under the same names, in no fixed order.
 - **Finding**: the latest whole checkpoint of a run directory (``latest_whole``) or of its store
   (``stored_checkpoints``, ``fetch_latest``): ``meta.json`` is a manifest of every file with its
-  size and SHA-256 (``trainer.manifest``), checked before a checkpoint is trusted; one that is
-  not whole is skipped with a line naming what is missing, and the one before it is used.
+  size and SHA-256 (``trainer.checkpoint.integrity``), checked before a checkpoint is trusted; one
+  that is not whole is skipped with a line naming what is missing, and the one before it is used.
   Staging and download directories never match a checkpoint's name.
 - **Reading**: ``torch.load(..., weights_only=True)``: everything in ``state.pt`` is tensors and
   plain containers, so a checkpoint can never run code. A checkpoint that cannot be used raises
@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import re
-import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +40,15 @@ import torch
 from torch import nn
 
 from monitoring.run_files import CHECKPOINT_PREFIX
-from trainer.errors import first_line
-from trainer.faults import maybe_fail_checkpoint
-from trainer.manifest import (
+from trainer.checkpoint.integrity import (
     MANIFEST,
     STATE,
     describe,
     local_problem,
-    parse,
-    size_problem,
     write_manifest,
 )
+from trainer.errors import first_line
 from trainer.memory.lora import is_adapter, lora_of, trainable_state_dict
-from trainer.runstore import RemoteRun
 
 STATE_FILE = STATE
 META_FILE = MANIFEST
@@ -204,102 +198,7 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-# -- publishing ----------------------------------------------------------------------------------
-
-def publish_checkpoint(run_dir: Path, step: int, files: Path | None, rank: int,
-                       barrier: Callable[[], None], keep: int) -> Path:
-    """Publish one step's checkpoint in ``run_dir`` from every rank's ``files`` (its
-    ``write_states`` directory, or None); every rank calls. Returns the checkpoint.
-
-    The barriers order the phases: clean staging, copy (each rank its own files: rank 0 only
-    under DDP, every rank's shards under FSDP), rename (atomic: a checkpoint is there whole or
-    not at all), prune to the ``keep`` newest.
-    """
-    final = run_dir / checkpoint_dir_name(step)
-    staging = run_dir / f".staging-{checkpoint_dir_name(step)}"
-    is_main = rank == 0
-    barrier()
-    if is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crash mid-write
-        staging.mkdir(parents=True)
-    barrier()
-    if files is not None:
-        try:
-            shutil.copytree(files, staging, dirs_exist_ok=True)
-        except OSError as err:  # disk full, read-only storage: the run stops here
-            shutil.rmtree(staging, ignore_errors=True)
-            reason = getattr(err, "strerror", None) or first_line(err)
-            raise CheckpointWriteError(
-                f"checkpoint of step {step} could not be written to {staging.parent} "
-                f"({reason}); the previous checkpoint stays the latest") from err
-    maybe_fail_checkpoint(run_dir, step, rank)  # MEMTRAIN_FAULTS=checkpoint@STEP (faults.py)
-    barrier()
-    if is_main:
-        if final.exists():  # a rerun reached the same step: replace it whole
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        for _, old in published_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def upload_checkpoint(remote: RemoteRun, checkpoint: Path, keep: int) -> None:
-    """A checkpoint published in the working copy, to the run store: every file under its
-    name, ``meta.json`` last (complete from then); then the store keeps its ``keep`` newest, and
-    gets the run's logs as they are at this checkpoint."""
-    step = checkpoint_step(checkpoint.name)
-    try:
-        if checkpoint.name in remote.directories():  # a rerun's, or a partial upload's
-            remote.delete_dir(checkpoint.name)
-        files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
-        remote.upload_files(checkpoint.parent, files, last=META_FILE)
-        stored = _stored(remote)
-        whole = [name for _step, name, problem in stored if problem is None]
-        for _step, name, problem in stored:  # the older whole ones beyond keep, partial ones
-            if name != checkpoint.name and (problem is not None or name in whole[:-keep]):
-                remote.delete_dir(name)
-        remote.upload_logs(checkpoint.parent)
-    except OSError as err:  # the store's latest complete checkpoint stays the latest
-        raise CheckpointWriteError(
-            f"checkpoint of step {step} could not be uploaded to {remote.uri} "
-            f"({first_line(err)}); the previous checkpoint stays the latest") from err
-
-
 # -- finding -------------------------------------------------------------------------------------
-
-def _stored(remote: RemoteRun) -> list[tuple[int, str, str | None]]:
-    """(step, name, what is missing or None) of every checkpoint directory in the store,
-    oldest first: one listing of each, no bytes read but its manifest's."""
-    found = []
-    for name in remote.directories():
-        if (step := checkpoint_step(name)) is None:
-            continue
-        sizes = remote.file_sizes(name)
-        manifest = parse(remote.read_text(f"{name}/{META_FILE}")) if META_FILE in sizes else None
-        found.append((step, name, size_problem(manifest, sizes)))
-    return sorted(found)
-
-
-def stored_checkpoints(remote: RemoteRun) -> list[tuple[int, str]]:
-    """(step, name) of the checkpoints in the run store that hold every file their manifest
-    lists, at its size; oldest first."""
-    return [(step, name) for step, name, problem in _stored(remote) if problem is None]
-
-
-def fetch_latest(remote: RemoteRun, run_dir: Path, hashes: bool = True) -> Path | None:
-    """The store's latest whole checkpoint in the working copy ``run_dir`` (downloaded unless
-    the copy holds it whole); None when the store has none. Each newer one that is not whole,
-    on the store or once downloaded, is skipped with one line."""
-    for _, name, problem in reversed(_stored(remote)):
-        local = run_dir / name
-        if problem is None and local_problem(local, hashes) is not None:
-            remote.download_dir(name, local)
-            problem = local_problem(local, hashes)
-        if problem is None:
-            return local
-        log.warning("checkpoint %s/%s is not whole (%s): skipped, the one before it is used",
-                    remote.uri, name, problem)
-    return None
 
 
 # -- reading -------------------------------------------------------------------------------------

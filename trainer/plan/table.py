@@ -2,7 +2,7 @@
 calibration's age, the data loader's cost, static bytes, the loss), every precision and
 checkpointing mode at the configured micro-batch, the memory strategies each added to the
 configured plan (device, host, AdamW state, tokens/s), the fastest fitting plan of each with
-``auto``'s decision marked (``trainer.plan.choose.decide``, as ``train`` takes it), and with
+``auto``'s decision marked (``trainer.plan.auto.decide``, as ``train`` takes it), and with
 ``--measure`` the fastest predicted plans run on this CPU beside their predictions.
 """
 
@@ -16,14 +16,12 @@ from rich.console import Console
 from rich.table import Table
 
 from monitoring.units import format_bytes
-from trainer.batch import micro_batch_candidates, per_rank_batch
-from trainer.build import MemoryTransforms, model_factory
+from trainer.batches import micro_batch_candidates, per_rank_batch
 from trainer.config import ConfigError
-from trainer.hf import model_vocab_size
 from trainer.memory.loss import ChunkedLossShape
-from trainer.plan.calibrate import cpu_speed
-from trainer.plan.candidates import HEADROOM, feasible_plans
-from trainer.plan.choose import (
+from trainer.models.build import MemoryTransforms, model_factory
+from trainer.models.hf import model_vocab_size
+from trainer.plan.auto import (
     bf16_weights,
     config_probe,
     config_static,
@@ -32,6 +30,8 @@ from trainer.plan.choose import (
     probe_config,
     speed_model,
 )
+from trainer.plan.calibrate import cpu_speed
+from trainer.plan.candidates import HEADROOM, feasible_plans
 from trainer.plan.devices import GPU_COMPILED_SHARE
 from trainer.plan.measure import measure_plan
 from trainer.plan.peak import AC_MODES, plan_row
@@ -44,7 +44,7 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
     """``memtrain plan``'s output for ``cfg`` on devices of ``budget`` bytes (as the user
     wrote it: ``device_memory``), planned for ``gpu`` where the config trains on GPUs;
     ``calibrate``: this CPU measured again first; ``measure_top``: that many plans run."""
-    from trainer.plan.strategy import decide_sharding, describe, sharding_candidates
+    from trainer.plan.auto import decide_sharding, describe, sharding_candidates
 
     if len(sharding_candidates(cfg)) > 1:  # the strategy first, as train resolves it
         cfg = decide_sharding(cfg.model_copy(update={"memory": cfg.memory.model_copy(
@@ -176,7 +176,7 @@ def strategies_table(cfg: Any, profiles: list[Any], speed: Any, budget: int) -> 
 
 def auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[Any]) -> Any:
     """The plan ``train`` would take for ``cfg`` with micro-batch and checkpointing ``auto``
-    on a device of ``budget`` bytes: ``trainer.plan.choose.decide`` itself (its lines go to the
+    on a device of ``budget`` bytes: ``trainer.plan.auto.decide`` itself (its lines go to the
     log), on the profiles already probed where their bf16 norm inputs match. None: none fits."""
     searched = cfg.model_copy(update={
         "train": cfg.train.model_copy(update={"micro_batch_size": "auto"}),

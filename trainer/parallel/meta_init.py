@@ -16,7 +16,7 @@ then frees it. At no time does a rank hold more than the few whole tensors under
 Tensors are matched by their storage and geometry, not by Python identity, so views, ``.data``
 and ``nn.Parameter`` wrappers of one storage are the same tensor to the replay. A factory that
 needs real values while it builds (``.item()``, a branch on data) cannot run on meta: it raises
-there, and the caller builds on the host instead (``trainer.build.build_sharded``).
+there, and the caller builds on the host instead (``trainer.parallel.fsdp.build_sharded``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from trainer.tensors import storage_key
+
 # In-place operations that overwrite every element of their tensor without reading it.
 _OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "random_", "exponential_", "geometric_",
                "log_normal_", "cauchy_", "bernoulli_", "copy_"}
@@ -40,12 +42,6 @@ _RANDOM = {"normal_", "uniform_", "random_", "exponential_", "geometric_", "log_
 
 
 _HOST = torch.device("cpu")
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Which storage a tensor views (the same for its views, ``.data`` and a Parameter of it):
-    the storage's C++ object, not its data pointer, which meta and fake tensors do not have."""
-    return tensor.untyped_storage()._cdata
 
 
 @dataclass

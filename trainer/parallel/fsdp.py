@@ -5,15 +5,16 @@ in ``fsdp_units`` and ``fsdp_loss_unit`` (a Hugging Face model's untied input em
 output layer), and then the root module, so
 parameters, gradients and optimizer state are split across ranks (each holds 1/world of them) and
 a block's parameters are all-gathered only while it runs. Its checkpoints are DCP files
-(``trainer.checkpoint``), which reshard on load: one worker is not wrapped (nothing to shard) but
-reads and writes the same files without a process group, so a run moves between 1 and N workers
+(``trainer.checkpoint.files``), which reshard on load: one worker is not wrapped (nothing to shard)
+but reads and writes the same files without a process group, so a run moves between 1 and N workers
 either way.
 
 ``build_sharded`` builds the model on the meta device, applies the memory transforms, shards it,
 allocates each rank's shards and fills them: with the values a seeded host build would have made
-(``trainer.meta_init``: the same weights as DDP's build, at any world size), or, for an ``hf:``
-directory with safetensors, with each rank's rows read from the files (``trainer.hf``). A model
-that cannot be built on meta is built whole on the host, with one line saying so.
+(``trainer.parallel.meta_init``: the same weights as DDP's build, at any world size), or, for an
+``hf:`` directory with safetensors, with each rank's rows read from the files
+(``trainer.models.hf``). A model that cannot be built on meta is built whole on the host, with one
+line saying so.
 
 ``FsdpSettings`` (``parallel.fsdp``): the parameter and reduction dtypes (``MixedPrecisionPolicy``:
 bf16 parameters replace autocast under FSDP), ``reshard_after_forward`` and CPU offload
@@ -26,7 +27,9 @@ FSDP's counterpart of DDP's ``no_sync()``: one reduce-scatter per optimizer step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +38,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from trainer.errors import first_line
+from trainer.models.build import (
+    Bf16Weights,
+    MemoryTransforms,
+    ModelFactory,
+    apply_transforms,
+    build_model,
+)
+from trainer.models.hf import SafetensorsRows, initialise_on_meta
+from trainer.models.weights import fill_from_file, fill_owner, owners
+from trainer.parallel import meta_init
+
 if TYPE_CHECKING:
     from trainer.config import Config
     from trainer.memory.precision import PrecisionPolicy
@@ -42,6 +57,7 @@ if TYPE_CHECKING:
 # FSDP is imported where it is used: it brings in DTensor (about 1.5 s of CPU per process), which
 # every DDP worker, CLI call and Ray worker would otherwise pay for nothing.
 
+log = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -142,39 +158,73 @@ def is_sharded(model: nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of an FSDP DTensor, else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
+def _meta_build(factory: ModelFactory, hf_init: bool) -> tuple[nn.Module, meta_init.MetaRecording]:
+    """The model on meta with its record; ValueError naming a tensor whose values the record
+    cannot make again (the replay would leave it uninitialised memory)."""
+    with initialise_on_meta() if hf_init else contextlib.nullcontext():
+        model, recording = meta_init.record(factory)
+    unmade = meta_init.unrecorded(recording, dict(meta_init.module_tensors(model)))
+    if unmade:
+        raise ValueError(f"{', '.join(unmade[:3])}: made without a tensor operation the meta "
+                         "device records (torch.from_numpy, load_state_dict(assign=True))")
+    return model, recording
 
 
-def local_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this rank holds (its shards under FSDP, everything otherwise)."""
-    return sum(local_tensor(p).numel() * local_tensor(p).element_size()
-               for p in model.parameters())
+def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
+                  seed: int | None, settings: FsdpSettings, *, model_name: str = "",
+                  before_shard: Callable[[nn.Module], None] = lambda model: None,
+                  weights: SafetensorsRows | None = None) -> nn.Module:
+    """The FSDP model, built so that no rank holds it whole (the module docstring of
+    ``trainer.parallel.fsdp``): on meta, transformed, ``before_shard`` (torch.compile), sharded,
+    then each rank's shards allocated and filled with the seeded host build's values, or with
+    ``weights``' rows where the directory has them (``factory`` then builds without them). A model
+    that cannot be built on meta is built whole on the host and sharded, with one warning naming the
+    reason."""
+    cast = isinstance(factory, Bf16Weights)
+    try:
+        model, recording = _meta_build(factory.factory if isinstance(factory, Bf16Weights)
+                                       else factory, hf_init=":" in model_name)
+    except Exception as err:  # the factory needed real values (an .item(), a data branch);
+        # an error of the model's own is raised again by the host build below.
+        log.warning("model.name %r cannot be built on the meta device (%s); building it whole "
+                    "on the host, then sharding", model_name, first_line(err, type(err).__name__))
+        model, recording = build_model(factory, MemoryTransforms(), device, seed), None
+    tensors = owners(model)  # by the storages the record made (fp32 ones where ``cast``)
+    hf_model = getattr(model, "hf", None)  # its files' names are matched as transformers does
+    if cast and recording is not None:
+        _bf16_parameters(model)  # its shards are allocated in bf16
+    apply_transforms(model, transforms)
+    before_shard(model)
+    shard_model(model, settings, device)
+    if recording is None:
+        fill_from_file(tensors, weights, hf_model)
+        return model
+    host = torch.device("cpu")
+    model.to_empty(device=host if settings.offload == "cpu" else device)
+    from_file = fill_from_file(tensors, weights, hf_model)
+
+    def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for owner in tensors[key]:
+            fill_owner(owner, real(owner.meta))
+
+    meta_init.replay(recording, set(tensors) - from_file, seed, take)
+    if settings.offload == "cpu" and device != host:  # the buffers stay with the compute
+        for module in model.modules():
+            module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
+                                    if b is not None})
+    return model
 
 
-def shard_rows(rows: int, rank: int, world_size: int) -> slice:
-    """The rows of a tensor of ``rows`` rows FSDP2 gives ``rank``: ``torch.chunk``'s split of
-    dim 0 (ranks past the last chunk hold none)."""
-    per_rank = -(-rows // world_size)
-    start = min(rank * per_rank, rows)
-    return slice(start, min(start + per_rank, rows))
-
-
-def fill_local(target: torch.Tensor, read: Callable[[slice | None], torch.Tensor],
-               shape: torch.Size) -> None:
-    """Copy this rank's part of a whole tensor of ``shape`` into ``target``: its rows of a
-    sharded parameter, all of anything else. ``read(rows)`` gives those rows of the whole
-    tensor (``None``: all of it)."""
-    with torch.no_grad():
-        if not hasattr(target, "to_local"):
-            target.copy_(read(None))
-            return
-        import torch.distributed as dist
-
-        local = target.to_local()
-        if local.numel():
-            rows = shard_rows(shape[0] if len(shape) else 0, dist.get_rank(),
-                              dist.get_world_size())
-            local.copy_(read(rows))
+def _bf16_parameters(model: nn.Module) -> None:
+    """New bf16 parameters in place of a meta model's floating ones (tied ones stay tied).
+    New objects, not ``.data``: the record's operations hold the old ones, and the replay finds
+    each by its storage."""
+    swapped: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in swapped:
+                swapped[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16),
+                                                  requires_grad=param.requires_grad)
+            module._parameters[name] = swapped[id(param)]

@@ -1,4 +1,6 @@
-"""The learning-rate schedule, and what a resume with other settings does to it.
+"""The optimizer and its learning-rate schedule: ``build_optimizer`` (AdamW, with the memory
+switches of ``trainer.memory.optimizers``), ``Schedule`` and what a resume with other settings
+does to it (``resume_schedule``).
 
 ``Schedule`` is the factor of ``train.lr`` at each step: linear warm-up, then a cosine decay to
 ``min_lr_ratio`` at ``train.steps``. It is ``LambdaLR``'s callable, so its fields go into every
@@ -24,6 +26,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+from trainer.memory.optimizers import BackwardSteps, make_adamw
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -113,3 +118,32 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[st
         return None
     return (f"learning rate: {'; '.join(changes)}; the next step's rate "
             f"{scheduler._last_lr[0]:.4g}")
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95),
+                    fused: bool | None = None, states: str = "fp32",
+                    in_backward: str | None = None) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms, biases), over the parameters
+    that train (``requires_grad``: all but a LoRA model's frozen base).
+
+    ``states``: the moments' dtype (``memory.optimizer_states``, trainer/memory/optimizers.py).
+    ``in_backward``: each parameter steps in backward (``memory.optimizer_in_backward``):
+    ``"ddp"`` where DDP will wrap the model, ``"fsdp"`` under FSDP2, ``"local"`` otherwise.
+
+    ``fused``: torch's fused kernel, one launch per parameter group and no temporary of a
+    moment's size (None: on CUDA parameters, as ``train.fused_optimizer: auto``); else torch's
+    default (foreach on CUDA, a per-parameter loop on CPU). Both keep the same state, so a
+    checkpoint of one loads into the other.
+    """
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if fused is None:
+        fused = states == "fp32" and any(p.is_cuda for p in decay + no_decay)
+    bf16 = any(p.dtype == torch.bfloat16 for p in decay + no_decay)  # ``model.dtype: bf16``
+    optimizer = make_adamw(groups, lr, betas, states, bool(fused), stochastic_round=bf16)
+    if in_backward is not None:
+        BackwardSteps(optimizer, ddp=in_backward == "ddp", sharded=in_backward == "fsdp")
+    return optimizer

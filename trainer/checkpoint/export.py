@@ -28,8 +28,7 @@ from datapipe.manifest import DatasetError, read_manifest
 from datapipe.tokenize import SPECIAL_TOKENS, TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
 from monitoring.units import format_bytes
-from trainer.build import MemoryTransforms, build_model, build_whole, model_factory
-from trainer.checkpoint import (
+from trainer.checkpoint.files import (
     CheckpointReadError,
     latest_whole,
     load_checkpoint,
@@ -38,8 +37,8 @@ from trainer.checkpoint import (
     published_checkpoints,
     verified,
 )
+from trainer.checkpoint.lora_base import lora_base_source, weights_fingerprint
 from trainer.config import Config, ConfigError, load_config
-from trainer.hf import PREFIX, HFCausalLM
 from trainer.memory.lora import (
     lora_of,
     merge_adapters,
@@ -47,8 +46,9 @@ from trainer.memory.lora import (
     peft_config,
     trainable_state_dict,
 )
-from trainer.meta_init import storage_key
-from trainer.state import lora_base_source, weights_fingerprint
+from trainer.models.build import MemoryTransforms, build_model, build_whole, model_factory
+from trainer.models.hf import PREFIX, HFCausalLM
+from trainer.tensors import storage_key
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,50 @@
+"""What a LoRA run's checkpoints record of its frozen base: the ``hf:`` directory it takes its
+weights from and those files' sizes (and SHA-256 under ``run.checkpoint_verify: hashes``). A
+LoRA checkpoint holds the adapters alone, so an export rebuilds the base and refuses one that is
+missing or changed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.integrity import sha256_of
+from trainer.models.hf import PREFIX as HF_PREFIX
+from trainer.models.hf import has_weights
+
+
+def lora_base_source(model_name: str, init_from: str | None) -> str | None:
+    """The ``hf:`` directory a LoRA model's frozen base takes its weights from, as the loop
+    builds it: ``train.init_from``'s where it names one, else ``model.name``'s where that holds
+    weights; None for a base of its seeded initialisation."""
+    if init_from is not None and init_from.startswith(HF_PREFIX):
+        return init_from
+    if model_name.startswith(HF_PREFIX) and has_weights(model_name.removeprefix(HF_PREFIX)):
+        return model_name
+    return None
+
+
+def weights_fingerprint(source: str, hashes: bool) -> dict[str, dict[str, Any]]:
+    """The weight files of an ``hf:`` directory (``model.safetensors``, or the index and the
+    files it names) by name: their size, and their SHA-256 where ``hashes``; empty where it
+    holds none."""
+    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    directory = path if path.is_dir() else path.parent
+    index = directory / "model.safetensors.index.json"
+    names = {"model.safetensors"}
+    if index.is_file():
+        names = {index.name, *json.loads(index.read_text())["weight_map"].values()}
+    return {name: {"size": (directory / name).stat().st_size,
+                   **({"sha256": sha256_of(directory / name)} if hashes else {})}
+            for name in sorted(names) if (directory / name).is_file()}
+
+
+def lora_base(model_name: str, init_from: str | None, hashes: bool) -> dict[str, Any] | None:
+    """What a LoRA model's checkpoints record of its base (``TrainState.lora_base``); None
+    for a base of its seeded initialisation."""
+    source = lora_base_source(model_name, init_from)
+    if source is None:
+        return None
+    return {"source": source, "files": weights_fingerprint(source, hashes)}

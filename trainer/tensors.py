@@ -1,0 +1,56 @@
+"""What a tensor is underneath, for code that must not care how the work is split: the storage
+it views (``storage_key``), this rank's part of it (``local_tensor``: an FSDP shard's local
+tensor, else the tensor), and which rows of a whole tensor a rank holds under FSDP2's split
+(``shard_rows``, ``fill_local``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which storage a tensor views (the same for its views, ``.data`` and a Parameter of it):
+    the storage's C++ object, not its data pointer, which meta and fake tensors do not have."""
+    return tensor.untyped_storage()._cdata
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP DTensor, else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def local_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds (its shards under FSDP, everything otherwise)."""
+    return sum(local_tensor(p).numel() * local_tensor(p).element_size()
+               for p in model.parameters())
+
+
+def shard_rows(rows: int, rank: int, world_size: int) -> slice:
+    """The rows of a tensor of ``rows`` rows FSDP2 gives ``rank``: ``torch.chunk``'s split of
+    dim 0 (ranks past the last chunk hold none)."""
+    per_rank = -(-rows // world_size)
+    start = min(rank * per_rank, rows)
+    return slice(start, min(start + per_rank, rows))
+
+
+def fill_local(target: torch.Tensor, read: Callable[[slice | None], torch.Tensor],
+               shape: torch.Size) -> None:
+    """Copy this rank's part of a whole tensor of ``shape`` into ``target``: its rows of a
+    sharded parameter, all of anything else. ``read(rows)`` gives those rows of the whole
+    tensor (``None``: all of it)."""
+    with torch.no_grad():
+        if not hasattr(target, "to_local"):
+            target.copy_(read(None))
+            return
+        import torch.distributed as dist
+
+        local = target.to_local()
+        if local.numel():
+            rows = shard_rows(shape[0] if len(shape) else 0, dist.get_rank(),
+                              dist.get_world_size())
+            local.copy_(read(rows))
