@@ -138,8 +138,8 @@ def test_rows_read_per_rank_say_which_parameters_the_files_lack(
     missing one is named, as ``from_pretrained`` names it."""
     from safetensors.torch import load_file, save_file
 
-    from trainer.models.weights import fill_from_file, owners
     from trainer.models.hf import SafetensorsRows
+    from trainer.models.weights import fill_from_file, owners
 
     torch.manual_seed(7)
     tiny_llama().save_pretrained(tmp_path)
