@@ -123,7 +123,8 @@ def make_model(cfg: GPTConfig, ac: str, device: torch.device, loss_chunk_tokens:
 
 
 def transforms(ac: str, loss_chunk_tokens: int) -> MemoryTransforms:
-    return MemoryTransforms(ac, checkpoint_every_k=2, loss_chunk_tokens=loss_chunk_tokens)
+    return MemoryTransforms(ac, activation_checkpointing_every=2,
+                            loss_chunk_tokens=loss_chunk_tokens)
 
 
 def attention_backend(name: str) -> contextlib.AbstractContextManager:

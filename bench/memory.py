@@ -43,7 +43,8 @@ AC_MODES = ("none", "selective", "full")
 
 def transforms(ac: str, loss_chunk_tokens: int) -> MemoryTransforms:
     """memtrain's defaults (bf16 norm inputs on) with this row's checkpointing and loss."""
-    return MemoryTransforms(ac, checkpoint_every_k=2, loss_chunk_tokens=loss_chunk_tokens)
+    return MemoryTransforms(ac, activation_checkpointing_every=2,
+                            loss_chunk_tokens=loss_chunk_tokens)
 
 
 def step_seconds_and_peak(cfg: GPTConfig, precision: str, ac: str, micro_batch: int,

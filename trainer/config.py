@@ -197,7 +197,9 @@ class MemoryConfig(_Strict):
     grad_scaler_init_scale: float = Field(2.0**16, gt=0)
     # "auto": the mode of the fastest plan that fits (trainer.plan.auto.resolve_auto).
     activation_checkpointing: Literal["none", "full", "selective", "auto"] = "full"
-    checkpoint_every_k: int = Field(2, ge=1)  # selective: checkpoint every k-th block
+    # k for "selective": blocks 0, k, 2k, ... of model.blocks are checkpointed (2: every
+    # other block). Not about saving checkpoints, which is train.checkpoint_every.
+    activation_checkpointing_every: int = Field(2, ge=1)
     # Memory of one device for the "auto" choices, e.g. "80GiB". Unset: the CUDA device's total
     # when the driver has one, or this host's RAM divided by the workers on CPU.
     device_memory: str | None = None
@@ -466,7 +468,16 @@ def strategy_combinations(cfg: Config) -> None:
                          f"{memory.optimizer_states!r}: torch's fused AdamW keeps fp32 states")
 
 
+# Keys that go by another name: a file or --set with the old one is refused in one line that
+# names the key to write instead, not as a bare unknown key.
+_RENAMED_KEYS = {"memory.checkpoint_every_k": "memory.activation_checkpointing_every"}
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
+    for error in err.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden" and key in _RENAMED_KEYS:
+            return f"{source}: {key} is now {_RENAMED_KEYS[key]}"
     first = err.errors()[0]
     field = ".".join(str(part) for part in first["loc"]) or "(top level)"
     if first["type"] == "extra_forbidden":

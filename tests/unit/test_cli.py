@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainer.cli import main
+from trainer.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo-cpu.yaml")
@@ -74,6 +75,38 @@ def test_bad_input_gives_one_line_and_exit_2(case: str, args: list[str], expecte
     assert lines[0].startswith("memtrain: error: ")
     assert expected in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_the_old_name_of_activation_checkpointing_every_is_refused_naming_the_new_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trainer.models.build import (
+        MemoryTransforms,
+        build_model,
+        checkpointed_blocks,
+        model_factory,
+    )
+
+    old_file = tmp_path / "old.yaml"
+    old_file.write_text("memory: {checkpoint_every_k: 3}\n")
+    moved = "memory.checkpoint_every_k is now memory.activation_checkpointing_every"
+    for args, source in [(["-c", DEMO, "--set", "memory.checkpoint_every_k=3"], DEMO),
+                         (["-c", str(old_file)], str(old_file))]:
+        # No dataset there: were the key taken, the run would stop before it starts.
+        result = memtrain_here(capsys, "train", *args, "--set", f"run.dir={tmp_path}",
+                               "--set", f"data.path={tmp_path / 'none'}")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.splitlines() == [f"memtrain: error: {source}: {moved}"]
+
+    new_file = tmp_path / "new.yaml"
+    new_file.write_text("memory: {activation_checkpointing: selective, "
+                        "activation_checkpointing_every: 3}\nmodel: {n_layer: 5}\n")
+    for cfg in (load_config(new_file),
+                load_config(None, ["memory.activation_checkpointing=selective", "model.n_layer=5",
+                                   "memory.activation_checkpointing_every=3"])):
+        transforms = MemoryTransforms.of(cfg.memory)
+        assert transforms.activation_checkpointing_every == 3
+        model = build_model(model_factory(cfg.model), transforms)
+        assert checkpointed_blocks(model) == [0, 3]  # the default, 2, gives [0, 2, 4]
 
 
 def test_debug_shows_the_traceback() -> None:

@@ -40,7 +40,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode: str) -
     torch.manual_seed(0)
     plain = GPT(GPTConfig(seq_len=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1))
     checkpointed = copy.deepcopy(plain)
-    chosen = apply_activation_checkpointing(checkpointed, mode, every_k=2)
+    chosen = apply_activation_checkpointing(checkpointed, mode, every=2)
     assert chosen == ([0, 1, 2, 3] if mode == "full" else [0, 2])
     assert checkpointed.state_dict().keys() == plain.state_dict().keys()
     tokens = torch.randint(0, 256, (4, 33))

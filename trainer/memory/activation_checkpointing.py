@@ -13,20 +13,21 @@ from torch import nn
 from trainer.compat import checkpoint_wrapper_api
 
 
-def checkpointed_block_indices(num_blocks: int, mode: str, every_k: int) -> list[int]:
-    """Which blocks get activation checkpointing: none, all, or every k-th (0, k, 2k, ...)."""
+def checkpointed_block_indices(num_blocks: int, mode: str, every: int) -> list[int]:
+    """Which blocks get activation checkpointing: none, all, or (``selective``) blocks 0,
+    ``every``, 2 * ``every``, ...; a ValueError for an ``every`` below 1 or another mode."""
     if mode == "none":
         return []
     if mode == "full":
         return list(range(num_blocks))
     if mode == "selective":
-        if every_k < 1:
-            raise ValueError(f"memory.checkpoint_every_k must be >= 1, got {every_k}")
-        return list(range(0, num_blocks, every_k))
+        if every < 1:
+            raise ValueError(f"memory.activation_checkpointing_every must be >= 1, got {every}")
+        return list(range(0, num_blocks, every))
     raise ValueError(f"memory.activation_checkpointing {mode!r} is not none|full|selective")
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2) -> list[int]:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> list[int]:
     """Wrap the chosen blocks of ``model.blocks`` in place; returns their indices."""
     if mode == "none":
         return []
@@ -38,7 +39,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
                       f"expose its repeated blocks as `model.blocks` (an nn.ModuleList); "
                       f"{type(model).__name__} does not", stacklevel=2)
         return []
-    chosen = checkpointed_block_indices(len(blocks), mode, every_k)
+    chosen = checkpointed_block_indices(len(blocks), mode, every)
     targets = {id(blocks[i]) for i in chosen}
     api = checkpoint_wrapper_api()
     api.apply_activation_checkpointing(

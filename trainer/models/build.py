@@ -45,7 +45,7 @@ class MemoryTransforms:
     """Which memory transforms a model gets (the fields of ``MemoryConfig`` that shape it)."""
 
     activation_checkpointing: str = "none"  # none | selective | full
-    checkpoint_every_k: int = 2
+    activation_checkpointing_every: int = 2
     loss_chunk_tokens: int | str = 0  # 0: the plain loss; "auto": chunked if the model can
     bf16_norm_inputs: bool = True
     activation_offload: str = "none"  # none | checkpointed | all (trainer/memory/offload.py)
@@ -53,7 +53,7 @@ class MemoryTransforms:
     @classmethod
     def of(cls, memory: MemoryConfig) -> MemoryTransforms:
         # An "auto" not resolved (trainer.plan.auto.resolve_auto): on, which fits more.
-        return cls(memory.activation_checkpointing, memory.checkpoint_every_k,
+        return cls(memory.activation_checkpointing, memory.activation_checkpointing_every,
                    memory.loss_chunk_tokens, memory.bf16_norm_inputs is not False,
                    memory.activation_offload)
 
@@ -115,7 +115,7 @@ def build_model(factory: ModelFactory, transforms: MemoryTransforms,
 
 def apply_transforms(model: nn.Module, transforms: MemoryTransforms) -> None:
     apply_activation_checkpointing(model, transforms.activation_checkpointing,
-                                   transforms.checkpoint_every_k)
+                                   transforms.activation_checkpointing_every)
     set_loss_chunking(model, transforms.loss_chunk_tokens)
     bf16_norm_inputs(model, transforms.bf16_norm_inputs)
     install_offload(model, transforms.activation_offload)
