@@ -39,19 +39,13 @@ from trainer.checkpoint.lora_base import lora_base
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
-from trainer.memory.allocator import keep_freed_host_memory, return_freed_host_memory
 from trainer.memory.lora import lora_of
 from trainer.memory.loss import computes_own_loss, takes_position_ids
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.models.build import (
-    MemoryTransforms,
-    build_whole,
     checkpointed_blocks,
     compile_model,
-    model_factory,
 )
-from trainer.models.hf import PREFIX as HF_PREFIX
-from trainer.models.hf import weights_of
 from trainer.oom import (
     BatchPlan,
     OOMAgreement,
@@ -60,7 +54,7 @@ from trainer.oom import (
     step_with_oom_recovery,
 )
 from trainer.optim import Schedule, build_optimizer
-from trainer.parallel.fsdp import FsdpSettings, build_sharded
+from trainer.parallel.choice import parallelism_for, runs_fp16
 from trainer.state import TrainState
 from trainer.step import StepResult, evaluate, step_seed, train_step
 from trainer.telemetry.diagnostics import (
@@ -94,16 +88,15 @@ class Trainer:
 
     def __init__(self, cfg: Config, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
-        self.plan = BatchPlan(cfg.train.micro_batch(), cfg.train.accumulation_steps(ctx.world_size))
-        self.precision = resolve_precision(cfg.memory.precision, ctx.device, cfg.parallel.strategy)
-        self.policy = precision_policy(self.precision.name, ctx.device)
-        self.fsdp = FsdpSettings.of(cfg, self.precision.name, ctx.world_size) \
-            if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1 else None
-        if ctx.device.type == "cpu":  # FSDP's changing transients fragment a heap that keeps
-            # them; elsewhere large tensors reuse the last step's pages
-            (keep_freed_host_memory if self.fsdp is None else return_freed_host_memory)()
-        if self.fsdp is not None:
-            self.policy = self.fsdp.step_policy(self.policy)
+        self.batch_plan = BatchPlan(cfg.train.micro_batch(),
+                                    cfg.train.accumulation_steps(ctx.world_size))
+        self.precision = resolve_precision(cfg.memory.precision, ctx.device, runs_fp16(cfg))
+        # how the work is split over the ranks: everything that differs between the ways
+        self.parallel = parallelism_for(cfg, ctx.world_size, self.precision.name)
+        if ctx.device.type == "cpu":
+            self.parallel.settle_host_memory()
+        self.policy = self.parallel.step_policy(precision_policy(self.precision.name,
+                                                                 ctx.device))
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))
         self.consecutive_skips = 0
         # train.checkpoint_async under the local launcher: saves on a thread
@@ -116,7 +109,7 @@ class Trainer:
         with contextlib.ExitStack() as resources:
             state = self.build_state(resources)
             resumed_from = state.restore(ctx, cfg.train.init_from, cfg.train.resume_from)
-            state.wrap_ddp(ctx)
+            state.wrap()
             self.log_start(state, resumed_from, recording_history)
             recovery = Recovery.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,
                                       ctx.node_addresses(), ctx.lost_nodes)
@@ -136,7 +129,7 @@ class Trainer:
             state.model.train()
             while state.step < stop_at:
                 step_start = time.perf_counter()
-                micro_batches, data_wait = batches.take(self.plan.accumulation_steps)
+                micro_batches, data_wait = batches.take(self.batch_plan.accumulation_steps)
                 if rows is not None:
                     rows.record(state.step + 1, [batch.tokens for batch in micro_batches])
                 result = self.step(state, micro_batches)
@@ -169,47 +162,26 @@ class Trainer:
         """The model with its memory transforms (compiled, sharded where asked), AdamW, the
         schedule, the GradScaler and this rank's loader: everything a checkpoint holds."""
         cfg, ctx = self.cfg, self.ctx
-        transforms = MemoryTransforms.of(cfg.memory)
-        # train.init_from hf:DIR: that directory's safetensors in place of model.name's weights
-        # (read on a resume too, then replaced by the checkpoint's).
-        init_hf = cfg.train.init_from \
-            if (cfg.train.init_from or "").startswith(HF_PREFIX) else None
-        if self.fsdp is not None:  # no rank holds the whole model; before the optimizer
-            model = build_sharded(model_factory(cfg.model, load_weights=False), transforms,
-                                  ctx.device, cfg.run.seed, self.fsdp, model_name=cfg.model.name,
-                                  before_shard=self.compile,
-                                  weights=weights_of(init_hf or cfg.model.name))
-        else:
-            model = build_whole(cfg.model, cfg.train.init_from, transforms, ctx.device,
-                                seed=cfg.run.seed)  # the same on every rank
-            self.compile(model)
+        # built and made ready for its way of splitting, before the optimizer (FSDP's shards)
+        model = self.parallel.build(cfg, ctx.device, self.compile)
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
                                     cfg.train.betas, cfg.train.fused(),
                                     cfg.memory.optimizer_states, self.in_backward())
         return TrainState(
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
-            resources.enter_context(build_loader(cfg.data, ctx, self.plan.micro_batch_size,
+            resources.enter_context(build_loader(cfg.data, ctx, self.batch_plan.micro_batch_size,
                                                  cfg.run.seed)),
             # rank 0's checkpoints record a LoRA base's files (hashed once here, if hashes)
             lora_base=lora_base(cfg.model.name, cfg.train.init_from,
                                 cfg.run.checkpoint_verify == "hashes")
-            if cfg.model.lora is not None and ctx.is_main else None)
+            if cfg.model.lora is not None and ctx.is_main else None,
+            parallel=self.parallel)
 
     def in_backward(self) -> str | None:
-        """Where the optimizer steps in backward (``memory.optimizer_in_backward``): under
-        DDP's hook, FSDP's, or the parameters' own; None: after backward."""
-        if not self.cfg.memory.optimizer_in_backward:
-            return None
-        if self.fsdp is not None:
-            return "fsdp"
-        return "ddp" if self.ctx.world_size > 1 else "local"
-
-    def precision_route(self) -> str:
-        """How the precision is applied, where FSDP's policy does it instead of autocast."""
-        if self.fsdp is None or self.fsdp.param_dtype == "fp32":
-            return ""
-        return "; bf16 parameters through FSDP's MixedPrecisionPolicy, autocast off"
+        """Where the optimizer steps in backward (``memory.optimizer_in_backward``): as the way
+        of splitting attaches its hooks; None: after backward."""
+        return self.parallel.in_backward if self.cfg.memory.optimizer_in_backward else None
 
     def compile(self, model: torch.nn.Module) -> None:
         """torch.compile where asked: after checkpointing's wrappers, before DDP's or FSDP's."""
@@ -242,7 +214,7 @@ class Trainer:
         if not (self.cfg.data.val_path and self.cfg.train.eval_every):
             return None
         return resources.enter_context(build_loader(
-            self.cfg.data, self.ctx, self.plan.micro_batch_size, self.cfg.run.seed,
+            self.cfg.data, self.ctx, self.batch_plan.micro_batch_size, self.cfg.run.seed,
             validation=True))
 
     def row_record(self, resources: contextlib.ExitStack) -> RowRecord | None:
@@ -263,12 +235,14 @@ class Trainer:
             # draws the same ones.
             torch.manual_seed(step_seed(cfg.run.seed, ctx.rank, state.step))
             return train_step(state.model, state.optimizer, state.scaler, micro_batches,
-                              splits, self.policy, cfg.train.grad_clip, agreement)
+                              splits, self.policy, cfg.train.grad_clip, agreement,
+                              self.parallel)
 
-        agree = oom_recovery_on(cfg.memory.oom_recovery, ctx.device) and not state.sharded \
+        agree = oom_recovery_on(cfg.memory.oom_recovery, ctx.device) \
+            and self.parallel.agrees_on_oom \
             and not cfg.memory.optimizer_in_backward  # a retry would step twice
-        result, self.plan = step_with_oom_recovery(attempt, self.plan, ctx, state.step + 1,
-                                                   agree, cfg.memory.max_oom_retries)
+        result, self.batch_plan = step_with_oom_recovery(
+            attempt, self.batch_plan, ctx, state.step + 1, agree, cfg.memory.max_oom_retries)
         return result
 
     def check_skips(self, result: StepResult, step: int) -> None:
@@ -286,9 +260,10 @@ class Trainer:
         metrics.log_step(StepRecord(
             step=state.step, loss=result.loss.item(),  # host sync: logging steps only
             grad_norm=result.grad_norm.item(), lr=float(state.scheduler.get_last_lr()[0]),
-            grad_scale=state.scaler.get_scale(), micro_batch_size=self.plan.running_micro_batch,
-            accumulation_steps=self.plan.running_accumulation,
-            oom_recoveries=self.plan.recoveries))
+            grad_scale=state.scaler.get_scale(),
+            micro_batch_size=self.batch_plan.running_micro_batch,
+            accumulation_steps=self.batch_plan.running_accumulation,
+            oom_recoveries=self.batch_plan.recoveries))
         self.watch.check(state.step)
 
     def evaluate(self, metrics: RunMetrics, state: TrainState, val_batches: TokenLoader) -> None:
@@ -318,9 +293,9 @@ class Trainer:
             "precision": self.policy.name,
             "activation_checkpointing": cfg.memory.activation_checkpointing,
             "global_batch_size": cfg.train.global_batch_size,
-            "micro_batch_size": self.plan.running_micro_batch,
-            "accumulation_steps": self.plan.running_accumulation,
-            "oom_recoveries": self.plan.recoveries, "resumed_from_step": resumed_from,
+            "micro_batch_size": self.batch_plan.running_micro_batch,
+            "accumulation_steps": self.batch_plan.running_accumulation,
+            "oom_recoveries": self.batch_plan.recoveries, "resumed_from_step": resumed_from,
             "final_step": state.step, "leak_findings": findings,
             "diagnostics_off": diagnostics.off,
             "leak_samples": [[x.step, x.live_tensors, x.resident_bytes, x.cuda_allocated_bytes]
@@ -329,7 +304,7 @@ class Trainer:
 
     def log_start(self, state: TrainState, resumed_from: int | None,
                   recording_history: bool) -> None:
-        cfg, ctx, plan, precision = self.cfg, self.ctx, self.plan, self.precision
+        cfg, ctx, plan, precision = self.cfg, self.ctx, self.batch_plan, self.precision
         if not ctx.is_main:
             return
         if precision.warning:
@@ -348,14 +323,15 @@ class Trainer:
         log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
                  "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch "
                  "%d; %s", cfg.run.name, ctx.world_size, ctx.device.type,
-                 f"{precision.name} ({precision.reason}{self.precision_route()})",
+                 f"{precision.name} ({precision.reason}{self.parallel.precision_route()})",
                  cfg.memory.activation_checkpointing,
                  checkpointed_blocks(state.unwrapped), plan.micro_batch_size,
                  plan.accumulation_steps, ctx.world_size, cfg.train.global_batch_size, where)
         if state.schedule_change is not None:
             log.info("%s", state.schedule_change)
-        if self.fsdp is not None:
-            log.info("FSDP: %s", self.fsdp.describe())
+        description = self.parallel.describe()
+        if description is not None:
+            log.info("%s", description)
         strategies = describe_strategies(cfg.memory, state.unwrapped, ctx.device)
         if strategies:
             log.info("memory strategies: %s", "; ".join(strategies))

@@ -105,31 +105,6 @@ class OOMAgreement:
             raise StepOutOfMemory(local_oom or "a peer rank ran out of memory in this step")
 
 
-def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
-                         bucket_bytes: int = 25 << 20) -> int:
-    """Average gradients over ranks in flat buckets (DDP's default 25 MiB); returns buckets."""
-    grads = [p.grad for p in params if p.grad is not None]
-    buckets: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for grad in grads:
-        if size and size + grad.numel() * grad.element_size() > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(grad)
-        size += grad.numel() * grad.element_size()
-    for bucket in buckets:
-        if not bucket:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat)  # SUM: gloo has no AVG
-        flat.div_(world_size)
-        offset = 0
-        for grad in bucket:
-            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-    return sum(1 for b in buckets if b)
-
-
 def start_memory_history(device: torch.device, enabled: bool) -> bool:
     """Record CUDA allocations with Python stacks from the start, for snapshots on OOM."""
     if not enabled or device.type != "cuda":

@@ -145,5 +145,6 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
     bf16 = any(p.dtype == torch.bfloat16 for p in decay + no_decay)  # ``model.dtype: bf16``
     optimizer = make_adamw(groups, lr, betas, states, bool(fused), stochastic_round=bf16)
     if in_backward is not None:
-        BackwardSteps(optimizer, ddp=in_backward == "ddp", sharded=in_backward == "fsdp")
+        BackwardSteps(optimizer, comm_hook=in_backward == "ddp",
+                      norm_over_ranks=in_backward == "fsdp")
     return optimizer

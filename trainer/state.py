@@ -1,17 +1,14 @@
 """``TrainState``: everything a checkpoint holds, and how it is saved and restored.
 
-The state owns the model (DDP-wrapped once the process group needs it), the optimizer, the LR
-schedule, the GradScaler, the loader's position, the step and, in every checkpoint, the RNG.
-``state_dict()`` / ``load_state_dict()`` carry the plain part (``state.pt``, rank 0's); the
-model and optimizer go through DCP beside it, under DDP and FSDP alike: every rank writes its
-part (FSDP: its shards; DDP: DCP spreads the replicated tensors over the ranks, each written
-once), and a checkpoint of either loads under the other at any world size, DCP resharding it.
-``save`` refuses non-finite weights and writes this rank's part for the worker context to
+The state owns the model (wrapped for its way of splitting once restored: ``parallel``), the
+optimizer, the LR schedule, the GradScaler, the loader's position, the step and, in every
+checkpoint, the RNG. ``state_dict()`` / ``load_state_dict()`` carry the plain part (``state.pt``,
+rank 0's); the model and optimizer go through DCP beside it, under DDP and FSDP alike: every rank
+writes its part (FSDP: its shards; DDP: DCP spreads the replicated tensors over the ranks, each
+written once), and a checkpoint of either loads under the other at any world size, DCP resharding
+it. ``save`` refuses non-finite weights and writes this rank's part for the worker context to
 publish; ``restore`` loads the context's latest checkpoint. How checkpoints are written, named,
 published and read is ``trainer.checkpoint.files``.
-
-A checkpoint written before DDP's went through DCP holds the model and optimizer in its
-``state.pt``: it still loads under DDP, and is refused in one line under FSDP.
 """
 
 from __future__ import annotations
@@ -20,21 +17,18 @@ import copy
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.batches import TokenLoader
 from trainer.checkpoint.async_save import AsyncSaves, staged
 from trainer.checkpoint.files import (
-    CheckpointReadError,
     load_checkpoint,
-    load_model_state,
     load_sharded,
     load_weights,
     model_and_optimizer_states,
@@ -45,10 +39,9 @@ from trainer.checkpoint.files import (
 from trainer.checkpoint.publish import clear_rank_parts, rank_parts_prefix
 from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
-from trainer.memory.optimizers import BackwardSteps
 from trainer.models.hf import PREFIX as HF_PREFIX
 from trainer.optim import resume_schedule
-from trainer.parallel.fsdp import is_sharded
+from trainer.parallel.strategy import Parallelism
 from trainer.tensors import local_tensor
 
 
@@ -65,29 +58,22 @@ class TrainState:
     # checkpoints hold the adapters alone, so an export rebuilds the base and checks it is this.
     lora_base: dict[str, Any] | None = None
 
-    @property
-    def sharded(self) -> bool:
-        """FSDP-wrapped: model and optimizer state are this rank's shards."""
-        return is_sharded(self.model)
+    # How the model is split over ranks (``trainer.parallel``): one process unless given.
+    parallel: Parallelism = field(default_factory=Parallelism)
 
     @property
     def unwrapped(self) -> nn.Module:
-        return self.model.module if isinstance(self.model, DDP) else self.model
+        """The model as built, without the wrapper of its way of splitting (DDP's)."""
+        return self.parallel.unwrap(self.model)
 
-    def wrap_ddp(self, ctx: WorkerContext) -> None:
-        """DDP when more than one rank holds the whole model (after ``restore``: DDP
-        broadcasts rank 0's weights when it wraps)."""
-        if ctx.world_size > 1 and not self.sharded:
-            device = ctx.device
-            self.model = DDP(self.model,
-                             device_ids=[device.index] if device.type == "cuda" else None)
-            in_backward = BackwardSteps.of(self.optimizer)
-            if in_backward is not None:  # each parameter steps once its bucket is reduced
-                in_backward.attach_ddp(self.model)
+    def wrap(self) -> None:
+        """The model wrapped for its way of splitting, after ``restore`` (DDP broadcasts rank
+        0's weights as it wraps)."""
+        self.model = self.parallel.wrap(self.model, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's ``state.pt``: model and optimizer too unless they go to DCP files
-        (the key ``sharded`` says which)."""
+        """The checkpoint's ``state.pt``: everything but the model and optimizer, which go to
+        the DCP files beside it (the key ``sharded`` says so)."""
         state: dict[str, Any] = {
             "scaler": self.scaler.state_dict(), "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
@@ -97,11 +83,8 @@ class TrainState:
             state["lora_base"] = self.lora_base
         return state
 
-    def load_state_dict(self, state: dict[str, Any], source: str) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """The inverse of ``state_dict`` (DCP model and optimizer: see ``restore``)."""
-        if "model" in state:  # the single-file format
-            load_model_state(self.unwrapped, state["model"], source)
-            self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         assert isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR)
         self.schedule_change = resume_schedule(self.scheduler, state["scheduler"])
@@ -124,15 +107,9 @@ class TrainState:
                     load_weights(Path(init_from), self.unwrapped)
                 return None
             state = load_checkpoint(checkpoint_dir)
-            if state.get("sharded"):  # any strategy and world size: DCP reshards to this one
-                load_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
-            elif self.sharded:
-                raise CheckpointReadError(
-                    f"checkpoint {checkpoint_dir} holds the whole model in its state.pt (the "
-                    "format before DDP's checkpoints went through DCP), which FSDP cannot "
-                    "load: resume it once under parallel.strategy ddp, whose next checkpoint "
-                    "FSDP loads")
-            self.load_state_dict(state, str(checkpoint_dir))
+            # any way of splitting and world size: DCP reshards to this one
+            load_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
+            self.load_state_dict(state)
             return self.step
 
     def save(self, ctx: WorkerContext, metrics: dict[str, Any], saves: AsyncSaves | None = None,

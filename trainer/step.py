@@ -1,9 +1,9 @@
 """One optimizer step in plain torch, and what it steps with.
 
 - ``forward_backward``: one micro-batch under autocast, loss scaled for accumulation, backward.
-- ``train_step``: one optimizer step over its micro-batches; DDP's ``no_sync()`` on all but the
-  last so gradients are all-reduced once per step, then unscale, clip, non-finite check, step,
-  ``zero_grad(set_to_none=True)``.
+- ``train_step``: one optimizer step over its micro-batches, gradients reduced once per step
+  (the way of splitting, ``trainer.parallel``, says how: DDP's ``no_sync()`` on all but the
+  last), then unscale, clip, non-finite check, step, ``zero_grad(set_to_none=True)``.
 - ``evaluate``: the mean token loss over validation batches, under ``no_grad``.
 - ``StepResult``: what one step gives back; ``step_seed``: the RNG seed of one rank's step.
   AdamW and its schedule are ``trainer.optim``.
@@ -21,7 +21,6 @@ anyway). Nothing holds a graph across steps: the loss is accumulated detached.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer import faults
 from trainer.batches import TokenBatch, as_batch
@@ -38,8 +36,9 @@ from trainer.errors import NonFiniteError, first_line
 from trainer.memory.loss import summed_loss
 from trainer.memory.optimizers import BackwardSteps, state_tensors
 from trainer.memory.precision import PrecisionPolicy
-from trainer.oom import OOMAgreement, StepOutOfMemory, all_reduce_gradients
-from trainer.parallel.fsdp import is_sharded
+from trainer.oom import OOMAgreement, StepOutOfMemory
+from trainer.parallel.choice import parallelism_of
+from trainer.parallel.strategy import Parallelism
 from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 
@@ -67,34 +66,31 @@ def forward_backward(model: nn.Module, batch: TokenBatch, policy: PrecisionPolic
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                micro_batches: list[TokenBatch] | list[torch.Tensor], splits: int,
                policy: PrecisionPolicy, grad_clip: float,
-               agreement: OOMAgreement | None = None) -> StepResult:
+               agreement: OOMAgreement | None = None,
+               parallel: Parallelism | None = None) -> StepResult:
     """One optimizer step over ``micro_batches``, each cut into ``splits`` chunks.
 
     ``splits`` > 1 after an OOM: the same samples in smaller pieces, so the update is the same.
     With an ``agreement``, an OOM on any rank raises ``StepOutOfMemory`` on every rank.
+    ``parallel``: how the model is split (None: found from how it is wrapped), which says when
+    gradients are reduced.
     """
+    parallel = parallel or parallelism_of(model)
     chunks = [chunk for mb in micro_batches for chunk in as_batch(mb).chunk(splits)]  # views
     in_backward = BackwardSteps.of(optimizer)
     if in_backward is not None:
         in_backward.begin()
     tokens = step_tokens(chunks)
     loss_sum = torch.zeros((), device=chunks[0].tokens.device)
-    # With OOM agreement across ranks, DDP must not all-reduce inside backward (a peer may have
-    # failed): every micro-batch runs under no_sync and gradients are reduced after the check.
-    reduce_after_check = isinstance(model, DDP) and agreement is not None \
-        and agreement.distributed
+    # With OOM agreement across ranks, gradients must not be reduced inside backward (a peer may
+    # have failed): DDP then reduces them after the check.
+    deferred = parallel.defers_reduction(agreement)
     oom_message = None
     try:
         for i, batch in enumerate(chunks):
-            is_last = i == len(chunks) - 1
             faults.maybe_oom(i, len(chunks))  # MEMTRAIN_FAULTS=oom@STEP:RANK (trainer.faults)
-            # Gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on the last
-            # micro-batch of the step.
-            sync = model.no_sync() if isinstance(model, DDP) and \
-                (reduce_after_check or not is_last) else contextlib.nullcontext()
-            if is_sharded(model):
-                model.set_requires_gradient_sync(is_last)  # type: ignore[operator]
-            with sync:
+            # Gradients are reduced only on the last micro-batch of the step.
+            with parallel.micro_batch(model, i == len(chunks) - 1, deferred):
                 loss_sum += forward_backward(model, batch, policy, scaler, tokens.divisor)
     except torch.OutOfMemoryError as err:
         if agreement is None:
@@ -110,13 +106,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             raise
     if in_backward is not None:  # every parameter has stepped already
         return _stepped_in_backward(in_backward, loss_sum / tokens.local, tokens.trained)
-    if reduce_after_check:
-        all_reduce_gradients(list(model.parameters()), dist.get_world_size())
+    if deferred:
+        parallel.reduce_gradients(model)
     scaler.unscale_(optimizer)
     # grad_clip 0: no clipping (an infinite bound scales every gradient by exactly 1).
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm is a DTensor
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = parallel.total_norm(
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf))
     finite = bool(torch.isfinite(grad_norm))  # host sync: once per optimizer step
     if finite or scaler.is_enabled():
         scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps

@@ -142,8 +142,8 @@ def test_ddp_and_fsdp_checkpoints_resume_under_each_other(corpus_dir: Path,
                                                           tmp_path: Path) -> None:
     """One format: DDP to step 2, FSDP from there to step 4, DDP again to step 6, 2 workers
     each (another world size re-splits the epoch's rest: other batches); every loss follows a
-    straight DDP run's (to FSDP's arithmetic: 1e-4). A checkpoint
-    in the single-file format from before loads under DDP and is refused under FSDP."""
+    straight DDP run's (to FSDP's arithmetic: 1e-4). A checkpoint of the single-file
+    format (the model in ``state.pt``) is refused in one line under either."""
     common = ("parallel.launcher=local", "memory.precision=fp32", "train.steps=6",
               "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=2")
 
@@ -174,10 +174,11 @@ def test_ddp_and_fsdp_checkpoints_resume_under_each_other(corpus_dir: Path,
     save_checkpoint(legacy, {**load_checkpoint(checkpoint), "sharded": False, "model": weights,
                              "optimizer": {"state": {}, "param_groups": []}})
     (legacy.parent / "config.yaml").write_bytes((checkpoint.parent / "config.yaml").read_bytes())
-    with pytest.raises(WorkerError, match=r"holds the whole model in its state.pt .* resume it "
-                                          r"once under parallel.strategy ddp") as failed:
-        run("legacy", "fsdp", 2, None)
-    assert failed.value.exit_code == 2
+    for strategy in ("fsdp", "ddp"):
+        with pytest.raises(WorkerError, match=r"holds the model in its state.pt: the single-file "
+                                              r"format") as failed:
+            run("legacy", strategy, 2, None)
+        assert failed.value.exit_code == 2
 
 
 @pytest.mark.parametrize("param_dtype", ["bf16", "fp32"])

@@ -4,6 +4,7 @@ never imports trainer, and no product module imports itself through others."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,37 @@ def test_no_function_is_longer_than_a_screen() -> None:
     """A function a newcomer reads whole: at most 60 lines. A longer one is split where its
     parts have names."""
     assert long_functions(REPO) == []
+
+
+# How the work is split over ranks is asked of its ``Parallelism`` (trainer/parallel/): the
+# planner plans each way (trainer/plan/) and the config refuses combinations in one line each
+# (trainer/config.py); no other module branches on the kind of splitting.
+KIND_BRANCH = re.compile(
+    r"strategy\s*[!=]=|\bis_sharded\(|\bis_ddp\(|world_size\s*(?:[<>]=?|[!=]=)\s*1\b"
+    r"|isinstance\([^)]*\b(?:DDP|DistributedDataParallel|FSDPModule)\b"
+    r"|set_requires_gradient_sync|\.no_sync\(")
+MAY_BRANCH_ON_THE_KIND = ("trainer/parallel/", "trainer/plan/", "trainer/config.py")
+
+
+def kind_branches(path: str, text: str) -> list[str]:
+    """The lines of ``text`` (the module at ``path``) that branch on the kind of splitting."""
+    if path.startswith(MAY_BRANCH_ON_THE_KIND):
+        return []
+    return [f"{path}:{number}: {line.strip()}"
+            for number, line in enumerate(text.splitlines(), 1)
+            if KIND_BRANCH.search(line) and not line.lstrip().startswith("#")]
+
+
+def test_only_the_parallelism_branches_on_the_kind_of_splitting() -> None:
+    found = [branch for path in sorted((REPO / "trainer").rglob("*.py"))
+             for branch in kind_branches(str(path.relative_to(REPO)), path.read_text())]
+    assert found == []
+
+
+def test_the_kind_branch_finder_finds_them() -> None:
+    code = ('if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1:\n'
+            "    sync = model.no_sync() if isinstance(model, DDP) else None\n"
+            "# a comment that says strategy == fsdp\n")
+    assert [line.split(": ", 1)[0] for line in kind_branches("trainer/loop.py", code)] == \
+        ["trainer/loop.py:1", "trainer/loop.py:2"]
+    assert kind_branches("trainer/parallel/ddp.py", code) == []

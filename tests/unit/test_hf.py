@@ -238,7 +238,6 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     from trainer.checkpoint.files import (
         complete_checkpoints,
         load_checkpoint,
-        load_model_state,
         load_sharded_tensors,
     )
 
@@ -276,8 +275,8 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     tokens = torch.randint(0, 256, (2, 32))
     [(_, checkpoint)] = complete_checkpoints(tmp_path / "ddp")[-1:]
     trained = build(f"hf:{tmp_path / 'llama'}")
-    load_model_state(trained, load_sharded_tensors(checkpoint, {
-        name: torch.empty_like(t) for name, t in trained.state_dict().items()}), str(checkpoint))
+    trained.load_state_dict(load_sharded_tensors(checkpoint, {
+        name: torch.empty_like(t) for name, t in trained.state_dict().items()}))
     with torch.no_grad():
         expected = trained(tokens)
         initial = build(f"hf:{tmp_path / 'llama'}")(tokens)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from trainer.checkpoint.files import (
     CheckpointError,
     load_checkpoint,
-    load_model_state,
     save_checkpoint,
 )
 from trainer.memory.activation_checkpointing import (
@@ -123,7 +122,7 @@ class _Payload:
 
 def test_checkpoints_load_weights_only_and_refuse_pickled_objects(tmp_path: Path) -> None:
     model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
-    save_checkpoint(tmp_path / "ok", {"model": model.state_dict(), "step": 3})
+    save_checkpoint(tmp_path / "ok", {"weights": model.state_dict(), "step": 3})
     assert load_checkpoint(tmp_path / "ok")["step"] == 3
     (tmp_path / "evil").mkdir()
     with open(tmp_path / "evil" / "state.pt", "wb") as f:
@@ -135,11 +134,19 @@ def test_checkpoints_load_weights_only_and_refuse_pickled_objects(tmp_path: Path
         load_checkpoint(tmp_path / "ok")
 
 
-def test_checkpoint_from_another_model_is_a_clear_error() -> None:
-    small = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
-    wide = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2))
-    with pytest.raises(CheckpointError, match=r"wte.weight has shape \[256, 16\]"):
-        load_model_state(wide, small.state_dict(), "ckpt")
+def test_a_checkpoint_of_the_single_file_format_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The model and optimizer in ``state.pt`` (memtrain's first checkpoints, before DCP): one
+    line naming the checkpoint and its format, for a resume, ``train.init_from`` and export."""
+    model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
+    save_checkpoint(tmp_path / "old", {"model": model.state_dict(), "step": 3,
+                                       "optimizer": {"state": {}, "param_groups": []}})
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(tmp_path / "old")
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path / 'old'} holds the model in its state.pt: the single-file format "
+        "of memtrain's first checkpoints, before they were written with DCP, which this version "
+        "does not read")
+    assert isinstance(refused.value, ValueError)  # a user's error: exit 2
 
 
 def test_fused_adamw_is_chosen_on_cuda_only_and_checkpoints_load_across_the_switch(

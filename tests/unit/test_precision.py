@@ -14,9 +14,10 @@ import torch
 
 from tests.conftest import tiny_config
 from trainer.compat import cpu_bf16_support
-from trainer.config import load_config
+from trainer.config import Config, load_config
 from trainer.memory import precision as precision_module
 from trainer.memory.precision import resolve_precision
+from trainer.parallel.choice import runs_fp16
 from trainer.plan.auto import planned_precision
 
 CPU = torch.device("cpu")
@@ -57,7 +58,8 @@ def test_auto_on_cuda_takes_bf16_else_fp16(monkeypatch: pytest.MonkeyPatch, nati
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
-    choice = resolve_precision("auto", torch.device("cuda", 0), strategy)
+    cfg = Config.model_validate({"parallel": {"strategy": strategy}})
+    choice = resolve_precision("auto", torch.device("cuda", 0), runs_fp16(cfg))
     assert choice.name == expected
     assert asked == [False]  # emulated bf16 does not count
     assert "Tesla V100" in choice.reason

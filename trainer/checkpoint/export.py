@@ -1,18 +1,16 @@
 """``memtrain export RUN --hf OUT``: a run's trained weights back in the model's own format.
 
-For a run of a Hugging Face model (``model.name: hf:<dir>``), the checkpoint's weights (a plain
-``state.pt`` or FSDP's DCP shards, at any world size) are loaded into the model built from its
-config and written as ``save_pretrained`` would: ``AutoModelForCausalLM.from_pretrained(OUT)``
-then gives the trained model. FSDP's DCP shards are converted a safetensors file at a time: the
-model is built on the meta device, each file's tensors are read from the DCP shards alone
-(``--max-shard-size``'s worth, 2 GB by default), written, and freed, so the whole model is never
-in memory. A DDP checkpoint is one ``state.pt`` holding the whole model: it is loaded whole,
-and the log says so. The tokenizer the run's dataset was written with (the dataset's copy,
-checked against its manifest) is written beside it, so ``AutoTokenizer.from_pretrained(OUT)``
-works too. A LoRA run (``model.lora``) exports PEFT's adapter directory
-(``adapter_model.safetensors``, ``adapter_config.json``), or with ``--merge`` the model with the
-adapters folded into its weights. The run directory must be local (a run on object storage: its
-working copy, ``run.work_dir``).
+For a run of a Hugging Face model (``model.name: hf:<dir>``), the checkpoint's weights (DCP
+files, written under any way of splitting and world size) are written as ``save_pretrained``
+would: ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the trained model. They are
+converted a safetensors file at a time: the model is built on the meta device, each file's
+tensors are read from the DCP files alone (``--max-shard-size``'s worth, 2 GB by default),
+written, and freed, so the whole model is never in memory. The tokenizer the run's dataset was
+written with (the dataset's copy, checked against its manifest) is written beside it, so
+``AutoTokenizer.from_pretrained(OUT)`` works too. A LoRA run (``model.lora``) exports PEFT's adapter
+directory (``adapter_model.safetensors``, ``adapter_config.json``), or with ``--merge`` the model
+with the adapters folded into its weights. The run directory must be local (a run on object storage:
+its working copy, ``run.work_dir``).
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from trainer.checkpoint.files import (
     CheckpointReadError,
     latest_whole,
     load_checkpoint,
-    load_model_state,
     load_sharded_tensors,
     published_checkpoints,
     verified,
@@ -90,7 +87,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
     state = load_checkpoint(directory)
     if cfg.model.lora is not None:
         export_lora(cfg, directory, state, out, merge)
-    elif state.get("sharded"):
+    else:
         with torch.device("meta"):  # sizes and names only: no weights in memory
             model = build_model(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
                                 seed=None)
@@ -98,14 +95,6 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
         files = write_safetensors_from_dcp(directory, model, out, max_shard_bytes)
         log.info("exported %s a file at a time from the DCP shards (%d file(s), at most %s of "
                  "weights in memory)", directory.name, files, format_bytes(max_shard_bytes))
-    else:
-        model = build_model(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
-                            seed=None)
-        assert isinstance(model, HFCausalLM), type(model)
-        load_model_state(model, state["model"], str(directory))
-        log.info("exported %s from its state.pt, the whole model in memory (a checkpoint of "
-                 "the single-file format, from before DDP's went through DCP)", directory.name)
-        model.hf.save_pretrained(out)
     return Exported(out, int(state["step"]), _write_tokenizer(cfg.data.path, out))
 
 
@@ -150,12 +139,9 @@ def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
     model = build_whole(cfg.model, cfg.train.init_from, MemoryTransforms(), seed=cfg.run.seed)
     assert isinstance(model, HFCausalLM), type(model)
     adapters = trainable_state_dict(model)
-    if state.get("sharded"):
-        loaded = load_sharded_tensors(directory, {
-            name: torch.empty_like(tensor) for name, tensor in adapters.items()})
-        model.load_state_dict(loaded, strict=False)
-    else:
-        load_model_state(model, state["model"], str(directory))
+    loaded = load_sharded_tensors(directory, {
+        name: torch.empty_like(tensor) for name, tensor in adapters.items()})
+    model.load_state_dict(loaded, strict=False)
     settings = lora_of(model)
     assert settings is not None
     if merge:

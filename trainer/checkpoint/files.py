@@ -48,7 +48,7 @@ from trainer.checkpoint.integrity import (
     write_manifest,
 )
 from trainer.errors import first_line
-from trainer.memory.lora import is_adapter, lora_of, trainable_state_dict
+from trainer.memory.lora import is_adapter, lora_of
 
 STATE_FILE = STATE
 META_FILE = MANIFEST
@@ -210,27 +210,17 @@ def load_checkpoint(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointReadError(f"checkpoint {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:  # refused objects land here under weights_only
         raise CheckpointReadError(f"checkpoint {path} was refused: {first_line(err)}") from err
     except (RuntimeError, EOFError, OSError) as err:
         raise CheckpointReadError(f"checkpoint {path} is corrupted or truncated ({err})") from err
-
-
-def load_model_state(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """``model.load_state_dict`` with shape and key mismatches reported as one clear line."""
-    own = trainable_state_dict(model)  # a LoRA model's checkpoints hold its adapters only
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    if missing or unexpected:
-        raise CheckpointReadError(f"checkpoint {source} does not fit the model: missing "
-                                  f"{missing[:3]}, unexpected {unexpected[:3]}")
-    for name, tensor in state_dict.items():
-        if tensor.shape != own[name].shape:
-            raise CheckpointReadError(
-                f"checkpoint {source} does not fit the model: {name} has shape "
-                f"{list(tensor.shape)} in the checkpoint, {list(own[name].shape)} in the model")
-    model.load_state_dict(state_dict, strict=len(own) == len(model.state_dict()))
+    if isinstance(state, dict) and "model" in state:
+        raise CheckpointReadError(
+            f"checkpoint {directory} holds the model in its state.pt: the single-file format "
+            "of memtrain's first checkpoints, before they were written with DCP, which this "
+            "version does not read")
+    return state
 
 
 def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
@@ -247,10 +237,8 @@ def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
 
 def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every model tensor a checkpoint holds, whole, by name, with no model built (one
-    process: tools and tests); the single-file format's from its ``state.pt``."""
-    state = load_checkpoint(directory)
-    if not state.get("sharded"):
-        return state["model"]
+    process: tools and tests)."""
+    load_checkpoint(directory)  # whole and of this format
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -269,10 +257,7 @@ def load_weights(directory: Path, model: nn.Module) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    state = load_checkpoint(directory)
-    if not state.get("sharded"):  # the single-file format
-        load_model_state(model, state["model"], str(directory))
-        return
+    load_checkpoint(directory)  # whole and of this format
     options = _options(model)
     model_state = _kept(model, get_model_state_dict(model, options=options))
     try:

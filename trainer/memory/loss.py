@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.batches import IGNORE_INDEX, TokenBatch, as_batch
 
@@ -223,7 +222,7 @@ def summed_loss(model: nn.Module, batch: TokenBatch | torch.Tensor, policy: Prec
     """
     batch = as_batch(batch)
     inputs_BT, targets_BT = batch.inputs, batch.targets
-    unwrapped = model.module if isinstance(model, DDP) else model
+    unwrapped = getattr(model, "module", model)  # the model inside a wrapper (DDP's)
     kwargs = {}
     if batch.document_ids is not None and takes_position_ids(unwrapped):
         kwargs["position_ids"] = batch.position_ids

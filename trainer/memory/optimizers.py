@@ -94,15 +94,15 @@ def tensor_state_bytes(numel: int, states: str, itemsize: int = 4) -> int:
     return 2 * (math.ceil(_CODE_BYTES[states] * numel) + scales + 4 * _QMAP_VALUES[states])
 
 
-def state_bytes(tensors: Sequence[torch.Tensor], states: str, world_size: int = 1) -> int:
-    """AdamW's state bytes for ``tensors`` (trainable ones), each sharded ``world_size`` ways
-    under FSDP (its rows split evenly: the local shard decides whether it is quantized)."""
+def state_bytes(tensors: Sequence[torch.Tensor], states: str, shards: int = 1) -> int:
+    """AdamW's state bytes for ``tensors`` (trainable ones), each split into ``shards`` by rows
+    as FSDP splits them (the local shard decides whether it is quantized); 1: whole."""
     total = 0
     for tensor in tensors:
         numel = tensor.numel()
-        if world_size > 1:
+        if shards > 1:
             rows = tensor.shape[0] if tensor.dim() else 1
-            numel = -(-rows // world_size) * (numel // max(rows, 1))
+            numel = -(-rows // shards) * (numel // max(rows, 1))
         total += tensor_state_bytes(numel, states, tensor.element_size())
     return total
 
@@ -231,14 +231,14 @@ _BACKWARD_STEPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, BackwardSteps]
 class BackwardSteps:
     """Steps each parameter of ``optimizer`` in backward (the module docstring says where).
 
-    ``ddp``: the model will be wrapped in DDP, whose communication hook then steps each
-    bucket's parameters (``attach_ddp``). ``sharded``: FSDP2 (the norm's squares are summed
-    over ranks at the end).
+    ``comm_hook``: the model will be wrapped in DDP, whose communication hook then steps each
+    bucket's parameters (``attach_ddp``). ``norm_over_ranks``: each rank steps its own shards
+    (FSDP2), so the norm's squares are summed over ranks at the end.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, ddp: bool = False,
-                 sharded: bool = False):
-        self.optimizer, self.sharded = optimizer, sharded
+    def __init__(self, optimizer: torch.optim.Optimizer, comm_hook: bool = False,
+                 norm_over_ranks: bool = False):
+        self.optimizer, self.norm_over_ranks = optimizer, norm_over_ranks
         # (a parameter's optimizer, the index of its group in ``optimizer.param_groups``: a
         # checkpoint's load replaces the group dicts themselves)
         self.singles: list[tuple[torch.optim.Optimizer, int]] = []
@@ -255,7 +255,7 @@ class BackwardSteps:
                 self.singles.append((single, index))
                 stepper = _Stepper(self, single)
                 self.steppers[id(param)] = stepper
-                if not ddp:  # DDP: its communication hook steps (``attach_ddp``)
+                if not comm_hook:  # DDP's communication hook steps (``attach_ddp``)
                     param.register_post_accumulate_grad_hook(stepper.step_param)
         _BACKWARD_STEPS[optimizer] = self
         self.begin()
@@ -291,7 +291,7 @@ class BackwardSteps:
         """The global norm of the step's gradients (summed before each step); under FSDP over
         every rank's shards."""
         total = torch.stack(self.squares).sum() if self.squares else torch.zeros(())
-        if self.sharded and dist.is_available() and dist.is_initialized():
+        if self.norm_over_ranks and dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
         return total.sqrt()
 

@@ -48,14 +48,14 @@ class PrecisionChoice:
     warning: str | None = None
 
 
-def resolve_precision(requested: str, device: torch.device, strategy: str = "ddp"
+def resolve_precision(requested: str, device: torch.device, fp16: bool = True
                       ) -> PrecisionChoice:
     """``memory.precision`` for ``device``: an explicit value as it is, ``auto`` resolved.
 
-    ``auto``: on CUDA, bf16 where the device has it natively, else fp16 with a GradScaler (fp32
-    under FSDP, which memtrain does not run with fp16). On CPU, bf16 only where the CPU has
-    native bf16 (AVX512_BF16 or AMX): elsewhere autocast emulates it with fp32 arithmetic and
-    conversions, 2-9x slower than plain fp32 (``docs/benchmarks.md``), so fp32.
+    ``auto``: on CUDA, bf16 where the device has it natively, else fp16 with a GradScaler
+    where the way of splitting runs it (``fp16``; FSDP does not), else fp32. On CPU, bf16 only where
+    the CPU has native bf16 (AVX512_BF16 or AMX): elsewhere autocast emulates it with fp32
+    arithmetic and conversions, 2-9x slower than plain fp32 (``docs/benchmarks.md``), so fp32.
     """
     if requested != "auto":
         warning = None
@@ -67,7 +67,7 @@ def resolve_precision(requested: str, device: torch.device, strategy: str = "ddp
         name = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return PrecisionChoice("bf16", f"auto: {name} has native bf16")
-        if strategy == "fsdp":
+        if not fp16:
             return PrecisionChoice("fp32", f"auto: {name} has no native bf16, and FSDP does "
                                            "not run with fp16 here")
         return PrecisionChoice("fp16", f"auto: {name} has no native bf16; fp16 with a "

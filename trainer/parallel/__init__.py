@@ -1,8 +1,14 @@
-"""How the work is split over ranks.
+"""How the work is split over ranks: one ``Parallelism`` object per way, asked by everything
+else (nothing outside this folder and ``trainer.plan`` branches on the kind of splitting).
 
+- ``strategy``: ``Parallelism``, the interface and the one-process way; the order in which a
+  model is made ready, written once (``Parallelism.build``);
+- ``ddp``: ``DistributedDataParallel``: the whole model on every rank, gradients all-reduced;
+- ``fsdp``: ``FullyShardedDataParallel``: FSDP2's settings, sharding, and the sharded build
+  (meta device, then each rank's shards filled), so that no rank holds the whole model;
+- ``choice``: which way a run takes (``parallelism_for``) or a built model was given
+  (``parallelism_of``);
+- ``meta_init``: a seeded build on the meta device recorded, and replayed per shard;
 - ``rendezvous``: the process group, its store listening on the ranks' meeting address alone
-  (torch's own listens on every interface), NCCL with gloo beside it on GPUs;
-- ``fsdp``: FSDP2's settings, sharding a model and the sharded build (meta device, then each
-  rank's shards filled), so that no rank holds the whole model;
-- ``meta_init``: a seeded build on the meta device recorded, and replayed per shard.
+  (torch's own listens on every interface), NCCL with gloo beside it on GPUs.
 """

@@ -1,13 +1,14 @@
-"""Sharded data parallelism with FSDP2 (``fully_shard``), built so no rank holds the whole model.
+"""Sharded data parallelism with FSDP2 (``fully_shard``), built so no rank holds the whole model:
+``FullyShardedDataParallel``, the ``Parallelism`` of ``parallel.strategy: fsdp`` over several
+ranks.
 
-``parallel.strategy: fsdp`` shards every block of ``model.blocks``, the modules a model names
-in ``fsdp_units`` and ``fsdp_loss_unit`` (a Hugging Face model's untied input embedding and
-output layer), and then the root module, so
-parameters, gradients and optimizer state are split across ranks (each holds 1/world of them) and
-a block's parameters are all-gathered only while it runs. Its checkpoints are DCP files
-(``trainer.checkpoint.files``), which reshard on load: one worker is not wrapped (nothing to shard)
-but reads and writes the same files without a process group, so a run moves between 1 and N workers
-either way.
+FSDP shards every block of ``model.blocks``, the modules a model names in ``fsdp_units`` and
+``fsdp_loss_unit`` (a Hugging Face model's untied input embedding and output layer), and then
+the root module, so parameters, gradients and optimizer state are split across ranks (each
+holds 1/world of them) and a block's parameters are all-gathered only while it runs. Its
+checkpoints are DCP files (``trainer.checkpoint.files``), which reshard on load: one worker is
+not wrapped (nothing to shard) but reads and writes the same files without a process group, so
+a run moves between 1 and N workers either way.
 
 ``build_sharded`` builds the model on the meta device, applies the memory transforms, shards it,
 allocates each rank's shards and fills them: with the values a seeded host build would have made
@@ -32,23 +33,28 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from trainer.errors import first_line
+from trainer.memory.allocator import return_freed_host_memory
 from trainer.models.build import (
     Bf16Weights,
     MemoryTransforms,
     ModelFactory,
     apply_transforms,
     build_model,
+    model_factory,
 )
-from trainer.models.hf import SafetensorsRows, initialise_on_meta
+from trainer.models.hf import PREFIX as HF_PREFIX
+from trainer.models.hf import SafetensorsRows, initialise_on_meta, weights_of
 from trainer.models.weights import fill_from_file, fill_owner, owners
 from trainer.parallel import meta_init
+from trainer.parallel.strategy import Compile, Parallelism
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -228,3 +234,55 @@ def _bf16_parameters(model: nn.Module) -> None:
                 swapped[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16),
                                                   requires_grad=param.requires_grad)
             module._parameters[name] = swapped[id(param)]
+
+
+class FullyShardedDataParallel(Parallelism):
+    """FSDP2 with ``settings`` (None: a model sharded elsewhere, only stepped here)."""
+
+    name: ClassVar[str] = "FSDP"
+    sharded: ClassVar[bool] = True
+    # A reduce-scatter runs inside backward and cannot wait for the ranks to agree: an OOM
+    # is recovered per rank where nothing was reduced yet (``trainer.oom``).
+    agrees_on_oom: ClassVar[bool] = False
+    in_backward: ClassVar[str] = "fsdp"  # post-accumulate hooks on the shards, norm all-reduced
+
+    def __init__(self, settings: FsdpSettings | None):
+        self.settings = settings or FsdpSettings()
+
+    def build(self, cfg: Config, device: torch.device, compile_model: Compile) -> nn.Module:
+        """``Parallelism.build``'s order on the meta device: 1 and 2 there (no rank holds the
+        whole model), 3, then 4: sharded, each rank's shards allocated and filled with the
+        seeded build's values or its rows of the safetensors (``build_sharded``)."""
+        init_hf = cfg.train.init_from \
+            if (cfg.train.init_from or "").startswith(HF_PREFIX) else None
+        return build_sharded(model_factory(cfg.model, load_weights=False),
+                             MemoryTransforms.of(cfg.memory), device, cfg.run.seed,
+                             self.settings, model_name=cfg.model.name,
+                             before_shard=compile_model,
+                             weights=weights_of(init_hf or cfg.model.name))
+
+    def micro_batch(self, model: nn.Module, is_last: bool,
+                    deferred: bool) -> AbstractContextManager[Any]:
+        # FSDP's counterpart of no_sync(): one reduce-scatter per optimizer step
+        if is_sharded(model):
+            model.set_requires_gradient_sync(is_last)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def total_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        full_tensor = getattr(grad_norm, "full_tensor", None)  # a DTensor over the shards
+        return full_tensor() if full_tensor is not None else grad_norm
+
+    def step_policy(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        return self.settings.step_policy(policy)
+
+    def precision_route(self) -> str:
+        if self.settings.param_dtype == "fp32":
+            return ""
+        return "; bf16 parameters through FSDP's MixedPrecisionPolicy, autocast off"
+
+    def settle_host_memory(self) -> None:
+        # FSDP's transients change size through the step; a heap that kept them would fragment
+        return_freed_host_memory()
+
+    def describe(self) -> str:
+        return f"FSDP: {self.settings.describe()}"

@@ -43,6 +43,7 @@ from trainer.memory.precision import resolve_precision
 from trainer.models.build import MemoryTransforms, build_model, model_factory
 from trainer.models.hf import model_vocab_size
 from trainer.oom import oom_recovery_on
+from trainer.parallel.choice import runs_fp16
 from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Decision, Probe, Request, choose
@@ -85,7 +86,7 @@ def planned_precision(cfg: Config) -> str:
     if cfg.parallel.use_gpu and not torch.cuda.is_available():
         return "bf16"
     device = torch.device("cuda", 0) if cfg.parallel.use_gpu else torch.device("cpu")
-    return resolve_precision("auto", device, cfg.parallel.strategy).name
+    return resolve_precision("auto", device, runs_fp16(cfg)).name
 
 
 def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str],

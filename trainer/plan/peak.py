@@ -223,7 +223,7 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
         optimizer_bytes = -(-sum(p.numel() for p in trained) * ADAMW_STATE_BYTES_PER_PARAM
                             // (world_size if sharded else 1))
     else:  # torchao quantizes a shard by its own size
-        optimizer_bytes = state_bytes(trained, states, world_size if sharded else 1)
+        optimizer_bytes = state_bytes(trained, states, shards=world_size if sharded else 1)
     largest = max((_nbytes([p]) for p in trained), default=0)
     itemsize = max((p.element_size() for p in trained), default=4)
     if sharded:

@@ -1,0 +1,47 @@
+"""Which way of splitting the work a run takes (``parallelism_for``), or an already built model
+was given (``parallelism_of``), and whether it runs fp16 (``runs_fp16``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch import nn
+
+from trainer.parallel.ddp import DistributedDataParallel, is_ddp
+from trainer.parallel.fsdp import FsdpSettings, FullyShardedDataParallel, is_sharded
+from trainer.parallel.strategy import Parallelism
+
+if TYPE_CHECKING:
+    from trainer.config import Config
+
+
+def runs_fp16(cfg: Config) -> bool:
+    """Whether ``cfg``'s way of splitting runs fp16 (``memory.precision: auto`` otherwise takes
+    fp32 on a GPU without native bf16): FSDP does not, at any world size (the config refuses
+    fp16 with it), so a run moves between one worker and several under one precision."""
+    return cfg.parallel.strategy != "fsdp"
+
+
+def parallelism_for(cfg: Config, world_size: int, precision: str) -> Parallelism:
+    """The way ``cfg`` splits the work over ``world_size`` ranks at the run's resolved
+    ``precision``: FSDP where asked over several ranks, DDP over several ranks otherwise, and
+    one process alone (one FSDP worker has nothing to shard, and reads and writes the same
+    checkpoints)."""
+    if world_size == 1:
+        return Parallelism()
+    if cfg.parallel.strategy == "fsdp":
+        return FullyShardedDataParallel(FsdpSettings.of(cfg, precision, world_size))
+    return DistributedDataParallel(world_size)
+
+
+def parallelism_of(model: nn.Module) -> Parallelism:
+    """The way an already built ``model`` is split, from how it is wrapped: for a step run
+    outside the loop (the planner's measurements, the benches), which holds no ``Parallelism``
+    of its own."""
+    if is_ddp(model):
+        return DistributedDataParallel(dist.get_world_size())
+    if is_sharded(model):
+        return FullyShardedDataParallel(None)
+    return Parallelism()

@@ -1,0 +1,88 @@
+"""Data parallelism with torch's DDP: every rank holds the whole model and its optimizer state,
+and gradients are all-reduced once per optimizer step.
+
+The model is built whole on every rank alike (the same seed, the same weights) and wrapped
+after the checkpoint's restore, since DDP broadcasts rank 0's weights as it wraps. With gradient
+accumulation, every micro-batch but the last runs under ``no_sync()``. Where the ranks agree on
+an out-of-memory step first (``memory.oom_recovery``), every micro-batch runs under
+``no_sync()`` and the gradients are averaged after the agreement (``all_reduce_gradients``:
+DDP's own reduction is inside backward, where a rank that ran out would leave the others
+waiting). Under ``memory.optimizer_in_backward`` each bucket's parameters step in DDP's
+communication hook, once the bucket is reduced (``BackwardSteps.attach_ddp``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.memory.optimizers import BackwardSteps
+from trainer.parallel.strategy import Parallelism
+
+
+def is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, DDP)
+
+
+class DistributedDataParallel(Parallelism):
+    """DDP over ``world_size`` ranks."""
+
+    name: ClassVar[str] = "DDP"
+    in_backward: ClassVar[str] = "ddp"  # DDP's communication hook (``wrap``)
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        device = next(model.parameters()).device
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        in_backward = BackwardSteps.of(optimizer)
+        if in_backward is not None:  # each parameter steps once its bucket is reduced
+            in_backward.attach_ddp(wrapped)
+        return wrapped
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    def defers_reduction(self, agreement: Any) -> bool:
+        return agreement is not None and agreement.distributed
+
+    def micro_batch(self, model: nn.Module, is_last: bool,
+                    deferred: bool) -> AbstractContextManager[Any]:
+        if isinstance(model, DDP) and (deferred or not is_last):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        all_reduce_gradients(list(model.parameters()), self.world_size)
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
+                         bucket_bytes: int = 25 << 20) -> int:
+    """Average gradients over ranks in flat buckets (DDP's default 25 MiB); returns buckets."""
+    grads = [p.grad for p in params if p.grad is not None]
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for grad in grads:
+        if size and size + grad.numel() * grad.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel() * grad.element_size()
+    for bucket in buckets:
+        if not bucket:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)  # SUM: gloo has no AVG
+        flat.div_(world_size)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return sum(1 for b in buckets if b)

@@ -1,0 +1,119 @@
+"""One object per way of splitting the work over ranks: ``Parallelism`` (one process, and the
+base of the others), ``DistributedDataParallel`` (``trainer.parallel.ddp``) and
+``FullyShardedDataParallel`` (``trainer.parallel.fsdp``). Everything that differs between the
+ways is asked of this object: how the model is built and made ready, wrapped after a restore
+and unwrapped for a checkpoint or an export, whether a micro-batch's gradients are reduced,
+whether the ranks can agree on an out-of-memory step before reducing, where the
+optimizer-in-backward hooks attach, how precision is applied, and what the worker's heap keeps.
+Nothing outside ``trainer.parallel`` and ``trainer.plan`` branches on the kind
+(``tests/unit/test_boundaries.py`` greps for it). Lightning Fabric keeps one ``Strategy`` per
+way the same way; the place for sequence and tensor parallelism is here too.
+
+The order in which a model is made ready is written once, in ``Parallelism.build``'s docstring,
+and each way follows it; torchtitan comments its ``parallelize`` the same way.
+
+A checkpoint is the same DCP files under every way (``trainer.checkpoint.files``: the state-dict
+options depend on the model, a LoRA model's base left out, not on the way), so a run moves
+between them and between world sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from trainer.memory.allocator import keep_freed_host_memory
+from trainer.memory.precision import PrecisionPolicy
+from trainer.models.build import MemoryTransforms, build_whole
+
+if TYPE_CHECKING:
+    from trainer.config import Config
+
+Compile = Callable[[nn.Module], None]
+
+
+class Parallelism:
+    """One process holding the whole model (and the base of the other ways)."""
+
+    name: ClassVar[str] = "one process"
+    # Ranks hold shards of the model and its optimizer state, not the whole of them.
+    sharded: ClassVar[bool] = False
+    # The ranks can agree on an out-of-memory step before any gradient is reduced (so that the
+    # step is retried at half the micro-batch on every rank: ``trainer.oom``).
+    agrees_on_oom: ClassVar[bool] = True
+    # Where ``memory.optimizer_in_backward``'s steps attach (``trainer.optim.build_optimizer``):
+    # each parameter's post-accumulate-grad hook here.
+    in_backward: ClassVar[str] = "local"
+
+    def build(self, cfg: Config, device: torch.device, compile_model: Compile) -> nn.Module:
+        """``cfg``'s model made ready for this way of splitting, in this order:
+
+        1. the model, its LoRA adapters on a frozen base and its weights' dtype
+           (``trainer.models.build.model_factory``), with its weights: its own, or
+           ``train.init_from: hf:DIR``'s over the seeded build's (read on a resume too, then
+           replaced by the checkpoint's);
+        2. the memory transforms (activation checkpointing, the chunked loss, bf16 norm
+           inputs, activation offload: ``apply_transforms``), which wrap the blocks;
+        3. ``compile_model`` (torch.compile where asked), block by block, after checkpointing's
+           wrappers, so that the recomputation is compiled too, and before any sharding, so
+           that FSDP wraps compiled blocks;
+        4. the split: FSDP shards here, on the meta device, and then fills each rank's shards
+           (no rank holds the whole model); DDP wraps in ``wrap``, after the checkpoint's
+           restore, since it broadcasts rank 0's weights as it wraps.
+
+        Here: 1 and 2 on every rank alike (the same seed, the same weights), then 3."""
+        model = build_whole(cfg.model, cfg.train.init_from, MemoryTransforms.of(cfg.memory),
+                            device, seed=cfg.run.seed)
+        compile_model(model)
+        return model
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """The model as it steps, once its checkpoint is restored."""
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model as built (what a checkpoint and an export read), from ``wrap``'s."""
+        return model
+
+    def defers_reduction(self, agreement: Any) -> bool:
+        """Whether the step's gradients are reduced only after ``agreement``'s check (an
+        ``OOMAgreement`` over several ranks, or None), so that a rank that ran out of memory
+        leaves no peer waiting inside a reduction."""
+        return False
+
+    def micro_batch(self, model: nn.Module, is_last: bool,
+                    deferred: bool) -> AbstractContextManager[Any]:
+        """Around one micro-batch's forward and backward: whether its gradients are reduced
+        (once a step: on the last micro-batch, unless ``deferred``)."""
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Reduce the gradients a deferred step held back (``defers_reduction``)."""
+
+    def total_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over every rank, from ``clip_grad_norm_``'s result."""
+        return grad_norm
+
+    def step_policy(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        """How a step applies the run's precision: autocast (``policy``) here."""
+        return policy
+
+    def precision_route(self) -> str:
+        """What the log adds to the precision's reason where this way applies it otherwise."""
+        return ""
+
+    def settle_host_memory(self) -> None:
+        """glibc's heap on a CPU worker: freed memory kept for the next step (a step's large
+        tensors reuse the last step's pages; ``trainer.memory.allocator``)."""
+        keep_freed_host_memory()
+
+    def describe(self) -> str | None:
+        """This way's own line in the run's log, if it has settings of its own."""
+        return None
+
+
