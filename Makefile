@@ -127,7 +127,7 @@ bench-fsdp: setup ## FSDP on gloo ranks: the largest GPT under a per-rank budget
 bench-hf: setup ## A HF Llama at vocabulary 128,256: chunked loss vs its own labels= loss (peak, tokens/s)
 	$(BIN)/python -m bench.hf --out bench/results
 
-bench-checkpoints: setup ## What checking a checkpoint against its manifest costs (sizes; SHA-256), the demo's and 1 GiB
+bench-checkpoints: setup ## What checkpoints cost: checking one against its manifest (the demo's, 1 GiB), and a save every step, sync vs async, to the step of 1 and 2 local workers (about 5 min)
 	$(BIN)/python -m bench.checkpoints --out bench/results
 
 bench-uploads: setup ## An 8-rank checkpoint uploaded to a local S3 server through a slow proxy: one file at a time vs in parallel

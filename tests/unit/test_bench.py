@@ -145,6 +145,8 @@ def test_the_checkpoints_bench_times_both_checks(tmp_path: Path) -> None:
     assert report["sized"]["bytes"] >= 64 << 20
     assert 0 < report["sized"]["check_sizes_s"] < report["sized"]["check_hashes_s"]
     assert report["demo"]["bytes"] > 1 << 20
+    # memtrain's format: the model and optimizer in DCP files beside state.pt and meta.json
+    assert all(report[name]["dcp_files"] >= 1 for name in ("demo", "sized"))
 
 
 def test_the_uploads_bench_publishes_the_checkpoint_both_ways(tmp_path: Path) -> None:
