@@ -63,7 +63,7 @@ from trainer.telemetry.diagnostics import (
     profiler_window,
     write_memory_summary,
 )
-from trainer.telemetry.restarts import Recovery
+from trainer.telemetry.restarts import Restarts
 from trainer.telemetry.run_metrics import RunMetrics, StepRecord
 
 if TYPE_CHECKING:  # the loop runs without pydantic too (bench/gpu_check.py)
@@ -111,7 +111,7 @@ class Trainer:
             resumed_from = state.restore(ctx, cfg.train.init_from, cfg.train.resume_from)
             state.wrap()
             self.log_start(state, resumed_from, recording_history)
-            recovery = Recovery.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,
+            recovery = Restarts.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,
                                       ctx.node_addresses(), ctx.lost_nodes)
             resources.callback(recovery.close)
             metrics = self.start_metrics(resources, state, resumed_from)

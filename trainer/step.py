@@ -1,7 +1,7 @@
 """One optimizer step in plain torch, and what it steps with.
 
-- ``forward_backward``: one micro-batch under autocast, loss scaled for accumulation, backward.
-- ``train_step``: one optimizer step over its micro-batches, gradients reduced once per step
+- ``train_step``: one optimizer step over its micro-batches (each: its summed loss under
+  autocast, scaled for accumulation, backward), gradients reduced once per step
   (the way of splitting, ``trainer.parallel``, says how: DDP's ``no_sync()`` on all but the
   last), then unscale, clip, non-finite check, step, ``zero_grad(set_to_none=True)``.
 - ``evaluate``: the mean token loss over validation batches, under ``no_grad``.
@@ -54,15 +54,6 @@ class StepResult:
     trained_tokens: torch.Tensor | None = None
 
 
-def forward_backward(model: nn.Module, batch: TokenBatch, policy: PrecisionPolicy,
-                     scaler: torch.amp.GradScaler, tokens_per_step: int | torch.Tensor
-                     ) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns its summed token loss, detached."""
-    loss_sum = summed_loss(model, batch, policy)
-    scaler.scale(loss_sum / tokens_per_step).backward()
-    return loss_sum.detach()
-
-
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                micro_batches: list[TokenBatch] | list[torch.Tensor], splits: int,
                policy: PrecisionPolicy, grad_clip: float,
@@ -91,7 +82,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             faults.maybe_oom(i, len(chunks))  # MEMTRAIN_FAULTS=oom@STEP:RANK (trainer.faults)
             # Gradients are reduced only on the last micro-batch of the step.
             with parallel.micro_batch(model, i == len(chunks) - 1, deferred):
-                loss_sum += forward_backward(model, batch, policy, scaler, tokens.divisor)
+                loss = summed_loss(model, batch, policy)  # this micro-batch's, under autocast
+                scaler.scale(loss / tokens.divisor).backward()
+            loss_sum += loss.detach()
     except torch.OutOfMemoryError as err:
         if agreement is None:
             raise

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from monitoring.run_files import ATTEMPTS
 from monitoring.sinks import PrometheusSink
-from trainer.telemetry.restarts import Recovery
+from trainer.telemetry.restarts import Restarts
 from trainer.telemetry.worker_errors import (
     clear_worker_errors,
     record_controller_error,
@@ -33,9 +33,9 @@ def _nothing_lost(addresses: list[str]) -> list[str]:
 
 
 def attempt(run_dir: Path, launch: str, resumed_from: int | None, steps: range,
-            finish: bool = False, lost: list[str] | None = None) -> Recovery:
+            finish: bool = False, lost: list[str] | None = None) -> Restarts:
     """One attempt of rank 0: begin, the steps, and (when ``finish``) the end of the run."""
-    recovery = Recovery.begin(run_dir, True, launch, resumed_from, NODES,
+    recovery = Restarts.begin(run_dir, True, launch, resumed_from, NODES,
                               lambda previous: [n for n in previous if n in (lost or [])])
     for step in steps:
         recovery.step_done(step)
@@ -116,7 +116,7 @@ def test_a_workers_exit_as_the_launcher_saw_it_is_named(tmp_path: Path) -> None:
 
 def test_an_elastic_resize_in_the_same_launch_is_named(tmp_path: Path) -> None:
     attempt(tmp_path, "launch-1", None, range(1, 4))  # 2 ranks
-    grown = Recovery.begin(tmp_path, True, "launch-1", 3, ["127.0.0.1"] * 3, _nothing_lost)
+    grown = Restarts.begin(tmp_path, True, "launch-1", 3, ["127.0.0.1"] * 3, _nothing_lost)
     grown.close()
     assert grown.restart is not None and (grown.restart.cause, grown.restart.detail) == (
         "resize", "the group was resized from 2 to 3 workers")
@@ -157,7 +157,7 @@ def test_an_attempt_killed_before_its_first_step_dates_the_failure_from_its_star
 
 
 def test_other_ranks_keep_no_records(tmp_path: Path) -> None:
-    other = Recovery.begin(tmp_path, False, "launch-1", None, NODES, _nothing_lost)
+    other = Restarts.begin(tmp_path, False, "launch-1", None, NODES, _nothing_lost)
     other.step_done(1)
     other.finish(1)
     assert other.metrics() == {} and not (tmp_path / ATTEMPTS).exists()

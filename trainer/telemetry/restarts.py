@@ -80,7 +80,7 @@ class Restart:
 
 
 @dataclass
-class Recovery:
+class Restarts:
     """Rank 0's records of the attempts in ``run_dir`` (other ranks: nothing to do)."""
 
     run_dir: Path
@@ -95,7 +95,7 @@ class Recovery:
 
     @classmethod
     def begin(cls, run_dir: Path, is_main: bool, launch_id: str, resumed_from: int | None,
-              nodes: Iterable[str], lost_nodes: Callable[[list[str]], list[str]]) -> Recovery:
+              nodes: Iterable[str], lost_nodes: Callable[[list[str]], list[str]]) -> Restarts:
         """Read the previous attempt's records and start this one's (rank 0 only).
 
         ``nodes``: the addresses this attempt's ranks run on; ``lost_nodes(previous)``: which of

@@ -106,7 +106,7 @@ class RunMetrics:
     peak_window_seconds: float = 60.0
     window: _Window = field(default_factory=_Window)
     trackers: Trackers = field(default_factory=lambda: Trackers([]))  # rank 0's, where asked
-    # trainer.telemetry.restarts.Recovery: the run's restarts (rank 0's figures)
+    # trainer.telemetry.restarts.Restarts: the run's restarts (rank 0's figures)
     recovery: Any = None
     total_steps: int = 0  # train.steps: the console line's N/TOTAL and its time left
     # A loss mask or packed documents: tokens/s counts the trained targets (read at log steps)
