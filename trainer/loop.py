@@ -226,8 +226,8 @@ class Trainer:
 
     def step(self, state: TrainState, micro_batches: list[TokenBatch]) -> StepResult:
         """One optimizer step on ``micro_batches``, retried at half the micro-batch after an
-        OOM that the ranks agree on (``memory.oom_recovery``; per rank only under FSDP, whose
-        reduce-scatter cannot wait for an agreement). Later steps keep the plan it took."""
+        OOM that the ranks agree on (``memory.oom_recovery``; not under FSDP over several ranks,
+        whose reduce-scatter cannot wait for an agreement). Later steps keep the plan it took."""
         cfg, ctx = self.cfg, self.ctx
 
         def attempt(splits: int, agreement: OOMAgreement | None) -> StepResult:

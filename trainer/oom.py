@@ -9,8 +9,9 @@ with a 1, the others with a 0, and all of them raise ``StepOutOfMemory`` togethe
 then writes a memory snapshot, cuts each micro-batch in two (accumulation doubles, the samples
 and the global batch are unchanged), empties the CUDA cache and retries the same step.
 
-Under FSDP the reduce-scatter runs inside backward and cannot wait for an agreement, so there
-recovery is per rank only (world size 1; the loop does not agree across FSDP ranks).
+Under FSDP over several ranks the reduce-scatter runs inside backward and cannot wait for an
+agreement, so an OOM there fails the run (``Parallelism.agrees_on_oom``, ``trainer.parallel``);
+one FSDP worker is one process and recovers as one.
 
 The price: the gradient all-reduce no longer overlaps the last micro-batch's backward (with
 ``memory.oom_recovery: false`` DDP's own overlapped all-reduce is used). An OOM inside the

@@ -175,8 +175,8 @@ def test_ddp_and_fsdp_checkpoints_resume_under_each_other(corpus_dir: Path,
                              "optimizer": {"state": {}, "param_groups": []}})
     (legacy.parent / "config.yaml").write_bytes((checkpoint.parent / "config.yaml").read_bytes())
     for strategy in ("fsdp", "ddp"):
-        with pytest.raises(WorkerError, match=r"holds the model in its state.pt: the single-file "
-                                              r"format") as failed:
+        with pytest.raises(WorkerError, match=r"holds the model in its state.pt \(the "
+                                              r"single-file format\)") as failed:
             run("legacy", strategy, 2, None)
         assert failed.value.exit_code == 2
 

@@ -135,17 +135,16 @@ def test_checkpoints_load_weights_only_and_refuse_pickled_objects(tmp_path: Path
 
 
 def test_a_checkpoint_of_the_single_file_format_is_refused_in_one_line(tmp_path: Path) -> None:
-    """The model and optimizer in ``state.pt`` (memtrain's first checkpoints, before DCP): one
-    line naming the checkpoint and its format, for a resume, ``train.init_from`` and export."""
+    """The model and optimizer in ``state.pt`` (the single-file format): one line naming the
+    checkpoint and its format, for a resume, ``train.init_from`` and export."""
     model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
     save_checkpoint(tmp_path / "old", {"model": model.state_dict(), "step": 3,
                                        "optimizer": {"state": {}, "param_groups": []}})
     with pytest.raises(CheckpointError) as refused:
         load_checkpoint(tmp_path / "old")
     assert str(refused.value) == (
-        f"checkpoint {tmp_path / 'old'} holds the model in its state.pt: the single-file format "
-        "of memtrain's first checkpoints, before they were written with DCP, which this version "
-        "does not read")
+        f"checkpoint {tmp_path / 'old'} holds the model in its state.pt (the single-file "
+        "format); memtrain reads checkpoints whose model and optimizer are DCP files")
     assert isinstance(refused.value, ValueError)  # a user's error: exit 2
 
 

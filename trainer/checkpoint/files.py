@@ -217,9 +217,8 @@ def load_checkpoint(directory: Path) -> dict[str, Any]:
         raise CheckpointReadError(f"checkpoint {path} is corrupted or truncated ({err})") from err
     if isinstance(state, dict) and "model" in state:
         raise CheckpointReadError(
-            f"checkpoint {directory} holds the model in its state.pt: the single-file format "
-            "of memtrain's first checkpoints, before they were written with DCP, which this "
-            "version does not read")
+            f"checkpoint {directory} holds the model in its state.pt (the single-file format); "
+            "memtrain reads checkpoints whose model and optimizer are DCP files")
     return state
 
 

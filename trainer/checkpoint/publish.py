@@ -60,8 +60,8 @@ def publish_checkpoint(run_dir: Path, step: int, files: Path | None, rank: int,
     """Publish one step's checkpoint in ``run_dir`` from every rank's ``files`` (its
     ``write_states`` directory, or None); every rank calls. Returns the checkpoint.
 
-    The barriers order the phases: clean staging, copy (each rank its own files: rank 0 only
-    under DDP, every rank's shards under FSDP), rename (atomic: a checkpoint is there whole or
+    The barriers order the phases: clean staging, copy (each rank its own DCP files, rank 0
+    ``state.pt`` too), rename (atomic: a checkpoint is there whole or
     not at all), prune to the ``keep`` newest.
     """
     final = run_dir / checkpoint_dir_name(step)
