@@ -58,8 +58,11 @@ class LoraConfig(_Strict):
     # Module names to adapt (the last part of a name, as PEFT matches); empty: every linear
     # layer of the model's blocks (the output layer is never one).
     targets: list[str] = []
-    # The frozen base weights' dtype: bf16 halves them (needs memory.precision bf16).
-    base_dtype: Literal["fp32", "bf16"] = "fp32"
+    # The frozen base weights' dtype: bf16 halves them; nf4 (QLoRA) stores the blocks' linear
+    # weights in 4-bit NormalFloat (torchao's NF4: blocks of 64 values, double-quantized
+    # scales; about 0.52 bytes a weight) and the rest of the base in bf16. Both compute in bf16
+    # (need memory.precision bf16, or auto resolving to it).
+    base_dtype: Literal["fp32", "bf16", "nf4"] = "fp32"
 
 
 class ModelConfig(_Strict):
@@ -459,10 +462,14 @@ def strategy_combinations(cfg: Config) -> None:
         raise ValueError("memory.activation_offload with train.compile true: the offload "
                          "hooks run in eager mode only; set train.compile false (or auto)")
     lora = cfg.model.lora
-    if lora is not None and lora.base_dtype == "bf16" and memory.precision in ("fp32", "fp16"):
-        raise ValueError(f"model.lora.base_dtype 'bf16' with memory.precision "
-                         f"{memory.precision!r}: bf16 base weights compute under bf16 "
-                         "autocast; set memory.precision bf16 (or auto)")
+    if lora is not None and lora.base_dtype != "fp32" and memory.precision in ("fp32", "fp16"):
+        raise ValueError(f"model.lora.base_dtype {lora.base_dtype!r} with memory.precision "
+                         f"{memory.precision!r}: {lora.base_dtype} base weights compute under "
+                         "bf16 autocast; set memory.precision bf16 (or auto)")
+    if lora is not None and lora.base_dtype == "nf4" and cfg.parallel.strategy == "fsdp":
+        raise ValueError("model.lora.base_dtype 'nf4' with parallel.strategy 'fsdp': the NF4 "
+                         "base is built whole on each rank, under one process or DDP; set "
+                         "parallel.strategy ddp")
     if memory.optimizer_states != "fp32" and train.fused_optimizer is True:
         raise ValueError(f"train.fused_optimizer true with memory.optimizer_states "
                          f"{memory.optimizer_states!r}: torch's fused AdamW keeps fp32 states")

@@ -121,8 +121,9 @@ class TrainState:
         Every rank calls. Raises NonFiniteError on every rank, writing nothing, when any rank
         holds a non-finite weight: the last good checkpoint stays the latest.
         """
-        bad = [name for name, p in self.unwrapped.named_parameters()  # FSDP: this rank's shard
-               if not bool(torch.isfinite(local_tensor(p.detach())).all())]  # host sync: here
+        # the weights that train (a frozen base does not change), FSDP: this rank's shards
+        bad = [name for name, p in self.unwrapped.named_parameters() if p.requires_grad
+               and not bool(torch.isfinite(local_tensor(p.detach())).all())]  # host sync: here
         flag = torch.tensor([1.0 if bad else 0.0], device=ctx.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank refuses together

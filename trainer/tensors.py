@@ -1,7 +1,7 @@
 """What a tensor is underneath, for code that must not care how the work is split: the storage
-it views (``storage_key``), this rank's part of it (``local_tensor``: an FSDP shard's local
-tensor, else the tensor), and which rows of a whole tensor a rank holds under FSDP2's split
-(``shard_rows``, ``fill_local``).
+it views (``storage_key``), the bytes it holds (``tensor_bytes``: a quantized subclass by its
+parts), this rank's part of it (``local_tensor``: an FSDP shard's local tensor, else the tensor),
+and which rows of a whole tensor a rank holds under FSDP2's split (``shard_rows``, ``fill_local``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ def storage_key(tensor: torch.Tensor) -> int:
     """Which storage a tensor views (the same for its views, ``.data`` and a Parameter of it):
     the storage's C++ object, not its data pointer, which meta and fake tensors do not have."""
     return tensor.untyped_storage()._cdata
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds: a tensor subclass that stores other tensors (torchao's NF4
+    weights: 4-bit codes and their scales) by its parts, else its elements'."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    return sum(tensor_bytes(getattr(tensor, name)) for name in flatten()[0])
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

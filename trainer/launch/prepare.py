@@ -273,6 +273,8 @@ def check_strategies(cfg: Config) -> None:
               ] if cfg.memory.optimizer_states != "fp32" else []
     lora = cfg.model.lora
     needed += [("model.lora", "peft")] if lora is not None else []
+    needed += [("model.lora.base_dtype nf4", "torchao")] \
+        if lora is not None and lora.base_dtype == "nf4" else []
     for field, package in needed:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(f"{field} needs the {package} package: pip install "
@@ -287,11 +289,12 @@ def check_weight_precision(cfg: Config) -> None:
     from trainer.plan.auto import bf16_weights, planned_precision
 
     if bf16_weights(cfg) and cfg.memory.precision == "auto":
-        field, weights = ("model.dtype", "weights") if cfg.model.dtype == "bf16" else \
-            ("model.lora.base_dtype", "base weights")
+        field, weights, value = ("model.dtype", "weights", "bf16") \
+            if cfg.model.dtype == "bf16" else ("model.lora.base_dtype", "base weights",
+                                               cfg.model.lora.base_dtype)  # type: ignore[union-attr]
         if (precision := planned_precision(cfg)) != "bf16":
-            raise ConfigError(f"{field} 'bf16': memory.precision auto resolves to {precision} "
-                              f"here, and bf16 {weights} compute in bf16; set "
+            raise ConfigError(f"{field} {value!r}: memory.precision auto resolves to "
+                              f"{precision} here, and {value} {weights} compute in bf16; set "
                               f"memory.precision bf16, or {field} fp32")
 
 

@@ -1,7 +1,9 @@
 """LoRA adapters through PEFT (``model.lora``): the base model frozen, low-rank adapters trained.
 
 ``apply_lora`` freezes every parameter of the model, casts the frozen ones to ``base_dtype``
-where asked (bf16 halves the base's bytes; it then computes under bf16 autocast), and injects
+where asked (bf16 halves the base's bytes; it then computes under bf16 autocast; nf4, QLoRA's
+base, stores the blocks' linear weights as torchao's ``NF4Tensor``, dequantized to bf16 in each
+matmul, ``quantize_base``, and the rest in bf16), and injects
 PEFT's LoRA layers into the target linear layers in place (``peft.inject_adapter_in_model``:
 no ``PeftModel`` wrapper, so the model keeps memtrain's contract: ``blocks``, its own loss).
 Each target's weight becomes ``<target>.base_layer.weight`` beside ``<target>.lora_A.default``
@@ -38,7 +40,7 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ()  # () : the model's defaults (the module docstring)
-    base_dtype: str = "fp32"  # fp32 | bf16: the frozen base's dtype
+    base_dtype: str = "fp32"  # fp32 | bf16 | nf4: the frozen base's dtype
 
 
 def _peft() -> Any:
@@ -90,13 +92,56 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         raise ValueError(f"model.lora.targets {targets}: {err}") from None
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
-    if settings.base_dtype == "bf16":  # the frozen base only: the adapters stay fp32
+    if settings.base_dtype != "fp32":  # the frozen base only: the adapters stay fp32
         for param in {id(p): p for p in model.parameters()}.values():
             if not param.requires_grad:  # ``.data``, not ``module.to``: that swaps tensors,
                 param.data = param.data.to(torch.bfloat16)  # impossible for a tied fake one
+    if settings.base_dtype == "nf4":
+        quantize_base(model)
     # The targets as resolved: once injected, the blocks' linear layers include the adapters.
     model.lora_settings = dataclasses.replace(settings, targets=tuple(targets))  # type: ignore[assignment]
     return model
+
+
+# torchao's NF4 (QLoRA's): 64 weights a block share one scale, and 256 of those scales share
+# one scale of their own (double quantization); a weight must fill whole blocks of both.
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256
+
+
+def quantize_base(model: nn.Module) -> list[str]:
+    """The frozen weights of every linear layer in ``model.blocks`` (the adapters' base layers
+    among them) as NF4 (``base_dtype: nf4``), in place; a weight whose size does not fill
+    NF4's blocks stays bf16, named in one warning. Returns the quantized layers' names."""
+    with quiet_torchao_import():
+        from torchao.quantization import to_nf4
+    quantized, kept = [], []
+    layers = [(f"blocks.{i}.{name}", module) for i, block in enumerate(getattr(model, "blocks", []))
+              for name, module in block.named_modules()]
+    for name, module in layers:
+        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
+            continue
+        if module.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+            kept.append(f"{name} {list(module.weight.shape)}")
+            continue
+        module.weight = nn.Parameter(to_nf4(module.weight.detach().to(torch.bfloat16),
+                                            NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+        quantized.append(name)
+    if kept:
+        log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size not "
+                    "a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",
+                    len(kept), NF4_BLOCK * NF4_SCALER_BLOCK, NF4_BLOCK, NF4_SCALER_BLOCK,
+                    ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
+    return quantized
+
+
+def dequantize_base(model: nn.Module) -> None:
+    """Every NF4 weight of ``model`` back to bf16, in place (before a merge)."""
+    for module in model.modules():
+        weight = module._parameters.get("weight")  # its own (PEFT's layers show their base's)
+        if weight is not None and hasattr(weight, "get_original_weight"):
+            module.weight = nn.Parameter(weight.get_original_weight().to(torch.bfloat16),
+                                         requires_grad=False)
 
 
 def is_adapter(name: str) -> bool:
@@ -128,6 +173,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     model as it was before ``apply_lora``, with the trained weights."""
     from peft.tuners.lora import LoraLayer
 
+    dequantize_base(model)  # an NF4 base is merged into in bf16
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
             module.merge(adapter_names=[ADAPTER])

@@ -79,7 +79,7 @@ from trainer.models.build import MemoryTransforms, ModelFactory, build_model, ch
 from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.speed import SpeedModel, strategy_seconds
 from trainer.plan.work import StepWork, record_work
-from trainer.tensors import storage_key
+from trainer.tensors import storage_key, tensor_bytes
 
 log = logging.getLogger("memtrain.planner")
 ADAMW_STATE_BYTES_PER_PARAM = 8  # exp_avg and exp_avg_sq in fp32
@@ -202,7 +202,7 @@ class PlanRow:
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(tensor_bytes(t) for t in tensors)  # an NF4 base by its codes and scales
 
 
 def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,

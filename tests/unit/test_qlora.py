@@ -1,0 +1,169 @@
+"""QLoRA: LoRA over a base whose blocks' linear weights are NF4 (``model.lora.base_dtype: nf4``).
+
+Held against the ecosystem's own pieces: torchao's ``NF4Tensor`` (what the base holds and how
+it computes) and PEFT's ``merge_and_unload`` over the same dequantized base (the merged export).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, prepared_local_run, tiny_config
+from trainer.config import ConfigError
+
+pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("hf")]
+
+
+def _nf4_gpt(n_embd: int = 128, base_dtype: str = "nf4") -> torch.nn.Module:
+    from trainer.config import LoraConfig, ModelConfig
+    from trainer.models.build import model_factory
+
+    cfg = ModelConfig(name="gpt", vocab_size=256, seq_len=32, n_layer=2, n_head=4,
+                      n_embd=n_embd, lora=LoraConfig(rank=4, base_dtype=base_dtype))
+    torch.manual_seed(0)
+    return model_factory(cfg)()
+
+
+def test_an_nf4_base_holds_4_bit_codes_and_computes_as_its_dequantized_weights() -> None:
+    """Every linear layer of the blocks holds torchao's NF4 (about 0.52 bytes a weight, as
+    the planner counts it); the logits equal those of the same model whose NF4 weights are
+    replaced by their bf16 dequantization, to the bit; the adapters train in fp32."""
+    from torchao.quantization import NF4Tensor
+
+    from trainer.memory.lora import dequantize_base
+    from trainer.plan.peak import static_bytes
+
+    model = _nf4_gpt()
+    weights = {name: p for name, p in model.named_parameters() if name.endswith(
+        "base_layer.weight")}
+    assert len(weights) == 8 and all(isinstance(p, NF4Tensor) for p in weights.values())
+    assert all(p.dtype == torch.float32 for name, p in model.named_parameters()
+               if p.requires_grad)
+    assert {p.dtype for name, p in model.named_parameters()
+            if not p.requires_grad and name not in weights} == {torch.bfloat16}
+    reference = copy.deepcopy(model)
+    dequantize_base(reference)
+    assert not any(isinstance(p, NF4Tensor) for p in reference.parameters())
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
+    codes = static_bytes(model).params - static_bytes(reference).params
+    quantized = sum(p.numel() for p in weights.values())
+    assert codes == pytest.approx(quantized * (0.518 - 2), rel=0.01)
+
+
+def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A weight must fill NF4's blocks (64 values) and its scales' blocks (256 scales): at
+    width 32 none does, so every one stays bf16, named in one warning line."""
+    from torchao.quantization import NF4Tensor
+
+    with caplog.at_level(logging.WARNING, logger="trainer.memory.lora"):
+        model = _nf4_gpt(n_embd=32)
+    assert not any(isinstance(p, NF4Tensor) for p in model.parameters())
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("model.lora.base_dtype nf4: 8 linear layer(s) kept in bf16, their "
+                           "size not a multiple of 16384") and "blocks.0.attn.qkv" in line
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (("memory.precision=fp32",), "model.lora.base_dtype 'nf4' with memory.precision 'fp32'"),
+    (("memory.precision=bf16", "parallel.strategy=fsdp"),
+     "model.lora.base_dtype 'nf4' with parallel.strategy 'fsdp'"),
+])
+def test_nf4_is_refused_in_one_line_where_it_cannot_run(corpus_dir: Path, tmp_path: Path,
+                                                        overrides: tuple[str, ...],
+                                                        message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(corpus_dir, tmp_path, "model.lora.rank=4", "model.lora.base_dtype=nf4",
+                    *overrides)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_qlora_trains_and_resumes_exactly(corpus_dir: Path, tmp_path: Path,
+                                          workers: int) -> None:
+    """Four steps straight against two, then two more from the checkpoint (which holds the
+    adapters and their AdamW state alone; the NF4 base is built again from its seed): the
+    same losses, to the bit, on one process and under DDP."""
+    from trainer.launch.local import launch_local
+
+    def run(name: str, until: int | None) -> list[float]:
+        cfg, run_dir = prepared_local_run(tiny_config(
+            corpus_dir, tmp_path, "model.n_embd=128", "model.lora.rank=4",
+            "model.lora.base_dtype=nf4", "memory.precision=bf16", "train.steps=4",
+            "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=0",
+            "parallel.launcher=local", f"parallel.workers={workers}", f"run.name={name}"),
+            workers)
+        launch_local(cfg, run_dir, until_step=until)
+        rows = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, rows) if "loss" in r]
+
+    straight = run("straight", None)
+    run("resumed", 2)
+    assert run("resumed", None) == straight
+    assert len(straight) == 4 and straight[-1] < straight[0]
+
+
+def test_merged_export_is_peft_merge_over_the_same_dequantized_base(tmp_path: Path) -> None:
+    """Three QLoRA steps of a tiny Llama, exported with ``--merge``: its logits equal PEFT's
+    ``merge_and_unload`` of the adapter export over the pretrained base whose linear weights
+    went through the same NF4 round trip, within bf16's rounding (the export is bf16)."""
+    import transformers
+    from peft import PeftModel
+    from torchao.quantization import to_nf4
+
+    from datapipe.convert import write_dataset
+    from tests.unit.test_export_reference import memtrain
+    from trainer.config import load_config
+    from trainer.launch.local import launch_local
+    from trainer.launch.prepare import prepare_run
+
+    base = tmp_path / "llama"
+    torch.manual_seed(1234)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+    )).save_pretrained(base)
+    rows = tmp_path / "rows.jsonl"
+    generator = torch.Generator().manual_seed(2)
+    rows.write_text("".join(json.dumps({"tokens": torch.randint(0, 256, (65,), generator=
+                                                                generator).tolist()}) + "\n"
+                            for _ in range(32)))
+    write_dataset([rows], tmp_path / "data", "jsonl", seq_len=64)
+    cfg, run_dir = prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", [
+        f"model.name=hf:{base}", "model.lora.rank=4", "model.lora.base_dtype=nf4",
+        "model.seq_len=64", f"data.path={tmp_path / 'data'}",
+        f"data.val_path={tmp_path / 'data'}",
+        f"run.dir={tmp_path}", "run.name=qlora", "train.steps=3", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "train.warmup_steps=1", "train.lr=0.02",
+        "train.eval_every=0", "train.checkpoint_every=3", "memory.precision=bf16",
+        "memory.activation_checkpointing=none", "parallel.launcher=local",
+        "parallel.workers=1"]))
+    launch_local(cfg, run_dir)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert memtrain("export", str(run_dir), "--hf", str(adapter)) == 0
+    assert memtrain("export", str(run_dir), "--hf", str(merged), "--merge") == 0
+
+    auto = transformers.AutoModelForCausalLM
+    dequantized = auto.from_pretrained(base, torch_dtype=torch.bfloat16)
+    for layer in dequantized.model.layers:
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = to_nf4(module.weight.data, 64, 256).get_original_weight()
+    tokens_BT = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = dequantized.eval()(tokens_BT).logits.float()
+    reference = PeftModel.from_pretrained(dequantized, adapter).merge_and_unload().eval()
+    ours = auto.from_pretrained(merged).eval()
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        expected, got = reference(tokens_BT).logits.float(), ours(tokens_BT).logits.float()
+    moved = (expected - before).abs().max().item()  # what three steps did to the logits
+    assert (got - expected).abs().max().item() < moved / 10, moved
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
