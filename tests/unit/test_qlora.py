@@ -167,3 +167,23 @@ def test_merged_export_is_peft_merge_over_the_same_dequantized_base(tmp_path: Pa
     moved = (expected - before).abs().max().item()  # what three steps did to the logits
     assert (got - expected).abs().max().item() < moved / 10, moved
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_the_planner_counts_an_nf4_base_and_shows_it_beside_the_others(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    """``memtrain plan`` on a LoRA config lists the other base dtypes; the NF4 base's static
+    bytes are its codes and scales (the blocks' linear weights at about 0.52 bytes a weight
+    against bf16's 2), the rest as bf16's."""
+    from trainer.plan.auto import config_static
+    from trainer.plan.table import lora_base_variants, with_fields
+
+    cfg = tiny_config(corpus_dir, tmp_path, "model.n_embd=128", "model.lora.rank=4",
+                      "memory.precision=bf16")
+    assert [label for label, _ in lora_base_variants(cfg, "bf16")] == \
+        ["LoRA base bf16", "LoRA base nf4 (QLoRA)"]
+    assert [label for label, _ in lora_base_variants(cfg, "fp32")] == []
+    bf16, nf4 = (config_static(with_fields(cfg, fields))
+                 for _, fields in lora_base_variants(cfg, "bf16"))
+    linear = 2 * (128 * 384 + 128 * 128 + 128 * 512 + 512 * 128)  # two blocks' base weights
+    assert bf16.params - nf4.params == pytest.approx(linear * (2 - 0.518), rel=0.01)
+    assert nf4.grads == bf16.grads and nf4.optimizer == bf16.optimizer  # the adapters'

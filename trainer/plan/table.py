@@ -134,11 +134,36 @@ STRATEGY_VARIANTS = (  # (label, memory fields), each on top of the configured p
 )
 
 
+def lora_base_variants(cfg: Any, precision: str) -> list[tuple[str, dict[str, Any]]]:
+    """A LoRA config's other base dtypes (bf16 and nf4 under bf16 precision only): their
+    static bytes (NF4's codes and scales), on the configured row's activations."""
+    lora = cfg.model.lora
+    if lora is None:
+        return []
+    return [(f"LoRA base {dtype}" + (" (QLoRA)" if dtype == "nf4" else ""),
+             {"model.lora.base_dtype": dtype})
+            for dtype in ("fp32", "bf16", "nf4")
+            if dtype != lora.base_dtype and (dtype == "fp32" or precision == "bf16")
+            and not (dtype == "nf4" and cfg.parallel.strategy == "fsdp")]
+
+
+def with_fields(cfg: Any, fields: dict[str, Any]) -> Any:
+    """``cfg`` with memory fields (by name) and ``model.lora.base_dtype`` changed."""
+    memory = {k: v for k, v in fields.items() if "." not in k}
+    variant = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=memory)})
+    if "model.lora.base_dtype" in fields:
+        lora = variant.model.lora.model_copy(
+            update={"base_dtype": fields["model.lora.base_dtype"]})
+        variant = variant.model_copy(update={"model": variant.model.model_copy(
+            update={"lora": lora})})
+    return variant
+
+
 def strategies_table(cfg: Any, profiles: list[Any], speed: Any, budget: int) -> Table:
     """The configured plan (its precision and checkpointing, at its micro-batch) and each
     memory strategy added to it alone: device peak, host bytes, AdamW's state, tokens/s. LoRA
     is in the configured row where ``model.lora`` is set (``auto`` never picks it: it changes
-    what is trained)."""
+    what is trained), with its other base dtypes beside it (``lora_base_variants``)."""
     gib = 2**30
     precision = planned_precision(cfg)
     ac = cfg.memory.activation_checkpointing
@@ -155,8 +180,8 @@ def strategies_table(cfg: Any, profiles: list[Any], speed: Any, budget: int) -> 
         (label, fields) for label, fields in STRATEGY_VARIANTS
         if any(getattr(cfg.memory, k) != v for k, v in fields.items())
         and not (fields.get("activation_offload") == "checkpointed" and ac == "none")]
-    for label, fields in variants:
-        variant = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=fields)})
+    for label, fields in variants + lora_base_variants(cfg, precision):
+        variant = with_fields(cfg, fields)
         profile = base
         if "activation_offload" in fields:
             _, [profile] = probe_config(variant.model_copy(update={"memory": variant.memory.
