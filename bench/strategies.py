@@ -7,6 +7,8 @@ tabulates them: each row adds one strategy to the row before.
 4. + activation offload (what the checkpoints keep);
 5. + 8-bit AdamW states (torchao);
 6. + LoRA (rank 8 on every linear layer of the blocks; the base frozen);
+7. + QLoRA: LoRA's base with the blocks' linear weights in NF4 (torchao's ``NF4Tensor``), the
+   rest of the base in bf16, computing under bf16 autocast (torchtune's QLoRA row);
 
 and beside them, not cumulative, the other low-bit states each in place of the 8-bit row's:
 4-bit AdamW (torchao) and bf16 moments.
@@ -59,6 +61,11 @@ class Row:
     offload: str = "none"
     states: str = "fp32"
     lora: bool = False
+    base_dtype: str = "fp32"  # LoRA's frozen base: fp32, or nf4 (QLoRA; computes in bf16)
+
+    @property
+    def precision(self) -> str:
+        return "fp32" if self.base_dtype == "fp32" else "bf16"
 
 
 ROWS = [Row("full fine-tune")]
@@ -66,7 +73,8 @@ for _name, _change in (("+ activation checkpointing", {"checkpointing": "full"})
                        ("+ optimizer step in backward", {"in_backward": True}),
                        ("+ activation offload", {"offload": "checkpointed"}),
                        ("+ 8-bit AdamW", {"states": "8bit"}),
-                       ("+ LoRA", {"lora": True})):
+                       ("+ LoRA", {"lora": True}),
+                       ("+ QLoRA (NF4 base)", {"base_dtype": "nf4"})):
     ROWS.append(replace(ROWS[-1], name=_name, **_change))
 # The other low-bit states, each in place of the 8-bit row's (not cumulative: beside it).
 ROWS += [replace(ROWS[4], name="(4-bit AdamW in its place)", states="4bit"),
@@ -89,7 +97,8 @@ def measure_row(row: Row, spec: str, seq_len: int, vocab_size: int, micro_batch:
     tokens/s and loss after ``steps`` steps."""
     def factory() -> torch.nn.Module:
         model = build_hf_model(spec, vocab_size, seq_len, load_weights=False)
-        return apply_lora(model, LoraSettings(rank=8)) if row.lora else model
+        return apply_lora(model, LoraSettings(rank=8, base_dtype=row.base_dtype)) \
+            if row.lora else model
 
     transforms = MemoryTransforms(row.checkpointing, loss_chunk_tokens=loss_chunk_tokens,
                                   bf16_norm_inputs=False, activation_offload=row.offload)
@@ -97,7 +106,7 @@ def measure_row(row: Row, spec: str, seq_len: int, vocab_size: int, micro_batch:
     optimizer = build_optimizer(model, 1e-3, states=row.states,
                                 in_backward="local" if row.in_backward else None)
     create_optimizer_state(optimizer)
-    policy = precision_policy("fp32", torch.device("cpu"), warn=False)
+    policy = precision_policy(row.precision, torch.device("cpu"), warn=False)
     scaler = policy.grad_scaler(torch.device("cpu"))
     generator = torch.Generator().manual_seed(1)
     # One batch, trained on repeatedly: a loss that random tokens cannot lower, memorised.
@@ -111,7 +120,7 @@ def measure_row(row: Row, spec: str, seq_len: int, vocab_size: int, micro_batch:
         start = time.perf_counter()
         loss = train_step(model, optimizer, scaler, [tokens_BT], 1, policy, clip).loss.item()
         seconds.append(time.perf_counter() - start)
-    profile = profile_activations(factory, transforms, seq_len, vocab_size, "fp32")
+    profile = profile_activations(factory, transforms, seq_len, vocab_size, row.precision)
     plan = plan_row(static_bytes(model, states=row.states, in_backward=row.in_backward,
                                  step_device="cpu"), profile, micro_batch, 1)
     # On a CPU host and device are one memory: what offload puts on the host is still in the
@@ -152,6 +161,7 @@ def main() -> None:
     by_name = {r["row"]: r for r in rows}
     states_cut = state_cut(by_name, "+ 8-bit AdamW")
     lora_share = by_name["+ LoRA"]["peak_bytes"] / by_name["full fine-tune"]["peak_bytes"]
+    qlora_share = by_name["+ QLoRA (NF4 base)"]["peak_bytes"] / by_name["+ LoRA"]["peak_bytes"]
     worst = max(abs(r["planner_error"]) for r in rows)
     report = {
         "model": {"family": "llama", "vocab_size": args.vocab_size, "seq_len": args.seq_len,
@@ -159,12 +169,13 @@ def main() -> None:
         "threads": torch.get_num_threads(), "rows": rows,
         "targets": {"8bit_state_cut": states_cut, "8bit_state_cut_target": 0.70,
                     "lora_peak_share": lora_share, "lora_peak_share_target": 0.5,
+                    "qlora_peak_share_of_lora": qlora_share,
                     "planner_worst_error": worst, "planner_error_target": 0.05},
     }
     path = write_json(args.out, "strategies", report)
     print(f"{describe_cpu(report['cpu'])}; Llama width {args.width} x {args.layers} layers, "
           f"vocabulary {args.vocab_size:,}, sequence {args.seq_len}, micro-batch "
-          f"{args.micro_batch}, fp32, {report['threads']} threads")
+          f"{args.micro_batch}, fp32 (QLoRA: bf16 autocast), {report['threads']} threads")
     mib = 2**20
     print(f"{'row':32} {'peak MiB':>9} {'planned':>8} {'err':>6} {'host':>7} {'tok/s':>7} "
           f"{'loss':>6}")
@@ -175,7 +186,8 @@ def main() -> None:
     print(f"4-bit states cut it by {state_cut(by_name, '(4-bit AdamW in its place)'):.1%}, "
           f"bf16 states by {state_cut(by_name, '(bf16 AdamW states in its place)'):.1%}")
     print(f"8-bit states cut AdamW's state by {states_cut:.1%} (target >= 70%); LoRA's peak is "
-          f"{lora_share:.1%} of the full fine-tune's (target <= 50%); planner within "
+          f"{lora_share:.1%} of the full fine-tune's (target <= 50%), QLoRA's {qlora_share:.1%} "
+          f"of LoRA's; planner within "
           f"{worst:.1%} of every row (target 5%); {path}")
 
 

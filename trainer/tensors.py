@@ -18,13 +18,18 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """The bytes ``tensor`` holds: a tensor subclass that stores other tensors (torchao's NF4
-    weights: 4-bit codes and their scales) by its parts, else its elements'."""
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s bytes: a tensor subclass that stores other
+    tensors (torchao's NF4 weights: 4-bit codes and their scales) by its parts, else itself."""
     flatten = getattr(tensor, "__tensor_flatten__", None)
-    if flatten is None:
-        return tensor.numel() * tensor.element_size()
-    return sum(tensor_bytes(getattr(tensor, name)) for name in flatten()[0])
+    if flatten is None or hasattr(tensor, "to_local"):  # a DTensor: ``local_tensor``'s
+        return [tensor]
+    return [part for name in flatten()[0] for part in plain_tensors(getattr(tensor, name))]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds (a quantized subclass by its parts: ``plain_tensors``)."""
+    return sum(t.numel() * t.element_size() for t in plain_tensors(tensor))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -107,10 +107,10 @@ def test_the_fsdp_bench_runs_and_the_meta_build_holds_less(tmp_path: Path) -> No
 @pytest.mark.xdist_group("hf")
 def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut(
         tmp_path: Path) -> None:
-    """A small Llama through the six cumulative rows and the two other low-bit states:
+    """A small Llama through the seven cumulative rows and the two other low-bit states:
     checkpointing cuts the peak, 8-bit states AdamW's state bytes (4-bit ones more, bf16 ones
-    half), LoRA the trained parameters and the peak; each row has its planner figure, and
-    offload's row its host bytes."""
+    half), LoRA the trained parameters and the peak, QLoRA's NF4 base the peak again; each row
+    has its planner figure, and offload's row its host bytes."""
     out = subprocess.run([sys.executable, "-m", "bench.strategies", "--out", str(tmp_path),
                           "--vocab-size", "1024", "--seq-len", "64", "--width", "256",
                           "--layers", "1", "--steps", "1"],
@@ -118,7 +118,7 @@ def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut
     assert out.returncode == 0, out.stderr[-2000:]
     [result] = tmp_path.glob("strategies-*.json")
     rows = {row["row"]: row for row in json.loads(result.read_text())["rows"]}
-    assert len(rows) == 8
+    assert len(rows) == 9
     eight = rows["+ 8-bit AdamW"]["optimizer_state_bytes"]
     assert rows["(4-bit AdamW in its place)"]["optimizer_state_bytes"] < eight
     assert rows["(bf16 AdamW states in its place)"]["optimizer_state_bytes"] <= \
@@ -131,6 +131,9 @@ def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut
     lora = rows["+ LoRA"]
     assert lora["trainable_params"] < 0.1 * full["trainable_params"]
     assert lora["peak_bytes"] < rows["+ 8-bit AdamW"]["peak_bytes"]
+    qlora = rows["+ QLoRA (NF4 base)"]
+    assert qlora["trainable_params"] == lora["trainable_params"]
+    assert qlora["peak_bytes"] < lora["peak_bytes"]
     assert all(row["predicted_peak_bytes"] > 0 for row in rows.values())
 
 

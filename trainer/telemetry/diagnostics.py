@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from monitoring.memory import resident_bytes
 from monitoring.run_files import MEMORY_DIR, PROFILE_DIR
 from trainer.compat import cpu_allocation_events, quiet_native_logs
-from trainer.tensors import local_tensor
+from trainer.tensors import local_tensor, plain_tensors
 
 log = logging.getLogger("memtrain")
 
@@ -120,8 +120,9 @@ def cpu_peak_bytes(fn: Callable[[], object], held: Iterable[torch.Tensor] = ()) 
     """
     storages: dict[int, int] = {}
     for tensor in held:
-        storage = local_tensor(tensor).untyped_storage()  # a DTensor: its shard
-        storages[storage.data_ptr()] = storage.nbytes()
+        for plain in plain_tensors(local_tensor(tensor)):  # a DTensor: its shard; NF4: parts
+            storage = plain.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
     with quiet_native_logs(), profile(activities=[ProfilerActivity.CPU],
                                       profile_memory=True) as prof:
         fn()
