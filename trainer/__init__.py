@@ -5,8 +5,9 @@ holds the order):
 
 - the base, here: ``config`` (the typed configuration), ``errors`` (one line per error, exit
   codes), ``compat`` (every private torch and Ray API used), ``logs``, ``faults`` (fault
-  injection for tests), ``batches`` (a micro-batch, its loader, the global batch's arithmetic),
-  ``tensors`` (a tensor's storage and this rank's part of it);
+  injection for tests), ``batches`` (a micro-batch and its loader), ``global_batch`` (how the global
+  batch divides over ranks and micro-batches, torch-free), ``tensors`` (a tensor's storage and this
+  rank's part of it);
 - ``memory/``: the memory strategies, one module each;
 - ``models/``: what is trained (memtrain's GPT, Hugging Face models, the registry) and how a
   model is built with its memory transforms and weights;

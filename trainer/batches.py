@@ -1,7 +1,7 @@
 """Batches: what one micro-batch of a language model holds (``TokenBatch``: its token rows and,
-for fine-tuning data, which tokens are trained and where documents begin), the loader that reads
-them (``TokenLoader``), and the global batch's arithmetic (how it divides over ranks and
-micro-batches).
+for fine-tuning data, which tokens are trained and where documents begin) and the loader that
+reads them (``TokenLoader``). How the global batch divides over ranks and micro-batches is
+``trainer.global_batch``.
 
 A dataset row is ``seq_len + 1`` tokens: the inputs are its first ``seq_len``, the targets its
 last ``seq_len``. Two optional columns of the same shape change what is trained
@@ -20,11 +20,6 @@ A target that is not trained is ``IGNORE_INDEX`` (-100, as PyTorch's and Hugging
 take it), so every loss, plain or chunked, skips it the same way. ``TokenLoader`` reads the
 columns of a dataset in lockstep: one ``BatchLoader`` per column, whose reading order is a pure
 function of (seed, epoch, rank, world size, batch size), so row ``k`` of each is the same row.
-
-A run keeps its global batch exactly: ``global = micro x accumulation x world``. The config's
-checks (``TrainConfig.accumulation_steps``), ``auto``'s candidates (``trainer.plan``) and
-``memtrain plan`` all divide it here (``per_rank_batch``, ``accumulation_steps``,
-``micro_batch_candidates``), so one rule and one message hold everywhere.
 """
 
 from __future__ import annotations
@@ -184,36 +179,3 @@ class TokenLoader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-# The global batch's arithmetic: plain integers, no config (gpu-check and the benches use it
-# without pydantic).
-
-
-def per_rank_batch(global_batch_size: int, world_size: int) -> int:
-    """Samples each rank trains per optimizer step; ValueError naming both where the global
-    batch does not divide over the ranks."""
-    per_rank, remainder = divmod(global_batch_size, world_size)
-    if remainder:
-        raise ValueError(f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-                         f"the workers ({world_size})")
-    return per_rank
-
-
-def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches per optimizer step on each rank; ValueError naming the world sizes that
-    keep this global batch where ``micro x world`` does not divide it."""
-    per_step = micro_batch_size * world_size
-    if global_batch_size % per_step:
-        fits = [w for w in range(1, global_batch_size // micro_batch_size + 1)
-                if global_batch_size % (micro_batch_size * w) == 0]
-        raise ValueError(
-            f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size x workers ({micro_batch_size} x {world_size}); workers "
-            f"that keep this global batch: {', '.join(map(str, fits))}")
-    return global_batch_size // per_step
-
-
-def micro_batch_candidates(per_rank: int) -> list[int]:
-    """The micro-batches that keep a rank's batch whole: its divisors, largest first."""
-    return sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True)

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.batches import accumulation_steps, per_rank_batch
+from trainer.global_batch import accumulation_steps, per_rank_batch
 
 
 class ConfigError(ValueError):

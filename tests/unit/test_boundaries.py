@@ -22,6 +22,16 @@ def test_loop_loader_and_cli_do_not_import_ray() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_the_cli_starts_without_the_training_packages() -> None:
+    """``memtrain submit`` runs where only the core install is (no torch, numpy, pyarrow):
+    the CLI and the config it loads must import without them (the fixture makes them absent)."""
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "fixtures" /
+                                              "without_training_deps.py"), "submit", "--help"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--address" in out.stdout
+
+
 def test_datapipe_does_not_import_trainer() -> None:
     code = "import sys, datapipe.loader, datapipe.corpus; print('trainer' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -105,7 +115,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the base: the config, errors, torch's private APIs, logs, fault injection, the batches,
     # what a tensor is underneath
     ("trainer", "trainer.errors", "trainer.config", "trainer.compat", "trainer.faults",
-     "trainer.logs", "trainer.batches", "trainer.tensors"),
+     "trainer.logs", "trainer.batches", "trainer.global_batch", "trainer.tensors"),
     ("trainer.memory",),  # the memory strategies
     ("trainer.models",),  # what is trained, built with its memory transforms
     ("trainer.parallel",),  # how the work is split over ranks

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainer.batches import micro_batch_candidates, per_rank_batch
+from trainer.global_batch import micro_batch_candidates, per_rank_batch
 from trainer.memory.loss import MIN_AUTO_LOSS_CHUNK_TOKENS, ChunkedLossShape
 from trainer.plan.peak import ActivationProfile, PlanRow, StaticBytes, plan_row
 from trainer.plan.speed import SpeedModel

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.batches import per_rank_batch
 from trainer.config import Config, strategy_combinations
+from trainer.global_batch import per_rank_batch
 from trainer.memory.optimizers import MissingExtraError, torchao_optim
 from trainer.plan.candidates import Decision, Request
 

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from monitoring.units import format_bytes
-from trainer.batches import micro_batch_candidates, per_rank_batch
 from trainer.config import ConfigError
+from trainer.global_batch import micro_batch_candidates, per_rank_batch
 from trainer.memory.loss import ChunkedLossShape
 from trainer.models.build import MemoryTransforms, model_factory
 from trainer.models.hf import model_vocab_size
