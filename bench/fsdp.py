@@ -43,7 +43,12 @@ from trainer.launch.local import free_port, start_workers
 from trainer.models.build import Bf16Weights, MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.optim import build_optimizer
-from trainer.parallel.fsdp import FsdpSettings, build_sharded, shard_model
+from trainer.parallel.fsdp import (
+    FsdpSettings,
+    FullyShardedDataParallel,
+    build_sharded,
+    shard_model,
+)
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.telemetry.diagnostics import cpu_peak_bytes
 
@@ -77,7 +82,8 @@ def _build(path: str, cfg: GPTConfig, lean: bool) -> torch.nn.Module:
 
 def _train_one_step(model: torch.nn.Module, cfg: GPTConfig, lean: bool) -> None:
     if lean:  # the step runs inside backward, parameter by parameter
-        build_optimizer(model, 1e-4, states=LEAN_STATES, in_backward="fsdp")
+        build_optimizer(model, 1e-4, states=LEAN_STATES,
+                        in_backward=FullyShardedDataParallel.in_backward)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))

@@ -18,7 +18,7 @@ import torch
 
 from bench.gpu_fsdp import measured_steps
 from trainer.memory.lora import LoraSettings, apply_lora
-from trainer.memory.optimizers import MissingExtraError
+from trainer.memory.optimizers import InBackward, MissingExtraError
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model, to_bf16
 from trainer.models.gpt import GPT, GPTConfig
@@ -57,7 +57,7 @@ def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
     try:
         model = build_model(factory, transforms, device, seed=0)
         optimizer = build_optimizer(model, 3e-4, states=states,
-                                    in_backward="local" if in_backward else None)
+                                    in_backward=InBackward() if in_backward else None)
     except MissingExtraError as err:
         return {"strategy": name, "skipped": str(err)}
     create_optimizer_state(optimizer)

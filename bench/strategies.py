@@ -42,7 +42,7 @@ import torch
 
 from bench.results import describe_cpu, write_json
 from trainer.memory.lora import LoraSettings, apply_lora
-from trainer.memory.optimizers import held_state_bytes
+from trainer.memory.optimizers import InBackward, held_state_bytes
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.hf import build_hf_model
@@ -104,7 +104,7 @@ def measure_row(row: Row, spec: str, seq_len: int, vocab_size: int, micro_batch:
                                   bf16_norm_inputs=False, activation_offload=row.offload)
     model = build_model(factory, transforms, seed=0)
     optimizer = build_optimizer(model, 1e-3, states=row.states,
-                                in_backward="local" if row.in_backward else None)
+                                in_backward=InBackward() if row.in_backward else None)
     create_optimizer_state(optimizer)
     policy = precision_policy(row.precision, torch.device("cpu"), warn=False)
     scaler = policy.grad_scaler(torch.device("cpu"))

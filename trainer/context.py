@@ -3,7 +3,7 @@
 A context knows the worker's place (rank, local rank, world size, device, run directory) and does
 two things: ``report`` metrics with an optional checkpoint directory, and hand back the latest
 checkpoint to resume from. ``LocalContext`` (here) publishes checkpoints in the run directory
-(and its run store) with ``trainer.checkpoint.files``;
+(and its run store) with ``trainer.checkpoint.publish``;
 ``trainer.launch.ray.RayContext`` hands them to Ray Train. Collectives are plain
 ``torch.distributed`` calls, no-ops when no process group exists.
 """

@@ -41,6 +41,7 @@ from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
 from trainer.memory.lora import lora_of
 from trainer.memory.loss import computes_own_loss, takes_position_ids
+from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.models.build import (
     checkpointed_blocks,
@@ -111,11 +112,11 @@ class Trainer:
             resumed_from = state.restore(ctx, cfg.train.init_from, cfg.train.resume_from)
             state.wrap()
             self.log_start(state, resumed_from, recording_history)
-            recovery = Restarts.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,
+            restarts = Restarts.begin(ctx.run_dir, ctx.is_main, ctx.launch_id, resumed_from,
                                       ctx.node_addresses(), ctx.lost_nodes)
-            resources.callback(recovery.close)
+            resources.callback(restarts.close)
             metrics = self.start_metrics(resources, state, resumed_from)
-            metrics.recovery = recovery
+            metrics.restarts = restarts
             val_batches = self.validation_loader(resources)
             rows = self.row_record(resources)
             guard = LeakGuard() if cfg.memory.leak_check_every else None
@@ -138,7 +139,7 @@ class Trainer:
                 state.step += 1
                 metrics.step_done(time.perf_counter() - step_start, data_wait, result.skipped,
                                   result.trained_tokens)
-                recovery.step_done(state.step)
+                restarts.step_done(state.step)
                 if state.step == first_step:
                     self.watch.settle()  # the first step compiled forward and backward
                 self.check_skips(result, state.step)
@@ -152,9 +153,9 @@ class Trainer:
                 after_step(cfg.memory, ctx, state.step, guard, profiler, diagnostics)
             if self.saves is not None:
                 self.saves.wait()  # the last checkpoint is published before the run ends
-            recovery.finish(state.step)
+            restarts.finish(state.step)
             summary = self.summary(metrics, state, resumed_from, guard, diagnostics)
-            summary.update(recovery.summary())
+            summary.update(restarts.summary())
             metrics.write_summary(summary)
         return summary
 
@@ -178,7 +179,7 @@ class Trainer:
             if cfg.model.lora is not None and ctx.is_main else None,
             parallel=self.parallel)
 
-    def in_backward(self) -> str | None:
+    def in_backward(self) -> InBackward | None:
         """Where the optimizer steps in backward (``memory.optimizer_in_backward``): as the way
         of splitting attaches its hooks; None: after backward."""
         return self.parallel.in_backward if self.cfg.memory.optimizer_in_backward else None
@@ -271,7 +272,8 @@ class Trainer:
         self.watch.check(state.step)
         first_eval = metrics.eval_loss is None
         metrics.eval_done(state.step, evaluate(state.model, val_batches,
-                                               self.cfg.train.eval_batches, self.policy))
+                                               self.cfg.train.eval_batches, self.policy,
+                                               self.parallel))
         if first_eval:
             self.watch.settle()  # evaluation runs without grad: compiled once more
 

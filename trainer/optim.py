@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainer.memory.optimizers import BackwardSteps, make_adamw
+from trainer.memory.optimizers import BackwardSteps, InBackward, make_adamw
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -123,13 +123,13 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[st
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95),
                     fused: bool | None = None, states: str = "fp32",
-                    in_backward: str | None = None) -> torch.optim.Optimizer:
+                    in_backward: InBackward | None = None) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on norms, biases), over the parameters
     that train (``requires_grad``: all but a LoRA model's frozen base).
 
     ``states``: the moments' dtype (``memory.optimizer_states``, trainer/memory/optimizers.py).
-    ``in_backward``: each parameter steps in backward (``memory.optimizer_in_backward``):
-    ``"ddp"`` where DDP will wrap the model, ``"fsdp"`` under FSDP2, ``"local"`` otherwise.
+    ``in_backward``: each parameter steps in backward (``memory.optimizer_in_backward``), its
+    hooks where the way of splitting says (``Parallelism.in_backward``); None: after backward.
 
     ``fused``: torch's fused kernel, one launch per parameter group and no temporary of a
     moment's size (None: on CUDA parameters, as ``train.fused_optimizer: auto``); else torch's
@@ -145,6 +145,6 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
     bf16 = any(p.dtype == torch.bfloat16 for p in decay + no_decay)  # ``model.dtype: bf16``
     optimizer = make_adamw(groups, lr, betas, states, bool(fused), stochastic_round=bf16)
     if in_backward is not None:
-        BackwardSteps(optimizer, comm_hook=in_backward == "ddp",
-                      norm_over_ranks=in_backward == "fsdp")
+        BackwardSteps(optimizer, comm_hook=in_backward.comm_hook,
+                      norm_over_ranks=in_backward.norm_over_ranks)
     return optimizer

@@ -7,8 +7,8 @@ rank 0's); the model and optimizer go through DCP beside it, under DDP and FSDP 
 writes its part (FSDP: its shards; DDP: DCP spreads the replicated tensors over the ranks, each
 written once), and a checkpoint of either loads under the other at any world size, DCP resharding
 it. ``save`` refuses non-finite weights and writes this rank's part for the worker context to
-publish; ``restore`` loads the context's latest checkpoint. How checkpoints are written, named,
-published and read is ``trainer.checkpoint.files``.
+publish; ``restore`` loads the context's latest checkpoint. How checkpoints are written, named and
+read is ``trainer.checkpoint.files``; how they are published, ``trainer.checkpoint.publish``.
 """
 
 from __future__ import annotations

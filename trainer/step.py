@@ -1,7 +1,7 @@
 """One optimizer step in plain torch, and what it steps with.
 
-- ``train_step``: one optimizer step over its micro-batches (each: its summed loss under
-  autocast, scaled for accumulation, backward), gradients reduced once per step
+- ``forward_backward``: one micro-batch under autocast, loss scaled for accumulation, backward.
+- ``train_step``: one optimizer step over its micro-batches, gradients reduced once per step
   (the way of splitting, ``trainer.parallel``, says how: DDP's ``no_sync()`` on all but the
   last), then unscale, clip, non-finite check, step, ``zero_grad(set_to_none=True)``.
 - ``evaluate``: the mean token loss over validation batches, under ``no_grad``.
@@ -54,6 +54,18 @@ class StepResult:
     trained_tokens: torch.Tensor | None = None
 
 
+def forward_backward(model: nn.Module, batch: TokenBatch, policy: PrecisionPolicy,
+                     scaler: torch.amp.GradScaler, tokens_per_step: int | torch.Tensor,
+                     unwrapped: nn.Module) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its summed token loss, detached. A
+    function of its own so that its graph (the saved activations) lives in its frame alone:
+    after an OOM in its backward, the frame, and the graph, go with the traceback, before
+    the step is retried."""
+    loss_sum = summed_loss(model, batch, policy, unwrapped)
+    scaler.scale(loss_sum / tokens_per_step).backward()
+    return loss_sum.detach()
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                micro_batches: list[TokenBatch] | list[torch.Tensor], splits: int,
                policy: PrecisionPolicy, grad_clip: float,
@@ -82,9 +94,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             faults.maybe_oom(i, len(chunks))  # MEMTRAIN_FAULTS=oom@STEP:RANK (trainer.faults)
             # Gradients are reduced only on the last micro-batch of the step.
             with parallel.micro_batch(model, i == len(chunks) - 1, deferred):
-                loss = summed_loss(model, batch, policy)  # this micro-batch's, under autocast
-                scaler.scale(loss / tokens.divisor).backward()
-            loss_sum += loss.detach()
+                loss_sum += forward_backward(model, batch, policy, scaler, tokens.divisor,
+                                             parallel.unwrap(model))
     except torch.OutOfMemoryError as err:
         if agreement is None:
             raise
@@ -189,15 +200,18 @@ def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterator[TokenBatch | torch.Tensor],
-             num_batches: int, policy: PrecisionPolicy) -> float:
+             num_batches: int, policy: PrecisionPolicy,
+             parallel: Parallelism | None = None) -> float:
     """Mean loss over the trained targets of ``num_batches`` batches on every rank, under
-    ``no_grad`` (a loss mask and document boundaries leave targets out, as in training)."""
+    ``no_grad`` (a loss mask and document boundaries leave targets out, as in training);
+    ``parallel`` as ``train_step`` takes it."""
+    unwrapped = (parallel or parallelism_of(model)).unwrap(model)
     was_training = model.training
     model.eval()
     total = None  # [summed loss, token count], on the device so NCCL can reduce it
     for _ in range(num_batches):
         batch = as_batch(next(batches))
-        loss = summed_loss(model, batch, policy)
+        loss = summed_loss(model, batch, policy, unwrapped)
         count = torch.as_tensor(batch.trained_tokens(), dtype=torch.float64, device=loss.device)
         batch_total = torch.stack([loss.double(), count])
         total = batch_total if total is None else total + batch_total

@@ -190,9 +190,11 @@ def test_no_function_is_longer_than_a_screen() -> None:
 # planner plans each way (trainer/plan/) and the config refuses combinations in one line each
 # (trainer/config.py); no other module branches on the kind of splitting.
 KIND_BRANCH = re.compile(
-    r"strategy\s*[!=]=|\bis_sharded\(|\bis_ddp\(|world_size\s*(?:[<>]=?|[!=]=)\s*1\b"
+    r"strategy\s*(?:[!=]=|(?:not\s+)?in\b)|\bis_sharded\(|\bis_ddp\("
+    r"|\bworld_size\s*(?:[<>]=?|[!=]=)\s*\d|\d\s*(?:[<>]=?|[!=]=)\s*world_size\b"
+    r"|[\"'](?:ddp|fsdp)[\"']\s*(?:[!=]=|in\b)|(?:[!=]=)\s*[\"'](?:ddp|fsdp)[\"']"
     r"|isinstance\([^)]*\b(?:DDP|DistributedDataParallel|FSDPModule)\b"
-    r"|set_requires_gradient_sync|\.no_sync\(")
+    r"|getattr\([^,]+,\s*[\"']module[\"']|set_requires_gradient_sync|\.no_sync\(")
 MAY_BRANCH_ON_THE_KIND = ("trainer/parallel/", "trainer/plan/", "trainer/config.py")
 
 
@@ -214,7 +216,11 @@ def test_only_the_parallelism_branches_on_the_kind_of_splitting() -> None:
 def test_the_kind_branch_finder_finds_them() -> None:
     code = ('if cfg.parallel.strategy == "fsdp" and ctx.world_size > 1:\n'
             "    sync = model.no_sync() if isinstance(model, DDP) else None\n"
-            "# a comment that says strategy == fsdp\n")
+            "# a comment that says strategy == fsdp\n"
+            'hooks = BackwardSteps(optimizer, comm_hook=in_backward == "ddp")\n'
+            'inner = getattr(model, "module", model)\n'
+            "if 2 <= world_size or strategy in SHARDED:\n"
+            "loss = summed_loss(model, batch, policy)\n")
     assert [line.split(": ", 1)[0] for line in kind_branches("trainer/loop.py", code)] == \
-        ["trainer/loop.py:1", "trainer/loop.py:2"]
+        [f"trainer/loop.py:{n}" for n in (1, 2, 4, 5, 6)]
     assert kind_branches("trainer/parallel/ddp.py", code) == []

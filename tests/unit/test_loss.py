@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -121,3 +123,73 @@ def test_transient_bytes_match_the_cpu_allocator(dtype, tokens, chunk, vocab, wi
     (shape,) = observed
     predicted = inputs + saved + shape.transient_bytes(tokens)
     assert predicted == pytest.approx(peak, rel=0.02)
+
+
+class _OwnLossWithAModuleNamedModule(torch.nn.Module):
+    """A user's model that computes its own loss and has a submodule named ``module``: the
+    name DDP's wrapper gives the model inside it, which must not be taken for one."""
+
+    computes_loss = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Embedding(16, 16)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            raise TypeError("this model computes its loss: call it with targets")
+        return torch.nn.functional.cross_entropy(self.module(idx).flatten(0, 1),
+                                                 targets.flatten(), reduction="sum")
+
+
+def test_a_submodule_named_module_is_not_taken_for_a_wrapped_model() -> None:
+    from trainer.memory.loss import summed_loss
+    from trainer.memory.precision import precision_policy
+
+    loss = summed_loss(_OwnLossWithAModuleNamedModule(), torch.randint(0, 16, (2, 9)),
+                       precision_policy("fp32", torch.device("cpu")))
+    assert loss.ndim == 0 and float(loss) > 0
+
+
+class _SavesThenFailsInBackward(torch.autograd.Function):
+    saved: list = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        kept = x * 2  # an activation saved for backward
+        _SavesThenFailsInBackward.saved.append(weakref.ref(kept))
+        ctx.save_for_backward(kept)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise torch.OutOfMemoryError("out of memory (raised in backward by the test)")
+
+
+def test_an_oom_in_backward_leaves_no_activation_alive_while_it_is_recovered() -> None:
+    """The step that ran out of memory in backward raises ``StepOutOfMemory``; while the
+    loop handles it (the memory report, ``empty_cache``, the retry), the failed micro-batch's
+    saved activations are gone already."""
+    from trainer.memory.precision import precision_policy
+    from trainer.oom import OOMAgreement, StepOutOfMemory
+    from trainer.step import train_step
+
+    class Failing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.out(_SavesThenFailsInBackward.apply(self.emb(idx)))
+
+    model = Failing()
+    policy = precision_policy("fp32", torch.device("cpu"))
+    with pytest.raises(StepOutOfMemory):
+        try:
+            train_step(model, torch.optim.AdamW(model.parameters()),
+                       policy.grad_scaler(torch.device("cpu")), [torch.randint(0, 16, (2, 9))],
+                       1, policy, 1.0, OOMAgreement(torch.device("cpu")))
+        except StepOutOfMemory:
+            gc.collect()
+            assert _SavesThenFailsInBackward.saved[-1]() is None
+            raise

@@ -184,3 +184,28 @@ def test_fused_adamw_is_chosen_on_cuda_only_and_checkpoints_load_across_the_swit
         assert all(moved)
         for a, b in zip(trained.parameters(), resumed.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_model_is_one_line_on_resume_and_on_init_from(
+        tmp_path: Path) -> None:
+    """DCP files of a model 16 wide, read into one 32 wide: the whole state (a resume) and the
+    weights alone (``train.init_from``) each raise one line naming the checkpoint and the
+    tensor that does not fit, not DCP's exception."""
+    from trainer.checkpoint.files import (
+        load_sharded,
+        load_weights,
+        model_and_optimizer_states,
+        write_states,
+    )
+
+    small = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
+    wide = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2))
+    write_states(tmp_path, {"step": 1, "sharded": True},
+                 model_and_optimizer_states(small, torch.optim.AdamW(small.parameters())))
+    for load in (lambda: load_sharded(tmp_path, wide, torch.optim.AdamW(wide.parameters())),
+                 lambda: load_weights(tmp_path, wide)):
+        with pytest.raises(CheckpointError) as refused:
+            load()
+        message = str(refused.value)
+        assert message.startswith(f"checkpoint {tmp_path} does not fit the model: ")
+        assert "\n" not in message and "wte.weight" in message

@@ -23,6 +23,7 @@ from trainer.memory.lora import LoraSettings, apply_lora, merge_adapters
 from trainer.memory.loss import summed_loss
 from trainer.memory.offload import offload_of
 from trainer.memory.optimizers import (
+    InBackward,
     MissingExtraError,
     adamw_class,
     held_state_bytes,
@@ -58,7 +59,7 @@ def test_the_step_in_backward_is_adamw_after_backward_to_the_bit() -> None:
     the same weights, bit for bit, as one AdamW step after backward (clipping off in both), and
     the gradients gone when backward ends."""
     models = {}
-    for where in (None, "local"):
+    for where in (None, InBackward()):
         torch.manual_seed(0)
         model = SMALL()
         optimizer = build_optimizer(model, 1e-3, in_backward=where)
@@ -68,7 +69,7 @@ def test_the_step_in_backward_is_adamw_after_backward_to_the_bit() -> None:
             schedule.step()
         assert all(p.grad is None for p in model.parameters())
         models[where] = model
-    for a, b in zip(models[None].parameters(), models["local"].parameters(), strict=True):
+    for a, b in zip(models[None].parameters(), models[InBackward()].parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -144,7 +145,7 @@ def test_the_planner_predicts_each_strategys_step_peak(ac: str, offload: str, st
     transforms = MemoryTransforms(ac, loss_chunk_tokens=64, activation_offload=offload)
     model = build_model(factory, transforms)
     optimizer = build_optimizer(model, 1e-3, states=states,
-                                in_backward="local" if in_backward else None)
+                                in_backward=InBackward() if in_backward else None)
     create_optimizer_state(optimizer)
     tokens_BT = torch.randint(0, 512, (4, 129), generator=torch.Generator().manual_seed(0))
     step_peak_bytes(model, optimizer, NO_SCALER, tokens_BT, FP32, 0.0)  # compiles torchao's
@@ -172,7 +173,7 @@ def test_the_planner_predicts_a_bf16_weights_step_peak(states: str) -> None:
     transforms = MemoryTransforms("full", loss_chunk_tokens=64)
     model = build_model(bf16_factory, transforms)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    optimizer = build_optimizer(model, 1e-3, states=states, in_backward="local")
+    optimizer = build_optimizer(model, 1e-3, states=states, in_backward=InBackward())
     assert getattr(optimizer, "bf16_stochastic_round", False)
     create_optimizer_state(optimizer)
     assert held_state_bytes(optimizer) == state_bytes(list(model.parameters()), states)

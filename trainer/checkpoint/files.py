@@ -1,5 +1,6 @@
-"""Checkpoints, in one place: what one holds on disk, its name, how it is written, published
-(in the run directory and to a run store on object storage), found and read back.
+"""A checkpoint on disk: what one holds, its name, how a rank writes its part, how the latest
+whole one is found, and how it is read back. Where the parts go once written is
+``trainer.checkpoint.publish``.
 
 A checkpoint is a directory ``checkpoint-<step:08d>`` in the run directory. It holds the model
 and optimizer as DCP files (``torch.distributed.checkpoint``, under DDP and FSDP alike: each rank
@@ -9,15 +10,13 @@ and LR-schedule state, the step, the data loader's position and the RNG state:
 ``trainer.state.TrainState.state_dict``) and ``meta.json``, the manifest of every file.
 
 - **Writing**: into a staging directory (``write_states``), which the worker context
-  publishes: the local launcher by an atomic rename in the run directory (``publish_checkpoint``)
-  and, for a run directory on object storage, an upload with ``meta.json`` last
-  (``upload_checkpoint``: object stores have no rename); Ray Train through
-  ``ray.train.report``, under the same names, in no fixed order.
-- **Finding**: the latest whole checkpoint of a run directory (``latest_whole``) or of its store
-  (``stored_checkpoints``, ``fetch_latest``): ``meta.json`` is a manifest of every file with its
-  size and SHA-256 (``trainer.checkpoint.integrity``), checked before a checkpoint is trusted; one
-  that is not whole is skipped with a line naming what is missing, and the one before it is used.
-  Staging and download directories never match a checkpoint's name.
+  publishes (``trainer.checkpoint.publish``: an atomic rename in the run directory, an upload
+  to a run store with ``meta.json`` last; Ray Train through ``ray.train.report``).
+- **Finding**: the latest whole checkpoint of a run directory (``latest_whole``; of a run
+  store: ``trainer.checkpoint.publish.fetch_latest``): ``meta.json`` is a manifest of every file
+  with its size and SHA-256 (``trainer.checkpoint.integrity``), checked before a checkpoint is
+  trusted; one that is not whole is skipped with a line naming what is missing, and the one before
+  it is used. Staging and download directories never match a checkpoint's name.
 - **Reading**: ``torch.load(..., weights_only=True)``: everything in ``state.pt`` is tensors and
   plain containers, so a checkpoint can never run code. A checkpoint that cannot be used raises
   ``CheckpointReadError`` (exit 2) naming the file and the problem, not an error deep inside
@@ -198,8 +197,6 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-# -- finding -------------------------------------------------------------------------------------
-
 
 # -- reading -------------------------------------------------------------------------------------
 
@@ -263,27 +260,36 @@ def load_weights(directory: Path, model: nn.Module) -> None:
         with _quiet_single_process():
             dcp.load({"model": model_state}, checkpoint_id=str(directory))
     except CheckpointException as err:  # a BaseException: every rank's failure, one per rank
-        failures = list(getattr(err, "failures", {}).values())
-        reason = first_line(failures[0]) if failures else first_line(err)
-        raise CheckpointReadError(f"checkpoint {directory} does not fit the model: "
-                                  f"{reason}") from None
+        raise _not_fitting(directory, err) from None
     set_model_state_dict(model, model_state, options=options)
 
 
 def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load model and optimizer state written by ``write_states`` at any world size (a
-    collective): each rank reads the parts of the files that its shards cover."""
+    collective): each rank reads the parts of the files that its shards cover.
+    CheckpointReadError naming the checkpoint when they do not fit the model."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     options = _options(model)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     model_state = _kept(model, model_state)
-    with _quiet_single_process():
-        dcp.load({"model": model_state, "optimizer": optimizer_state},
-                 checkpoint_id=str(directory))  # loads into the dicts in place
+    try:
+        with _quiet_single_process():
+            dcp.load({"model": model_state, "optimizer": optimizer_state},
+                     checkpoint_id=str(directory))  # loads into the dicts in place
+    except CheckpointException as err:  # a BaseException: every rank's failure, one per rank
+        raise _not_fitting(directory, err) from None
     set_state_dict(model, optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state, options=options)
+
+
+def _not_fitting(directory: Path, err: BaseException) -> CheckpointReadError:
+    """DCP's failure to load ``directory`` into this model, as one line naming it."""
+    failures = list(getattr(err, "failures", {}).values())
+    reason = first_line(failures[0]) if failures else first_line(err)
+    return CheckpointReadError(f"checkpoint {directory} does not fit the model: {reason}")
 
 
 def _kept(model: nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:

@@ -210,19 +210,20 @@ def linear_cross_entropy_sum(hidden_NC: torch.Tensor, weight_VC: torch.Tensor,
     return _ChunkedLinearCrossEntropy.apply(hidden_NC, weight_VC, targets_N, chunk_tokens)
 
 
-def summed_loss(model: nn.Module, batch: TokenBatch | torch.Tensor, policy: PrecisionPolicy
-                ) -> torch.Tensor:
+def summed_loss(model: nn.Module, batch: TokenBatch | torch.Tensor, policy: PrecisionPolicy,
+                unwrapped: nn.Module | None = None) -> torch.Tensor:
     """Summed next-token loss of one micro-batch of rows ``(B, T + 1)`` (a ``TokenBatch``, or a
     tensor of tokens, all trained), fp32, under autocast; targets that are not trained (a loss
     mask, a document boundary) add nothing.
 
     A model with ``computes_loss`` computes it itself (chunked, no ``(B, T, V)`` logits); for
     any other model the logits are materialised and the loss taken in fp32. Packed documents'
-    ``position_ids`` go to a model that takes them (``takes_position_ids``).
+    ``position_ids`` go to a model that takes them (``takes_position_ids``). ``unwrapped``: the
+    model inside ``model``'s wrapper (DDP's), whose attributes say which (None: ``model``).
     """
     batch = as_batch(batch)
     inputs_BT, targets_BT = batch.inputs, batch.targets
-    unwrapped = getattr(model, "module", model)  # the model inside a wrapper (DDP's)
+    unwrapped = model if unwrapped is None else unwrapped
     kwargs = {}
     if batch.document_ids is not None and takes_position_ids(unwrapped):
         kwargs["position_ids"] = batch.position_ids

@@ -34,6 +34,7 @@ import logging
 import math
 import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -226,6 +227,17 @@ def state_tensors(optimizer: torch.optim.Optimizer, with_steps: bool = True
 
 _BACKWARD_STEPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, BackwardSteps] = \
     weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class InBackward:
+    """Where ``memory.optimizer_in_backward``'s steps attach, as the way of splitting the work
+    says (``trainer.parallel``): each parameter's post-accumulate-grad hook by default, or DDP's
+    communication hook (``comm_hook``); ``norm_over_ranks``: each rank steps its own shards
+    (FSDP2), so the gradient norm's squares are summed over the ranks."""
+
+    comm_hook: bool = False
+    norm_over_ranks: bool = False
 
 
 class BackwardSteps:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.memory.optimizers import BackwardSteps
+from trainer.memory.optimizers import BackwardSteps, InBackward
 from trainer.parallel.strategy import Parallelism
 
 
@@ -33,8 +33,7 @@ def is_ddp(model: nn.Module) -> bool:
 class DistributedDataParallel(Parallelism):
     """DDP over ``world_size`` ranks."""
 
-    name: ClassVar[str] = "DDP"
-    in_backward: ClassVar[str] = "ddp"  # DDP's communication hook (``wrap``)
+    in_backward: ClassVar[InBackward] = InBackward(comm_hook=True)  # attached in ``wrap``
 
     def __init__(self, world_size: int):
         self.world_size = world_size

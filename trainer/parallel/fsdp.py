@@ -42,6 +42,7 @@ from torch import nn
 
 from trainer.errors import first_line
 from trainer.memory.allocator import return_freed_host_memory
+from trainer.memory.optimizers import InBackward
 from trainer.models.build import (
     Bf16Weights,
     MemoryTransforms,
@@ -239,12 +240,11 @@ def _bf16_parameters(model: nn.Module) -> None:
 class FullyShardedDataParallel(Parallelism):
     """FSDP2 with ``settings`` (None: a model sharded elsewhere, only stepped here)."""
 
-    name: ClassVar[str] = "FSDP"
-    sharded: ClassVar[bool] = True
     # A reduce-scatter runs inside backward and cannot wait for the ranks to agree: an OOM
     # is recovered per rank where nothing was reduced yet (``trainer.oom``).
     agrees_on_oom: ClassVar[bool] = False
-    in_backward: ClassVar[str] = "fsdp"  # post-accumulate hooks on the shards, norm all-reduced
+    # post-accumulate hooks on the shards, the norm's squares summed over the ranks
+    in_backward: ClassVar[InBackward] = InBackward(norm_over_ranks=True)
 
     def __init__(self, settings: FsdpSettings | None):
         self.settings = settings or FsdpSettings()

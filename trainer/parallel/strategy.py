@@ -12,9 +12,12 @@ way the same way; the place for sequence and tensor parallelism is here too.
 The order in which a model is made ready is written once, in ``Parallelism.build``'s docstring,
 and each way follows it; torchtitan comments its ``parallelize`` the same way.
 
-A checkpoint is the same DCP files under every way (``trainer.checkpoint.files``: the state-dict
-options depend on the model, a LoRA model's base left out, not on the way), so a run moves
-between them and between world sizes.
+Two things every way shares, and which therefore are not asked of it: the process group (one
+default group for every way, NCCL with gloo beside it for CPU tensors on GPUs, started by the
+launcher before the way is known: ``trainer.parallel.rendezvous``), and a checkpoint's format
+(the same DCP files under every way, ``trainer.checkpoint.files``: the state-dict options depend
+on the model, a LoRA model's base left out, not on the way), so a run moves between the ways and
+between world sizes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from trainer.memory.allocator import keep_freed_host_memory
+from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import PrecisionPolicy
 from trainer.models.build import MemoryTransforms, build_whole
 
@@ -40,15 +44,12 @@ Compile = Callable[[nn.Module], None]
 class Parallelism:
     """One process holding the whole model (and the base of the other ways)."""
 
-    name: ClassVar[str] = "one process"
-    # Ranks hold shards of the model and its optimizer state, not the whole of them.
-    sharded: ClassVar[bool] = False
     # The ranks can agree on an out-of-memory step before any gradient is reduced (so that the
     # step is retried at half the micro-batch on every rank: ``trainer.oom``).
     agrees_on_oom: ClassVar[bool] = True
     # Where ``memory.optimizer_in_backward``'s steps attach (``trainer.optim.build_optimizer``):
     # each parameter's post-accumulate-grad hook here.
-    in_backward: ClassVar[str] = "local"
+    in_backward: ClassVar[InBackward] = InBackward()
 
     def build(self, cfg: Config, device: torch.device, compile_model: Compile) -> nn.Module:
         """``cfg``'s model made ready for this way of splitting, in this order:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.memory.allocator import keep_freed_host_memory
+from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, ModelFactory, build_model
 from trainer.optim import build_optimizer
@@ -51,7 +52,7 @@ class PlanRun:
         self.policy = precision_policy(precision, device, warn=False)
         self.scaler = self.policy.grad_scaler(device)
         self.optimizer = build_optimizer(self.model, lr=1e-4, fused=fused, states=states,
-                                         in_backward="local" if in_backward else None)
+                                         in_backward=InBackward() if in_backward else None)
         generator = torch.Generator().manual_seed(0)
         self.micro_batches = [torch.randint(0, vocab_size, (micro_batch, seq_len + 1),
                                             generator=generator) for _ in range(accumulation)]

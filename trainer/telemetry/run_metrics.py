@@ -107,7 +107,7 @@ class RunMetrics:
     window: _Window = field(default_factory=_Window)
     trackers: Trackers = field(default_factory=lambda: Trackers([]))  # rank 0's, where asked
     # trainer.telemetry.restarts.Restarts: the run's restarts (rank 0's figures)
-    recovery: Any = None
+    restarts: Any = None
     total_steps: int = 0  # train.steps: the console line's N/TOTAL and its time left
     # A loss mask or packed documents: tokens/s counts the trained targets (read at log steps)
     # in place of every token of the global batch.
@@ -157,7 +157,7 @@ class RunMetrics:
             "memtrain_checkpoint_seconds_total": self.checkpoint_seconds,
             "memtrain_checkpoint_blocking_seconds_total": self.checkpoint_blocking_seconds,
             "memtrain_data_skipped_shards_total": self._loader.skipped_shards,
-            **(self.recovery.metrics() if self.recovery is not None else {}),
+            **(self.restarts.metrics() if self.restarts is not None else {}),
             **device_values(self.ctx.device, self._uuid, self.peaks, self._loader.pinned_bytes),
         }
 
