@@ -375,6 +375,12 @@ def describe_strategies(memory: MemoryConfig, model: torch.nn.Module,
         said.append(f"LoRA rank {lora.rank}, alpha {lora.alpha:g}: {trained:,} of {total:,} "
                     f"parameters train ({trained / total:.2%}), the base frozen in "
                     f"{lora.base_dtype}")
+        errors: dict[str, float] = getattr(model, "nf4_errors", {})
+        if errors:
+            worst = max(errors, key=errors.__getitem__)
+            said.append(f"NF4 base: {len(errors)} linear layers, quantization error (relative "
+                        f"norm) {sum(errors.values()) / len(errors):.2%} on average, at most "
+                        f"{errors[worst]:.2%} ({worst})")
     if any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
         said.append("weights bf16 with no fp32 copy (model.dtype), each update rounded into "
                     "them stochastically")

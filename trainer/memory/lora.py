@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.compat import is_fake
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             if not param.requires_grad:  # ``.data``, not ``module.to``: that swaps tensors,
                 param.data = param.data.to(torch.bfloat16)  # impossible for a tied fake one
     if settings.base_dtype == "nf4":
-        quantize_base(model)
+        model.nf4_errors = quantize_base(model)  # type: ignore[assignment]
     # The targets as resolved: once injected, the blocks' linear layers include the adapters.
     model.lora_settings = dataclasses.replace(settings, targets=tuple(targets))  # type: ignore[assignment]
     return model
@@ -109,13 +110,16 @@ NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256
 
 
-def quantize_base(model: nn.Module) -> list[str]:
+def quantize_base(model: nn.Module) -> dict[str, float]:
     """The frozen weights of every linear layer in ``model.blocks`` (the adapters' base layers
     among them) as NF4 (``base_dtype: nf4``), in place; a weight whose size does not fill
-    NF4's blocks stays bf16, named in one warning. Returns the quantized layers' names."""
+    NF4's blocks stays bf16, named in one warning. Returns each quantized layer's error: the
+    relative Frobenius norm of its dequantized weight's difference from the bf16 weight (also
+    on the model as ``nf4_errors``, for the run's log)."""
     with quiet_torchao_import():
         from torchao.quantization import to_nf4
-    quantized, kept = [], []
+    quantized: dict[str, float] = {}
+    kept = []
     layers = [(f"blocks.{i}.{name}", module) for i, block in enumerate(getattr(model, "blocks", []))
               for name, module in block.named_modules()]
     for name, module in layers:
@@ -124,15 +128,26 @@ def quantize_base(model: nn.Module) -> list[str]:
         if module.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
             kept.append(f"{name} {list(module.weight.shape)}")
             continue
-        module.weight = nn.Parameter(to_nf4(module.weight.detach().to(torch.bfloat16),
-                                            NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
-        quantized.append(name)
+        weight = module.weight.detach().to(torch.bfloat16)
+        module.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK),
+                                     requires_grad=False)
+        quantized[name] = _relative_error(weight, module.weight)
     if kept:
         log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size not "
                     "a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",
                     len(kept), NF4_BLOCK * NF4_SCALER_BLOCK, NF4_BLOCK, NF4_SCALER_BLOCK,
                     ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
     return quantized
+
+
+def _relative_error(weight: torch.Tensor, nf4: Any) -> float:
+    """||dequantized - weight|| / ||weight||, in fp32 (0 on fake or meta tensors, which have
+    no values: the planner's probe)."""
+    if weight.device.type == "meta" or is_fake(weight):
+        return 0.0
+    exact = weight.float()
+    difference = nf4.get_original_weight().float() - exact
+    return float(difference.norm() / exact.norm().clamp(min=1e-12))
 
 
 def dequantize_base(model: nn.Module) -> None:
