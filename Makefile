@@ -26,7 +26,7 @@ VOCAB_SIZE ?=
 TOKENIZER ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data \
+.PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data bench-qlora \
 	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints bench-uploads bench-elastic chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
@@ -133,8 +133,11 @@ bench-checkpoints: setup ## What checkpoints cost: checking one against its mani
 bench-uploads: setup ## An 8-rank checkpoint uploaded to a local S3 server through a slow proxy: one file at a time vs in parallel
 	$(BIN)/python -m bench.uploads --out bench/results
 
-bench-strategies: setup ## A HF Llama on CPU, torchtune's cumulative table: checkpointing, step in backward, offload, 8-bit AdamW, LoRA
+bench-strategies: setup ## A HF Llama on CPU, torchtune's cumulative table: checkpointing, step in backward, offload, 8-bit AdamW, LoRA, QLoRA
 	$(BIN)/python -m bench.strategies --out bench/results
+
+bench-qlora: setup ## QLoRA's eval loss against LoRA on a bf16 base over the same 200 steps (about 3 min)
+	$(BIN)/python -m bench.qlora_quality --out bench/results
 
 bench-metrics: setup ## Cost of recording the metrics contract as a share of step time (<= 1%)
 	$(BIN)/python -m bench.metrics_overhead --out bench/results
