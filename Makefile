@@ -136,7 +136,7 @@ bench-uploads: setup ## An 8-rank checkpoint uploaded to a local S3 server throu
 bench-strategies: setup ## A HF Llama on CPU, torchtune's cumulative table: checkpointing, step in backward, offload, 8-bit AdamW, LoRA, QLoRA
 	$(BIN)/python -m bench.strategies --out bench/results
 
-bench-qlora: setup ## QLoRA's eval loss against LoRA on a bf16 base over the same 200 steps (about 3 min)
+bench-qlora: setup ## QLoRA's eval loss against LoRA on a bf16 base over the same 200 steps (about 2 min)
 	$(BIN)/python -m bench.qlora_quality --out bench/results
 
 bench-metrics: setup ## Cost of recording the metrics contract as a share of step time (<= 1%)

@@ -3,7 +3,7 @@ steps; only the frozen base's linear weights differ (NF4 against bf16).
 
 The Llama's weights are random (nothing is downloaded), pretrained first by this bench for
 ``--pretrain`` steps of a full fine-tune on the stdlib corpus, so that the base has something to
-lose; its safetensors then start both LoRA runs (``train.init_from: hf:DIR``), each ``--steps``
+lose; its safetensors are then both LoRA runs' ``model.name: hf:DIR``, each ``--steps``
 steps with evaluation every ``--eval-every``, through ``memtrain train`` on one local worker in
 bf16. Reported: both runs' training and eval losses, the gap at every evaluation, and the gap the
 quantization alone makes before any step (the pretrained model's loss on the first ``--rows``

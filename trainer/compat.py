@@ -361,6 +361,15 @@ def ray_cancel_train_request(requester_id: str, timeout: float = 10.0) -> None:
     ray.get(coordinator.cancel_request.remote(requester_id=requester_id), timeout=timeout)
 
 
+def ddp_ignore(model: nn.Module, names: list[str]) -> None:
+    """Have DDP leave the parameters ``names`` (fully qualified) out of everything it does, its
+    first broadcast of rank 0's values included (torch's private
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, pytorch #43690)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
 def hf_checkpoint_renamer(hf_model: Any, model_names: set[str]
                           ) -> Callable[[str], tuple[str, str | None]]:
     """How ``from_pretrained`` (transformers 5) names a checkpoint's tensor in ``hf_model``:

@@ -73,7 +73,7 @@ def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named(
     with caplog.at_level(logging.WARNING, logger="trainer.memory.lora"):
         model = _nf4_gpt(n_embd=32)
     assert not any(isinstance(p, NF4Tensor) for p in model.parameters())
-    [line] = [r.getMessage() for r in caplog.records]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "trainer.memory.lora"]
     assert line.startswith("model.lora.base_dtype nf4: 8 linear layer(s) kept in bf16, their "
                            "size not a multiple of 16384") and "blocks.0.attn.qkv" in line
 
@@ -193,3 +193,87 @@ def test_the_planner_counts_an_nf4_base_and_shows_it_beside_the_others(
     linear = 2 * (128 * 384 + 128 * 128 + 128 * 512 + 512 * 128)  # two blocks' base weights
     assert bf16.params - nf4.params == pytest.approx(linear * (2 - 0.518), rel=0.01)
     assert nf4.grads == bf16.grads and nf4.optimizer == bf16.optimizer  # the adapters'
+
+
+def test_ddp_wraps_an_nf4_base_without_quantizing_it_again(tmp_path: Path) -> None:
+    """DDP's first broadcast would copy each NF4 weight through its dequantized values and
+    quantize it again (another base than one process trains); the NF4 base is left out of
+    it, as every rank builds it alike."""
+    import torch.distributed as dist
+
+    from trainer.parallel.ddp import DistributedDataParallel
+
+    model = _nf4_gpt()
+    before = {name: p.get_original_weight().clone() for name, p in model.named_parameters()
+              if hasattr(p, "get_original_weight")}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        wrapped = DistributedDataParallel(1).wrap(model, torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad]))
+    finally:
+        dist.destroy_process_group()
+    after = dict(wrapped.module.named_parameters())
+    assert len(before) == 8
+    for name, weight in before.items():
+        assert torch.equal(after[name].get_original_weight(), weight), name
+
+
+def test_an_nf4_base_from_init_from_is_quantized_once_from_the_files(tmp_path: Path) -> None:
+    """``train.init_from: hf:DIR`` over a config-only ``model.name``: the base is quantized
+    from the directory's weights (not the seeded ones, then again), so its NF4 codes and its
+    logged error equal those of ``model.name: hf:DIR``'s own weights."""
+    import shutil
+
+    import transformers
+
+    from trainer.config import LoraConfig, ModelConfig
+    from trainer.models.build import MemoryTransforms, build_whole
+
+    base, bare = tmp_path / "llama", tmp_path / "bare"
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+    )).save_pretrained(base)
+    bare.mkdir()
+    shutil.copy(base / "config.json", bare / "config.json")
+
+    def build(name: Path, init_from: str | None) -> torch.nn.Module:
+        cfg = ModelConfig(name=f"hf:{name}", seq_len=64,
+                          lora=LoraConfig(rank=4, base_dtype="nf4"))
+        return build_whole(cfg, init_from, MemoryTransforms(), seed=0)
+
+    direct, loaded = build(base, None), build(bare, f"hf:{base}")
+    assert loaded.nf4_errors == pytest.approx(direct.nf4_errors, rel=1e-6)
+    assert loaded.lora_settings.base_dtype == "nf4"
+    codes = {n: p.get_original_weight() for n, p in direct.named_parameters()
+             if hasattr(p, "get_original_weight")}
+    assert len(codes) == 7
+    for name, param in loaded.named_parameters():
+        if name in codes:
+            assert torch.equal(param.get_original_weight(), codes[name]), name
+
+
+def test_a_model_whose_blocks_hold_no_linear_layer_is_refused(tmp_path: Path) -> None:
+    """GPT-2's blocks hold transformers' Conv1D, not nn.Linear: an NF4 base would quantize
+    nothing, so it is refused in one line rather than trained as a bf16 base."""
+    import transformers
+
+    from trainer.memory.lora import LoraSettings, apply_lora
+    from trainer.models.hf import HFCausalLM
+
+    gpt2 = HFCausalLM(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=128, n_layer=1, n_head=4)))
+    with pytest.raises(ValueError, match=r"^model.lora.base_dtype nf4: HFCausalLM's blocks hold "
+                                         r"no nn.Linear layer"):
+        apply_lora(gpt2, LoraSettings(rank=4, targets=("c_attn",), base_dtype="nf4"))
+
+
+def test_auto_never_shards_an_nf4_base(corpus_dir: Path, tmp_path: Path) -> None:
+    from trainer.plan.auto import sharding_candidates
+
+    cfg = tiny_config(corpus_dir, tmp_path, "model.n_embd=128", "model.lora.rank=4",
+                      "model.lora.base_dtype=nf4", "memory.precision=bf16",
+                      "parallel.strategy=auto", "parallel.workers=2")
+    assert [c.parallel.strategy for c in sharding_candidates(cfg)] == ["ddp"]

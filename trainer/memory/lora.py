@@ -132,6 +132,10 @@ def quantize_base(model: nn.Module) -> dict[str, float]:
         module.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK),
                                      requires_grad=False)
         quantized[name] = _relative_error(weight, module.weight)
+    if not quantized and not kept:
+        raise ValueError(f"model.lora.base_dtype nf4: {type(model).__name__}'s blocks hold no "
+                         "nn.Linear layer to store in NF4 (GPT-2's are Conv1D); use base_dtype "
+                         "bf16")
     if kept:
         log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size not "
                     "a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",

@@ -24,7 +24,7 @@ from torch import nn
 
 from trainer.compat import is_checkpoint_wrapper
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
-from trainer.memory.lora import LoraSettings, apply_lora
+from trainer.memory.lora import LoraSettings, apply_lora, lora_of, quantize_base
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.offload import install as install_offload
@@ -148,10 +148,20 @@ def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTra
     of ``init_from`` where it is ``hf:DIR`` (``load_hf_weights``, over the seeded build's), else
     with the model's own. How the loop builds it without FSDP, and export a LoRA run's base."""
     init_hf = init_from if (init_from or "").startswith(HF_PREFIX) else None
+    nf4 = init_hf is not None and model.lora is not None and model.lora.base_dtype == "nf4"
+    if nf4:  # the base quantized once, from the directory's weights (and its error said of them)
+        model = model.model_copy(update={"lora": model.lora.model_copy(  # type: ignore[union-attr]
+            update={"base_dtype": "bf16"})})
     built = build_model(model_factory(model, load_weights=init_hf is None), transforms, device,
                         seed)
     if init_hf is not None:
         load_hf_weights(built, weights_of(init_hf))
+    if nf4:
+        built.nf4_errors = quantize_base(built)  # type: ignore[assignment]
+        settings = lora_of(built)
+        assert settings is not None
+        built.lora_settings = dataclasses.replace(  # type: ignore[assignment]
+            settings, base_dtype="nf4")
     return built
 
 

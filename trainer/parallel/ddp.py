@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainer.compat import ddp_ignore
 from trainer.memory.optimizers import BackwardSteps, InBackward
 from trainer.parallel.strategy import Parallelism
 
@@ -40,6 +41,10 @@ class DistributedDataParallel(Parallelism):
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         device = next(model.parameters()).device
+        # An NF4 base (QLoRA) is built alike on every rank; DDP's broadcast of rank 0's values
+        # would copy it through its dequantized values and quantize it again, changing it.
+        ddp_ignore(model, [name for name, p in model.named_parameters()
+                           if not p.requires_grad and hasattr(p, "get_original_weight")])
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         in_backward = BackwardSteps.of(optimizer)
         if in_backward is not None:  # each parameter steps once its bucket is reduced
