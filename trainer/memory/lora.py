@@ -98,7 +98,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             if not param.requires_grad:  # ``.data``, not ``module.to``: that swaps tensors,
                 param.data = param.data.to(torch.bfloat16)  # impossible for a tied fake one
     if settings.base_dtype == "nf4":
-        model.nf4_errors = quantize_base(model)  # type: ignore[assignment]
+        quantize_base(model)
     # The targets as resolved: once injected, the blocks' linear layers include the adapters.
     model.lora_settings = dataclasses.replace(settings, targets=tuple(targets))  # type: ignore[assignment]
     return model
@@ -113,9 +113,9 @@ NF4_SCALER_BLOCK = 256
 def quantize_base(model: nn.Module) -> dict[str, float]:
     """The frozen weights of every linear layer in ``model.blocks`` (the adapters' base layers
     among them) as NF4 (``base_dtype: nf4``), in place; a weight whose size does not fill
-    NF4's blocks stays bf16, named in one warning. Returns each quantized layer's error: the
-    relative Frobenius norm of its dequantized weight's difference from the bf16 weight (also
-    on the model as ``nf4_errors``, for the run's log)."""
+    NF4's blocks stays bf16, named in one warning. Each quantized layer's error (the relative
+    Frobenius norm of its dequantized weight's difference from the bf16 weight) is kept on the
+    model as ``nf4_errors``, for the run's log, and returned."""
     with quiet_torchao_import():
         from torchao.quantization import to_nf4
     quantized: dict[str, float] = {}
@@ -141,6 +141,7 @@ def quantize_base(model: nn.Module) -> dict[str, float]:
                     "a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",
                     len(kept), NF4_BLOCK * NF4_SCALER_BLOCK, NF4_BLOCK, NF4_SCALER_BLOCK,
                     ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
+    model.nf4_errors = quantized  # type: ignore[assignment]
     return quantized
 
 

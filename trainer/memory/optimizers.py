@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.tensors import local_tensor
+from trainer.tensors import local_tensor, plain_tensors
 
 STATE_DTYPES = ("fp32", "bf16", "8bit", "4bit")
 # Elements per quantization block (torchao's defaults); bf16 has no blocks.
@@ -208,21 +208,10 @@ def state_tensors(optimizer: torch.optim.Optimizer, with_steps: bool = True
                   ) -> list[torch.Tensor]:
     """Every tensor of ``optimizer``'s state (a DTensor by its shard), a quantized one by its
     parts (``__tensor_flatten__``: torchao's codes, scales and code book)."""
-    out: list[torch.Tensor] = []
-
-    def add(value: torch.Tensor) -> None:
-        flatten = getattr(value, "__tensor_flatten__", None)
-        if flatten is not None and type(value) is not torch.Tensor:
-            for name in flatten()[0]:
-                add(getattr(value, name))
-        else:
-            out.append(value)
-
-    for per_param in optimizer.state.values():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor) and (with_steps or key != "step"):
-                add(local_tensor(value))
-    return out
+    return [part for per_param in optimizer.state.values()
+            for key, value in per_param.items()
+            if isinstance(value, torch.Tensor) and (with_steps or key != "step")
+            for part in plain_tensors(local_tensor(value))]
 
 
 _BACKWARD_STEPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, BackwardSteps] = \

@@ -157,7 +157,7 @@ def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTra
     if init_hf is not None:
         load_hf_weights(built, weights_of(init_hf))
     if nf4:
-        built.nf4_errors = quantize_base(built)  # type: ignore[assignment]
+        quantize_base(built)
         settings = lora_of(built)
         assert settings is not None
         built.lora_settings = dataclasses.replace(  # type: ignore[assignment]
