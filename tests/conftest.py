@@ -348,3 +348,18 @@ def write_chat_tokenizer(directory: Path, texts: list[str], vocab_size: int = 40
         config["chat_template"] = template
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
+    """A checkpoint directory of ``state`` alone in its ``state.pt``, with the manifest of
+    every file there (tests: manifests, ``weights_only``, the single-file format's refusal);
+    returns the state file. memtrain writes checkpoints with ``write_states``."""
+    import torch
+
+    from trainer.checkpoint.integrity import STATE, describe, write_manifest
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / STATE
+    torch.save(state, path)
+    write_manifest(directory, state["step"], describe(directory))
+    return path

@@ -163,7 +163,8 @@ def test_ddp_and_fsdp_checkpoints_resume_under_each_other(corpus_dir: Path,
     # The single-file format: state.pt with the model and optimizer, no DCP files.
     from torch.distributed.checkpoint import FileSystemReader
 
-    from trainer.checkpoint.files import load_checkpoint, load_sharded_tensors, save_checkpoint
+    from tests.conftest import save_checkpoint
+    from trainer.checkpoint.files import load_checkpoint, load_sharded_tensors
 
     checkpoint = tmp_path / "switch" / "checkpoint-00000006"
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata

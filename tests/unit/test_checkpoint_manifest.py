@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import save_checkpoint
 from trainer.checkpoint import store as runstore
 from trainer.checkpoint.files import (
     CheckpointReadError,
@@ -20,7 +21,6 @@ from trainer.checkpoint.files import (
     complete_checkpoints,
     latest_whole,
     published_checkpoints,
-    save_checkpoint,
     verified,
 )
 from trainer.checkpoint.integrity import local_problem

@@ -8,11 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint.files import (
-    CheckpointError,
-    load_checkpoint,
-    save_checkpoint,
-)
+from tests.conftest import save_checkpoint
+from trainer.checkpoint.files import CheckpointError, load_checkpoint
 from trainer.memory.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpointed_block_indices,

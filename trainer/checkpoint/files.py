@@ -131,16 +131,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` (``trainer.state.TrainState.state_dict``) into ``directory``, with the
-    manifest of every file there; returns the state file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / STATE_FILE
-    torch.save(state, path)
-    write_manifest(directory, state["step"], describe(directory))
-    return path
-
-
 def write_states(directory: Path, state: dict[str, Any] | None,
                  states: tuple[dict[str, Any], dict[str, Any]], group: Any = None) -> Path:
     """One rank's part of a checkpoint, into ``directory``: the model's and optimizer's DCP
@@ -195,7 +185,6 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
-
 
 
 # -- reading -------------------------------------------------------------------------------------
