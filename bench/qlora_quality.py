@@ -83,9 +83,8 @@ def quantization_gap(pretrained: Path, data: Path, rows: int) -> dict[str, float
     import pyarrow as pa
     import torch
     import transformers
-    from torchao.quantization import to_nf4
 
-    from trainer.memory.lora import NF4_BLOCK, NF4_SCALER_BLOCK
+    from trainer.memory.nf4 import to_nf4
 
     shard = json.loads((data / "manifest.json").read_text())["shards"][0]["path"]
     with pa.memory_map(str(data / shard)) as source:
@@ -104,8 +103,7 @@ def quantization_gap(pretrained: Path, data: Path, rows: int) -> dict[str, float
     for layer in model.model.layers:
         for module in layer.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.data = to_nf4(module.weight.data, NF4_BLOCK,
-                                            NF4_SCALER_BLOCK).get_original_weight()
+                module.weight.data = to_nf4(module.weight.data).get_original_weight()
     return {"bf16": bf16, "nf4": loss()}
 
 

@@ -466,10 +466,10 @@ def strategy_combinations(cfg: Config) -> None:
         raise ValueError(f"model.lora.base_dtype {lora.base_dtype!r} with memory.precision "
                          f"{memory.precision!r}: {lora.base_dtype} base weights compute under "
                          "bf16 autocast; set memory.precision bf16 (or auto)")
-    if lora is not None and lora.base_dtype == "nf4" and cfg.parallel.strategy == "fsdp":
-        raise ValueError("model.lora.base_dtype 'nf4' with parallel.strategy 'fsdp': the NF4 "
-                         "base is built whole on each rank, under one process or DDP; set "
-                         "parallel.strategy ddp")
+    if lora is not None and lora.base_dtype == "nf4" and cfg.parallel.fsdp.param_dtype == "fp32":
+        raise ValueError("model.lora.base_dtype 'nf4' with parallel.fsdp.param_dtype 'fp32': "
+                         "FSDP gathers an NF4 weight as NF4 and it computes in bf16; set "
+                         "parallel.fsdp.param_dtype bf16 (or auto)")
     if memory.optimizer_states != "fp32" and train.fused_optimizer is True:
         raise ValueError(f"train.fused_optimizer true with memory.optimizer_states "
                          f"{memory.optimizer_states!r}: torch's fused AdamW keeps fp32 states")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from trainer.models import meta_init
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.models.hf import initialise_on_meta
-from trainer.parallel import meta_init
 from trainer.tensors import storage_key
 
 

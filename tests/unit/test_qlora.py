@@ -80,8 +80,8 @@ def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named(
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (("memory.precision=fp32",), "model.lora.base_dtype 'nf4' with memory.precision 'fp32'"),
-    (("memory.precision=bf16", "parallel.strategy=fsdp"),
-     "model.lora.base_dtype 'nf4' with parallel.strategy 'fsdp'"),
+    (("memory.precision=bf16", "parallel.strategy=fsdp", "parallel.fsdp.param_dtype=fp32"),
+     "model.lora.base_dtype 'nf4' with parallel.fsdp.param_dtype 'fp32'"),
 ])
 def test_nf4_is_refused_in_one_line_where_it_cannot_run(corpus_dir: Path, tmp_path: Path,
                                                         overrides: tuple[str, ...],
@@ -91,20 +91,22 @@ def test_nf4_is_refused_in_one_line_where_it_cannot_run(corpus_dir: Path, tmp_pa
                     *overrides)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_qlora_trains_and_resumes_exactly(corpus_dir: Path, tmp_path: Path,
-                                          workers: int) -> None:
+@pytest.mark.parametrize(("workers", "strategy"), [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_qlora_trains_and_resumes_exactly(corpus_dir: Path, tmp_path: Path, workers: int,
+                                          strategy: str) -> None:
     """Four steps straight against two, then two more from the checkpoint (which holds the
     adapters and their AdamW state alone; the NF4 base is built again from its seed): the
-    same losses, to the bit, on one process and under DDP."""
+    same losses, to the bit, on one process, under DDP and under FSDP (width 256: each rank's
+    rows of every layer fill NF4's blocks)."""
     from trainer.launch.local import launch_local
 
     def run(name: str, until: int | None) -> list[float]:
         cfg, run_dir = prepared_local_run(tiny_config(
-            corpus_dir, tmp_path, "model.n_embd=128", "model.lora.rank=4",
+            corpus_dir, tmp_path, "model.n_embd=256", "model.lora.rank=4",
             "model.lora.base_dtype=nf4", "memory.precision=bf16", "train.steps=4",
             "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=0",
-            "parallel.launcher=local", f"parallel.workers={workers}", f"run.name={name}"),
+            "parallel.launcher=local", f"parallel.workers={workers}",
+            f"parallel.strategy={strategy}", f"run.name={name}"),
             workers)
         launch_local(cfg, run_dir, until_step=until)
         rows = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
@@ -270,10 +272,11 @@ def test_a_model_whose_blocks_hold_no_linear_layer_is_refused(tmp_path: Path) ->
         apply_lora(gpt2, LoraSettings(rank=4, targets=("c_attn",), base_dtype="nf4"))
 
 
-def test_auto_never_shards_an_nf4_base(corpus_dir: Path, tmp_path: Path) -> None:
+def test_auto_weighs_sharding_an_nf4_base(corpus_dir: Path, tmp_path: Path) -> None:
+    """An NF4 base shards under FSDP (each rank quantizes its rows), so auto weighs both."""
     from trainer.plan.auto import sharding_candidates
 
     cfg = tiny_config(corpus_dir, tmp_path, "model.n_embd=128", "model.lora.rank=4",
                       "model.lora.base_dtype=nf4", "memory.precision=bf16",
                       "parallel.strategy=auto", "parallel.workers=2")
-    assert [c.parallel.strategy for c in sharding_candidates(cfg)] == ["ddp"]
+    assert [c.parallel.strategy for c in sharding_candidates(cfg)] == ["ddp", "fsdp"]

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from trainer.compat import is_fake
+from trainer.memory.nf4 import BLOCK, GRAIN, SCALER_BLOCK, fits, relative_error, to_nf4
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 
 log = logging.getLogger(__name__)
@@ -104,55 +105,46 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return model
 
 
-# torchao's NF4 (QLoRA's): 64 weights a block share one scale, and 256 of those scales share
-# one scale of their own (double quantization); a weight must fill whole blocks of both.
-NF4_BLOCK = 64
-NF4_SCALER_BLOCK = 256
+def nf4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The frozen linear layers of ``model.blocks`` (the adapters' base layers among them), by
+    their names under the model: what ``base_dtype: nf4`` stores in NF4."""
+    return [(f"blocks.{i}.{name}", module)
+            for i, block in enumerate(getattr(model, "blocks", []))
+            for name, module in block.named_modules()
+            if isinstance(module, nn.Linear) and not module.weight.requires_grad]
 
 
-def quantize_base(model: nn.Module) -> dict[str, float]:
-    """The frozen weights of every linear layer in ``model.blocks`` (the adapters' base layers
-    among them) as NF4 (``base_dtype: nf4``), in place; a weight whose size does not fill
-    NF4's blocks stays bf16, named in one warning. Each quantized layer's error (the relative
-    Frobenius norm of its dequantized weight's difference from the bf16 weight) is kept on the
-    model as ``nf4_errors``, for the run's log, and returned."""
-    with quiet_torchao_import():
-        from torchao.quantization import to_nf4
+def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
+    """The frozen weights of every linear layer in ``model.blocks`` (``nf4_layers``) as NF4
+    (``base_dtype: nf4``), in place; a weight whose size does not fill NF4's blocks (in each of
+    ``parts`` row shards: FSDP's ranks) stays bf16, named in one warning. Each quantized
+    layer's error (the relative Frobenius norm of its dequantized weight's difference from the
+    bf16 weight) is kept on the model as ``nf4_errors``, for the run's log, and returned. A
+    meta or fake model gets NF4 placeholders and no errors: the sharded build fills them
+    (``trainer.memory.nf4.fill_nf4``)."""
     quantized: dict[str, float] = {}
     kept = []
-    layers = [(f"blocks.{i}.{name}", module) for i, block in enumerate(getattr(model, "blocks", []))
-              for name, module in block.named_modules()]
-    for name, module in layers:
-        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
-            continue
-        if module.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
-            kept.append(f"{name} {list(module.weight.shape)}")
-            continue
-        weight = module.weight.detach().to(torch.bfloat16)
-        module.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK),
-                                     requires_grad=False)
-        quantized[name] = _relative_error(weight, module.weight)
-    if not quantized and not kept:
+    layers = nf4_layers(model)
+    if not layers:
         raise ValueError(f"model.lora.base_dtype nf4: {type(model).__name__}'s blocks hold no "
                          "nn.Linear layer to store in NF4 (GPT-2's are Conv1D); use base_dtype "
                          "bf16")
+    for name, module in layers:
+        if not fits(module.weight.shape, parts):
+            kept.append(f"{name} {list(module.weight.shape)}")
+            continue
+        weight = module.weight.detach().to(torch.bfloat16)
+        module.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
+        if weight.device.type != "meta" and not is_fake(weight):
+            quantized[name] = relative_error(weight, module.weight)
     if kept:
-        log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size not "
-                    "a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",
-                    len(kept), NF4_BLOCK * NF4_SCALER_BLOCK, NF4_BLOCK, NF4_SCALER_BLOCK,
+        shards = f" in each of {parts} row shards" if parts > 1 else ""
+        log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size%s "
+                    "not a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",
+                    len(kept), shards, GRAIN, BLOCK, SCALER_BLOCK,
                     ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
     model.nf4_errors = quantized  # type: ignore[assignment]
     return quantized
-
-
-def _relative_error(weight: torch.Tensor, nf4: Any) -> float:
-    """||dequantized - weight|| / ||weight||, in fp32 (0 on fake or meta tensors, which have
-    no values: the planner's probe)."""
-    if weight.device.type == "meta" or is_fake(weight):
-        return 0.0
-    exact = weight.float()
-    difference = nf4.get_original_weight().float() - exact
-    return float(difference.norm() / exact.norm().clamp(min=1e-12))
 
 
 def dequantize_base(model: nn.Module) -> None:

@@ -7,7 +7,9 @@
   ``module:function`` entry point, or ``hf:DIR``);
 - ``build``: a model from its config with its memory transforms applied in one order
   (``build_model``, ``build_whole``), LoRA and bf16 weights in its factory (``model_factory``);
-- ``weights``: a built model's tensors filled from an ``hf:`` directory, each rank its rows.
+- ``weights``: a built model's tensors filled from an ``hf:`` directory, each rank its rows;
+- ``meta_init``: a seeded build on the meta device recorded, and replayed tensor by tensor (each
+  rank keeps its shard), so that no process holds the whole model while it is built.
 
 How a model is split over ranks, and the order in which a built model is made ready for its
 kind of split, is ``trainer.parallel``.

@@ -12,6 +12,7 @@ config's slice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -23,15 +24,17 @@ import torch
 from torch import nn
 
 from trainer.compat import is_checkpoint_wrapper
+from trainer.errors import first_line
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
-from trainer.memory.lora import LoraSettings, apply_lora, lora_of, quantize_base
+from trainer.memory.lora import LoraSettings, apply_lora, lora_of, nf4_layers, quantize_base
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.offload import install as install_offload
+from trainer.models import meta_init
 from trainer.models.hf import PREFIX as HF_PREFIX
-from trainer.models.hf import weights_of
+from trainer.models.hf import SafetensorsRows, initialise_on_meta, weights_of
 from trainer.models.registry import create_model
-from trainer.models.weights import load_hf_weights
+from trainer.models.weights import fill_from_file, fill_owner, load_hf_weights, owners
 
 if TYPE_CHECKING:
     from trainer.config import MemoryConfig, ModelConfig
@@ -70,6 +73,10 @@ def model_factory(model: ModelConfig, load_weights: bool = True) -> ModelFactory
         return Bf16Weights(plain) if model.dtype == "bf16" else plain
     lora = LoraSettings(model.lora.rank, model.lora.alpha, model.lora.dropout,
                         tuple(model.lora.targets), model.lora.base_dtype)
+    if lora.base_dtype == "nf4":  # built with a bf16 base, quantized by ``Nf4Base``
+        bf16 = dataclasses.replace(lora, base_dtype="bf16")
+        return Nf4Base(lambda: apply_lora(create_model(model.name, load_weights=load_weights,
+                                                       **kwargs), bf16))
     return lambda: apply_lora(create_model(model.name, load_weights=load_weights, **kwargs),
                               lora)
 
@@ -85,6 +92,29 @@ class Bf16Weights:
 
     def __call__(self) -> nn.Module:
         return to_bf16(self.factory())
+
+
+@dataclass(frozen=True)
+class Nf4Base:
+    """A LoRA model factory whose frozen base stores its blocks' linear weights in NF4
+    (``model.lora.base_dtype: nf4``): ``factory`` builds the model with a bf16 base, which is
+    then quantized (``quantize_base``; ``parts``: FSDP's ranks, whose row shards must each fill
+    NF4's blocks). ``build_on_meta`` records ``factory`` alone on meta and quantizes each weight
+    as it is filled, so that the bf16 base is never held whole."""
+
+    factory: ModelFactory
+    parts: int = 1
+
+    def __call__(self) -> nn.Module:
+        return self.quantize(self.factory())
+
+    def quantize(self, model: nn.Module) -> nn.Module:
+        quantize_base(model, self.parts)
+        settings = lora_of(model)
+        assert settings is not None
+        model.lora_settings = dataclasses.replace(  # type: ignore[assignment]
+            settings, base_dtype="nf4")
+        return model
 
 
 def to_bf16(model: nn.Module) -> nn.Module:
@@ -146,22 +176,100 @@ def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTra
                 device: torch.device | None = None, seed: int | None = 0) -> nn.Module:
     """The whole model ``model`` names, with ``transforms`` (``build_model``): with the weights
     of ``init_from`` where it is ``hf:DIR`` (``load_hf_weights``, over the seeded build's), else
-    with the model's own. How the loop builds it without FSDP, and export a LoRA run's base."""
+    with the model's own. How the loop builds it without FSDP, and export a LoRA run's base. An
+    NF4 base is built on meta and quantized weight by weight as it is filled
+    (``build_on_meta``)."""
     init_hf = init_from if (init_from or "").startswith(HF_PREFIX) else None
-    nf4 = init_hf is not None and model.lora is not None and model.lora.base_dtype == "nf4"
-    if nf4:  # the base quantized once, from the directory's weights (and its error said of them)
-        model = model.model_copy(update={"lora": model.lora.model_copy(  # type: ignore[union-attr]
-            update={"base_dtype": "bf16"})})
-    built = build_model(model_factory(model, load_weights=init_hf is None), transforms, device,
-                        seed)
+    factory = model_factory(model, load_weights=init_hf is None)
+    if isinstance(factory, Nf4Base):
+        return build_on_meta(model_factory(model, load_weights=False), transforms,
+                             device or torch.device("cpu"), seed, model_name=model.name,
+                             weights=weights_of(init_hf or model.name))
+    built = build_model(factory, transforms, device, seed)
     if init_hf is not None:
         load_hf_weights(built, weights_of(init_hf))
-    if nf4:
-        quantize_base(built)
-        settings = lora_of(built)
-        assert settings is not None
-        built.lora_settings = dataclasses.replace(  # type: ignore[assignment]
-            settings, base_dtype="nf4")
     return built
 
 
+def _meta_build(factory: ModelFactory, hf_init: bool) -> tuple[nn.Module, meta_init.MetaRecording]:
+    """The model on meta with its record; ValueError naming a tensor whose values the record
+    cannot make again (the replay would leave it uninitialised memory)."""
+    with initialise_on_meta() if hf_init else contextlib.nullcontext():
+        model, recording = meta_init.record(factory)
+    unmade = meta_init.unrecorded(recording, dict(meta_init.module_tensors(model)))
+    if unmade:
+        raise ValueError(f"{', '.join(unmade[:3])}: made without a tensor operation the meta "
+                         "device records (torch.from_numpy, load_state_dict(assign=True))")
+    return model, recording
+
+
+def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
+                  seed: int | None, *, model_name: str = "",
+                  before_shard: Callable[[nn.Module], None] = lambda model: None,
+                  shard: Callable[[nn.Module], object] | None = None,
+                  weights: SafetensorsRows | None = None,
+                  shards_on_host: bool = False) -> nn.Module:
+    """The model built so that no process holds it whole while it is made: on meta (its
+    construction recorded, ``trainer.models.meta_init``), transformed, ``before_shard``
+    (torch.compile), ``shard`` where given (FSDP: ``trainer.parallel.fsdp.build_sharded``),
+    then each tensor (each rank's shard of it) allocated and filled, one at a time: with the
+    seeded host build's values, or with ``weights``' rows where the directory has them
+    (``factory`` then builds without them). An ``Nf4Base``'s weights are quantized as they are
+    filled. A model that cannot be built on meta is built whole on the host, with one warning
+    naming the reason. ``shards_on_host``: the shards live on the host (FSDP's CPU offload),
+    the buffers on ``device``."""
+    cast = isinstance(factory, Bf16Weights)
+    nf4 = factory if isinstance(factory, Nf4Base) else None
+    recorded = factory.factory if isinstance(factory, Bf16Weights | Nf4Base) else factory
+    try:
+        model, recording = _meta_build(recorded, hf_init=":" in model_name)
+    except Exception as err:  # the factory needed real values (an .item(), a data branch);
+        # an error of the model's own is raised again by the host build below.
+        log.warning("model.name %r cannot be built on the meta device (%s); building it whole "
+                    "on the host", model_name, first_line(err, type(err).__name__))
+        model, recording = build_model(factory, MemoryTransforms(), device, seed), None
+    tensors = owners(model)  # by the storages the record made (fp32 or bf16 ones, not NF4)
+    hf_model = getattr(model, "hf", None)  # its files' names are matched as transformers does
+    if recording is not None:
+        if cast:
+            _bf16_parameters(model)  # its shards are allocated in bf16
+        if nf4 is not None:
+            nf4.quantize(model)  # NF4 placeholders, filled below
+    apply_transforms(model, transforms)
+    before_shard(model)
+    if shard is not None:
+        shard(model)
+    if recording is not None:
+        host = torch.device("cpu")
+        model.to_empty(device=host if shards_on_host else device)
+    filled = fill_from_file(tensors, weights, hf_model)
+    if recording is not None:
+        def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
+            for owner in tensors[key]:
+                fill_owner(owner, real(owner.meta))
+
+        meta_init.replay(recording, set(tensors) - filled, seed, take)
+        if shards_on_host and device != host:  # the buffers stay with the compute
+            for module in model.modules():
+                module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
+                                        if b is not None})
+    if nf4 is not None:
+        model.nf4_errors = {name: module.nf4_error  # type: ignore[assignment]
+                            for name, module in nf4_layers(model)
+                            if hasattr(module, "nf4_error")}
+    return model
+
+
+def _bf16_parameters(model: nn.Module) -> None:
+    """New bf16 parameters in place of a meta model's floating ones (tied ones stay tied).
+    New objects, not ``.data``: the record's operations hold the old ones, and the replay finds
+    each by its storage."""
+    swapped: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in swapped:
+                swapped[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16),
+                                                  requires_grad=param.requires_grad)
+            module._parameters[name] = swapped[id(param)]

@@ -233,7 +233,7 @@ def build_hf_model(spec: str, vocab_size: int, seq_len: int, load_weights: bool 
 def initialise_on_meta() -> Iterator[None]:
     """Let ``transformers`` run its weight initialisation while a model is built on the meta
     device. It skips it there (``init_weights`` asks for the context's device), and the
-    meta-device build (``trainer.parallel.meta_init``) must record the same random draws as the host
+    meta-device build (``trainer.models.meta_init``) must record the same random draws as the host
     build makes; a test holds the replayed weights to ``from_config``'s bit for bit."""
     if importlib.util.find_spec("transformers") is None:
         yield

@@ -9,6 +9,7 @@ files, are refused in one line naming the directory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.memory.lora import base_name, is_adapter
+from trainer.memory.nf4 import fill_nf4, is_nf4
 from trainer.models.hf import SafetensorsRows
 from trainer.tensors import fill_local, shard_rows, storage_key
 
@@ -56,8 +58,17 @@ def load_hf_weights(model: nn.Module, weights: SafetensorsRows | None) -> None:
 
 
 def fill_owner(owner: Owner, value: torch.Tensor) -> None:
-    fill_local(getattr(owner.module, owner.name),
-               lambda rows: value if rows is None else value[rows], owner.meta.shape)
+    fill(owner, lambda rows: value if rows is None else value[rows])
+
+
+def fill(owner: Owner, read: Callable[[slice | None], torch.Tensor]) -> None:
+    """This rank's part of ``owner``'s whole tensor, from ``read(rows)`` (``fill_local``); an
+    NF4 weight is quantized as it is read, its error kept on its module for the run's log."""
+    target = getattr(owner.module, owner.name)
+    if is_nf4(target):
+        owner.module.nf4_error = fill_nf4(target, read, owner.meta.shape)  # type: ignore[assignment]
+    else:
+        fill_local(target, read, owner.meta.shape)
 
 
 def fill_from_file(owners: dict[int, list[Owner]], weights: SafetensorsRows | None,
@@ -81,9 +92,8 @@ def fill_from_file(owners: dict[int, list[Owner]], weights: SafetensorsRows | No
         check_fits(weights, matched)
         file_name = matched[0][1]
         for owner in found:
-            target = getattr(owner.module, owner.name)
-            fill_local(target, partial(weights.read, file_name, dtype=target.dtype),
-                       owner.meta.shape)
+            fill(owner, partial(weights.read, file_name,
+                                dtype=getattr(owner.module, owner.name).dtype))
         filled.add(key)
     if not filled:
         raise ValueError(f"{weights.directory}: none of the model's parameters is in its "

@@ -8,7 +8,6 @@ else (nothing outside this folder and ``trainer.plan`` branches on the kind of s
   (meta device, then each rank's shards filled), so that no rank holds the whole model;
 - ``choice``: which way a run takes (``parallelism_for``) or a built model was given
   (``parallelism_of``);
-- ``meta_init``: a seeded build on the meta device recorded, and replayed per shard;
 - ``rendezvous``: the process group, its store listening on the ranks' meeting address alone
   (torch's own listens on every interface), NCCL with gloo beside it on GPUs.
 """

@@ -12,7 +12,7 @@ a run moves between 1 and N workers either way.
 
 ``build_sharded`` builds the model on the meta device, applies the memory transforms, shards it,
 allocates each rank's shards and fills them: with the values a seeded host build would have made
-(``trainer.parallel.meta_init``: the same weights as DDP's build, at any world size), or, for an
+(``trainer.models.meta_init``: the same weights as DDP's build, at any world size), or, for an
 ``hf:`` directory with safetensors, with each rank's rows read from the files
 (``trainer.models.hf``). A model that cannot be built on meta is built whole on the host, with one
 line saying so.
@@ -38,23 +38,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from trainer.errors import first_line
 from trainer.memory.allocator import return_freed_host_memory
 from trainer.memory.optimizers import InBackward
 from trainer.models.build import (
-    Bf16Weights,
     MemoryTransforms,
     ModelFactory,
-    apply_transforms,
-    build_model,
+    Nf4Base,
+    build_on_meta,
     model_factory,
 )
 from trainer.models.hf import PREFIX as HF_PREFIX
-from trainer.models.hf import SafetensorsRows, initialise_on_meta, weights_of
-from trainer.models.weights import fill_from_file, fill_owner, owners
-from trainer.parallel import meta_init
+from trainer.models.hf import SafetensorsRows, weights_of
 from trainer.parallel.strategy import Compile, Parallelism
 
 if TYPE_CHECKING:
@@ -165,76 +162,22 @@ def is_sharded(model: nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
-def _meta_build(factory: ModelFactory, hf_init: bool) -> tuple[nn.Module, meta_init.MetaRecording]:
-    """The model on meta with its record; ValueError naming a tensor whose values the record
-    cannot make again (the replay would leave it uninitialised memory)."""
-    with initialise_on_meta() if hf_init else contextlib.nullcontext():
-        model, recording = meta_init.record(factory)
-    unmade = meta_init.unrecorded(recording, dict(meta_init.module_tensors(model)))
-    if unmade:
-        raise ValueError(f"{', '.join(unmade[:3])}: made without a tensor operation the meta "
-                         "device records (torch.from_numpy, load_state_dict(assign=True))")
-    return model, recording
-
-
 def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
                   seed: int | None, settings: FsdpSettings, *, model_name: str = "",
                   before_shard: Callable[[nn.Module], None] = lambda model: None,
                   weights: SafetensorsRows | None = None) -> nn.Module:
-    """The FSDP model, built so that no rank holds it whole (the module docstring of
-    ``trainer.parallel.fsdp``): on meta, transformed, ``before_shard`` (torch.compile), sharded,
-    then each rank's shards allocated and filled with the seeded host build's values, or with
-    ``weights``' rows where the directory has them (``factory`` then builds without them). A model
-    that cannot be built on meta is built whole on the host and sharded, with one warning naming the
-    reason."""
-    cast = isinstance(factory, Bf16Weights)
-    try:
-        model, recording = _meta_build(factory.factory if isinstance(factory, Bf16Weights)
-                                       else factory, hf_init=":" in model_name)
-    except Exception as err:  # the factory needed real values (an .item(), a data branch);
-        # an error of the model's own is raised again by the host build below.
-        log.warning("model.name %r cannot be built on the meta device (%s); building it whole "
-                    "on the host, then sharding", model_name, first_line(err, type(err).__name__))
-        model, recording = build_model(factory, MemoryTransforms(), device, seed), None
-    tensors = owners(model)  # by the storages the record made (fp32 ones where ``cast``)
-    hf_model = getattr(model, "hf", None)  # its files' names are matched as transformers does
-    if cast and recording is not None:
-        _bf16_parameters(model)  # its shards are allocated in bf16
-    apply_transforms(model, transforms)
-    before_shard(model)
-    shard_model(model, settings, device)
-    if recording is None:
-        fill_from_file(tensors, weights, hf_model)
-        return model
-    host = torch.device("cpu")
-    model.to_empty(device=host if settings.offload == "cpu" else device)
-    from_file = fill_from_file(tensors, weights, hf_model)
-
-    def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for owner in tensors[key]:
-            fill_owner(owner, real(owner.meta))
-
-    meta_init.replay(recording, set(tensors) - from_file, seed, take)
-    if settings.offload == "cpu" and device != host:  # the buffers stay with the compute
-        for module in model.modules():
-            module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
-                                    if b is not None})
-    return model
-
-
-def _bf16_parameters(model: nn.Module) -> None:
-    """New bf16 parameters in place of a meta model's floating ones (tied ones stay tied).
-    New objects, not ``.data``: the record's operations hold the old ones, and the replay finds
-    each by its storage."""
-    swapped: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is None or not param.is_floating_point():
-                continue
-            if id(param) not in swapped:
-                swapped[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16),
-                                                  requires_grad=param.requires_grad)
-            module._parameters[name] = swapped[id(param)]
+    """The FSDP model, built so that no rank holds it whole (``build_on_meta``): on meta,
+    transformed, ``before_shard`` (torch.compile), sharded (``shard_model``), then each rank's
+    shards allocated and filled with the seeded host build's values or ``weights``' rows. An
+    NF4 base is quantized shard by shard, its layers NF4 where each rank's rows fill NF4's
+    blocks."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if isinstance(factory, Nf4Base):
+        factory = dataclasses.replace(factory, parts=world)
+    return build_on_meta(factory, transforms, device, seed, model_name=model_name,
+                         before_shard=before_shard,
+                         shard=lambda model: shard_model(model, settings, device),
+                         weights=weights, shards_on_host=settings.offload == "cpu")
 
 
 class FullyShardedDataParallel(Parallelism):

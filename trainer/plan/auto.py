@@ -338,12 +338,9 @@ def sharding_candidates(cfg: Config) -> list[Config]:
     go to (DDP first, offload last); ``[cfg]`` where none is ``auto``."""
     fsdp = cfg.parallel.fsdp
     strategies = [cfg.parallel.strategy]
-    if cfg.parallel.strategy == "auto":  # fp16 does not run under FSDP; one rank shards nothing;
-        # an NF4 base is built whole on each rank (the config refuses it under FSDP)
-        lora = cfg.model.lora
-        nf4 = lora is not None and lora.base_dtype == "nf4"
+    if cfg.parallel.strategy == "auto":  # fp16 does not run under FSDP; one rank shards nothing
         strategies = ["ddp"] if cfg.memory.precision == "fp16" or cfg.parallel.workers == 1 \
-            or nf4 else ["ddp", "fsdp"]
+            else ["ddp", "fsdp"]
     reshards = [True, False] if fsdp.reshard_after_forward == "auto" \
         else [fsdp.reshard_after_forward]
     offloads = (["none", "cpu"] if cfg.parallel.use_gpu else ["none"]) \

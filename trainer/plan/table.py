@@ -143,8 +143,7 @@ def lora_base_variants(cfg: Any, precision: str) -> list[tuple[str, dict[str, An
     return [(f"LoRA base {dtype}" + (" (QLoRA)" if dtype == "nf4" else ""),
              {"model.lora.base_dtype": dtype})
             for dtype in ("fp32", "bf16", "nf4")
-            if dtype != lora.base_dtype and (dtype == "fp32" or precision == "bf16")
-            and not (dtype == "nf4" and cfg.parallel.strategy == "fsdp")]
+            if dtype != lora.base_dtype and (dtype == "fp32" or precision == "bf16")]
 
 
 def with_fields(cfg: Any, fields: dict[str, Any]) -> Any:

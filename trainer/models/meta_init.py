@@ -145,6 +145,43 @@ def _needed(ops: list[_Op], finals: set[int]) -> tuple[list[bool], dict[int, int
     return needed, last_use
 
 
+def _schedule(ops: list[_Op], needed: list[bool]) -> list[int]:
+    """The order in which ``replay`` runs the operations: the needed ones and the random ones
+    (each draw in its recorded place), except that a needed operation that draws nothing runs
+    as soon as every earlier operation touching one of its storages has run. A tensor that the
+    factory converts long after making it (LoRA's frozen base, cast to bf16 once every adapter
+    exists) is then converted, handed to ``take`` and freed as it is made, instead of every
+    original being held until the last conversion. Operations on one storage keep their
+    order, so the values are the recorded order's."""
+    waiting = [0] * len(ops)
+    after: list[list[int]] = [[] for _ in ops]
+    last: dict[int, int] = {}  # the last needed operation touching each storage so far
+    for i, op in enumerate(ops):
+        if not needed[i]:
+            continue
+        before = {last[key] for key in op.reads | op.writes if key in last}
+        waiting[i] = len(before)
+        for j in before:
+            after[j].append(i)
+        for key in op.reads | op.writes:
+            last[key] = i
+    order: list[int] = []
+    ran = [False] * len(ops)
+    for i, op in enumerate(ops):
+        if ran[i] or not (needed[i] or op.random):
+            continue
+        ready = [i]
+        while ready:
+            j = ready.pop()
+            order.append(j)
+            ran[j] = True
+            for k in after[j]:
+                waiting[k] -= 1
+                if not waiting[k] and not ops[k].random and not ran[k]:
+                    ready.append(k)
+    return order
+
+
 class _Storages:
     """Real host storages standing for the recorded meta ones."""
 
@@ -195,9 +232,10 @@ def replay(recording: MetaRecording, finals: set[int], seed: int | None,
     done_at: dict[int, list[int]] = {}
     for key, index in last_use.items():
         done_at.setdefault(index, []).append(key)
-    for i, op in enumerate(ops):
+    for i in _schedule(ops, needed):
+        op = ops[i]
         if not needed[i]:
-            if op.random and i < last_random:  # advance the random stream as the host build did
+            if i < last_random:  # advance the random stream as the host build did
                 op.func(*storages.convert(op.args, scratch=True),
                         **storages.convert(op.kwargs, scratch=True))
             continue

@@ -1,0 +1,174 @@
+"""QLoRA's frozen base weights as torchao's ``NF4Tensor``, and how a rank quantizes its rows of
+one as they are read.
+
+An NF4 weight is 4-bit codes (two to a byte, the nearest of NormalFloat's 16 levels to each
+weight over its block's absolute maximum), one absmax scale per block of 64 weights, and those
+scales double-quantized: int8 offsets from the scales' mean, one factor per 256 scales (QLoRA's
+layout; about 0.52 bytes a weight in all). torchao's ``to_nf4`` quantizes a whole weight.
+
+A weight is quantized as it is filled (``fill_nf4``), never held whole in bf16 beside the NF4
+model: one process reads the whole layer, a rank of FSDP only its rows. The codes and the scales
+depend only on the rows' own blocks, but the scales' mean is the whole weight's: the ranks agree
+on it in one all-reduce, so that each rank's codes, scales and mean are exactly its rows' part of
+the whole weight's quantization, and FSDP's all-gather (``NF4Tensor.fsdp_post_all_gather``, which
+keeps one mean for the gathered weight) gives back the weight one process quantizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer.memory.optimizers import quiet_torchao_import
+from trainer.tensors import shard_rows
+
+# torchao's NF4 as QLoRA uses it: 64 weights a block share one scale, 256 of those scales one
+# factor of their own; a weight (each rank's rows of it, under FSDP) must fill whole blocks of
+# both, so its size must be a multiple of GRAIN.
+BLOCK = 64
+SCALER_BLOCK = 256
+GRAIN = BLOCK * SCALER_BLOCK
+# The parts of an NF4 weight that its ``empty_like`` allocates (and FSDP shards by rows).
+_ALLOCATED = ("quantized_data", "quantized_scalers", "quantization_factor")
+
+
+def fits(shape: torch.Size | tuple[int, ...], parts: int = 1) -> bool:
+    """Whether a weight of ``shape`` split by rows into ``parts`` equal shards (FSDP's over
+    ``parts`` ranks) fills NF4's blocks in every shard."""
+    rows = shape[0] if len(shape) else 0
+    return len(shape) == 2 and rows % parts == 0 and (math.prod(shape) // parts) % GRAIN == 0
+
+
+def to_nf4(weight: torch.Tensor) -> Any:
+    """``weight`` as torchao's ``NF4Tensor``: ``to_nf4``'s result, made in slices
+    (``quantize_rows``); a meta or fake weight (the planner's, the sharded build's placeholder)
+    through ``to_nf4`` itself."""
+    from trainer.compat import is_fake
+
+    weight = weight.detach().to(torch.bfloat16)
+    if weight.device.type == "meta" or is_fake(weight):
+        with quiet_torchao_import():
+            from torchao.quantization import to_nf4 as torchao_to_nf4
+        return torchao_to_nf4(weight, BLOCK, SCALER_BLOCK)
+    return quantize_rows(weight, sharded=False)
+
+
+def is_nf4(tensor: Any) -> bool:
+    """Whether ``tensor`` (or the local shard of a DTensor) is an ``NF4Tensor``."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return hasattr(local, "get_original_weight")
+
+
+def double_quantize(absmax: torch.Tensor, mean: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' scales ``absmax`` as int8 offsets from ``mean`` with one factor per 256 of
+    them: ``NF4Tensor.double_quantize_scalers``' arithmetic, with the mean given (the whole
+    weight's, where ``absmax`` are one rank's rows)."""
+    offsets = (absmax - mean).view(-1, SCALER_BLOCK)
+    factor = 256 / (2 * offsets.abs().amax(dim=1, keepdim=True).expand_as(offsets))
+    codes = (offsets * factor).round().clamp(-128, 127)
+    return codes.flatten().to(torch.int8), factor[:, 0].contiguous()
+
+
+# Weights coded at a time: torchao's nearest-level search holds 16 bf16 differences and an
+# int64 index per weight (about 40 bytes), 10 MiB at this size rather than 40 at its own 1M.
+_SLICE = 1 << 18
+
+
+@functools.cache
+def _levels(device: torch.device) -> torch.Tensor:
+    """NF4's 16 levels as torchao's ``NF4Tensor`` holds them (``nf4``), in bf16."""
+    with quiet_torchao_import():
+        from torchao.quantization import to_nf4 as torchao_to_nf4
+    return torchao_to_nf4(torch.zeros(GRAIN, dtype=torch.bfloat16, device=device), BLOCK,
+                          SCALER_BLOCK).nf4
+
+
+def quantize_rows(rows: torch.Tensor, sharded: bool) -> Any:
+    """``rows`` (bf16, a multiple of ``GRAIN`` weights) as an ``NF4Tensor`` equal to torchao's
+    ``to_nf4(rows)``, coded ``_SLICE`` weights at a time (a block's codes depend on its own
+    weights alone); where they are this rank's shard (``sharded``), with the whole weight's
+    scale mean, agreed over the process group."""
+    with quiet_torchao_import():
+        from torchao.quantization import NF4Tensor
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs
+
+    flat = rows.detach().to(torch.bfloat16).flatten()
+    levels = _levels(flat.device)
+    absmax = flat.view(-1, BLOCK).abs().amax(dim=1)
+    if sharded:
+        import torch.distributed as dist
+
+        total = torch.stack([absmax.float().sum(),
+                             torch.tensor(float(absmax.numel()), device=absmax.device)])
+        dist.all_reduce(total)
+        mean = (total[0] / total[1]).to(torch.bfloat16)
+    else:
+        mean = absmax.mean()  # torchao's, as its double quantization takes it
+    codes = torch.cat([NF4Tensor.convert_to_norm_float_weight(part, part.numel() // BLOCK,
+                                                              BLOCK, levels)
+                       for part in flat.split(_SLICE)])
+    scalers, factor = double_quantize(absmax, mean)
+    meta = SubclassTensorArgs(rows.shape, rows.stride(), 0, torch.bfloat16, rows.device, False)
+    return NF4Tensor(meta, BLOCK, absmax.numel(), SCALER_BLOCK, scalers, factor, mean, codes,
+                     levels)
+
+
+def fill_nf4(target: torch.Tensor, read: Callable[[slice | None], torch.Tensor],
+             shape: torch.Size) -> float:
+    """Quantize this rank's part of a whole weight of ``shape`` into ``target``, an NF4
+    parameter or a DTensor whose shard is one: its rows under FSDP, all of it otherwise.
+    ``read(rows)`` gives those rows of the whole weight (``None``: all of it). Returns the whole
+    weight's quantization error, ||dequantized - weight|| / ||weight|| (summed over the ranks)."""
+    sharded = hasattr(target, "to_local")
+    # The DTensor's own shard object, whose attributes FSDP's all-gather reads (``to_local``
+    # gives a view); an NF4 parameter is its NF4Tensor itself.
+    local: Any = getattr(target, "_local_tensor", target)
+    rows = None
+    if sharded:
+        import torch.distributed as dist
+
+        rows = shard_rows(shape[0], dist.get_rank(), dist.get_world_size())
+    with torch.no_grad():
+        value = read(rows).to(device=local.quantized_data.device, dtype=torch.bfloat16)
+        nf4 = quantize_rows(value, sharded)
+        for name in _ALLOCATED:
+            getattr(local, name).copy_(getattr(nf4, name))
+        # ``empty_like`` (``to_empty``) allocates only the three above and leaves the mean and
+        # the 16 levels where they were (on meta, after a meta build)
+        local.scaler_mean, local.nf4 = nf4.scaler_mean, nf4.nf4
+        squares = _squares(value, nf4)
+    if sharded:
+        import torch.distributed as dist
+
+        dist.all_reduce(squares)
+    return float((squares[0] / squares[1].clamp(min=1e-24)).sqrt())
+
+
+def relative_error(weight: torch.Tensor, nf4: Any) -> float:
+    """||dequantized - weight|| / ||weight||."""
+    squares = _squares(weight, nf4)
+    return float((squares[0] / squares[1].clamp(min=1e-24)).sqrt())
+
+
+def _squares(weight: torch.Tensor, nf4: Any) -> torch.Tensor:
+    """The summed squares of ``nf4``'s error and of ``weight``, in fp32, dequantized ``_SLICE``
+    weights at a time as ``NF4Tensor.get_original_weight`` does it (which, for the whole weight
+    at once, holds two int64 indices a weight). Summed squares, not ``Tensor.norm``, whose fp32
+    result is off by about 1e-4 at a million weights."""
+    scales = nf4.dequantize_scalers(nf4.quantized_scalers, nf4.quantization_factor,
+                                    nf4.scaler_block_size)  # one a block, in bf16
+    exact = weight.detach().flatten().view(-1, BLOCK)
+    blocks = _SLICE // BLOCK
+    total = torch.zeros(2, device=exact.device)
+    for start in range(0, exact.shape[0], blocks):
+        codes = nf4.quantized_data[start * BLOCK // 2:(start + blocks) * BLOCK // 2]
+        levels = torch.stack([codes >> 4, codes & 0b1111], dim=-1).flatten().long()
+        part = exact[start:start + blocks].float()
+        values = (nf4.nf4[levels].view(-1, BLOCK) * scales[start:start + blocks, None]).float()
+        total += torch.stack([(values - part).square().sum(), part.square().sum()])
+    return total
