@@ -3,6 +3,8 @@
 - ``gpt``: memtrain's own GPT (decoder-only transformer);
 - ``hf``: Hugging Face causal language models as memtrain models, and their safetensors read by
   rows (``SafetensorsRows``);
+- ``sequence_split``: what a model asks when each rank holds a slice of every row
+  (``SequenceSplit``: positions, the whole rows' mask, attention over whole rows);
 - ``registry``: which model a name builds (``create_model``: a registered name, a
   ``module:function`` entry point, or ``hf:DIR``);
 - ``build``: a model from its config with its memory transforms applied in one order

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.memory.loss import linear_cross_entropy_sum
+from trainer.models.sequence_split import SequenceSplit
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    # Set by trainer.parallel.sequence.apply_sequence_parallel: this rank holds a slice of each
+    # row, and attends over the whole of it (None: whole rows).
+    sequence: SequenceSplit | None = None
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
@@ -44,11 +49,15 @@ class CausalSelfAttention(nn.Module):
         """Causal attention; with ``mask_B1TT`` (``document_mask``), within each document."""
         B, T, C = x_BTC.shape
         q, k, v = self.qkv(x_BTC).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT,
-                                           is_causal=mask_B1TT is None,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in (q, k, v))
+        dropout_p = self.dropout if self.training else 0.0
+        if self.sequence is not None:
+            y_BTHD = self.sequence.attend(q, k, v, mask_B1TT, dropout_p)
+        else:
+            y_BTHD = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask_B1TT,
+                is_causal=mask_B1TT is None, dropout_p=dropout_p).transpose(1, 2)
+        return self.proj(y_BTHD.contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -77,6 +86,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     computes_loss = True  # model(idx, targets) returns the summed token loss
+    # Set with its attention's by trainer.parallel.sequence.apply_sequence_parallel: the forward
+    # takes this rank's slice of each row (None: whole rows).
+    sequence: SequenceSplit | None = None
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -104,12 +116,18 @@ class GPT(nn.Module):
         """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar).
 
         ``position_ids`` ``(B, T)``: packed documents' positions, restarting at 0 with each
-        (``trainer.batches``): each token attends only within its own document."""
+        (``trainer.batches``): each token attends only within its own document. Under sequence
+        parallelism (``sequence``) the inputs, targets and positions are this rank's slice of
+        each row, and the result is that slice's."""
         T = idx_BT.shape[1]
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        row_len = T if self.sequence is None else T * self.sequence.size
+        if row_len > self.cfg.seq_len:
+            raise ValueError(f"sequence length {row_len} exceeds the model's seq_len "
+                             f"{self.cfg.seq_len}")
         mask = None
-        if position_ids is None:
+        if self.sequence is not None:
+            pos, mask = self.sequence.positions(position_ids, T, idx_BT.device)
+        elif position_ids is None:
             pos = torch.arange(T, device=idx_BT.device)
         else:
             pos, mask = position_ids, document_mask(position_ids)

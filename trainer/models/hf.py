@@ -38,6 +38,7 @@ from torch import nn
 
 from trainer.compat import hf_checkpoint_renamer, hf_positions_read_as_unpacked, is_fake
 from trainer.memory.loss import linear_cross_entropy_sum
+from trainer.models.sequence_split import HF_SEQUENCE_KWARG, SequenceSplit
 
 PREFIX = "hf:"
 # memtrain's GPT fields and the Hugging Face config attributes they would mean.
@@ -71,6 +72,9 @@ class HFCausalLM(nn.Module):
 
     computes_loss = True
     hf: Any  # the transformers model (a PreTrainedModel: typed loosely, imported lazily)
+    # Set by trainer.parallel.sequence.apply_sequence_parallel, which also switches the model's
+    # attention function: the forward takes this rank's slice of each row (None: whole rows).
+    sequence: SequenceSplit | None = None
 
     def __init__(self, model: Any):
         super().__init__()
@@ -120,15 +124,24 @@ class HFCausalLM(nn.Module):
         """Logits ``(B, T, V)``, or with ``targets_BT`` the summed token loss (fp32 scalar).
 
         ``position_ids``: packed documents' positions (``trainer.batches``); with no attention
-        mask, transformers finds the documents from them and keeps attention within each."""
+        mask, transformers finds the documents from them and keeps attention within each. Under
+        sequence parallelism (``sequence``) the inputs, targets and positions are this rank's
+        slice of each row, and the result is that slice's: the model is given its tokens'
+        positions in their rows, the whole rows' mask (a 4-D mask reaches the attention function
+        as it is) and the split, which its attention function attends with."""
+        split: dict[str, Any] = {}
+        if self.sequence is not None:
+            position_ids, mask = self.sequence.positions(position_ids, idx_BT.shape[1],
+                                                         idx_BT.device)
+            split = {"attention_mask": mask, HF_SEQUENCE_KWARG: self.sequence}
         # The planner's probe runs on fake tensors: unpacked, it takes the real forward's path.
         with hf_positions_read_as_unpacked() if position_ids is None and is_fake(idx_BT) \
                 else contextlib.nullcontext():
             if targets_BT is None:
-                return self.hf(input_ids=idx_BT, position_ids=position_ids,
-                               use_cache=False).logits
+                return self.hf(input_ids=idx_BT, position_ids=position_ids, use_cache=False,
+                               **split).logits
             hidden_BTC = self.hf.base_model(input_ids=idx_BT, position_ids=position_ids,
-                                            use_cache=False).last_hidden_state
+                                            use_cache=False, **split).last_hidden_state
         return self.hf.get_output_embeddings().summed_loss(
             hidden_BTC.flatten(0, 1), targets_BT.flatten(), self.loss_chunk_tokens)
 
