@@ -1,0 +1,242 @@
+"""Ulysses sequence parallelism: the ranks of a sequence group each hold a slice of every row's
+tokens, so a row longer than one rank's activations can hold is trained over several ranks.
+
+Everything outside attention works token by token, so a rank runs it on its slice alone.
+Attention needs the whole row: before it, an all-to-all turns the rank's slice of every head
+into the whole row of ``heads / N`` heads (``seq_to_heads``); each rank runs SDPA over the whole
+row for its heads, with the whole row's causal or document mask; an all-to-all back returns its
+slice of every head (``heads_to_seq``). The backward of each all-to-all is the other. DeepSpeed's
+Ulysses (and ALST's ``UlyssesSPAttentionHF``, its Hugging Face form) does the same; torch's own
+ring attention (``context_parallel``) has no CPU path to test on gloo, and ``all_to_all_single``
+runs on gloo and NCCL alike.
+
+Grouped-query attention: where the key and value heads do not divide among the ranks, each is
+repeated (``kv_repeats``) until they do, as ALST does; autograd sums the copies' gradients.
+
+- ``apply_sequence_parallel(model, group)``: memtrain's GPT or an ``hf:`` model made to hold
+  slices of rows (transformers' models through its attention interface, ``hf_attention``);
+- ``SequenceParallel``: the ``SequenceSplit`` the models ask (positions, masks, attention);
+- ``row_slice``: a rank's slice of a micro-batch's inputs, targets and positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.batches import TokenBatch
+from trainer.models.gpt import GPT, CausalSelfAttention, document_mask
+from trainer.models.hf import HFCausalLM
+from trainer.models.sequence_split import HF_SEQUENCE_KWARG
+
+HF_ATTENTION = "memtrain_ulysses"  # the name transformers' attention interface knows it by
+
+
+def check_divisible(field: str, value: int, size: int) -> None:
+    """ValueError where ``value`` (named ``field``) does not divide among ``size`` ranks."""
+    if value % size:
+        raise ValueError(f"{field} {value} is not divisible by the sequence-parallel size {size}")
+
+
+def kv_repeats(num_heads: int, num_kv_heads: int, size: int) -> int:
+    """How many copies of each key and value head the ranks need: the fewest that make the
+    ``num_kv_heads`` heads divide among ``size`` ranks with each rank's query heads' keys on the
+    rank (``size / gcd``: the copies number ``lcm(num_kv_heads, size)``, which divides
+    ``num_heads`` wherever ``size`` and ``num_kv_heads`` both do)."""
+    check_divisible("num_heads", num_heads, size)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    return size // math.gcd(num_kv_heads, size)
+
+
+def sequence_slice(tensor: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``size`` equal slices of ``tensor`` along ``dim`` (a view);
+    ValueError where they are not equal."""
+    check_divisible("seq_len", tensor.shape[dim], size)
+    return tensor.chunk(size, dim=dim)[rank]
+
+
+class RowSlice(NamedTuple):
+    """A rank's slice of a micro-batch's rows ``(B, seq_len / N)``."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor  # IGNORE_INDEX where not trained, decided over the whole rows
+    position_ids: torch.Tensor | None  # packed documents' positions (None: unpacked)
+
+
+def row_slice(batch: TokenBatch, rank: int, size: int) -> RowSlice:
+    """Rank ``rank``'s slice of ``batch``: targets and positions are found over the whole rows
+    (a document may start on another rank's slice), then sliced."""
+    position_ids = batch.position_ids
+    return RowSlice(sequence_slice(batch.inputs, rank, size),
+                    sequence_slice(batch.targets, rank, size),
+                    None if position_ids is None else sequence_slice(position_ids, rank, size))
+
+
+def _seq_to_heads(x_BTHD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    B, T, H, D = x_BTHD.shape
+    check_divisible("num_heads", H, size)
+    # send[j]: this rank's tokens of rank j's heads; received[j]: rank j's tokens of ours
+    send = x_BTHD.reshape(B, T, size, H // size, D).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 0, 2, 3, 4).reshape(B, size * T, H // size, D)
+
+
+def _heads_to_seq(y_BShD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    B, S, h, D = y_BShD.shape
+    # send[j]: rank j's tokens of this rank's heads; received[j]: our tokens of rank j's heads
+    send = y_BShD.reshape(B, size, S // size, h, D).transpose(0, 1).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 2, 0, 3, 4).reshape(B, S // size, size * h, D)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_BTHD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _seq_to_heads(x_BTHD, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_BShD: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _heads_to_seq(grad_BShD, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y_BShD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _heads_to_seq(y_BShD, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_BTHD: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _seq_to_heads(grad_BTHD, ctx.group), None
+
+
+def seq_to_heads(x_BTHD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's slice of the tokens ``(B, T, H, D)`` of every head, as the whole row's tokens
+    of its ``H / N`` heads ``(B, N * T, H / N, D)`` (rank ``r``: heads ``r * H / N`` on), ``N``
+    the size of ``group``; differentiable, its backward ``heads_to_seq``. ValueError where the
+    heads do not divide among the ranks."""
+    return _SeqToHeads.apply(x_BTHD, group)
+
+
+def heads_to_seq(y_BShD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``seq_to_heads``' inverse: the whole row of this rank's heads ``(B, S, h, D)`` as its slice
+    of the tokens of every head ``(B, S / N, N * h, D)``; differentiable."""
+    return _HeadsToSeq.apply(y_BShD, group)
+
+
+def gather_sequence(tensor_BT: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole rows ``(B, N * T)`` of the ranks' slices ``(B, T)`` (not differentiable: for
+    positions)."""
+    parts = [torch.empty_like(tensor_BT) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor_BT.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+class SequenceParallel:
+    """Rows split over the ranks of ``group``, this rank holding slice ``rank`` of each: the
+    ``SequenceSplit`` memtrain's models ask for positions, masks and attention."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def positions(self, position_ids_BT: torch.Tensor | None, local_len: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The positions of this rank's tokens in their rows, and the whole rows' attention mask
+        (None: causal). Packed documents' positions are gathered from every rank (a document
+        may begin on another's slice) for the mask, which is ``document_mask``'s over whole
+        rows: ``B x S x S`` bytes on each rank, as on one."""
+        if position_ids_BT is None:
+            start = self.rank * local_len
+            return torch.arange(start, start + local_len, device=device).unsqueeze(0), None
+        return position_ids_BT, document_mask(gather_sequence(position_ids_BT, self.group))
+
+    def attend(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
+               mask_B1SS: torch.Tensor | None, dropout_p: float = 0.0,
+               scale: float | None = None) -> torch.Tensor:
+        """SDPA of this rank's queries over the whole row, for ``H / N`` heads on each rank:
+        ``(B, T, H, D)`` in, ``(B, T, H, D)`` out (the module docstring)."""
+        repeats = kv_repeats(q_BTHD.shape[2], k_BTKD.shape[2], self.size)
+        if repeats > 1:  # each copy's gradient is summed back by repeat_interleave's backward
+            k_BTKD, v_BTKD = (t.repeat_interleave(repeats, dim=2) for t in (k_BTKD, v_BTKD))
+        q, k, v = (seq_to_heads(t, self.group).transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
+        y_BhSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS,
+                                                is_causal=mask_B1SS is None, dropout_p=dropout_p,
+                                                scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return heads_to_seq(y_BhSD.transpose(1, 2), self.group)
+
+
+def hf_attention(module: nn.Module, query_BHTD: torch.Tensor, key_BKTD: torch.Tensor,
+                 value_BKTD: torch.Tensor, attention_mask: torch.Tensor | None,
+                 dropout: float = 0.0, scaling: float | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function (``HF_ATTENTION``) of a model split by
+    ``apply_sequence_parallel``: queries, keys and values after the model's rotary embedding
+    (of the global positions ``HFCausalLM`` passes), attended over whole rows by the
+    ``SequenceSplit`` its forward carries; ``(B, T, H, D)`` out, as transformers' SDPA gives.
+    ``attention_mask``: the whole rows' mask (None: causal)."""
+    sequence = kwargs.get(HF_SEQUENCE_KWARG)
+    if sequence is None:
+        raise ValueError(f"{type(module).__name__}: attention '{HF_ATTENTION}' was called without "
+                         "its sequence split (HFCausalLM's forward passes it)")
+    for unsupported in ("sliding_window", "softcap"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"{type(module).__name__}: attention with {unsupported} is not "
+                             "supported under sequence parallelism")
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{type(module).__name__}: attention that is not causal is not "
+                         "supported under sequence parallelism")
+    output_BTHD = sequence.attend(query_BHTD.transpose(1, 2), key_BKTD.transpose(1, 2),
+                                  value_BKTD.transpose(1, 2), attention_mask, dropout, scaling)
+    return output_BTHD, None
+
+
+def apply_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make ``model`` (memtrain's GPT, or an ``hf:`` model whose attention goes through
+    transformers' attention interface) hold ``1 / N`` of every row's tokens, ``N`` the size of
+    ``group``: its forward then takes this rank's slice (``row_slice``) and gives that slice's
+    logits or summed loss. A no-op without a group or with one rank.
+
+    Raises:
+        ValueError: the model is neither, or its heads do not divide among the ranks.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    sequence = SequenceParallel(group)
+    if isinstance(model, GPT):
+        check_divisible("model.n_head", model.cfg.n_head, sequence.size)
+        for module in model.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.sequence = sequence
+    elif isinstance(model, HFCausalLM):
+        _split_hf(model, sequence.size)
+    else:
+        raise ValueError(f"{type(model).__name__}: sequence parallelism needs memtrain's GPT or "
+                         "an hf: model whose attention goes through transformers' interface")
+    model.sequence = sequence
+
+
+def _split_hf(model: HFCausalLM, size: int) -> None:
+    """Switch ``model``'s attention to ``hf_attention`` (registered with transformers once)."""
+    from transformers import AttentionInterface
+
+    hf = model.hf
+    if not type(hf).is_backend_compatible():
+        raise ValueError(f"{type(hf).__name__}: its attention does not go through transformers' "
+                         "attention interface, which sequence parallelism replaces")
+    config = hf.config.get_text_config()
+    check_divisible("num_attention_heads", config.num_attention_heads, size)
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    hf.set_attn_implementation(HF_ATTENTION)
