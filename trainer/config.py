@@ -249,6 +249,13 @@ class MemoryConfig(_Strict):
     # through pinned buffers on a side stream; on CPU, where host and device are one memory, the
     # same hooks copy within it.
     activation_offload: Literal["none", "checkpointed", "all"] = "none"
+    # The MLP of each block runs over this many tiles of the sequence, each tile's forward
+    # recomputed in backward, so the MLP's intermediate (4 x n_embd a token in the GPT, a
+    # Llama's intermediate_size) is held for one tile at a time, for one more MLP forward a
+    # step (trainer/memory/tiled_mlp.py); 1: off. Where K does not divide the sequence the
+    # first tiles hold one token more (exact all the same). A model whose blocks hold no MLP
+    # it knows is refused when built.
+    tiled_mlp: int = Field(1, ge=1)
 
 
 class FsdpConfig(_Strict):
@@ -470,6 +477,9 @@ def strategy_combinations(cfg: Config) -> None:
         raise ValueError("model.lora.base_dtype 'nf4' with parallel.fsdp.param_dtype 'fp32': "
                          "FSDP gathers an NF4 weight as NF4 and it computes in bf16; set "
                          "parallel.fsdp.param_dtype bf16 (or auto)")
+    if memory.tiled_mlp > cfg.model.seq_len:
+        raise ValueError(f"memory.tiled_mlp {memory.tiled_mlp} is more than model.seq_len "
+                         f"{cfg.model.seq_len}: a tile holds at least one token")
     if memory.optimizer_states != "fp32" and train.fused_optimizer is True:
         raise ValueError(f"train.fused_optimizer true with memory.optimizer_states "
                          f"{memory.optimizer_states!r}: torch's fused AdamW keeps fp32 states")

@@ -2,9 +2,10 @@
 ``resolve_auto``, gpu-check and every bench build their models here.
 
 ``build_model(factory, transforms)`` seeds, builds, moves to the device and then applies, in
-this order: activation checkpointing (``model.blocks``), loss chunking (a model that computes
-its own loss), bf16 norm inputs (LayerNorms under bf16 autocast) and activation offload (its
-hooks around the checkpointed blocks or the whole forward). ``MemoryTransforms`` is a
+this order: the tiled MLP (each block's MLP), activation checkpointing (``model.blocks``), loss
+chunking (a model that computes its own loss), bf16 norm inputs (LayerNorms under bf16
+autocast) and activation offload (its hooks around the checkpointed blocks or the whole
+forward). ``MemoryTransforms`` is a
 small frozen dataclass, not the pydantic ``MemoryConfig``, so gpu-check and the benches (no
 pydantic there) build with exactly the same code; ``MemoryTransforms.of(cfg.memory)`` takes the
 config's slice.
@@ -30,6 +31,7 @@ from trainer.memory.lora import LoraSettings, apply_lora, lora_of, nf4_layers, q
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.offload import install as install_offload
+from trainer.memory.tiled_mlp import tile_mlps
 from trainer.models import meta_init
 from trainer.models.hf import PREFIX as HF_PREFIX
 from trainer.models.hf import SafetensorsRows, initialise_on_meta, weights_of
@@ -52,13 +54,14 @@ class MemoryTransforms:
     loss_chunk_tokens: int | str = 0  # 0: the plain loss; "auto": chunked if the model can
     bf16_norm_inputs: bool = True
     activation_offload: str = "none"  # none | checkpointed | all (trainer/memory/offload.py)
+    tiled_mlp: int = 1  # sequence tiles of each block's MLP; 1: off (trainer/memory/tiled_mlp.py)
 
     @classmethod
     def of(cls, memory: MemoryConfig) -> MemoryTransforms:
         # An "auto" not resolved (trainer.plan.auto.resolve_auto): on, which fits more.
         return cls(memory.activation_checkpointing, memory.activation_checkpointing_every,
                    memory.loss_chunk_tokens, memory.bf16_norm_inputs is not False,
-                   memory.activation_offload)
+                   memory.activation_offload, memory.tiled_mlp)
 
     def replace(self, **changes: Any) -> MemoryTransforms:
         return dataclasses.replace(self, **changes)
@@ -144,6 +147,7 @@ def build_model(factory: ModelFactory, transforms: MemoryTransforms,
 
 
 def apply_transforms(model: nn.Module, transforms: MemoryTransforms) -> None:
+    tile_mlps(model, transforms.tiled_mlp)
     apply_activation_checkpointing(model, transforms.activation_checkpointing,
                                    transforms.activation_checkpointing_every)
     set_loss_chunking(model, transforms.loss_chunk_tokens)
