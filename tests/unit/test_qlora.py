@@ -64,6 +64,48 @@ def test_an_nf4_base_holds_4_bit_codes_and_computes_as_its_dequantized_weights()
     assert codes == pytest.approx(quantized * (0.518 - 2), rel=0.01)
 
 
+def test_an_nf4_layer_computes_as_torchaos_linear_nf4_in_a_third_of_its_bytes() -> None:
+    """``Nf4Linear`` (what ``quantize_base`` makes of an nn.Linear) against torchao's own
+    ``linear_nf4`` (an nn.Linear holding the same NF4 weight): the same output and input
+    gradient to the bit under bf16 autocast, and the dequantized weight (also sliced into the
+    error and the planner's count) equal to ``get_original_weight``; the allocator's record of
+    a forward and backward about 4.5 bytes a weight (the bf16 weight and a slice's indices)
+    against torchao's 14 (it dequantizes to the
+    fp32 input's dtype and autocast casts that copy again), and the planner's count of it
+    within 15%."""
+    from trainer.memory.nf4 import Nf4Linear, dequantize, to_nf4
+    from trainer.plan.peak import nf4_dequantized_bytes
+    from trainer.telemetry.diagnostics import cpu_peak_bytes
+
+    torch.manual_seed(0)
+    weight = to_nf4(torch.randn(2048, 1024) * 0.02)  # 8 of dequantize's slices
+    assert torch.equal(dequantize(weight), weight.get_original_weight())
+    torchaos = torch.nn.Linear(1024, 2048, bias=False)
+    torchaos.weight = torch.nn.Parameter(weight, requires_grad=False)
+    mine = copy.deepcopy(torchaos)
+    mine.__class__ = Nf4Linear
+    results, peaks = [], []
+    for layer in (torchaos, mine):
+        x = torch.randn(2, 8, 1024, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+
+        def step(layer: torch.nn.Module = layer, x: torch.Tensor = x) -> torch.Tensor:
+            with torch.autocast("cpu", torch.bfloat16):
+                out = layer(x)
+            out.float().square().sum().backward()
+            return out
+
+        results.append((step().detach(), x.grad))
+        x.grad = None
+        peaks.append(cpu_peak_bytes(step) / weight.numel())
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1],
+                                                                      results[1][1])
+    assert peaks[0] > 12 and peaks[1] < 5, peaks
+    # the planner's count of it, drawn from two smaller layers
+    assert nf4_dequantized_bytes(weight.numel()) == pytest.approx(peaks[1] * weight.numel(),
+                                                                   rel=0.15)
+
+
 def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named(
         caplog: pytest.LogCaptureFixture) -> None:
     """A weight must fill NF4's blocks (64 values) and its scales' blocks (256 scales): at

@@ -27,7 +27,15 @@ import torch
 from torch import nn
 
 from trainer.compat import is_fake
-from trainer.memory.nf4 import BLOCK, GRAIN, SCALER_BLOCK, fits, relative_error, to_nf4
+from trainer.memory.nf4 import (
+    BLOCK,
+    GRAIN,
+    SCALER_BLOCK,
+    Nf4Linear,
+    fits,
+    relative_error,
+    to_nf4,
+)
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 
 log = logging.getLogger(__name__)
@@ -135,6 +143,8 @@ def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
             continue
         weight = module.weight.detach().to(torch.bfloat16)
         module.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
+        if type(module) is nn.Linear:  # its matmul dequantizes a slice at a time
+            module.__class__ = Nf4Linear
         if weight.device.type != "meta" and not is_fake(weight):
             quantized[name] = relative_error(weight, module.weight)
     if kept:

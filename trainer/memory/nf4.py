@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from trainer.memory.optimizers import quiet_torchao_import
 from trainer.tensors import shard_rows
@@ -156,19 +157,68 @@ def relative_error(weight: torch.Tensor, nf4: Any) -> float:
 
 
 def _squares(weight: torch.Tensor, nf4: Any) -> torch.Tensor:
-    """The summed squares of ``nf4``'s error and of ``weight``, in fp32, dequantized ``_SLICE``
-    weights at a time as ``NF4Tensor.get_original_weight`` does it (which, for the whole weight
-    at once, holds two int64 indices a weight). Summed squares, not ``Tensor.norm``, whose fp32
-    result is off by about 1e-4 at a million weights."""
+    """The summed squares of ``nf4``'s error and of ``weight``, in fp32, a slice at a time
+    (``_dequantized``). Summed squares, not ``Tensor.norm``, whose fp32 result is off by about
+    1e-4 at a million weights."""
+    exact = weight.detach().flatten().view(-1, BLOCK)
+    total = torch.zeros(2, device=exact.device)
+    for start, values in _dequantized(nf4):
+        part = exact[start:start + values.shape[0]].float()
+        total += torch.stack([(values.float() - part).square().sum(), part.square().sum()])
+    return total
+
+
+def _dequantized(nf4: Any) -> Iterator[tuple[int, torch.Tensor]]:
+    """``nf4``'s weights in bf16, ``_SLICE`` of them at a time as (first block, [blocks, 64]),
+    by ``NF4Tensor.get_original_weight``'s arithmetic, which for the whole weight at once holds
+    two int64 indices and three bf16 copies a weight (14 bytes a weight, measured)."""
     scales = nf4.dequantize_scalers(nf4.quantized_scalers, nf4.quantization_factor,
                                     nf4.scaler_block_size)  # one a block, in bf16
-    exact = weight.detach().flatten().view(-1, BLOCK)
     blocks = _SLICE // BLOCK
-    total = torch.zeros(2, device=exact.device)
-    for start in range(0, exact.shape[0], blocks):
+    for start in range(0, scales.shape[0], blocks):
         codes = nf4.quantized_data[start * BLOCK // 2:(start + blocks) * BLOCK // 2]
         levels = torch.stack([codes >> 4, codes & 0b1111], dim=-1).flatten().long()
-        part = exact[start:start + blocks].float()
-        values = (nf4.nf4[levels].view(-1, BLOCK) * scales[start:start + blocks, None]).float()
-        total += torch.stack([(values - part).square().sum(), part.square().sum()])
-    return total
+        yield start, nf4.nf4[levels].view(-1, BLOCK) * scales[start:start + blocks, None]
+
+
+def dequantize(nf4: Any, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``nf4.get_original_weight().to(dtype)``, value for value, made a slice at a time into
+    the result: 2 bytes a weight (bf16) and one slice's indices, not torchao's 14."""
+    out = torch.empty(nf4.shape, dtype=dtype, device=nf4.quantized_data.device)
+    flat = out.view(-1, BLOCK)
+    for start, values in _dequantized(nf4):
+        flat[start:start + values.shape[0]] = values
+    return out
+
+
+class _Nf4Matmul(torch.autograd.Function):
+    """``x @ W.T`` for an NF4 ``W``, as torchao's ``linear_nf4`` computes it (the weight
+    dequantized in forward and again in backward, never saved), with the weight dequantized
+    by ``dequantize``, to the dtype the matmul runs in."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        ctx.weight = weight
+        # Under autocast straight to its dtype: torchao dequantizes to the input's (fp32) and
+        # autocast then casts that copy, the same values through a weight's bytes twice more.
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else x.dtype
+        return torch.nn.functional.linear(x, dequantize(weight, dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad @ dequantize(ctx.weight, grad.dtype), None
+
+
+class Nf4Linear(nn.Linear):
+    """An ``nn.Linear`` whose frozen weight is NF4 (``quantize_base`` gives a quantized layer
+    this class): its matmul dequantizes the weight a slice at a time (``_Nf4Matmul``); the
+    same result as torchao's ``linear_nf4`` to the bit, in a seventh of its transient bytes. A
+    bf16 weight (``dequantize_base`` before a merge) runs as ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_nf4(self.weight):
+            return super().forward(x)
+        out = _Nf4Matmul.apply(x, self.weight)
+        return out if self.bias is None else out + self.bias.to(out.dtype)

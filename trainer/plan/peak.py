@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import logging
 from collections.abc import Iterable, Iterator
@@ -72,6 +73,7 @@ from trainer.memory.loss import (
     observe_chunked_losses,
     summed_loss,
 )
+from trainer.memory.nf4 import Nf4Linear, is_nf4, to_nf4
 from trainer.memory.offload import offload_of
 from trainer.memory.optimizers import state_bytes, trainable
 from trainer.memory.precision import precision_policy
@@ -165,6 +167,9 @@ class ActivationProfile:
     # (recomputed where it is checkpointed), when every other gradient exists already.
     first_block_per_sample_bytes: int = 0
     largest_block_param_bytes: int = 0  # the largest parameter inside the blocks
+    # An NF4 base (QLoRA): the weights of its largest NF4 layer, whose matmul holds them
+    # dequantized (``nf4_dequantized_bytes``); 0 without one.
+    largest_nf4_weights: int = 0
     # The step's operators, for the time model (``trainer.plan.speed``; None: not recorded).
     work: StepWork | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -532,8 +537,43 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                 first_block_per_sample_bytes=first_block,
                                 largest_block_param_bytes=max(
                                     (_nbytes([p]) for p in blocks.parameters()
-                                     if p.requires_grad), default=0))
+                                     if p.requires_grad), default=0),
+                                largest_nf4_weights=max((p.numel() for p in blocks.parameters()
+                                                         if is_nf4(p)), default=0))
     return profile, (block_calls[0] if block_calls else None)
+
+
+def nf4_dequantized_bytes(weights: int) -> int:
+    """What an NF4 layer of ``weights`` weights holds while its matmul runs on its dequantized
+    weight (``trainer.memory.nf4.Nf4Linear``), in forward, in backward and in recomputation
+    alike: the allocator's record of one token's forward and backward through two real NF4
+    layers of a few slices (``fixed + per weight``), drawn to ``weights``; 0 for none."""
+    if not weights:
+        return 0
+    fixed, per_weight = _dequantize_cost()
+    return int(fixed + per_weight * weights)
+
+
+@functools.cache
+def _dequantize_cost() -> tuple[float, float]:
+    from trainer.telemetry.diagnostics import cpu_peak_bytes
+
+    measured = []
+    for rows in (2048, 4096):  # 8 and 16 slices of 2**18 weights
+        layer = nn.Linear(256, rows, bias=False)
+        layer.weight = nn.Parameter(to_nf4(torch.zeros(rows, 256)), requires_grad=False)
+        layer.__class__ = Nf4Linear
+        x = torch.zeros(1, 256, requires_grad=True)
+
+        def step(layer: nn.Module = layer, x: torch.Tensor = x) -> None:
+            with torch.autocast("cpu", torch.bfloat16):  # as an NF4 base runs
+                out = layer(x)
+            out.float().sum().backward()
+
+        measured.append((rows * 256, cpu_peak_bytes(step)))
+    (n1, b1), (n2, b2) = measured
+    per_weight = (b2 - b1) / (n2 - n1)
+    return b1 - per_weight * n1, per_weight
 
 
 def _parameter_bytes(model: nn.Module, blocks: nn.ModuleList) -> tuple[int, int, int]:
@@ -583,12 +623,13 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
         in_flight, backward_grads, forward_kept = fsdp_in_flight(static, profile)
     # Emulated bf16 on CPU: a matrix product's conversion buffers at either moment.
     emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
+    dequantized = nf4_dequantized_bytes(profile.largest_nf4_weights)  # wherever a block runs
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
-        + forward_kept + emulation,
+        + forward_kept + emulation + dequantized,
         "backward start": activations - _loss_weight_grad(shape, outside_grads)
         + outside_grads + in_flight + forward_kept
-        + backward_grads + emulation + profile.recompute_block_fixed_bytes
+        + backward_grads + emulation + profile.recompute_block_fixed_bytes + dequantized
         + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
         "optimizer step": 0 if static.offloaded or static.in_backward
@@ -599,10 +640,10 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
             + emulation
     if static.sharded:
         moments["backward end"] = (0 if static.offloaded else held_grads) + in_flight \
-            + backward_grads
+            + backward_grads + dequantized
     else:  # the first block's backward: every other gradient exists, its activations too
-        moments["backward end"] = held_grads + emulation + profile.recompute_block_fixed_bytes \
-            + (profile.first_block_per_sample_bytes
+        moments["backward end"] = held_grads + emulation + dequantized \
+            + profile.recompute_block_fixed_bytes + (profile.first_block_per_sample_bytes
                + profile.largest_tensor_per_sample_bytes) * micro_batch_size
     if static.in_backward and not static.offloaded:  # the last step: a tied embedding's,
         moments["last step in backward"] = in_backward_bytes(static)  # alone by then
