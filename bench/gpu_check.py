@@ -26,9 +26,9 @@ micro-batch, through the trainer's own ``train_step``:
 - FSDP2 on one rank (``bench.gpu_fsdp``): bf16 through autocast, through
   ``MixedPrecisionPolicy``, and with CPU offload, each peak beside the planner's;
 - the memory strategies beyond the guide (``bench.gpu_strategies``): the step in backward,
-  activation offload, 8-bit, 4-bit and bf16 AdamW states, bf16 weights and LoRA, each alone on
-  bf16 with full checkpointing, each peak beside the planner's (a row whose library is missing
-  recorded as skipped).
+  activation offload, 8-bit, 4-bit and bf16 AdamW states, bf16 weights, LoRA and QLoRA, each
+  alone on bf16 with full checkpointing, each peak beside the planner's (a row whose library is
+  missing recorded as skipped).
 
 Without CUDA (``--dry`` is implied) it runs the same code paths on a tiny model on CPU, so the
 script cannot rot; CI runs that. It writes ``gpu-check-<date>-<host>.json`` and ``.md`` to --out

@@ -1,6 +1,6 @@
 """gpu-check's memory-strategy rows: the step in backward, activation offload, low-bit AdamW
-states, bf16 weights and LoRA, each added alone to bf16 with full checkpointing, measured and
-planned.
+states, bf16 weights, LoRA and QLoRA (LoRA over an NF4 base), each added alone to bf16 with
+full checkpointing, measured and planned.
 
 Each row trains the model with the trainer's own ``train_step`` and records the device's peak
 (CUDA's ``max_memory_allocated``; dry, on CPU, the allocator's record of one step) beside the
@@ -12,6 +12,7 @@ skipped, naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -26,18 +27,21 @@ from trainer.optim import build_optimizer
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.step import create_optimizer_state
 
-# (name, activation offload, AdamW states, step in backward, LoRA, weights' dtype)
+# (name, activation offload, AdamW states, step in backward, LoRA's base dtype (None: no
+# LoRA), weights' dtype)
 CASES = {
-    "baseline": ("none", "fp32", False, False, "fp32"),
-    "step in backward": ("none", "fp32", True, False, "fp32"),
-    "offload checkpointed": ("checkpointed", "fp32", False, False, "fp32"),
-    "offload all": ("all", "fp32", False, False, "fp32"),
-    "8-bit AdamW": ("none", "8bit", False, False, "fp32"),
-    "4-bit AdamW": ("none", "4bit", False, False, "fp32"),
-    "bf16 AdamW states": ("none", "bf16", False, False, "fp32"),
+    "baseline": ("none", "fp32", False, None, "fp32"),
+    "step in backward": ("none", "fp32", True, None, "fp32"),
+    "offload checkpointed": ("checkpointed", "fp32", False, None, "fp32"),
+    "offload all": ("all", "fp32", False, None, "fp32"),
+    "8-bit AdamW": ("none", "8bit", False, None, "fp32"),
+    "4-bit AdamW": ("none", "4bit", False, None, "fp32"),
+    "bf16 AdamW states": ("none", "bf16", False, None, "fp32"),
     # model.dtype bf16: no fp32 copy; bf16 moments, updates rounded stochastically (torchao)
-    "bf16 weights": ("none", "bf16", False, False, "bf16"),
-    "LoRA": ("none", "fp32", False, True, "fp32"),
+    "bf16 weights": ("none", "bf16", False, None, "bf16"),
+    "LoRA": ("none", "fp32", False, "fp32", "fp32"),
+    # the blocks' linear weights in NF4, dequantized a slice at a time in each matmul
+    "QLoRA": ("none", "fp32", False, "nf4", "fp32"),
 }
 
 
@@ -45,12 +49,14 @@ def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
                  steps: int, warmup: int) -> dict[str, Any]:
     """One strategy's measured step (peak and tokens/s) and the planner's prediction of it."""
     offload, states, in_backward, lora, weights = CASES[name]
+    if lora == "nf4" and cfg.n_embd < 128:  # dry mode's width: no weight fills NF4's blocks
+        cfg = dataclasses.replace(cfg, n_embd=128)
 
     def factory() -> torch.nn.Module:
         model = GPT(cfg)
         if weights == "bf16":
             model = to_bf16(model)
-        return apply_lora(model, LoraSettings(rank=8)) if lora else model
+        return model if lora is None else apply_lora(model, LoraSettings(rank=8, base_dtype=lora))
 
     transforms = MemoryTransforms("full", loss_chunk_tokens=1024, bf16_norm_inputs=False,
                                   activation_offload=offload)

@@ -59,7 +59,7 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     strategies = {row["strategy"]: row for row in report["strategies"]}
     assert set(strategies) == {"baseline", "step in backward", "offload checkpointed",
                                "offload all", "8-bit AdamW", "4-bit AdamW",
-                               "bf16 AdamW states", "bf16 weights", "LoRA"}
+                               "bf16 AdamW states", "bf16 weights", "LoRA", "QLoRA"}
     for name, row in strategies.items():
         if name not in ("baseline", "step in backward", "offload checkpointed", "offload all") \
                 and "skipped" in row:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainer.memory.optimizers import quiet_torchao_import
+from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 from trainer.tensors import shard_rows
 
 # torchao's NF4 as QLoRA uses it: 64 weights a block share one scale, 256 of those scales one
@@ -35,6 +36,20 @@ SCALER_BLOCK = 256
 GRAIN = BLOCK * SCALER_BLOCK
 # The parts of an NF4 weight that its ``empty_like`` allocates (and FSDP shards by rows).
 _ALLOCATED = ("quantized_data", "quantized_scalers", "quantization_factor")
+
+
+def _torchao() -> Any:
+    """torchao's NF4 (``NF4Tensor``, ``to_nf4``, ``SubclassTensorArgs``), or
+    ``MissingExtraError`` naming the extra that installs it."""
+    try:
+        with quiet_torchao_import():
+            from torchao.quantization import NF4Tensor, to_nf4
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError as err:
+        raise MissingExtraError("model.lora.base_dtype nf4 needs torchao: pip install "
+                                "'memtrain[strategies]'") from err
+    return SimpleNamespace(NF4Tensor=NF4Tensor, to_nf4=to_nf4,
+                           SubclassTensorArgs=nf4_tensor.SubclassTensorArgs)
 
 
 def fits(shape: torch.Size | tuple[int, ...], parts: int = 1) -> bool:
@@ -52,9 +67,7 @@ def to_nf4(weight: torch.Tensor) -> Any:
 
     weight = weight.detach().to(torch.bfloat16)
     if weight.device.type == "meta" or is_fake(weight):
-        with quiet_torchao_import():
-            from torchao.quantization import to_nf4 as torchao_to_nf4
-        return torchao_to_nf4(weight, BLOCK, SCALER_BLOCK)
+        return _torchao().to_nf4(weight, BLOCK, SCALER_BLOCK)
     return quantize_rows(weight, sharded=False)
 
 
@@ -83,10 +96,8 @@ _SLICE = 1 << 18
 @functools.cache
 def _levels(device: torch.device) -> torch.Tensor:
     """NF4's 16 levels as torchao's ``NF4Tensor`` holds them (``nf4``), in bf16."""
-    with quiet_torchao_import():
-        from torchao.quantization import to_nf4 as torchao_to_nf4
-    return torchao_to_nf4(torch.zeros(GRAIN, dtype=torch.bfloat16, device=device), BLOCK,
-                          SCALER_BLOCK).nf4
+    return _torchao().to_nf4(torch.zeros(GRAIN, dtype=torch.bfloat16, device=device), BLOCK,
+                             SCALER_BLOCK).nf4
 
 
 def quantize_rows(rows: torch.Tensor, sharded: bool) -> Any:
@@ -94,10 +105,8 @@ def quantize_rows(rows: torch.Tensor, sharded: bool) -> Any:
     ``to_nf4(rows)``, coded ``_SLICE`` weights at a time (a block's codes depend on its own
     weights alone); where they are this rank's shard (``sharded``), with the whole weight's
     scale mean, agreed over the process group."""
-    with quiet_torchao_import():
-        from torchao.quantization import NF4Tensor
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs
-
+    torchao = _torchao()
+    NF4Tensor = torchao.NF4Tensor  # noqa: N806 - torchao's class
     flat = rows.detach().to(torch.bfloat16).flatten()
     levels = _levels(flat.device)
     absmax = flat.view(-1, BLOCK).abs().amax(dim=1)
@@ -114,7 +123,8 @@ def quantize_rows(rows: torch.Tensor, sharded: bool) -> Any:
                                                               BLOCK, levels)
                        for part in flat.split(_SLICE)])
     scalers, factor = double_quantize(absmax, mean)
-    meta = SubclassTensorArgs(rows.shape, rows.stride(), 0, torch.bfloat16, rows.device, False)
+    meta = torchao.SubclassTensorArgs(rows.shape, rows.stride(), 0, torch.bfloat16, rows.device,
+                                      False)
     return NF4Tensor(meta, BLOCK, absmax.numel(), SCALER_BLOCK, scalers, factor, mean, codes,
                      levels)
 
