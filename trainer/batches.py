@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,6 +49,10 @@ class TokenBatch:
     def masked(self) -> bool:
         """Whether some targets may be left out of the loss (a mask, or document boundaries)."""
         return self.loss_mask is not None or self.document_ids is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -102,6 +106,30 @@ class TokenBatch:
         return [TokenBatch(t, mask[i] if mask is not None else None,
                            docs[i] if docs is not None else None)
                 for i, t in enumerate(tokens)]
+
+
+class RowSlice(NamedTuple):
+    """A rank's slice ``(B, seq_len / N)`` of a micro-batch's rows, where each row's tokens are
+    split over ``N`` ranks (sequence parallelism, ``trainer.parallel.sequence.row_slice``): what
+    a ``TokenBatch`` gives a model and its loss, for this rank's tokens alone."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor  # IGNORE_INDEX where not trained, decided over the whole rows
+    position_ids: torch.Tensor | None  # packed documents' positions in their rows (None: unpacked)
+    masked: bool = False  # as ``TokenBatch.masked``
+
+    @property
+    def device(self) -> torch.device:
+        return self.inputs.device
+
+    def trained_tokens(self) -> torch.Tensor | int:
+        """How many of the slice's targets are trained, as ``TokenBatch.trained_tokens``."""
+        if not self.masked:
+            return self.targets.numel()
+        return (self.targets != IGNORE_INDEX).sum()
+
+
+Rows = TokenBatch | RowSlice  # what a loss is taken over: whole rows, or a rank's slice of them
 
 
 def as_batch(batch: TokenBatch | torch.Tensor) -> TokenBatch:

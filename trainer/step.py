@@ -14,6 +14,8 @@ the gradient is that of the mean loss over the global batch, whatever the split 
 and ranks. Every rank sees the same number of tokens per step (fixed-length rows), which this
 needs. Where a loss mask or packed documents leave targets out, the ranks' counts differ: the
 divisor is then the global count over the world size (``step_tokens``), which keeps the same rule.
+Under sequence parallelism a rank's tokens are its slice of each row (``Parallelism.local_rows``):
+it counts those, and the same rule holds over the whole world (``trainer.parallel.mesh``).
 
 Host syncs: one per optimizer step (the finite check of the grad norm, which GradScaler needs
 anyway). Nothing holds a graph across steps: the loss is accumulated detached.
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer import faults
-from trainer.batches import TokenBatch, as_batch
+from trainer.batches import Rows, TokenBatch, as_batch
 from trainer.errors import NonFiniteError, first_line
 from trainer.memory.loss import summed_loss
 from trainer.memory.optimizers import BackwardSteps, state_tensors
@@ -54,7 +56,7 @@ class StepResult:
     trained_tokens: torch.Tensor | None = None
 
 
-def forward_backward(model: nn.Module, batch: TokenBatch, policy: PrecisionPolicy,
+def forward_backward(model: nn.Module, batch: Rows, policy: PrecisionPolicy,
                      scaler: torch.amp.GradScaler, tokens_per_step: int | torch.Tensor,
                      unwrapped: nn.Module) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns its summed token loss, detached. A
@@ -79,12 +81,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     gradients are reduced.
     """
     parallel = parallel or parallelism_of(model)
-    chunks = [chunk for mb in micro_batches for chunk in as_batch(mb).chunk(splits)]  # views
+    # views; under sequence parallelism each is this rank's slice of the chunk's rows
+    chunks = [parallel.local_rows(chunk) for mb in micro_batches
+              for chunk in as_batch(mb).chunk(splits)]
     in_backward = BackwardSteps.of(optimizer)
     if in_backward is not None:
         in_backward.begin()
     tokens = step_tokens(chunks)
-    loss_sum = torch.zeros((), device=chunks[0].tokens.device)
+    loss_sum = torch.zeros((), device=chunks[0].device)
     # With OOM agreement across ranks, gradients must not be reduced inside backward (a peer may
     # have failed): DDP then reduces them after the check.
     deferred = parallel.defers_reduction(agreement)
@@ -109,7 +113,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
             raise
     if in_backward is not None:  # every parameter has stepped already
-        return _stepped_in_backward(in_backward, loss_sum / tokens.local, tokens.trained)
+        return _stepped_in_backward(in_backward, parallel.row_mean(loss_sum, tokens.local),
+                                    tokens.trained)
     if deferred:
         parallel.reduce_gradients(model)
     scaler.unscale_(optimizer)
@@ -121,10 +126,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum / tokens.local, grad_norm.detach(), not finite, tokens.trained)
+    return StepResult(parallel.row_mean(loss_sum, tokens.local), grad_norm.detach(), not finite,
+                      tokens.trained)
 
 
-def step_tokens(chunks: list[TokenBatch]) -> StepTokens:
+def step_tokens(chunks: list[Rows]) -> StepTokens:
     """What each rank divides its summed loss by, and the trained tokens (the module
     docstring's loss normalisation).
 
@@ -136,7 +142,7 @@ def step_tokens(chunks: list[TokenBatch]) -> StepTokens:
     if not any(chunk.masked for chunk in chunks):
         count = sum(int(chunk.trained_tokens()) for chunk in chunks)
         return StepTokens(count, count, None)
-    device = chunks[0].tokens.device
+    device = chunks[0].device
     local = torch.zeros((), dtype=torch.float32, device=device)
     for chunk in chunks:
         local += chunk.trained_tokens()
@@ -205,12 +211,13 @@ def evaluate(model: nn.Module, batches: Iterator[TokenBatch | torch.Tensor],
     """Mean loss over the trained targets of ``num_batches`` batches on every rank, under
     ``no_grad`` (a loss mask and document boundaries leave targets out, as in training);
     ``parallel`` as ``train_step`` takes it."""
-    unwrapped = (parallel or parallelism_of(model)).unwrap(model)
+    parallel = parallel or parallelism_of(model)
+    unwrapped = parallel.unwrap(model)
     was_training = model.training
     model.eval()
     total = None  # [summed loss, token count], on the device so NCCL can reduce it
     for _ in range(num_batches):
-        batch = as_batch(next(batches))
+        batch = parallel.local_rows(as_batch(next(batches)))
         loss = summed_loss(model, batch, policy, unwrapped)
         count = torch.as_tensor(batch.trained_tokens(), dtype=torch.float64, device=loss.device)
         batch_total = torch.stack([loss.double(), count])

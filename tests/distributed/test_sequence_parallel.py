@@ -156,8 +156,9 @@ def _worker(rank: int, port: int, size: int, out: str) -> None:
         for name, packed in CASES:
             model = _model(name, Path(out) / f"{name}.pt")
             apply_sequence_parallel(model, group)
-            inputs, targets, position_ids = row_slice(_batch(packed), rank, size)
-            result[name, packed] = _step(model, inputs, targets, position_ids, group)
+            rows = row_slice(_batch(packed), rank, size)
+            result[name, packed] = _step(model, rows.inputs, rows.targets, rows.position_ids,
+                                         group)
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.batches import IGNORE_INDEX, TokenBatch, as_batch
+from trainer.batches import IGNORE_INDEX, Rows, RowSlice, as_batch
 
 if TYPE_CHECKING:
     from trainer.memory.precision import PrecisionPolicy
@@ -210,23 +210,26 @@ def linear_cross_entropy_sum(hidden_NC: torch.Tensor, weight_VC: torch.Tensor,
     return _ChunkedLinearCrossEntropy.apply(hidden_NC, weight_VC, targets_N, chunk_tokens)
 
 
-def summed_loss(model: nn.Module, batch: TokenBatch | torch.Tensor, policy: PrecisionPolicy,
+def summed_loss(model: nn.Module, batch: Rows | torch.Tensor, policy: PrecisionPolicy,
                 unwrapped: nn.Module | None = None) -> torch.Tensor:
     """Summed next-token loss of one micro-batch of rows ``(B, T + 1)`` (a ``TokenBatch``, or a
-    tensor of tokens, all trained), fp32, under autocast; targets that are not trained (a loss
-    mask, a document boundary) add nothing.
+    tensor of tokens, all trained), or of a rank's slice of them (a ``RowSlice``, under
+    sequence parallelism), fp32, under autocast; targets that are not trained (a loss mask, a
+    document boundary) add nothing.
 
     A model with ``computes_loss`` computes it itself (chunked, no ``(B, T, V)`` logits); for
     any other model the logits are materialised and the loss taken in fp32. Packed documents'
     ``position_ids`` go to a model that takes them (``takes_position_ids``). ``unwrapped``: the
     model inside ``model``'s wrapper (DDP's), whose attributes say which (None: ``model``).
     """
-    batch = as_batch(batch)
-    inputs_BT, targets_BT = batch.inputs, batch.targets
+    rows = batch if isinstance(batch, RowSlice) else as_batch(batch)
+    inputs_BT, targets_BT = rows.inputs, rows.targets
     unwrapped = model if unwrapped is None else unwrapped
     kwargs = {}
-    if batch.document_ids is not None and takes_position_ids(unwrapped):
-        kwargs["position_ids"] = batch.position_ids
+    if rows.masked and takes_position_ids(unwrapped):
+        position_ids = rows.position_ids
+        if position_ids is not None:  # packed documents
+            kwargs["position_ids"] = position_ids
     with policy.autocast(inputs_BT.device):
         if getattr(unwrapped, "computes_loss", False):
             return model(inputs_BT, targets_BT, **kwargs).float()

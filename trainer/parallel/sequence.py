@@ -22,14 +22,14 @@ repeated (``kv_repeats``) until they do, as ALST does; autograd sums the copies'
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.batches import TokenBatch
+from trainer.batches import RowSlice, TokenBatch
 from trainer.models.gpt import GPT, CausalSelfAttention, document_mask
 from trainer.models.hf import HFCausalLM
 from trainer.models.sequence_split import HF_SEQUENCE_KWARG
@@ -61,21 +61,14 @@ def sequence_slice(tensor: torch.Tensor, rank: int, size: int, dim: int = 1) -> 
     return tensor.chunk(size, dim=dim)[rank]
 
 
-class RowSlice(NamedTuple):
-    """A rank's slice of a micro-batch's rows ``(B, seq_len / N)``."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor  # IGNORE_INDEX where not trained, decided over the whole rows
-    position_ids: torch.Tensor | None  # packed documents' positions (None: unpacked)
-
-
 def row_slice(batch: TokenBatch, rank: int, size: int) -> RowSlice:
     """Rank ``rank``'s slice of ``batch``: targets and positions are found over the whole rows
     (a document may start on another rank's slice), then sliced."""
     position_ids = batch.position_ids
     return RowSlice(sequence_slice(batch.inputs, rank, size),
                     sequence_slice(batch.targets, rank, size),
-                    None if position_ids is None else sequence_slice(position_ids, rank, size))
+                    None if position_ids is None else sequence_slice(position_ids, rank, size),
+                    batch.masked)
 
 
 def _seq_to_heads(x_BTHD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -4,10 +4,12 @@ base of the others), ``DistributedDataParallel`` (``trainer.parallel.ddp``) and
 ways is asked of this object: how the model is built and made ready, wrapped after a restore
 and unwrapped for a checkpoint or an export, whether a micro-batch's gradients are reduced,
 whether the ranks can agree on an out-of-memory step before reducing, where the
-optimizer-in-backward hooks attach, how precision is applied, and what the worker's heap keeps.
+optimizer-in-backward hooks attach, how precision is applied, what the worker's heap keeps, and
+which rows a rank reads and which part of them it trains (``data_place``, ``local_rows``).
 Nothing outside ``trainer.parallel`` and ``trainer.plan`` branches on the kind
 (``tests/unit/test_boundaries.py`` greps for it). Lightning Fabric keeps one ``Strategy`` per
-way the same way; the place for sequence and tensor parallelism is here too.
+way the same way; sequence parallelism is here too (``trainer.parallel.mesh``), and tensor
+parallelism would be.
 
 The order in which a model is made ready is written once, in ``Parallelism.build``'s docstring,
 and each way follows it; torchtitan comments its ``parallelize`` the same way.
@@ -25,11 +27,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from trainer.batches import Rows, TokenBatch
 from trainer.memory.allocator import keep_freed_host_memory
 from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import PrecisionPolicy
@@ -39,6 +43,18 @@ if TYPE_CHECKING:
     from trainer.config import Config
 
 Compile = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True)
+class DataPlace:
+    """Which rows a rank reads: the loader's ``rank`` among ``world_size`` data ranks, and the
+    ``sequence`` ranks that share each of those rows (each holding ``1 / sequence`` of its
+    tokens), of which one, the ``first``, records the rows (``data.record_rows``)."""
+
+    rank: int
+    world_size: int
+    sequence: int = 1
+    first: bool = True
 
 
 class Parallelism:
@@ -60,7 +76,9 @@ class Parallelism:
            replaced by the checkpoint's);
         2. the memory transforms (activation checkpointing, the chunked loss, bf16 norm
            inputs, activation offload: ``apply_transforms``), which wrap the blocks;
-        3. ``compile_model`` (torch.compile where asked), block by block, after checkpointing's
+        3. under ``parallel.sequence``, attention split over the sequence group
+           (``trainer.parallel.mesh``: it wraps ``compile_model``, so the split is compiled);
+           then ``compile_model`` (torch.compile where asked), block by block, after checkpointing's
            wrappers, so that the recomputation is compiled too, and before any sharding, so
            that FSDP wraps compiled blocks;
         4. the split: FSDP shards here, on the meta device, and then fills each rank's shards
@@ -80,6 +98,19 @@ class Parallelism:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The model as built (what a checkpoint and an export read), from ``wrap``'s."""
         return model
+
+    def data_place(self, rank: int, world_size: int) -> DataPlace:
+        """Which rows ``rank`` of ``world_size`` reads: its own, here."""
+        return DataPlace(rank, world_size)
+
+    def local_rows(self, batch: TokenBatch) -> Rows:
+        """What this rank trains of a micro-batch's rows: all of them, here."""
+        return batch
+
+    def row_mean(self, loss_sum: torch.Tensor, trained: int | torch.Tensor) -> torch.Tensor:
+        """The mean loss over this rank's rows, from its ``local_rows``' summed loss and their
+        ``trained`` targets (the loss a step reports)."""
+        return loss_sum / trained
 
     def defers_reduction(self, agreement: Any) -> bool:
         """Whether the step's gradients are reduced only after ``agreement``'s check (an
