@@ -150,12 +150,12 @@ def step_tokens(chunks: list[Rows]) -> StepTokens:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
         world = dist.get_world_size()
-    return StepTokens(total.clamp(min=1) / world, local.clamp(min=1), total)
+    return StepTokens(total.clamp(min=1) / world, local, total)
 
 
 class StepTokens(NamedTuple):
     divisor: int | torch.Tensor  # of each rank's summed loss, for the gradient
-    local: int | torch.Tensor  # this rank's trained targets (at least 1): its mean loss's divisor
+    local: int | torch.Tensor  # this rank's trained targets (``Parallelism.row_mean``)
     trained: torch.Tensor | None  # over every rank, where some targets are left out
 
 
