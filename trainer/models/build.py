@@ -180,12 +180,12 @@ def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTra
                 device: torch.device | None = None, seed: int | None = 0) -> nn.Module:
     """The whole model ``model`` names, with ``transforms`` (``build_model``): with the weights
     of ``init_from`` where it is ``hf:DIR`` (``load_hf_weights``, over the seeded build's), else
-    with the model's own. How the loop builds it without FSDP, and export a LoRA run's base. An
-    NF4 base is built on meta and quantized weight by weight as it is filled
-    (``build_on_meta``)."""
+    with the model's own. How the loop builds it without FSDP, and export a LoRA run's base. A
+    bf16 or NF4 LoRA base is built on meta and filled weight by weight, each converted as it
+    is made or read (``build_on_meta``), so that the fp32 base is never held whole."""
     init_hf = init_from if (init_from or "").startswith(HF_PREFIX) else None
     factory = model_factory(model, load_weights=init_hf is None)
-    if isinstance(factory, Nf4Base):
+    if model.lora is not None and model.lora.base_dtype != "fp32":  # never the fp32 base whole
         return build_on_meta(model_factory(model, load_weights=False), transforms,
                              device or torch.device("cpu"), seed, model_name=model.name,
                              weights=weights_of(init_hf or model.name))
