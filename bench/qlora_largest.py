@@ -132,9 +132,9 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
     than this machine's CPUs if asked, as the tests do), sampled from a thread of this process:
     its workers' anonymous resident memory above their first samples (one worker runs in this
     process: above this process's own, once everything is imported)."""
-    from tests.conftest import prepared_local_run
     from trainer.config import load_config
     from trainer.launch.local import launch_local
+    from trainer.launch.prepare import prepare_run
 
     workers = spec["workers"]
     settings = [f"model.name=hf:{spec['model']}", f"model.seq_len={SEQ_LEN}",
@@ -148,8 +148,10 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
                 f"train.global_batch_size={workers}", "train.micro_batch_size=1",
                 "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
                 "train.warmup_steps=0"]
-    cfg, run_dir = prepared_local_run(load_config(REPO / "configs" / "demo-cpu.yaml", settings),
-                                      workers)
+    cfg, run_dir = prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", settings))
+    # more workers than this machine's CPUs, which prepare_run refuses to protect a user's
+    cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+        update={"workers": workers})})
     with Sampler(psutil.Process()) as sampler:
         launch_local(cfg, run_dir)
     me = os.getpid()
