@@ -311,6 +311,11 @@ class ParallelConfig(_Strict):
     # workers, and restarts at that size from the latest checkpoint if so (Train V2's
     # elastic_resize_monitor_interval_s).
     resize_check_seconds: float = Field(60.0, gt=0)
+    # Ulysses sequence parallelism: each row's tokens split over this many ranks (a sequence
+    # group; attention's all-to-alls between them), for rows longer than one rank's
+    # activations hold. The workers form workers / sequence data ranks, which divide the global
+    # batch (docs/memory.md "Sequence parallelism").
+    sequence: int = Field(1, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -333,6 +338,10 @@ class ParallelConfig(_Strict):
     def worker_range(self) -> tuple[int, int]:
         """(min, max) workers; equal unless elastic."""
         return (self.min_workers or self.workers, self.workers)
+
+    def data_workers(self, workers: int) -> int:
+        """The data ranks among ``workers`` ranks: the global batch divides over these."""
+        return workers // self.sequence
 
 
 class MonitoringConfig(_Strict):
@@ -381,6 +390,7 @@ class Config(_Strict):
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
         strategy_combinations(self)
         weight_dtype_combinations(self)
+        sequence_combinations(self)
         workers = self.parallel.workers
         group = fsdp.reshard_after_forward
         if isinstance(group, int) and not isinstance(group, bool) and \
@@ -411,6 +421,25 @@ class Config(_Strict):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def sequence_combinations(cfg: Config) -> None:
+    """Refuse what ``parallel.sequence`` cannot split, one line each (a model's heads are
+    refused where the model is split, ``trainer.parallel.sequence``)."""
+    parallel, size = cfg.parallel, cfg.parallel.sequence
+    if size == 1:
+        return
+    if parallel.min_workers is not None and parallel.min_workers != parallel.workers:
+        raise ValueError(f"parallel.workers [{parallel.min_workers}, {parallel.workers}] with "
+                         f"parallel.sequence {size}: elastic workers would take sizes that do "
+                         f"not form sequence groups; set parallel.workers to a multiple of {size}")
+    if parallel.workers % size:
+        raise ValueError(f"parallel.workers {parallel.workers} is not divisible by "
+                         f"parallel.sequence {size}: the workers form groups of {size} ranks")
+    if cfg.model.seq_len % size:
+        raise ValueError(f"model.seq_len {cfg.model.seq_len} is not divisible by "
+                         f"parallel.sequence {size}: each rank of a group holds seq_len / {size} "
+                         "tokens of every row")
 
 
 def weight_dtype_combinations(cfg: Config) -> None:
@@ -454,7 +483,7 @@ def strategy_combinations(cfg: Config) -> None:
                              "'auto': without accumulation the micro-batch is the global "
                              "batch over the workers; set it")
         for workers in sorted(set(cfg.parallel.worker_range)):
-            if train.accumulation_steps(workers) > 1:
+            if train.accumulation_steps(cfg.parallel.data_workers(workers)) > 1:
                 raise ValueError(
                     f"memory.optimizer_in_backward needs one micro-batch per step: "
                     f"train.global_batch_size {train.global_batch_size} over "

@@ -56,6 +56,7 @@ from trainer.oom import (
 )
 from trainer.optim import Schedule, build_optimizer
 from trainer.parallel.choice import parallelism_for, runs_fp16
+from trainer.parallel.strategy import DataPlace
 from trainer.state import TrainState
 from trainer.step import StepResult, evaluate, step_seed, train_step
 from trainer.telemetry.diagnostics import (
@@ -89,11 +90,13 @@ class Trainer:
 
     def __init__(self, cfg: Config, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
-        self.batch_plan = BatchPlan(cfg.train.micro_batch(),
-                                    cfg.train.accumulation_steps(ctx.world_size))
         self.precision = resolve_precision(cfg.memory.precision, ctx.device, runs_fp16(cfg))
         # how the work is split over the ranks: everything that differs between the ways
         self.parallel = parallelism_for(cfg, ctx.world_size, self.precision.name)
+        # which rows this rank reads: the global batch divides over the data ranks
+        self.data = self.parallel.data_place(ctx.rank, ctx.world_size)
+        self.batch_plan = BatchPlan(cfg.train.micro_batch(),
+                                    cfg.train.accumulation_steps(self.data.world_size))
         if ctx.device.type == "cpu":
             self.parallel.settle_host_memory()
         self.policy = self.parallel.step_policy(precision_policy(self.precision.name,
@@ -171,8 +174,8 @@ class Trainer:
         return TrainState(
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
-            resources.enter_context(build_loader(cfg.data, ctx, self.batch_plan.micro_batch_size,
-                                                 cfg.run.seed)),
+            resources.enter_context(build_loader(cfg.data, self.data, ctx.device,
+                                                 self.batch_plan.micro_batch_size, cfg.run.seed)),
             # rank 0's checkpoints record a LoRA base's files (hashed once here, if hashes)
             lora_base=lora_base(cfg.model.name, cfg.train.init_from,
                                 cfg.run.checkpoint_verify == "hashes")
@@ -201,10 +204,12 @@ class Trainer:
                 mlflow_uri=cfg.monitoring.mlflow_tracking_uri,
                 mlflow_experiment=cfg.monitoring.mlflow_experiment,
                 params=flatten(cfg.model_dump(mode="json")), resumed_from=resumed_from)
+        # tokens counted once: each rank counts the rows it reads at the tokens it holds of them
         metrics = RunMetrics(self.ctx, cfg.run.name,
                              cfg.train.global_batch_size * cfg.model.seq_len,
-                             cfg.train.global_batch_size // self.ctx.world_size,
-                             cfg.model.seq_len, publish_seconds=cfg.monitoring.publish_seconds,
+                             cfg.train.global_batch_size // self.data.world_size,
+                             cfg.model.seq_len // self.data.sequence,
+                             publish_seconds=cfg.monitoring.publish_seconds,
                              peak_window_seconds=cfg.monitoring.peak_window_seconds,
                              trackers=trackers, total_steps=cfg.train.steps)
         resources.callback(metrics.close)
@@ -215,13 +220,13 @@ class Trainer:
         if not (self.cfg.data.val_path and self.cfg.train.eval_every):
             return None
         return resources.enter_context(build_loader(
-            self.cfg.data, self.ctx, self.batch_plan.micro_batch_size, self.cfg.run.seed,
-            validation=True))
+            self.cfg.data, self.data, self.ctx.device, self.batch_plan.micro_batch_size,
+            self.cfg.run.seed, validation=True))
 
     def row_record(self, resources: contextlib.ExitStack) -> RowRecord | None:
-        if not self.cfg.data.record_rows:
+        if not self.cfg.data.record_rows or not self.data.first:  # one record per data rank
             return None
-        rows = RowRecord(self.ctx.run_dir / rank_rows(self.ctx.rank), self.ctx.world_size)
+        rows = RowRecord(self.ctx.run_dir / rank_rows(self.data.rank), self.data.world_size)
         resources.callback(rows.close)
         return rows
 
@@ -320,7 +325,7 @@ class Trainer:
             log.info("resized: the checkpoint was written by %d workers, this run has %d; the "
                      "global batch is kept by the accumulation steps, and epoch %d continues "
                      "with the %d batches per rank no rank has read yet (datapipe/split.py)",
-                     loader.resized_from, ctx.world_size, loader.epoch,
+                     loader.resized_from, self.data.world_size, loader.epoch,
                      loader.batches_in(loader.epoch) - loader.batch_index)
         log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
                  "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch "
@@ -328,7 +333,8 @@ class Trainer:
                  f"{precision.name} ({precision.reason}{self.parallel.precision_route()})",
                  cfg.memory.activation_checkpointing,
                  checkpointed_blocks(state.unwrapped), plan.micro_batch_size,
-                 plan.accumulation_steps, ctx.world_size, cfg.train.global_batch_size, where)
+                 plan.accumulation_steps, self.data.world_size, cfg.train.global_batch_size,
+                 where)
         if state.schedule_change is not None:
             log.info("%s", state.schedule_change)
         description = self.parallel.describe()
@@ -489,18 +495,19 @@ def gc_policy(every: int) -> Iterator[None]:
             gc.enable()
 
 
-def build_loader(data: DataConfig, ctx: WorkerContext, micro_batch_size: int, seed: int,
-                 validation: bool = False) -> TokenLoader:
-    """This rank's loader of ``data.path`` (shuffled) or, for ``validation``, of
-    ``data.val_path`` (in order, rewound before each evaluation): its token column and, where
-    the dataset has them, its loss mask and document ids (``trainer.batches``)."""
+def build_loader(data: DataConfig, place: DataPlace, device: torch.device,
+                 micro_batch_size: int, seed: int, validation: bool = False) -> TokenLoader:
+    """The loader of data rank ``place.rank`` of ``place.world_size``, of ``data.path``
+    (shuffled) or, for ``validation``, of ``data.val_path`` (in order, rewound before each
+    evaluation): its token column and, where the dataset has them, its loss mask and document
+    ids (``trainer.batches``)."""
     if validation:
         assert data.val_path is not None, "validation needs data.val_path"
-        return TokenLoader(data.val_path, data.column, rank=ctx.rank, world_size=ctx.world_size,
-                           batch_size=micro_batch_size, seed=seed, shuffle=False,
-                           device=ctx.device, on_bad_shard=data.on_bad_shard)
-    return TokenLoader(data.path, data.column, rank=ctx.rank, world_size=ctx.world_size,
+        return TokenLoader(data.val_path, data.column, rank=place.rank,
+                           world_size=place.world_size, batch_size=micro_batch_size, seed=seed,
+                           shuffle=False, device=device, on_bad_shard=data.on_bad_shard)
+    return TokenLoader(data.path, data.column, rank=place.rank, world_size=place.world_size,
                        batch_size=micro_batch_size, seed=seed, shuffle=data.shuffle,
-                       device=ctx.device, shuffle_window=data.shuffle_window,
+                       device=device, shuffle_window=data.shuffle_window,
                        prefetch=data.prefetch, read_ahead=data.read_ahead,
                        on_bad_shard=data.on_bad_shard)

@@ -213,7 +213,8 @@ def _check_world_sizes(cfg: Config) -> None:
     """Every world size the run may take (an elastic range: any) keeps the global batch."""
     low, high = cfg.parallel.worker_range
     for world in range(low, high + 1):
-        cfg.train.accumulation_steps(world)  # ConfigError naming the sizes that fit
+        # a ConfigError naming the sizes that fit
+        cfg.train.accumulation_steps(cfg.parallel.data_workers(world))
 
 
 def _check_datasets(cfg: Config) -> None:

@@ -9,6 +9,8 @@ else (nothing outside this folder and ``trainer.plan`` branches on the kind of s
 - ``sequence``: Ulysses sequence parallelism: the ranks of a group each hold a slice of every
   row, attention's all-to-alls between slices of the tokens and shares of the heads, for
   memtrain's GPT and ``hf:`` models (``apply_sequence_parallel``);
+- ``mesh``: ``parallel.sequence``: the data x sequence mesh, and DDP or FSDP with each row split
+  over a sequence group (``SequenceDDP``, ``SequenceFSDP``);
 - ``choice``: which way a run takes (``parallelism_for``) or a built model was given
   (``parallelism_of``);
 - ``rendezvous``: the process group, its store listening on the ranks' meeting address alone

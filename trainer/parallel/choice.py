@@ -11,6 +11,7 @@ from torch import nn
 
 from trainer.parallel.ddp import DistributedDataParallel, is_ddp
 from trainer.parallel.fsdp import FsdpSettings, FullyShardedDataParallel, is_sharded
+from trainer.parallel.mesh import SequenceDDP, SequenceFSDP, SequenceMesh
 from trainer.parallel.strategy import Parallelism
 
 if TYPE_CHECKING:
@@ -28,12 +29,17 @@ def parallelism_for(cfg: Config, world_size: int, precision: str) -> Parallelism
     """The way ``cfg`` splits the work over ``world_size`` ranks at the run's resolved
     ``precision``: FSDP where asked over several ranks, DDP over several ranks otherwise, and
     one process alone (one FSDP worker has nothing to shard, and reads and writes the same
-    checkpoints)."""
+    checkpoints); with ``parallel.sequence`` above 1, each row split over a group of that many
+    ranks besides (its groups created here: every rank calls)."""
     if world_size == 1:
         return Parallelism()
+    mesh = SequenceMesh.of(cfg.parallel.sequence) if cfg.parallel.sequence > 1 else None
     if cfg.parallel.strategy == "fsdp":
-        return FullyShardedDataParallel(FsdpSettings.of(cfg, precision, world_size))
-    return DistributedDataParallel(world_size)
+        settings = FsdpSettings.of(cfg, precision, world_size)
+        return FullyShardedDataParallel(settings) if mesh is None else \
+            SequenceFSDP(mesh, settings)
+    return DistributedDataParallel(world_size) if mesh is None else \
+        SequenceDDP(mesh, world_size)
 
 
 def parallelism_of(model: nn.Module) -> Parallelism:
