@@ -84,6 +84,25 @@ def test_a_run_resumes_at_another_sequence_degree(
     _assert_close(resumed, whole_rows)
 
 
+def test_a_resume_into_sequence_groups_reads_each_row_once(corpus_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """Two steps of DDP over 2 data ranks, then two more with the same 2 workers as one
+    sequence group (one data rank): the loader resumes as at another world size, and the rows
+    recorded (``data.record_rows``, by the first rank of each group alone) are the global
+    batch's 16 a step, none twice."""
+    from monitoring.run_files import rank_rows
+
+    settings = ("data.record_rows=true", "train.eval_every=0")
+    _run(corpus_dir, tmp_path, "regrouped", 2, 1, *settings, until=2)
+    _run(corpus_dir, tmp_path, "regrouped", 2, 2, *settings)
+    records = [json.loads(line) for rank in (0, 1) for line in
+               (tmp_path / "regrouped" / rank_rows(rank)).read_text().splitlines()]
+    steps = sorted((r["step"], r["world_size"]) for r in records)
+    assert steps == [(1, 2), (1, 2), (2, 2), (2, 2), (3, 1), (4, 1)]
+    rows = [row for r in records for row in r["rows"]]
+    assert len(rows) == len(set(rows)) == STEPS * 16
+
+
 @pytest.mark.xdist_group("hf")
 def test_a_llama_on_packed_masked_rows_trains_as_one_process_and_exports_plain(
         tmp_path: Path) -> None:
