@@ -63,10 +63,14 @@ def _assert_close(split: list[float], whole: list[float]) -> None:
     assert worst <= TOLERANCE, f"largest relative difference {worst:.2e}: {split} vs {whole}"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("changes", [["parallel.strategy=ddp"], ["parallel.strategy=fsdp"],
+                                     ["parallel.strategy=ddp", "memory.tiled_mlp=2"]],
+                         ids=["ddp", "fsdp", "ddp-tiled-mlp"])
 def test_two_ranks_splitting_each_row_train_as_one_process(
-        corpus_dir: Path, tmp_path: Path, whole_rows: list[float], strategy: str) -> None:
-    split = _run(corpus_dir, tmp_path, "split", 2, 2, f"parallel.strategy={strategy}")
+        corpus_dir: Path, tmp_path: Path, whole_rows: list[float], changes: list[str]) -> None:
+    """Under DDP and FSDP, and with the MLP tiled over each rank's slice (exact within the
+    same rounding: tests/unit/test_tiled_mlp.py)."""
+    split = _run(corpus_dir, tmp_path, "split", 2, 2, *changes)
     _assert_close(split, whole_rows)  # each rank alone logs its half rows' loss: far off
     assert whole_rows[-2] < whole_rows[0]
 
