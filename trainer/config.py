@@ -314,7 +314,7 @@ class ParallelConfig(_Strict):
     # Ulysses sequence parallelism: each row's tokens split over this many ranks (a sequence
     # group; attention's all-to-alls between them), for rows longer than one rank's
     # activations hold. The workers form workers / sequence data ranks, which divide the global
-    # batch (docs/memory.md "Sequence parallelism").
+    # batch (docs/memory.md "Long sequences: sequence parallelism").
     sequence: int = Field(1, ge=1)
 
     @model_validator(mode="before")
