@@ -322,3 +322,27 @@ def test_auto_weighs_sharding_an_nf4_base(corpus_dir: Path, tmp_path: Path) -> N
                       "model.lora.base_dtype=nf4", "memory.precision=bf16",
                       "parallel.strategy=auto", "parallel.workers=2")
     assert [c.parallel.strategy for c in sharding_candidates(cfg)] == ["ddp", "fsdp"]
+
+
+@pytest.mark.parametrize(("budget", "said"), [
+    ("32MiB", "; model.lora.base_dtype nf4 (QLoRA) would fit, at a predicted peak of "),
+    ("8MiB", "; nor with model.lora.base_dtype nf4 (QLoRA); "),
+])
+def test_when_nothing_fits_auto_says_whether_an_nf4_base_would(budget: str, said: str) -> None:
+    """``auto`` never switches a base to NF4 itself (it changes the arithmetic), but where
+    nothing fits a LoRA config its refusal says whether ``base_dtype: nf4`` would (planned for
+    a GPU from its datasheet, so the verdict holds on any CPU)."""
+    from trainer.config import load_config
+    from trainer.plan.auto import decide
+
+    cfg = load_config(None, [
+        "model.vocab_size=256", "model.seq_len=256", "model.n_layer=4", "model.n_embd=512",
+        "model.n_head=4", "model.lora.rank=4", "model.lora.base_dtype=bf16",
+        "parallel.use_gpu=true", "parallel.workers=1", "train.global_batch_size=4",
+        "train.micro_batch_size=auto", "memory.precision=bf16", "train.grad_clip=0",
+        "memory.activation_checkpointing=auto", "memory.optimizer_states=fp32",
+        "memory.activation_offload=none", "memory.optimizer_in_backward=false",
+        f"memory.device_memory={budget}"])
+    with pytest.raises(ConfigError, match="^nothing fits ") as err:
+        decide(cfg)
+    assert said in str(err.value) and "\n" not in str(err.value)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -288,7 +288,7 @@ def rescued(cfg: Config, request: Request, budget: int, speed: SpeedModel
         also = f"; nor with {tried_in_words(tried)}" if tried else ""
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device with "
                           f"precision {' or '.join(request.precisions)} "
-                          f"(memory.device_memory){also}; try "
+                          f"(memory.device_memory){also}{_with_nf4(cfg, plan_candidate)}; try "
                           f"{'more workers' if cfg.parallel.strategy == 'fsdp' else 'FSDP'}, a "
                           "shorter sequence or a smaller model")
     plan = found.decision.plan
@@ -370,6 +370,23 @@ def describe(cfg: Config) -> str:
     fsdp = cfg.parallel.fsdp
     return (f"parallel.strategy fsdp (reshard_after_forward "
             f"{str(fsdp.reshard_after_forward).lower()}, offload {fsdp.offload})")
+
+
+def _with_nf4(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Decision]]
+              ) -> str:
+    """For a LoRA config whose base is not NF4 and that may run in bf16: whether
+    ``model.lora.base_dtype: nf4`` would fit, as configured otherwise. ``auto`` never switches a
+    base to NF4 itself (it changes the model's arithmetic); the refusal says so instead."""
+    lora = cfg.model.lora
+    if lora is None or lora.base_dtype == "nf4" or cfg.memory.precision in ("fp32", "fp16"):
+        return ""
+    candidate = cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"lora": lora.model_copy(update={"base_dtype": "nf4"})})})
+    _, decision = plan_candidate(candidate)
+    if decision.plan is None:
+        return "; nor with model.lora.base_dtype nf4 (QLoRA)"
+    return (f"; model.lora.base_dtype nf4 (QLoRA) would fit, at a predicted peak of "
+            f"{format_bytes(decision.plan.predicted_peak_bytes)}")
 
 
 def decide_sharding(cfg: Config) -> Config:
