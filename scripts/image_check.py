@@ -9,7 +9,8 @@ What it does, each step timed, on this machine's own loopback and nothing else:
    the host; then as another uid (a host user that is not 1000, as `make local` runs it);
 5. the memory strategies' packages and compiler in the image: the demo model with LoRA adapters
    and 8-bit AdamW states (peft, torchao, and torch.compile's C++ kernels for torchao's step),
-   one local worker; its checkpoint must hold the adapters' moments in 8 bits;
+   one local worker; its checkpoint must hold the adapters' moments in 8 bits; and QLoRA (the
+   blocks' linear weights in NF4 under the adapters, bf16), its log naming every NF4 layer;
 6. a Ray head in one container (token auth on, network namespace of its own: only loopback),
    the image's HEALTHCHECK run against it, and `memtrain submit` from a second container in
    that namespace, submitted twice with one run name: the second resumes from the first's
@@ -49,6 +50,9 @@ DEMO = ["--config", "configs/demo-cpu.yaml", "--set", "run.dir=/runs",
 LORA_8BIT = ["--set", "model.lora.rank=32", "--set", "memory.optimizer_states=8bit",
              "--set", "parallel.launcher=local", "--set", "parallel.workers=1"]
 LORA_STEPS = 4
+QLORA = ["--set", "model.lora.rank=8", "--set", "model.lora.base_dtype=nf4",
+         "--set", "memory.precision=bf16", "--set", "parallel.launcher=local",
+         "--set", "parallel.workers=1"]
 
 
 class CheckFailed(RuntimeError):
@@ -142,10 +146,11 @@ def code_change_push(tag: str, revision: str, find_links: str) -> tuple[int, int
 
 def run_demo(tag: str, runs: Path, uid: int, steps: int, *settings: str) -> dict[str, Any]:
     """The demo config, with ``settings`` on top, inside the image as ``uid``; returns its
-    summary.json. Raises CheckFailed unless it finished ``steps`` steps."""
+    summary.json, with the run's log as ``log``. Raises CheckFailed unless it finished
+    ``steps`` steps."""
     runs.mkdir(parents=True, exist_ok=True)
     os.chown(runs, uid, uid)  # what `make local` does for a host user that is root
-    podman("run", "--rm", "--network", "none", *LIMITS, "--shm-size", "1g",
+    out = podman("run", "--rm", "--network", "none", *LIMITS, "--shm-size", "1g",
            "--user", f"{uid}:{uid}", "-e", "HOME=/tmp",
            "-v", f"{REPO / 'data'}:/data:ro", "-v", f"{runs}:/runs",
            tag, "memtrain", "train", *DEMO, "--run-name", "demo",
@@ -157,7 +162,21 @@ def run_demo(tag: str, runs: Path, uid: int, steps: int, *settings: str) -> dict
     owners = {p.stat().st_uid for p in (runs / "demo").rglob("*")}
     if owners != {uid}:
         raise CheckFailed(f"files of the run as uid {uid} are owned by {owners}")
-    return summary
+    return {**summary, "log": out.stdout + out.stderr}
+
+
+def run_qlora(tag: str, runs: Path) -> dict[str, Any]:
+    """QLoRA inside the image: the demo model's blocks' linear weights in NF4 (torchao's) under
+    LoRA adapters, bf16, one local worker; returns its figures. Raises CheckFailed unless it
+    finished and its log says every linear layer of the blocks (16 at the demo's width) was
+    quantized."""
+    summary = run_demo(tag, runs, 1000, LORA_STEPS, *QLORA)
+    said = [line for line in summary["log"].splitlines() if "NF4 base: " in line]
+    if not said or "NF4 base: 16 linear layers" not in said[0]:
+        raise CheckFailed(f"the QLoRA run's log does not say 16 NF4 layers: {said[:1]}")
+    return {"qlora_steps": summary["final_step"],
+            "qlora_loss": f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}",
+            "qlora_log": said[0].split("NF4 base: ", 1)[1][:160]}
 
 
 def run_lora_8bit(tag: str, runs: Path) -> dict[str, Any]:
@@ -282,6 +301,7 @@ def main() -> None:
         figures["demo_steps"] = summary["final_step"]
         timed(figures, "demo_uid_4242", run_demo, tag, work / "runs-4242", 4242, 4)
         figures.update(timed(figures, "lora_8bit", run_lora_8bit, tag, work / "runs-lora"))
+        figures.update(timed(figures, "qlora", run_qlora, tag, work / "runs-qlora"))
         figures.update(timed(figures, "head_submit_resubmit", head_and_submit, tag,
                              work / "runs-submit"))
     except CheckFailed as err:
