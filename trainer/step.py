@@ -193,14 +193,17 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, tokens_BT: torch.Tensor | TokenBatch,
-                    policy: PrecisionPolicy, grad_clip: float = 1.0) -> int:
+                    policy: PrecisionPolicy, grad_clip: float = 1.0,
+                    parallel: Parallelism | None = None) -> int:
     """CPU: the allocator's peak over one ``train_step`` on ``tokens_BT``, counting the
-    parameters, optimizer state and batch alive before it (``diagnostics.cpu_peak_bytes``)."""
+    parameters, optimizer state and batch alive before it (``diagnostics.cpu_peak_bytes``);
+    ``parallel``: ``train_step``'s."""
     state = state_tensors(optimizer)  # a quantized moment by its parts
     batch = as_batch(tokens_BT)
     columns = [t for t in (batch.tokens, batch.loss_mask, batch.document_ids) if t is not None]
     return cpu_peak_bytes(
-        lambda: train_step(model, optimizer, scaler, [batch], 1, policy, grad_clip),
+        lambda: train_step(model, optimizer, scaler, [batch], 1, policy, grad_clip,
+                           parallel=parallel),
         held=[*model.parameters(), *state, *columns])
 
 

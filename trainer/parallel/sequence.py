@@ -16,6 +16,7 @@ repeated (``kv_repeats``) until they do, as ALST does; autograd sums the copies'
 - ``apply_sequence_parallel(model, group)``: memtrain's GPT or an ``hf:`` model made to hold
   slices of rows (transformers' models through its attention interface, ``hf_attention``);
 - ``SequenceParallel``: the ``SequenceSplit`` the models ask (positions, masks, attention);
+  ``SequenceShapes``: its shapes in one process, for the planner's probe (``split_model``);
 - ``row_slice``: a rank's slice of a micro-batch's inputs, targets and positions.
 """
 
@@ -154,7 +155,19 @@ class SequenceParallel:
         if position_ids_BT is None:
             start = self.rank * local_len
             return torch.arange(start, start + local_len, device=device).unsqueeze(0), None
-        return position_ids_BT, document_mask(gather_sequence(position_ids_BT, self.group))
+        return position_ids_BT, document_mask(self.whole_rows(position_ids_BT))
+
+    def whole_rows(self, tensor_BT: torch.Tensor) -> torch.Tensor:
+        """The whole rows of every rank's slice (``gather_sequence``)."""
+        return gather_sequence(tensor_BT, self.group)
+
+    def to_heads(self, x_BTHD: torch.Tensor) -> torch.Tensor:
+        """``seq_to_heads`` over this split's group."""
+        return seq_to_heads(x_BTHD, self.group)
+
+    def to_sequence(self, y_BShD: torch.Tensor) -> torch.Tensor:
+        """``heads_to_seq`` over this split's group."""
+        return heads_to_seq(y_BShD, self.group)
 
     def attend(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
                mask_B1SS: torch.Tensor | None, dropout_p: float = 0.0,
@@ -164,11 +177,45 @@ class SequenceParallel:
         repeats = kv_repeats(q_BTHD.shape[2], k_BTKD.shape[2], self.size)
         if repeats > 1:  # each copy's gradient is summed back by repeat_interleave's backward
             k_BTKD, v_BTKD = (t.repeat_interleave(repeats, dim=2) for t in (k_BTKD, v_BTKD))
-        q, k, v = (seq_to_heads(t, self.group).transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
+        q, k, v = (self.to_heads(t).transpose(1, 2) for t in (q_BTHD, k_BTKD, v_BTKD))
         y_BhSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS,
                                                 is_causal=mask_B1SS is None, dropout_p=dropout_p,
                                                 scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-        return heads_to_seq(y_BhSD.transpose(1, 2), self.group)
+        return self.to_sequence(y_BhSD.transpose(1, 2))
+
+
+class SequenceShapes(SequenceParallel):
+    """One rank's shapes under a split over ``size`` ranks, in one process with no group: for
+    the planner's probe, which counts what a rank saves for backward and what its all-to-alls
+    move. Each all-to-all is a local reshuffle of this rank's tensor into the shape the real
+    one returns (its values are not the other ranks', which a probe never reads), and each
+    records its input's bytes: ``moved_bytes``, one list per attention call."""
+
+    def __init__(self, size: int):  # no group: none of SequenceParallel.__init__
+        self.size, self.rank = size, 0
+        self.moved_bytes: list[list[int]] = []
+
+    def attend(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
+               mask_B1SS: torch.Tensor | None, dropout_p: float = 0.0,
+               scale: float | None = None) -> torch.Tensor:
+        self.moved_bytes.append([])
+        return super().attend(q_BTHD, k_BTKD, v_BTKD, mask_B1SS, dropout_p, scale)
+
+    def whole_rows(self, tensor_BT: torch.Tensor) -> torch.Tensor:
+        return tensor_BT.repeat(1, self.size)
+
+    def to_heads(self, x_BTHD: torch.Tensor) -> torch.Tensor:
+        B, T, H, D = x_BTHD.shape
+        check_divisible("num_heads", H, self.size)
+        self.moved_bytes[-1].append(x_BTHD.numel() * x_BTHD.element_size())
+        return x_BTHD.reshape(B, T, self.size, H // self.size, D).transpose(1, 2) \
+            .reshape(B, self.size * T, H // self.size, D)
+
+    def to_sequence(self, y_BShD: torch.Tensor) -> torch.Tensor:
+        B, S, h, D = y_BShD.shape
+        self.moved_bytes[-1].append(y_BShD.numel() * y_BShD.element_size())
+        return y_BShD.reshape(B, self.size, S // self.size, h, D).transpose(1, 2) \
+            .reshape(B, S // self.size, self.size * h, D)
 
 
 def hf_attention(module: nn.Module, query_BHTD: torch.Tensor, key_BKTD: torch.Tensor,
@@ -207,7 +254,16 @@ def apply_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None) -
     """
     if group is None or dist.get_world_size(group) == 1:
         return
-    sequence = SequenceParallel(group)
+    split_model(model, SequenceParallel(group))
+
+
+def split_model(model: nn.Module, sequence: SequenceParallel) -> None:
+    """``apply_sequence_parallel`` with the split given (``SequenceShapes`` for a probe).
+
+    Raises:
+        ValueError: the model is neither memtrain's GPT nor an ``hf:`` model, or its heads do
+            not divide among the ranks.
+    """
     if isinstance(model, GPT):
         check_divisible("model.n_head", model.cfg.n_head, sequence.size)
         for module in model.modules():

@@ -35,6 +35,10 @@ of the parameters and AdamW's state:
 Under FSDP the static bytes are one rank's shards (in host memory under CPU offload: the row's
 ``host_bytes``), and the other moments add what FSDP holds whole while it runs, by its settings
 (``fsdp_in_flight``; calibrated on CPU), with a fourth moment at the end of backward.
+Under ``parallel.sequence: N`` a rank is probed as the run splits it: its ``seq_len / N``
+tokens of every row, attention over whole rows for ``heads / N`` heads with the whole rows'
+mask (the all-to-alls stood in for by local reshuffles of the same shapes), and while a block's
+backward runs, one all-to-all's send and receive buffers beside it.
 Gradients are not held during the forward pass: the loop zeroes them with ``set_to_none=True``.
 On CPU the whole formula is checked against the allocator's record of real steps
 (``trainer.telemetry.diagnostics.cpu_peak_bytes``, ``tests/unit/test_planner.py``). The planner does
@@ -79,7 +83,8 @@ from trainer.memory.optimizers import state_bytes, trainable
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.parallel.fsdp import FsdpSettings
-from trainer.plan.speed import SpeedModel, strategy_seconds
+from trainer.parallel.sequence import SequenceShapes, check_divisible, split_model
+from trainer.plan.speed import SpeedModel, all_to_all_seconds, strategy_seconds
 from trainer.plan.work import StepWork, record_work
 from trainer.tensors import storage_key, tensor_bytes
 
@@ -170,6 +175,12 @@ class ActivationProfile:
     # An NF4 base (QLoRA): the weights of its largest NF4 layer, whose matmul holds them
     # dequantized (``nf4_dequantized_bytes``); 0 without one.
     largest_nf4_weights: int = 0
+    # parallel.sequence: the ranks each row is split over (``seq_len`` above is one rank's
+    # slice), what one forward's all-to-alls take in, per sample (queries, keys, values and
+    # attention's output, every layer), and the largest single all-to-all's input.
+    sequence: int = 1
+    all_to_all_per_sample_bytes: int = 0
+    all_to_all_largest_per_sample_bytes: int = 0
     # The step's operators, for the time model (``trainer.plan.speed``; None: not recorded).
     work: StepWork | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -423,7 +434,8 @@ def emulated_bf16_workspace(block: nn.Module, sample_shape: tuple[int, ...],
 def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                         vocab_size: int, precision: str, device: torch.device | None = None,
                         target: str | None = None, fake: bool | None = None,
-                        work: bool = False, packed: bool = False) -> ActivationProfile:
+                        work: bool = False, packed: bool = False, sequence: int = 1
+                        ) -> ActivationProfile:
     """Probe a model built with ``transforms`` at batch 1 and 2 and fit
     ``fixed + per_sample * batch``.
 
@@ -445,15 +457,23 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     ``packed``: the dataset has a loss mask and packed documents (``trainer.batches``): the
     probe's batch has them too, so what they add is measured with the rest (the mask's bytes,
     memtrain's GPT's B x T x T attention mask and the masked attention's saved tensors).
+
+    ``sequence``: one rank of ``parallel.sequence`` ranks, each holding ``seq_len / sequence``
+    tokens of every row: the model split as the run splits it, its all-to-alls stood in for by
+    ``trainer.parallel.sequence.SequenceShapes`` (attention over whole rows for its share of
+    the heads, the whole rows' mask), with the bytes they take in recorded. ValueError where
+    the row or the heads do not divide.
     """
     device = device or torch.device("cpu")
+    check_divisible("model.seq_len", seq_len, sequence)
+    seq_len //= sequence
     target = target or device.type
     profile = block_call = None
     if device.type == "cpu" if fake is None else fake:
         try:
             with fake_tensor_mode(), modules_kept_in_place():
                 profile, block_call = _profile(factory, transforms, seq_len, vocab_size,
-                                               precision, device, packed)
+                                               precision, device, packed, sequence)
         except ValueError:  # a setting the model refuses (memtrain's config errors): said once
             raise
         except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
@@ -461,7 +481,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
                      "with real ones", type(err).__name__, first_line(err)[:200])
     if profile is None:
         profile, block_call = _profile(factory, transforms, seq_len, vocab_size, precision,
-                                       device, packed)
+                                       device, packed, sequence)
     if (target == "cpu" and device.type == "cpu" and precision == "bf16"
             and block_call is not None and cpu_bf16_support() != "native"):
         plain = transforms.replace(activation_checkpointing="none", activation_offload="none")
@@ -470,7 +490,7 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
             emulated_bf16_workspace(first_block, block_call.sample_shape, block_call)))
     if work:
         profile = dataclasses.replace(profile, work=record_work(
-            factory, transforms, seq_len, vocab_size, precision))
+            factory, transforms, seq_len, vocab_size, precision, sequence))
     return profile
 
 
@@ -483,19 +503,23 @@ def _collect_cycles(model: nn.Module) -> None:
 
 
 def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
-             vocab_size: int, precision: str, device: torch.device, packed: bool = False
-             ) -> tuple[ActivationProfile, BlockCall | None]:
+             vocab_size: int, precision: str, device: torch.device, packed: bool = False,
+             sequence: int = 1) -> tuple[ActivationProfile, BlockCall | None]:
     """``profile_activations`` without the emulation workspace, on real or fake tensors
     (whichever mode is active), and how the first block was called at batch 1 (None for a
-    model without ``blocks``)."""
+    model without ``blocks``); ``seq_len``: one rank's tokens of a row."""
     # Factories build on the CPU; a fake module cannot be moved there again (tied weights
     # cannot be swapped), and a real one need not be.
     model = build_model(factory, transforms, None if device.type == "cpu" else device)
+    split = SequenceShapes(sequence) if sequence > 1 else None
+    if split is not None:
+        split_model(model, split)
     chosen = checkpointed_blocks(model)
     blocks = getattr(model, "blocks", nn.ModuleList())
     num_blocks = len(blocks)
     model.train()
     measured = {}
+    moved: list[int] = []  # each all-to-all's input bytes, one sample
     block_calls: list[BlockCall] = []  # the first block's call, batch 1
     if num_blocks:
         hook = blocks[0].register_forward_pre_hook(
@@ -507,6 +531,8 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
         _collect_cycles(model)
         if num_blocks and batch == 1:
             hook.remove()
+        if split is not None and batch == 1:  # one sample's all-to-alls
+            moved = [size for call in split.moved_bytes for size in call]
     per_sample, fixed = _fit(measured[1][0], measured[2][0])
     largest_per_sample = _largest_growth(measured[1][1], measured[2][1])
     recompute_block = recompute_block_fixed = autocast_cache = 0
@@ -514,7 +540,7 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     if chosen:
         plain, _ = _profile(factory, transforms.replace(activation_checkpointing="none",
                                                         activation_offload="none"),
-                            seq_len, vocab_size, precision, device, packed)
+                            seq_len, vocab_size, precision, device, packed, sequence)
         recompute_block = (plain.per_sample_bytes - per_sample) // len(chosen)
         first_block = recompute_block if 0 in chosen else plain.per_sample_bytes // num_blocks
         autocast_cache = max(0, plain.fixed_bytes - fixed)
@@ -539,7 +565,10 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                     (_nbytes([p]) for p in blocks.parameters()
                                      if p.requires_grad), default=0),
                                 largest_nf4_weights=max((p.numel() for p in blocks.parameters()
-                                                         if is_nf4(p)), default=0))
+                                                         if is_nf4(p)), default=0),
+                                sequence=sequence,
+                                all_to_all_per_sample_bytes=sum(moved),
+                                all_to_all_largest_per_sample_bytes=max(moved, default=0))
     return profile, (block_calls[0] if block_calls else None)
 
 
@@ -624,13 +653,16 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     # Emulated bf16 on CPU: a matrix product's conversion buffers at either moment.
     emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
     dequantized = nf4_dequantized_bytes(profile.largest_nf4_weights)  # wherever a block runs
+    # parallel.sequence: an all-to-all's send and receive buffers while a block's backward runs
+    # (its output takes the place of a tensor the unsplit block holds)
+    exchanged = 2 * profile.all_to_all_largest_per_sample_bytes * micro_batch_size
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation + dequantized,
         "backward start": activations - _loss_weight_grad(shape, outside_grads)
         + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes + dequantized
-        + (profile.largest_tensor_per_sample_bytes
+        + exchanged + (profile.largest_tensor_per_sample_bytes
            + profile.recompute_block_per_sample_bytes) * micro_batch_size,
         "optimizer step": 0 if static.offloaded or static.in_backward
         else static.grads + step_temporaries(static),
@@ -640,9 +672,9 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
             + emulation
     if static.sharded:
         moments["backward end"] = (0 if static.offloaded else held_grads) + in_flight \
-            + backward_grads + dequantized
+            + backward_grads + dequantized + exchanged
     else:  # the first block's backward: every other gradient exists, its activations too
-        moments["backward end"] = held_grads + emulation + dequantized \
+        moments["backward end"] = held_grads + emulation + dequantized + exchanged \
             + profile.recompute_block_fixed_bytes + (profile.first_block_per_sample_bytes
                + profile.largest_tensor_per_sample_bytes) * micro_batch_size
     if static.in_backward and not static.offloaded:  # the last step: a tied embedding's,
@@ -694,6 +726,9 @@ def _timing(static: StaticBytes, profile: ActivationProfile, speed: SpeedModel |
     seconds = timing.seconds + strategy_seconds(
         speed.step_device, offloaded * accumulation_steps,
         static.grads // 4, static.optimizer_states)  # this rank's (fp32) trained values
+    seconds += accumulation_steps * all_to_all_seconds(
+        profile.all_to_all_per_sample_bytes * micro_batch_size, profile.sequence,
+        speed.step_device, 3 * profile.recompute_fraction)  # the share of blocks recomputed
     return seconds, timing.tokens_per_s * timing.seconds / seconds
 
 

@@ -111,6 +111,22 @@ def fsdp_seconds(param_bytes: int, speed: DeviceSpeed, fsdp: FsdpSettings, world
     return seconds
 
 
+def all_to_all_seconds(forward_bytes: int, size: int, speed: DeviceSpeed,
+                       recomputed: float = 0.0) -> float:
+    """Ulysses' all-to-alls in one micro-batch of ``parallel.sequence: size``: each rank takes
+    ``forward_bytes`` into one forward's all-to-alls (queries, keys, values and attention's
+    output, every layer) and sends ``(size - 1) / size`` of them to the other ranks; backward
+    moves their gradients, the same bytes, and a checkpointed block's recomputation moves its
+    forward's again (``recomputed``: the share of the blocks recomputed). Nothing overlaps
+    them: attention waits for its inputs. At the device's all-gather rate (NVLink between the
+    GPUs of a node; gloo over loopback on CPU, whose all-to-all is sent rank to rank as its
+    all-gather is)."""
+    if size <= 1 or not forward_bytes:
+        return 0.0
+    rate = speed.gather_bytes_per_s or speed.allreduce_bytes_per_s
+    return (2 + recomputed) * forward_bytes * (size - 1) / size / rate
+
+
 def strategy_seconds(speed: DeviceSpeed, offloaded_bytes: int, trained_numel: int,
                      states: str) -> float:
     """What the memory strategies add to a step, beyond the work the probe recorded (which

@@ -46,6 +46,7 @@ from trainer.memory.loss import (
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.optim import build_optimizer
+from trainer.parallel.sequence import SequenceShapes, split_model
 
 log = logging.getLogger("memtrain.planner")
 
@@ -293,22 +294,26 @@ def loss_work(shape: ChunkedLossShape, tokens: int, dtype: str) -> Work:
 
 
 def record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
-                vocab_size: int, precision: str) -> StepWork:
+                vocab_size: int, precision: str, sequence: int = 1) -> StepWork:
     """Count the operators of a training step of the model built with ``transforms``: on fake
-    tensors, or on real ones for a model whose forward cannot run on fake tensors."""
+    tensors, or on real ones for a model whose forward cannot run on fake tensors.
+    ``sequence``: one rank's step under ``parallel.sequence`` (``seq_len``: its tokens of a
+    row; attention over whole rows for its share of the heads, the all-to-alls left out)."""
     try:
         with fake_tensor_mode(), modules_kept_in_place():
-            return _record_work(factory, transforms, seq_len, vocab_size, precision)
+            return _record_work(factory, transforms, seq_len, vocab_size, precision, sequence)
     except Exception as err:  # noqa: BLE001 - any failure of a model on fake tensors
         log.info("planner: counting the step's operators on real tensors (%s)",
                  type(err).__name__)
-        return _record_work(factory, transforms, seq_len, vocab_size, precision)
+        return _record_work(factory, transforms, seq_len, vocab_size, precision, sequence)
 
 
 def _record_work(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
-                 vocab_size: int, precision: str) -> StepWork:
+                 vocab_size: int, precision: str, sequence: int = 1) -> StepWork:
     policy = precision_policy(precision, torch.device("cpu"), warn=False)
     model = build_model(factory, transforms)
+    if sequence > 1:
+        split_model(model, SequenceShapes(sequence))
     model.train()
     passes = []
     for batch in (1, 2):
