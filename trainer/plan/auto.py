@@ -102,8 +102,14 @@ def probe_config(cfg: Config, precisions: Iterable[str], ac_modes: Iterable[str]
                            model_vocab_size(cfg.model.name, cfg.model.vocab_size), precisions,
                            ac_modes,
                            target="cuda" if cfg.parallel.use_gpu else "cpu", work=work,
-                           packed=packed_dataset(cfg))
+                           packed=packed_dataset(cfg), sequence=cfg.parallel.sequence)
     return config_static(cfg), profiles
+
+
+def data_ranks(cfg: Config) -> int:
+    """The ranks the global batch divides over: the workers, or under ``parallel.sequence``
+    their sequence groups (each group's ranks share its rows)."""
+    return cfg.parallel.data_workers(cfg.parallel.workers)
 
 
 def packed_dataset(cfg: Config) -> bool:
@@ -136,8 +142,8 @@ def loader_cost(cfg: Config) -> LoaderCost | None:
     log, where this machine cannot read the dataset (the run checks it again)."""
     data = cfg.data
     try:
-        cost = measure_loader(data.path, data.column, cfg.parallel.workers,
-                              cfg.train.global_batch_size // cfg.parallel.workers,
+        cost = measure_loader(data.path, data.column, data_ranks(cfg),
+                              cfg.train.global_batch_size // data_ranks(cfg),
                               cfg.run.seed, data.shuffle, data.shuffle_window)
     except (OSError, ValueError) as err:  # DatasetError is a ValueError
         log.info("planner: the data loader's cost is not in the time model (%s cannot be "
@@ -198,7 +204,7 @@ def request_from(cfg: Config, budget: int) -> Request:
     ac_auto = cfg.memory.activation_checkpointing == "auto"
     searching = searches(cfg)
     return Request(
-        global_batch_size=cfg.train.global_batch_size, world_size=cfg.parallel.workers,
+        global_batch_size=cfg.train.global_batch_size, world_size=data_ranks(cfg),
         device_memory_bytes=budget,
         precisions=tuple(precision_candidates(cfg) if searching else [planned_precision(cfg)]),
         ac_modes=AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,),
@@ -235,7 +241,7 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
     norm_auto = cfg.memory.bf16_norm_inputs == "auto"
     if not (searching or norm_auto):
         return cfg, None
-    cfg.train.per_rank_batch(cfg.parallel.workers)
+    cfg.train.per_rank_batch(data_ranks(cfg))
     if norm_auto and not searching and planned_precision(cfg) != "bf16":
         # the copies exist only under bf16 autocast: nothing to plan
         return resolved(cfg, None, False), None
@@ -269,14 +275,15 @@ def rescued(cfg: Config, request: Request, budget: int, speed: SpeedModel
     """Nothing fits with ``cfg``'s memory strategies: the ones ``auto`` may add
     (``trainer.plan.rescue``), said in the log; a ConfigError naming what was tried where none
     fits either."""
-    profiles: dict[tuple[str, str, bool], list[ActivationProfile]] = {}
+    profiles: dict[tuple[str, int, str, bool], list[ActivationProfile]] = {}
 
     def plan_candidate(candidate: Config) -> tuple[Request, Decision]:
         wanted = request_from(candidate, budget)
         probe_profiles, static = config_probe(candidate, wanted.ac_modes), config_static(candidate)
 
         def probe(precision: str, norm: bool) -> tuple[StaticBytes, list[ActivationProfile]]:
-            key = (candidate.memory.activation_offload, precision, norm)
+            key = (candidate.memory.activation_offload, candidate.parallel.sequence, precision,
+                   norm)
             if key not in profiles:
                 profiles[key] = probe_profiles(precision, norm)[1]
             return static, profiles[key]
@@ -288,7 +295,8 @@ def rescued(cfg: Config, request: Request, budget: int, speed: SpeedModel
         also = f"; nor with {tried_in_words(tried)}" if tried else ""
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device with "
                           f"precision {' or '.join(request.precisions)} "
-                          f"(memory.device_memory){also}{_with_nf4(cfg, plan_candidate)}; try "
+                          f"(memory.device_memory){also}{_with_nf4(cfg, plan_candidate)}"
+                          f"{_with_sequence(cfg, plan_candidate)}; try "
                           f"{'more workers' if cfg.parallel.strategy == 'fsdp' else 'FSDP'}, a "
                           "shorter sequence or a smaller model")
     plan = found.decision.plan
@@ -387,6 +395,37 @@ def _with_nf4(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Dec
         return "; nor with model.lora.base_dtype nf4 (QLoRA)"
     return (f"; model.lora.base_dtype nf4 (QLoRA) would fit, at a predicted peak of "
             f"{format_bytes(decision.plan.predicted_peak_bytes)}")
+
+
+def sequence_candidates(cfg: Config) -> list[int]:
+    """The ``parallel.sequence`` degrees above ``cfg``'s that its workers and ``seq_len``
+    divide into (the model's heads are checked where it is split), smallest first."""
+    workers, seq_len = cfg.parallel.workers, cfg.model.seq_len
+    return [size for size in range(cfg.parallel.sequence + 1, workers + 1)
+            if workers % size == 0 and seq_len % size == 0
+            and cfg.train.global_batch_size % (workers // size) == 0]
+
+
+def _with_sequence(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Decision]]
+                   ) -> str:
+    """Whether a higher ``parallel.sequence`` (each row split over more ranks) would fit, as
+    configured otherwise: the smallest that fits, or those tried. ``auto`` never splits rows
+    itself: the degree changes which ranks share a row, so the config names it."""
+    tried = []
+    for size in sequence_candidates(cfg):
+        candidate = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+            update={"sequence": size})})
+        try:
+            _, decision = plan_candidate(candidate)
+        except ValueError as err:  # heads that do not divide among the ranks
+            log.info("auto: parallel.sequence %d not planned: %s", size, err)
+            continue
+        tried.append(str(size))
+        if decision.plan is not None:
+            return (f"; parallel.sequence {size} (each row split over {size} ranks) would "
+                    f"fit, at a predicted peak of "
+                    f"{format_bytes(decision.plan.predicted_peak_bytes)} per rank")
+    return f"; nor with parallel.sequence {' or '.join(tried)}" if tried else ""
 
 
 def decide_sharding(cfg: Config) -> Config:

@@ -157,7 +157,7 @@ class Request:
     (``train.compile: auto`` on a GPU)."""
 
     global_batch_size: int
-    world_size: int
+    world_size: int  # the ranks the global batch divides over (under a sequence split, groups)
     device_memory_bytes: int
     precisions: tuple[str, ...]
     ac_modes: tuple[str, ...]

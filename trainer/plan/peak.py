@@ -84,7 +84,12 @@ from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.parallel.fsdp import FsdpSettings
 from trainer.parallel.sequence import SequenceShapes, check_divisible, split_model
-from trainer.plan.speed import SpeedModel, all_to_all_seconds, strategy_seconds
+from trainer.plan.speed import (
+    SpeedModel,
+    all_to_all_seconds,
+    all_to_all_sent_bytes,
+    strategy_seconds,
+)
 from trainer.plan.work import StepWork, record_work
 from trainer.tensors import storage_key, tensor_bytes
 
@@ -212,6 +217,7 @@ class PlanRow:
     tokens_per_s: float = 0.0  # all ranks together
     loss_chunk_tokens: int = 0  # the chunked loss's chunk (0: a plain loss)
     host_bytes: int = 0  # host memory the plan holds (FSDP's CPU offload), beside the device's
+    all_to_all_bytes: int = 0  # parallel.sequence: what a rank sends in a step's all-to-alls
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -687,10 +693,19 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     chunk = shape.chunk_tokens if isinstance(shape, ChunkedLossShape) else 0
     seconds, tokens_per_s = _timing(static, profile, speed, micro_batch_size,
                                     accumulation_steps, chunk, offloaded)
+    sent = accumulation_steps * all_to_all_sent_bytes(
+        profile.all_to_all_per_sample_bytes * micro_batch_size, profile.sequence,
+        recomputed_share(profile))
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations,
                    peak - static.device_static - activations, peak,
-                   profile.recompute_fraction, moment, seconds, tokens_per_s, chunk, host)
+                   profile.recompute_fraction, moment, seconds, tokens_per_s, chunk, host, sent)
+
+
+def recomputed_share(profile: ActivationProfile) -> float:
+    """The share of the blocks checkpointing recomputes (a recomputed forward is a third of
+    forward and backward: ``recompute_fraction``)."""
+    return 3 * profile.recompute_fraction
 
 
 def _loss_weight_grad(shape: LossShape | None, outside_grads: int) -> int:
@@ -728,7 +743,7 @@ def _timing(static: StaticBytes, profile: ActivationProfile, speed: SpeedModel |
         static.grads // 4, static.optimizer_states)  # this rank's (fp32) trained values
     seconds += accumulation_steps * all_to_all_seconds(
         profile.all_to_all_per_sample_bytes * micro_batch_size, profile.sequence,
-        speed.step_device, 3 * profile.recompute_fraction)  # the share of blocks recomputed
+        speed.step_device, recomputed_share(profile))
     return seconds, timing.tokens_per_s * timing.seconds / seconds
 
 
@@ -827,10 +842,12 @@ def fsdp_in_flight(static: StaticBytes, profile: ActivationProfile) -> tuple[int
 def profile_all(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                 vocab_size: int, precisions: Iterable[str], ac_modes: Iterable[str],
                 device: torch.device | None = None, target: str | None = None,
-                work: bool = False, packed: bool = False) -> list[ActivationProfile]:
+                work: bool = False, packed: bool = False, sequence: int = 1
+                ) -> list[ActivationProfile]:
     """One activation profile per (precision, checkpointing) pair (``work``: with the step's
-    operators recorded for the time model; ``packed``: ``profile_activations``')."""
+    operators recorded for the time model; ``packed`` and ``sequence``:
+    ``profile_activations``')."""
     return [profile_activations(factory, transforms.replace(activation_checkpointing=mode),
                                 seq_len, vocab_size, precision, device, target, work=work,
-                                packed=packed)
+                                packed=packed, sequence=sequence)
             for precision in precisions for mode in ac_modes]

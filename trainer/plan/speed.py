@@ -121,10 +121,15 @@ def all_to_all_seconds(forward_bytes: int, size: int, speed: DeviceSpeed,
     them: attention waits for its inputs. At the device's all-gather rate (NVLink between the
     GPUs of a node; gloo over loopback on CPU, whose all-to-all is sent rank to rank as its
     all-gather is)."""
-    if size <= 1 or not forward_bytes:
-        return 0.0
     rate = speed.gather_bytes_per_s or speed.allreduce_bytes_per_s
-    return (2 + recomputed) * forward_bytes * (size - 1) / size / rate
+    return all_to_all_sent_bytes(forward_bytes, size, recomputed) / rate
+
+
+def all_to_all_sent_bytes(forward_bytes: int, size: int, recomputed: float = 0.0) -> int:
+    """The bytes one rank sends in ``all_to_all_seconds``' all-to-alls."""
+    if size <= 1:
+        return 0
+    return int((2 + recomputed) * forward_bytes * (size - 1) / size)
 
 
 def strategy_seconds(speed: DeviceSpeed, offloaded_bytes: int, trained_numel: int,

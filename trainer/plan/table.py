@@ -25,13 +25,15 @@ from trainer.plan.auto import (
     bf16_weights,
     config_probe,
     config_static,
+    data_ranks,
     decide,
     planned_precision,
     probe_config,
+    request_from,
     speed_model,
 )
 from trainer.plan.calibrate import cpu_speed
-from trainer.plan.candidates import HEADROOM, feasible_plans
+from trainer.plan.candidates import HEADROOM, choose, feasible_plans
 from trainer.plan.devices import GPU_COMPILED_SHARE
 from trainer.plan.measure import measure_plan
 from trainer.plan.peak import AC_MODES, plan_row
@@ -50,7 +52,7 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
         cfg = decide_sharding(cfg.model_copy(update={"memory": cfg.memory.model_copy(
             update={"device_memory": str(budget)})}))
         console.print(f"auto: {describe(cfg)} (the log says why)")
-    world = cfg.parallel.workers
+    world = data_ranks(cfg)  # what the global batch divides over
     precisions = ["bf16"] if bf16_weights(cfg) else \
         ["fp32", "bf16"] + (["fp16"] if cfg.memory.precision == "fp16" else [])
     console.print(f"probing activations of {cfg.model.name} at seq_len {cfg.model.seq_len} "
@@ -79,6 +81,8 @@ def print_plan(console: Console, cfg: Any, budget: int, device_memory: str,
     console.print(best_table(rows, auto, device_memory, cfg.train.global_batch_size)
                   if rows else f"[red]nothing fits {device_memory}[/]: use FSDP, a shorter "
                                "sequence or a smaller model")
+    if sequence_degrees(cfg) != [1]:
+        console.print(sequence_table(cfg, budget, speed, device_memory))
     if measure_top and rows:
         measure_plans(console, cfg, static, profiles, budget, measure_top, measure_steps)
 
@@ -105,7 +109,7 @@ def current_table(cfg: Any, static: Any, profiles: list[Any], speed: Any, budget
                   ) -> Table:
     """Every precision and checkpointing mode at the configured micro-batch."""
     gib = 2**30
-    micro, world = cfg.train.micro_batch(), cfg.parallel.workers
+    micro, world = cfg.train.micro_batch(), data_ranks(cfg)
     accumulation = cfg.train.accumulation_steps(world)
     # Headers in two lines and no vertical rules: both tables fit an 80-column terminal.
     host = ("host\nGiB",) if static.sharded else ()  # FSDP: what CPU offload keeps there
@@ -167,7 +171,7 @@ def strategies_table(cfg: Any, profiles: list[Any], speed: Any, budget: int) -> 
     precision = planned_precision(cfg)
     ac = cfg.memory.activation_checkpointing
     ac = "full" if ac == "auto" else ac
-    micro, world = cfg.train.micro_batch(), cfg.parallel.workers
+    micro, world = cfg.train.micro_batch(), data_ranks(cfg)
     accumulation = cfg.train.accumulation_steps(world)
     [base] = [p for p in profiles if p.precision == precision
               and p.activation_checkpointing == ac]
@@ -220,6 +224,50 @@ def auto_plan(cfg: Any, budget: int, speed: Any, static: Any, profiles: list[Any
     return decision.plan if decision is not None else None
 
 
+def sequence_degrees(cfg: Any) -> list[int]:
+    """The ``parallel.sequence`` degrees ``cfg``'s workers, ``seq_len`` and global batch allow
+    (1 among them)."""
+    workers, seq_len = cfg.parallel.workers, cfg.model.seq_len
+    return [size for size in range(1, workers + 1)
+            if workers % size == 0 and seq_len % size == 0
+            and cfg.train.global_batch_size % (workers // size) == 0]
+
+
+def sequence_table(cfg: Any, budget: int, speed: Any, device_memory: str) -> Table:
+    """Each ``parallel.sequence`` degree the workers allow (``sequence_degrees``), with its
+    fastest fitting plan as ``auto`` chooses it (micro-batch and checkpointing searched, the
+    rest as configured): each row's tokens per rank, peak, what a rank sends in a step's
+    all-to-alls, tokens/s. A degree the model's heads do not divide into is said so, under
+    the table."""
+    gib, mib = 2**30, 2**20
+    table = plan_table(f"each row split over N of {cfg.parallel.workers} workers "
+                       f"(parallel.sequence), fastest plan in {HEADROOM:.0%} of {device_memory}",
+                       "N", "data\nranks", "tokens\na rank", "precision", "act.\nckpt",
+                       "micro x\naccum.", "peak\nGiB", "all-to-all\nMiB", "tokens/s")
+    refused = []
+    for size in sequence_degrees(cfg):
+        variant = cfg.model_copy(update={
+            "parallel": cfg.parallel.model_copy(update={"sequence": size}),
+            "train": cfg.train.model_copy(update={"micro_batch_size": "auto"}),
+            "memory": cfg.memory.model_copy(update={"activation_checkpointing": "auto"})})
+        cells = [str(size), str(data_ranks(variant)), f"{cfg.model.seq_len // size:,}"]
+        request = request_from(variant, budget)
+        try:
+            plan = choose(request, config_probe(variant, request.ac_modes), speed).plan
+        except ValueError as err:  # the model's heads do not divide among the ranks
+            refused.append(f"N = {size}: {err}")
+            continue
+        if plan is None:
+            table.add_row(*cells, "[red]nothing fits[/]")
+            continue
+        table.add_row(*cells, plan.precision, plan.activation_checkpointing,
+                      f"{plan.micro_batch_size} x {plan.accumulation_steps}",
+                      f"{plan.predicted_peak_bytes / gib:.2f}",
+                      f"{plan.all_to_all_bytes / mib:,.1f}", f"{plan.tokens_per_s:,.0f}")
+    table.caption = "; ".join(refused) or None
+    return table
+
+
 def best_table(rows: list[Any], auto: Any, device_memory: str, global_batch: int) -> Table:
     """Each precision and checkpointing mode's fastest fitting plan, ``auto``'s marked."""
     def key(row: Any) -> tuple[Any, ...]:
@@ -246,7 +294,7 @@ def measure_plans(console: Console, cfg: Any, static: Any, profiles: list[Any], 
     step), each trained ``steps`` steps as one rank on this CPU with the configured optimizer,
     predicted against measured."""
     one_rank = SpeedModel(cpu_speed())
-    per_rank = per_rank_batch(cfg.train.global_batch_size, cfg.parallel.workers)
+    per_rank = per_rank_batch(cfg.train.global_batch_size, data_ranks(cfg))
     in_backward = cfg.memory.optimizer_in_backward
     micro_batches = [per_rank] if in_backward else micro_batch_candidates(per_rank)
     fitting = [row for profile in profiles
