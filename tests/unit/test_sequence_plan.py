@@ -14,7 +14,7 @@ import pytest
 from trainer.config import Config, ConfigError, load_config
 from trainer.models.build import MemoryTransforms
 from trainer.models.gpt import GPT, GPTConfig
-from trainer.plan.auto import decide, speed_model
+from trainer.plan.auto import decide, resolve_auto, speed_model
 from trainer.plan.devices import gpu_speed
 from trainer.plan.peak import ActivationProfile, plan_row, profile_activations, static_bytes
 from trainer.plan.speed import SpeedModel, all_to_all_seconds
@@ -119,3 +119,15 @@ def test_when_a_row_fits_no_rank_auto_says_which_sequence_split_would(budget: st
     with pytest.raises(ConfigError, match="^nothing fits ") as err:
         decide(_cfg(f"memory.device_memory={budget}"))
     assert said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_with_the_strategy_auto_the_refusal_names_the_split_under_the_sharding_holding_least(
+        ) -> None:
+    """No sharding candidate fits 16 MiB and auto may add no memory strategy: the refusal
+    names the sequence split that would fit under FSDP, the candidate holding least."""
+    with pytest.raises(ConfigError, match="^nothing fits 16.0 MiB per device under "
+                                          "parallel.strategy ddp or ") as err:
+        resolve_auto(_cfg("parallel.strategy=auto", "memory.device_memory=16MiB"))
+    assert ("; parallel.sequence 2 (each row split over 2 ranks) would fit under "
+            "parallel.strategy fsdp (reshard_after_forward true, offload none), at a predicted "
+            "peak of ") in str(err.value)

@@ -406,11 +406,12 @@ def sequence_candidates(cfg: Config) -> list[int]:
             and cfg.train.global_batch_size % (workers // size) == 0]
 
 
-def _with_sequence(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Decision]]
-                   ) -> str:
+def _with_sequence(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Decision]],
+                   under: str = "") -> str:
     """Whether a higher ``parallel.sequence`` (each row split over more ranks) would fit, as
-    configured otherwise: the smallest that fits, or those tried. ``auto`` never splits rows
-    itself: the degree changes which ranks share a row, so the config names it."""
+    configured otherwise (``under``: the strategy it was planned under, in words): the smallest
+    that fits, or those tried. ``auto`` never splits rows itself: the degree changes which
+    ranks share a row, so the config names it."""
     tried = []
     for size in sequence_candidates(cfg):
         candidate = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
@@ -423,9 +424,9 @@ def _with_sequence(cfg: Config, plan_candidate: Callable[[Config], tuple[Request
         tried.append(str(size))
         if decision.plan is not None:
             return (f"; parallel.sequence {size} (each row split over {size} ranks) would "
-                    f"fit, at a predicted peak of "
+                    f"fit{under}, at a predicted peak of "
                     f"{format_bytes(decision.plan.predicted_peak_bytes)} per rank")
-    return f"; nor with parallel.sequence {' or '.join(tried)}" if tried else ""
+    return f"; nor with parallel.sequence {' or '.join(tried)}{under}" if tried else ""
 
 
 def decide_sharding(cfg: Config) -> Config:
@@ -455,10 +456,11 @@ def decide_sharding(cfg: Config) -> Config:
     decisions = [(c, choose(request_from(c, budget), probe_with(static), speed))
                  for c, static in zip(candidates, statics, strict=True)]
     fitting = [(c, d) for c, d in decisions if d.plan is not None]
+    # The memory strategies auto may add, and the sequence split the refusal names, are planned
+    # on the candidate holding least.
+    least, _ = min(zip(candidates, statics, strict=True), key=lambda pair: (
+        pair[1].device_static, pair[0].parallel.fsdp.reshard_after_forward is False))
     if not fitting and rescuable(cfg):
-        # The memory strategies auto may add are planned on the candidate holding least.
-        least, _ = min(zip(candidates, statics, strict=True), key=lambda pair: (
-            pair[1].device_static, pair[0].parallel.fsdp.reshard_after_forward is False))
         log.info("auto: nothing fits %s per device under %s with the memory strategies as "
                  "configured; the strategies auto may add are planned on the candidate holding "
                  "least: %s",
@@ -466,10 +468,15 @@ def decide_sharding(cfg: Config) -> Config:
                  describe(least))
         return least
     if not fitting:
+        def plan_candidate(candidate: Config) -> tuple[Request, Decision]:
+            wanted = request_from(candidate, budget)
+            return wanted, choose(wanted, config_probe(candidate, wanted.ac_modes), speed)
+
+        split = _with_sequence(least, plan_candidate, f" under {describe(least)}")
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device under "
                           + " or ".join(describe(c) for c, _ in decisions)
-                          + " (memory.device_memory); try more workers, a shorter sequence or "
-                            "a smaller model")
+                          + f" (memory.device_memory){split}; try more workers, a shorter "
+                            "sequence or a smaller model")
     tier = min(_tier(c) for c, _ in fitting)
     chosen, best = max(((c, d) for c, d in fitting if _tier(c) == tier),
                        key=lambda pair: pair[1].plan.tokens_per_s)  # type: ignore[union-attr]
