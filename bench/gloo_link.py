@@ -1,7 +1,8 @@
-"""gloo's collectives over loopback on this CPU: all-reduce, all-gather and reduce-scatter, in
-bus bytes/s (the bytes each rank sends, ``(world - 1) / world`` of the buffer, twice for the
-all-reduce), at 2 and 4 ranks, 16 MiB a rank, one thread each, the median of 5 calls after one
-to warm. The planner's CPU figures (``trainer.plan.devices``: ``ALLREDUCE_BYTES_PER_S``,
+"""gloo's collectives over loopback on this CPU: all-reduce, all-gather, reduce-scatter and
+all-to-all, in bus bytes/s (the bytes each rank sends, ``(world - 1) / world`` of the buffer,
+twice for the all-reduce), at 2 and 4 ranks, 16 MiB a rank, one thread each, the median of 5
+calls after one to warm. The planner's CPU figures (``trainer.plan.devices``:
+``ALLREDUCE_BYTES_PER_S``, which also times sequence parallelism's all-to-alls,
 ``GATHER_BYTES_PER_S``) come from it. Run idle: ``python -m bench.gloo_link``.
 """
 
@@ -41,11 +42,13 @@ def _rank(rank: int, port: int, world: int, mib: int, out: str) -> None:
         torch.set_num_threads(1)
         shard = mib * 2**20 // 4
         whole, part = torch.randn(shard * world), torch.randn(shard)
+        received = torch.empty_like(whole)
         share = (world - 1) / world * whole.numel() * 4
         rates = {
             "all_reduce": 2 * share / _timed(lambda: dist.all_reduce(whole)),
             "all_gather": share / _timed(lambda: dist.all_gather_into_tensor(whole, part)),
             "reduce_scatter": share / _timed(lambda: dist.reduce_scatter_tensor(part, whole)),
+            "all_to_all": share / _timed(lambda: dist.all_to_all_single(received, whole)),
         }
         if rank == 0:
             torch.save(rates, out)

@@ -70,7 +70,7 @@ def test_a_rank_of_a_split_is_probed_with_its_tokens_and_attention_over_whole_ro
 def test_a_split_plan_counts_its_all_to_alls_bytes_and_time(checkpointing: str) -> None:
     """Forward and backward move each all-to-all's input once each, full checkpointing's
     recomputed forward once more; a rank sends half of it to the other (2 ranks), at the
-    GPU's all-gather rate, on top of the step's work."""
+    GPU's all-reduce bus rate, on top of the step's work."""
     transforms = dataclasses.replace(_PLAIN, activation_checkpointing=checkpointing)
     profile = _profile(256, 2, transforms=transforms)
     speed = SpeedModel(gpu_speed("h100"), world_size=2)
@@ -84,7 +84,7 @@ def test_a_split_plan_counts_its_all_to_alls_bytes_and_time(checkpointing: str) 
     assert row.step_seconds - unsplit.step_seconds == pytest.approx(
         3 * all_to_all_seconds(forward, 2, speed.step_device, passes - 2))
     assert row.step_seconds - unsplit.step_seconds == pytest.approx(
-        row.all_to_all_bytes / speed.step_device.gather_bytes_per_s)
+        row.all_to_all_bytes / speed.step_device.allreduce_bytes_per_s)
 
 
 def test_memtrain_plan_shows_a_row_per_sequence_degree() -> None:

@@ -118,11 +118,11 @@ def all_to_all_seconds(forward_bytes: int, size: int, speed: DeviceSpeed,
     output, every layer) and sends ``(size - 1) / size`` of them to the other ranks; backward
     moves their gradients, the same bytes, and a checkpointed block's recomputation moves its
     forward's again (``recomputed``: the share of the blocks recomputed). Nothing overlaps
-    them: attention waits for its inputs. At the device's all-gather rate (NVLink between the
-    GPUs of a node; gloo over loopback on CPU, whose all-to-all is sent rank to rank as its
-    all-gather is)."""
-    rate = speed.gather_bytes_per_s or speed.allreduce_bytes_per_s
-    return all_to_all_sent_bytes(forward_bytes, size, recomputed) / rate
+    them: attention waits for its inputs. At the device's all-reduce bus rate: NVLink between
+    the GPUs of a node; gloo over loopback on CPU, where ``bench.gloo_link``'s all-to-all ran
+    at about its all-reduce's rate, 2 to 3.6 times its all-gather's (1 MiB a rank, 2 and 4
+    ranks, on a busy 2-core Xeon: 0.83 and 0.60 GB/s against 0.77 and 0.49)."""
+    return all_to_all_sent_bytes(forward_bytes, size, recomputed) / speed.allreduce_bytes_per_s
 
 
 def all_to_all_sent_bytes(forward_bytes: int, size: int, recomputed: float = 0.0) -> int:
