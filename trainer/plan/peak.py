@@ -464,11 +464,9 @@ def profile_activations(factory: ModelFactory, transforms: MemoryTransforms, seq
     probe's batch has them too, so what they add is measured with the rest (the mask's bytes,
     memtrain's GPT's B x T x T attention mask and the masked attention's saved tensors).
 
-    ``sequence``: one rank of ``parallel.sequence`` ranks, each holding ``seq_len / sequence``
-    tokens of every row: the model split as the run splits it, its all-to-alls stood in for by
-    ``trainer.parallel.sequence.SequenceShapes`` (attention over whole rows for its share of
-    the heads, the whole rows' mask), with the bytes they take in recorded. ValueError where
-    the row or the heads do not divide.
+    ``sequence``: one rank of that many, holding ``seq_len / sequence`` tokens of each row,
+    split as the run splits it (``SequenceShapes``); ValueError where rows or heads do not
+    divide.
     """
     device = device or torch.device("cpu")
     check_divisible("model.seq_len", seq_len, sequence)
@@ -517,15 +515,12 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     # Factories build on the CPU; a fake module cannot be moved there again (tied weights
     # cannot be swapped), and a real one need not be.
     model = build_model(factory, transforms, None if device.type == "cpu" else device)
-    split = SequenceShapes(sequence) if sequence > 1 else None
-    if split is not None:
-        split_model(model, split)
+    split = _split_for_probe(model, sequence)
     chosen = checkpointed_blocks(model)
     blocks = getattr(model, "blocks", nn.ModuleList())
     num_blocks = len(blocks)
     model.train()
     measured = {}
-    moved: list[int] = []  # each all-to-all's input bytes, one sample
     block_calls: list[BlockCall] = []  # the first block's call, batch 1
     if num_blocks:
         hook = blocks[0].register_forward_pre_hook(
@@ -537,8 +532,6 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
         _collect_cycles(model)
         if num_blocks and batch == 1:
             hook.remove()
-        if split is not None and batch == 1:  # one sample's all-to-alls
-            moved = [size for call in split.moved_bytes for size in call]
     per_sample, fixed = _fit(measured[1][0], measured[2][0])
     largest_per_sample = _largest_growth(measured[1][1], measured[2][1])
     recompute_block = recompute_block_fixed = autocast_cache = 0
@@ -571,11 +564,31 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                     (_nbytes([p]) for p in blocks.parameters()
                                      if p.requires_grad), default=0),
                                 largest_nf4_weights=max((p.numel() for p in blocks.parameters()
-                                                         if is_nf4(p)), default=0),
-                                sequence=sequence,
-                                all_to_all_per_sample_bytes=sum(moved),
-                                all_to_all_largest_per_sample_bytes=max(moved, default=0))
-    return profile, (block_calls[0] if block_calls else None)
+                                                         if is_nf4(p)), default=0))
+    return _with_all_to_alls(profile, split), (block_calls[0] if block_calls else None)
+
+
+def _split_for_probe(model: nn.Module, sequence: int) -> SequenceShapes | None:
+    """``model`` split as one rank of ``sequence`` ranks holds it, and the split (None: one
+    rank holds whole rows)."""
+    if sequence == 1:
+        return None
+    split = SequenceShapes(sequence)
+    split_model(model, split)
+    return split
+
+
+def _with_all_to_alls(profile: ActivationProfile, split: SequenceShapes | None
+                      ) -> ActivationProfile:
+    """``profile`` with what its split rank's all-to-alls take in, one sample's (the probe's
+    forward at batch 1, then at 2); unchanged without a split."""
+    if split is None:
+        return profile
+    calls = split.moved_bytes[:len(split.moved_bytes) // 2]  # batch 1's
+    moved = [size for call in calls for size in call]
+    return dataclasses.replace(profile, sequence=split.size,
+                               all_to_all_per_sample_bytes=sum(moved),
+                               all_to_all_largest_per_sample_bytes=max(moved, default=0))
 
 
 def nf4_dequantized_bytes(weights: int) -> int:
@@ -659,9 +672,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     # Emulated bf16 on CPU: a matrix product's conversion buffers at either moment.
     emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
     dequantized = nf4_dequantized_bytes(profile.largest_nf4_weights)  # wherever a block runs
-    # parallel.sequence: an all-to-all's send and receive buffers while a block's backward runs
-    # (its output takes the place of a tensor the unsplit block holds)
-    exchanged = 2 * profile.all_to_all_largest_per_sample_bytes * micro_batch_size
+    exchanged, sent = _all_to_alls(profile, micro_batch_size, accumulation_steps)
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation + dequantized,
@@ -693,13 +704,21 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     chunk = shape.chunk_tokens if isinstance(shape, ChunkedLossShape) else 0
     seconds, tokens_per_s = _timing(static, profile, speed, micro_batch_size,
                                     accumulation_steps, chunk, offloaded)
-    sent = accumulation_steps * all_to_all_sent_bytes(
-        profile.all_to_all_per_sample_bytes * micro_batch_size, profile.sequence,
-        recomputed_share(profile))
     return PlanRow(profile.precision, profile.activation_checkpointing, micro_batch_size,
                    accumulation_steps, static.total, activations,
                    peak - static.device_static - activations, peak,
                    profile.recompute_fraction, moment, seconds, tokens_per_s, chunk, host, sent)
+
+
+def _all_to_alls(profile: ActivationProfile, micro_batch_size: int, accumulation_steps: int
+                 ) -> tuple[int, int]:
+    """``parallel.sequence``'s all-to-alls: (the bytes they hold while a block's backward
+    runs, the bytes a rank sends in a step). One all-to-all's send and receive buffers are
+    held at once; its output takes the place of a tensor the unsplit block holds."""
+    held = 2 * profile.all_to_all_largest_per_sample_bytes * micro_batch_size
+    return held, accumulation_steps * all_to_all_sent_bytes(
+        profile.all_to_all_per_sample_bytes * micro_batch_size, profile.sequence,
+        recomputed_share(profile))
 
 
 def recomputed_share(profile: ActivationProfile) -> float:
