@@ -502,7 +502,8 @@ def strategy_combinations(cfg: Config) -> None:
         raise ValueError(f"model.lora.base_dtype {lora.base_dtype!r} with memory.precision "
                          f"{memory.precision!r}: {lora.base_dtype} base weights compute under "
                          "bf16 autocast; set memory.precision bf16 (or auto)")
-    if lora is not None and lora.base_dtype == "nf4" and cfg.parallel.fsdp.param_dtype == "fp32":
+    if lora is not None and lora.base_dtype == "nf4" and cfg.parallel.fsdp.param_dtype == "fp32" \
+            and cfg.parallel.strategy != "ddp":
         raise ValueError("model.lora.base_dtype 'nf4' with parallel.fsdp.param_dtype 'fp32': "
                          "FSDP gathers an NF4 weight as NF4 and it computes in bf16; set "
                          "parallel.fsdp.param_dtype bf16 (or auto)")

@@ -98,7 +98,8 @@ class Trainer:
         self.batch_plan = BatchPlan(cfg.train.micro_batch(),
                                     cfg.train.accumulation_steps(self.data.world_size))
         if ctx.device.type == "cpu":
-            self.parallel.settle_host_memory()
+            lora = cfg.model.lora
+            self.parallel.settle_host_memory(lean=lora is not None and lora.base_dtype != "fp32")
         self.policy = self.parallel.step_policy(precision_policy(self.precision.name,
                                                                  ctx.device))
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))

@@ -140,3 +140,37 @@ def test_weights_made_outside_the_record_are_built_on_the_host(
     assert torch.equal(weights["table"], torch.arange(12.0).reshape(3, 4))
     assert torch.equal(weights["blocks.0.weight"], torch.full((4, 4), 2.0))
     assert torch.equal(weights["blocks.0.bias"], torch.ones(4))
+
+
+class _Recast(nn.Module):
+    """A module that scales its weight in place and then gives the Parameter a new storage
+    (``param.data = ...``), as LoRA's cast of its frozen base does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4))
+        with torch.no_grad():
+            self.weight.mul_(2)
+        self.weight.data = self.weight.data.to(torch.bfloat16)
+
+
+def test_an_operation_is_replayed_on_the_storage_it_ran_on() -> None:
+    """The record keeps each operation's tensors as they were: the ``mul_`` on the fp32 weight
+    is replayed on it, not on the bf16 storage the Parameter holds by the end (which would
+    give memory nothing wrote)."""
+    _assert_same(_replayed(_Recast, 4), _host(_Recast, 4))
+
+
+@pytest.mark.parametrize("init", ["trunc_normal_", "orthogonal_"])
+def test_an_initialisation_that_draws_nothing_on_meta_cannot_be_recorded(init: str) -> None:
+    """torch.nn.init's trunc_normal_ (and dirac_, orthogonal_, sparse_) return a meta tensor
+    untouched, running nothing a record sees: replayed, the weight would keep its earlier
+    values, so recording refuses it (the builds then build on the host, saying so)."""
+    def factory() -> nn.Module:
+        layer = nn.Linear(8, 8)
+        getattr(nn.init, init)(layer.weight)
+        return layer
+
+    with pytest.raises(ValueError, match=f"torch.nn.init.{init} draws nothing on the meta"):
+        meta_init.record(factory)
+    assert nn.init.trunc_normal_(torch.zeros(4, 4), std=0.02).abs().sum() > 0  # restored

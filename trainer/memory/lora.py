@@ -124,8 +124,9 @@ def nf4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
     """The frozen weights of every linear layer in ``model.blocks`` (``nf4_layers``) as NF4
-    (``base_dtype: nf4``), in place; a weight whose size does not fill NF4's blocks (in each of
-    ``parts`` row shards: FSDP's ranks) stays bf16, named in one warning. Each quantized
+    (``base_dtype: nf4``), in place; a weight whose size does not fill NF4's blocks stays bf16,
+    named in one warning; one that does but whose ``parts`` row shards (FSDP's ranks) would
+    not is refused (ValueError), so that a base is the same at every world size. Each quantized
     layer's error (the relative Frobenius norm of its dequantized weight's difference from the
     bf16 weight) is kept on the model as ``nf4_errors``, for the run's log, and returned. A
     meta or fake model gets NF4 placeholders and no errors: the sharded build fills them
@@ -138,9 +139,16 @@ def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
                          "nn.Linear layer to store in NF4 (GPT-2's are Conv1D); use base_dtype "
                          "bf16")
     for name, module in layers:
-        if not fits(module.weight.shape, parts):
+        if not fits(module.weight.shape):
             kept.append(f"{name} {list(module.weight.shape)}")
             continue
+        if not fits(module.weight.shape, parts):  # bf16 here and NF4 on one process: refused
+            raise ValueError(
+                f"model.lora.base_dtype nf4 under FSDP on {parts} ranks: {name} "
+                f"{list(module.weight.shape)} does not split into whole NF4 blocks (its rows "
+                f"must divide by {parts} and each rank's share fill blocks of {GRAIN}); one "
+                "process quantizes it, so its base would change with the world size: use "
+                "parallel.strategy ddp or another number of workers")
         weight = module.weight.detach().to(torch.bfloat16)
         module.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
         if type(module) is nn.Linear:  # its matmul dequantizes a slice at a time
@@ -148,10 +156,9 @@ def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
         if weight.device.type != "meta" and not is_fake(weight):
             quantized[name] = relative_error(weight, module.weight)
     if kept:
-        shards = f" in each of {parts} row shards" if parts > 1 else ""
-        log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size%s "
+        log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size "
                     "not a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",
-                    len(kept), shards, GRAIN, BLOCK, SCALER_BLOCK,
+                    len(kept), GRAIN, BLOCK, SCALER_BLOCK,
                     ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
     model.nf4_errors = quantized  # type: ignore[assignment]
     return quantized

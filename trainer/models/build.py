@@ -36,7 +36,7 @@ from trainer.models import meta_init
 from trainer.models.hf import PREFIX as HF_PREFIX
 from trainer.models.hf import SafetensorsRows, initialise_on_meta, weights_of
 from trainer.models.registry import create_model
-from trainer.models.weights import fill_from_file, fill_owner, load_hf_weights, owners
+from trainer.models.weights import Owner, fill_from_file, fill_owner, load_hf_weights, owners
 
 if TYPE_CHECKING:
     from trainer.config import MemoryConfig, ModelConfig
@@ -246,6 +246,8 @@ def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: t
     if recording is not None:
         host = torch.device("cpu")
         model.to_empty(device=host if shards_on_host else device)
+        if shard is None:
+            _tie_again(tensors)
     filled = fill_from_file(tensors, weights, hf_model)
     if recording is not None:
         def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -262,6 +264,17 @@ def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: t
                             for name, module in nf4_layers(model)
                             if hasattr(module, "nf4_error")}
     return model
+
+
+def _tie_again(tensors: dict[int, list[Owner]]) -> None:
+    """``to_empty`` gives each module a tensor of its own: the ones the model ties (one storage
+    under several names, an embedding and its output layer) are made one again."""
+    for found in tensors.values():
+        first = getattr(found[0].module, found[0].name)
+        for owner in found[1:]:
+            module = owner.module
+            kept = module._parameters if owner.name in module._parameters else module._buffers
+            kept[owner.name] = first
 
 
 def _bf16_parameters(model: nn.Module) -> None:

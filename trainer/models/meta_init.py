@@ -21,6 +21,7 @@ there, and the caller builds on the host instead (``trainer.parallel.fsdp.build_
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,8 +90,18 @@ class MetaRecording(TorchDispatchMode):
         in_keys = {storage_key(t) for t in inputs}
         if all(storage_key(t) in in_keys for t in outputs) and not _mutated(func):
             return out  # a view or a query: replayed through storages, never run again
-        self.ops.append(_classify(_Op(func, args, kwargs, out), inputs, outputs, in_keys))
+        pinned_args, pinned_kwargs, pinned_out = tree_map(_pinned, (args, kwargs, out))
+        self.ops.append(_classify(_Op(func, pinned_args, pinned_kwargs, pinned_out), inputs,
+                                  outputs, in_keys))
         return out
+
+
+def _pinned(value: Any) -> Any:
+    """A meta tensor argument as an alias of the storage it has now: a later ``param.data =``
+    (LoRA's cast of its frozen base, a user's own) gives the Parameter object another storage,
+    and the replay, which finds each argument's storage when it runs, would run this operation
+    on that one."""
+    return value.detach() if isinstance(value, torch.Tensor) and value.is_meta else value
 
 
 def _mutated(func: Any) -> list[int]:
@@ -120,11 +131,39 @@ def _classify(op: _Op, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
 
 
 def record(factory: Callable[[], Any]) -> tuple[Any, MetaRecording]:
-    """``factory()`` built on the meta device, with the record of what it ran."""
+    """``factory()`` built on the meta device, with the record of what it ran. ValueError where
+    it calls one of torch's initialisations that return a meta tensor untouched, drawing
+    nothing and running no operation the record could see (``_SKIPPED_ON_META``): the replay
+    would give that tensor the values it had before."""
     recording = MetaRecording()
-    with torch.device("meta"), recording:
+    with torch.device("meta"), recording, _refusing_meta_no_ops():
         built = factory()
     return built, recording
+
+
+# torch.nn.init's functions that return at once for a meta tensor (torch 2.13), by the name
+# the public one looks them up with.
+_SKIPPED_ON_META = {"_no_grad_trunc_normal_": "trunc_normal_", "dirac_": "dirac_",
+                    "orthogonal_": "orthogonal_", "sparse_": "sparse_"}
+
+
+@contextlib.contextmanager
+def _refusing_meta_no_ops() -> Iterator[None]:
+    init = torch.nn.init
+    originals = {name: getattr(init, name) for name in _SKIPPED_ON_META if hasattr(init, name)}
+
+    def refuse(public: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError(f"torch.nn.init.{public} draws nothing on the meta device")
+        return refused
+
+    try:
+        for name in originals:
+            setattr(init, name, refuse(_SKIPPED_ON_META[name]))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(init, name, original)
 
 
 def _needed(ops: list[_Op], finals: set[int]) -> tuple[list[bool], dict[int, int]]:

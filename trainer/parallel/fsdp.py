@@ -169,8 +169,8 @@ def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: t
     """The FSDP model, built so that no rank holds it whole (``build_on_meta``): on meta,
     transformed, ``before_shard`` (torch.compile), sharded (``shard_model``), then each rank's
     shards allocated and filled with the seeded host build's values or ``weights``' rows. An
-    NF4 base is quantized shard by shard, its layers NF4 where each rank's rows fill NF4's
-    blocks."""
+    NF4 base is quantized shard by shard; a layer one process quantizes whose rank shards
+    would not fill NF4's blocks is refused."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if isinstance(factory, Nf4Base):
         factory = dataclasses.replace(factory, parts=world)
@@ -223,7 +223,7 @@ class FullyShardedDataParallel(Parallelism):
             return ""
         return "; bf16 parameters through FSDP's MixedPrecisionPolicy, autocast off"
 
-    def settle_host_memory(self) -> None:
+    def settle_host_memory(self, lean: bool = False) -> None:
         # FSDP's transients change size through the step; a heap that kept them would fragment
         return_freed_host_memory()
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from trainer.batches import Rows, TokenBatch
-from trainer.memory.allocator import keep_freed_host_memory
+from trainer.memory.allocator import keep_freed_host_memory, return_freed_host_memory
 from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import PrecisionPolicy
 from trainer.models.build import MemoryTransforms, build_whole
@@ -139,10 +139,16 @@ class Parallelism:
         """What the log adds to the precision's reason where this way applies it otherwise."""
         return ""
 
-    def settle_host_memory(self) -> None:
+    def settle_host_memory(self, lean: bool = False) -> None:
         """glibc's heap on a CPU worker: freed memory kept for the next step (a step's large
-        tensors reuse the last step's pages; ``trainer.memory.allocator``)."""
-        keep_freed_host_memory()
+        tensors reuse the last step's pages; ``trainer.memory.allocator``), or returned where
+        the run is ``lean`` (a LoRA model over a bf16 or NF4 base: its own bytes are few, and a
+        kept heap holds every transient of its build and step beside them, as much again as
+        an NF4 base)."""
+        if lean:
+            return_freed_host_memory()
+        else:
+            keep_freed_host_memory()
 
     def describe(self) -> str | None:
         """This way's own line in the run's log, if it has settings of its own."""
