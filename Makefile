@@ -26,7 +26,7 @@ VOCAB_SIZE ?=
 TOKENIZER ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data bench-qlora bench-qlora-largest \
+.PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data bench-qlora bench-qlora-largest bench-long \
 	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints bench-uploads bench-elastic chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
@@ -141,6 +141,9 @@ bench-qlora: setup ## QLoRA's eval loss against LoRA on a bf16 base over the sam
 
 bench-qlora-largest: setup ## The largest Llama whose LoRA fine-tune fits 192 MiB a rank: NF4 base against bf16, 1 and 4 ranks
 	$(BIN)/python -m bench.qlora_largest --out bench/results
+
+bench-long: setup ## The longest sequence whose step fits 256 MiB a rank on 4 gloo ranks: one row a rank vs sequence parallel 4 + tiled MLP
+	$(BIN)/python -m bench.long_sequence --out bench/results
 
 bench-metrics: setup ## Cost of recording the metrics contract as a share of step time (<= 1%)
 	$(BIN)/python -m bench.metrics_overhead --out bench/results

@@ -1,0 +1,210 @@
+"""The longest sequence whose training step fits a per-rank memory budget on 4 gloo ranks: the
+best plan for a long row on one rank against the row split over the 4 ranks
+(``parallel.sequence: 4``) with the tiled MLP.
+
+Each trial is the product itself: ``memtrain train`` with the local launcher, memtrain's GPT
+(vocabulary 256, 4 layers, 4 heads, width 128, fp32), one step, on 4 workers, under one of two
+plans:
+
+- ``single``: each rank trains a row of its own (DDP over 4 ranks, global batch 4), with full
+  activation checkpointing, ``memory.activation_offload: checkpointed`` and the chunked loss;
+- ``sequence``: the 4 ranks share one row (``parallel.sequence: 4``, global batch 1), each
+  holding a quarter of its tokens, with ``memory.tiled_mlp`` (8 tiles) and the same
+  checkpointing, offload and loss.
+
+Each worker's resident memory is sampled from outside every 0.1 s
+(``bench.fsdp_resident.Sampler``); a trial fits when every worker's anonymous resident memory
+stays within the budget above its first sample (the fork server's imports) through the end of
+the run (step 1 and the checkpoint a run saves at its end, of the weights' size).
+``model.seq_len`` is doubled until a trial does not fit, then bisected to 1/16 of the longest
+that fits (in multiples of 256 tokens). The data are the standard library's bytes in
+rows of ``seq_len + 1`` (``datapipe.corpus``), one dataset per length, as a run refuses rows
+of another length.
+
+Beside each trial: the planner's predicted peak for the rank (``trainer.plan.peak.plan_row``
+on the run's config, its activation offload's host bytes added, as on a CPU they are the same
+memory) and step time, and the step's measured time (rank 0's ``step_seconds``).
+
+The model's weights are small beside its activations at these lengths, except its learned
+positions (``seq_len x 128`` weights with their gradients and AdamW state), which grow with
+the sequence and which every rank holds whole under either plan. The loss is chunked by 1,024
+tokens (``--loss-chunk-tokens``): ``auto`` sizes a chunk for 256 MiB of fp32 logits, which at
+a vocabulary of 256 is the whole row.
+
+Target: a sequence at least 3.5x longer with ``sequence``. Run: ``make bench-long`` or
+``python -m bench.long_sequence --out bench/results`` (``--budget-mib`` per rank, default 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.fsdp_resident import Sampler
+from bench.results import cpu_description, describe_cpu, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+GPT = {"vocab_size": 256, "n_layer": 4, "n_head": 4, "n_embd": 128}
+WORKERS = 4
+TILES = 8
+STEP_TOKENS = 256  # the search's granularity; a multiple of the sequence degree
+MIB = 1 << 20
+PLANS = ("single", "sequence")
+
+
+def dataset(work: Path, seq_len: int) -> Path:
+    """The standard library's bytes in rows of ``seq_len + 1`` tokens (8 training rows, at
+    least 1 validation row), written once per length."""
+    from datapipe.corpus import build_stdlib_corpus
+
+    data = work / f"data-{seq_len}"
+    if not (data / "train" / "manifest.json").is_file():
+        build_stdlib_corpus(data, seq_len=seq_len, max_bytes=8 * (seq_len + 1))
+    return data
+
+
+def settings(spec: dict[str, Any]) -> list[str]:
+    """The run's ``--set`` values for ``spec``'s plan and length, with the workers that
+    ``prepare_run`` accepts on this machine (``run_trial`` sets the 4 after it)."""
+    data = Path(spec["data"])
+    sequence = spec["plan"] == "sequence"
+    return [*(f"model.{key}={value}" for key, value in GPT.items()), "model.name=gpt",
+            f"model.seq_len={spec['seq_len']}", "memory.precision=fp32",
+            "memory.bf16_norm_inputs=false", "memory.activation_checkpointing=full",
+            "memory.activation_offload=checkpointed",
+            f"memory.loss_chunk_tokens={spec['loss_chunk_tokens']}",
+            f"memory.tiled_mlp={spec['tiles'] if sequence else 1}",
+            "parallel.strategy=ddp", "parallel.launcher=local",
+            f"parallel.workers={1 if sequence else 2}", f"data.path={data / 'train'}",
+            f"data.val_path={data / 'val'}", f"run.dir={spec['runs']}", f"run.name={spec['name']}",
+            "train.steps=1", f"train.global_batch_size={1 if sequence else WORKERS}",
+            "train.micro_batch_size=1", "train.log_every=1", "train.eval_every=0",
+            "train.checkpoint_every=0", "train.warmup_steps=0"]
+
+
+def predicted(cfg: Any) -> dict[str, Any]:
+    """The planner's peak for one rank of ``cfg`` (its activation offload's host bytes added:
+    on a CPU they are the same memory) and its step time, from the fake-tensor probe."""
+    from trainer.plan.auto import data_ranks, probe_config, speed_model
+    from trainer.plan.peak import plan_row
+
+    memory = cfg.memory
+    static, (profile,) = probe_config(cfg, [memory.precision],
+                                      [memory.activation_checkpointing], work=True)
+    row = plan_row(static, profile, cfg.train.micro_batch(),
+                   cfg.train.accumulation_steps(data_ranks(cfg)), speed_model(cfg))
+    return {"predicted_peak_mib": round((row.predicted_peak_bytes + row.host_bytes) / MIB, 1),
+            "predicted_seconds": round(row.step_seconds, 2),
+            "all_to_all_mib": round(row.all_to_all_bytes / MIB, 1)}
+
+
+def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
+    """One step through the local launcher (``launch_local``) on 4 workers, more than this
+    machine's CPUs as the tests do, sampled from a thread of this process: each worker's
+    anonymous resident memory above its first sample; then the planner's figures."""
+    from trainer.config import Config, load_config
+    from trainer.launch.local import launch_local
+    from trainer.launch.prepare import prepare_run
+
+    cfg, run_dir = prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", settings(spec)))
+    # 4 workers on a 2-CPU machine, which prepare_run refuses to protect a user's; validated
+    # again as a whole, so the sequence split's own refusals still apply.
+    parallel = cfg.parallel.model_copy(update={
+        "workers": WORKERS, "sequence": WORKERS if spec["plan"] == "sequence" else 1})
+    cfg = Config.model_validate(cfg.model_copy(update={"parallel": parallel}).model_dump())
+    with Sampler(psutil.Process()) as sampler:
+        launch_local(cfg, run_dir)
+    pids = [pid for pid in sampler.series if "forkserver" in sampler.names.get(
+        sampler.parents.get(pid, -1), "")]
+    peaks = []
+    for pid in pids:
+        series = [rss - shared for (_, rss), (_, shared)
+                  in zip(sampler.series[pid], sampler.file_backed[pid], strict=True)]
+        peaks.append(round((max(series) - series[0]) / MIB, 1))
+    rows = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    step = [json.loads(row) for row in rows if '"loss"' in row][0]
+    return {"peaks_mib": peaks, "seconds": round(step["step_seconds"], 2), **predicted(cfg)}
+
+
+def trial(work: Path, plan: str, seq_len: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One step of ``plan`` at ``seq_len`` (``run_trial``, in a process of its own); its
+    workers' peaks and whether every one fits the budget."""
+    spec = {"plan": plan, "seq_len": seq_len, "data": str(dataset(work, seq_len)),
+            "runs": str(work / "runs"), "tiles": args.tiles,
+            "loss_chunk_tokens": args.loss_chunk_tokens,
+            "name": f"{plan}-{seq_len}-{time.strftime('%H%M%S')}"}
+    done = subprocess.run([sys.executable, "-m", "bench.long_sequence", "--trial",
+                           json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
+                          timeout=args.trial_timeout)
+    result: dict[str, Any] = {"seq_len": seq_len}
+    if done.returncode != 0:
+        return {**result, "fits": False, "failed": done.stderr.strip().splitlines()[-1:]}
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**result, **measured, "fits": len(measured["peaks_mib"]) == WORKERS
+            and max(measured["peaks_mib"]) <= args.budget_mib}
+
+
+def longest(work: Path, plan: str, start: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The longest ``seq_len`` that fits: doubled from ``start`` until a trial does not fit,
+    then bisected to 1/16 of the longest that fits, in steps of ``STEP_TOKENS``."""
+    trials: list[dict[str, Any]] = []
+
+    def fits(seq_len: int) -> bool:
+        trials.append(trial(work, plan, seq_len, args))
+        print(f"{plan}: {json.dumps(trials[-1])}", flush=True)
+        return bool(trials[-1]["fits"])
+
+    low, high = 0, start
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > max(STEP_TOKENS, low // 16):
+        middle = (low + high) // 2 // STEP_TOKENS * STEP_TOKENS
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    best = max((t for t in trials if t["fits"]), key=lambda t: t["seq_len"], default=None)
+    return {"longest": best, "trials": trials}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--work", default=None, help="where the data and runs go")
+    parser.add_argument("--budget-mib", type=int, default=256, help="per rank")
+    parser.add_argument("--plans", default=",".join(PLANS))
+    parser.add_argument("--start", type=int, default=4096, help="the first length tried")
+    parser.add_argument("--tiles", type=int, default=TILES, help="memory.tiled_mlp (sequence)")
+    parser.add_argument("--loss-chunk-tokens", default="1024")
+    parser.add_argument("--trial-timeout", type=int, default=3600, help="seconds")
+    parser.add_argument("--trial", help=argparse.SUPPRESS)  # one trial, in its own process
+    args = parser.parse_args()
+    if args.trial:
+        print(json.dumps(run_trial(json.loads(args.trial))))
+        return
+    if args.start % STEP_TOKENS:
+        parser.error(f"--start {args.start} is not a multiple of {STEP_TOKENS}")
+    work = Path(args.work or tempfile.mkdtemp(prefix="memtrain-long-sequence-"))
+    os.makedirs(work, exist_ok=True)
+    rows = {plan: longest(work, plan, args.start, args) for plan in args.plans.split(",")}
+    single, split = (rows.get(plan, {}).get("longest") for plan in PLANS)
+    ratio = round(split["seq_len"] / single["seq_len"], 2) if single and split else None
+    if ratio is not None:
+        print(f"sequence 4 + tiled MLP {split['seq_len']:,} tokens against one rank's "
+              f"{single['seq_len']:,}: {ratio}x (target 3.5x)", flush=True)
+    cpu = cpu_description()
+    report = {"machine": describe_cpu(cpu), "cpu": cpu, "budget_mib": args.budget_mib,
+              "workers": WORKERS, "gpt": GPT, "tiled_mlp": args.tiles,
+              "loss_chunk_tokens": args.loss_chunk_tokens, "rows": rows, "ratio": ratio,
+              "target_ratio": 3.5}
+    print(f"bench.long_sequence: {write_json(args.out, 'long-sequence', report)}")
+
+
+if __name__ == "__main__":
+    main()
