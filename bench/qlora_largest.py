@@ -24,6 +24,8 @@ bytes a base parameter). Run: ``make bench-qlora-largest`` or ``python -m bench.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import math
 import os
@@ -152,6 +154,11 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
     # more workers than this machine's CPUs, which prepare_run refuses to protect a user's
     cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
         update={"workers": workers})})
+    # One worker runs in this process: what preparing the run left in malloc's free lists is
+    # returned first, or the build would reuse it unseen above this process's first sample.
+    gc.collect()
+    if sys.platform == "linux":
+        ctypes.CDLL(None).malloc_trim(0)
     with Sampler(psutil.Process()) as sampler:
         launch_local(cfg, run_dir)
     me = os.getpid()
