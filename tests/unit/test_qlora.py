@@ -375,3 +375,35 @@ def test_a_low_bit_base_keeps_its_tied_embedding_and_its_layout_at_every_world_s
                                          r"blocks\.0\.attn\.qkv\.base_layer \[384, 128\] does "
                                          r"not split into whole NF4 blocks"):
         quantize_base(shapes, parts=2)
+
+
+def test_an_hf_llamas_qlora_resumes_exactly_under_fsdp(corpus_dir: Path, tmp_path: Path) -> None:
+    """An ``hf:`` Llama read from its safetensors, QLoRA on 2 FSDP ranks (each quantizing its
+    rows as it reads them): four steps straight against two, then two more from the checkpoint,
+    the same losses to the bit."""
+    import transformers
+
+    from trainer.launch.local import launch_local
+
+    base = tmp_path / "llama"
+    torch.manual_seed(5)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+    )).save_pretrained(base)
+
+    def run(name: str, until: int | None) -> list[float]:
+        cfg, run_dir = prepared_local_run(tiny_config(
+            corpus_dir, tmp_path, f"model.name=hf:{base}", "model.lora.rank=4",
+            "model.lora.base_dtype=nf4", "memory.precision=bf16", "train.steps=4",
+            "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=0",
+            "parallel.launcher=local", "parallel.workers=2", "parallel.strategy=fsdp",
+            f"run.name={name}"), 2)
+        launch_local(cfg, run_dir, until_step=until)
+        rows = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, rows) if "loss" in r]
+
+    straight = run("straight", None)
+    run("resumed", 2)
+    assert run("resumed", None) == straight
+    assert len(straight) == 4 and straight[-1] < straight[0]
