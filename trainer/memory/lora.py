@@ -116,7 +116,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 def nf4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The frozen linear layers of ``model.blocks`` (the adapters' base layers among them), by
     their names under the model: what ``base_dtype: nf4`` stores in NF4."""
-    return [(f"blocks.{i}.{name}", module)
+    return [(f"blocks.{i}.{name}".replace("_checkpoint_wrapped_module.", ""), module)
             for i, block in enumerate(getattr(model, "blocks", []))
             for name, module in block.named_modules()
             if isinstance(module, nn.Linear) and not module.weight.requires_grad]
