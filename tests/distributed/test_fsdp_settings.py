@@ -156,7 +156,7 @@ def _falls_back(rank: int, port: int, out: str) -> None:
         records: list[str] = []
         handler = logging.Handler()
         handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("trainer.parallel.fsdp").addHandler(handler)
+        logging.getLogger("trainer.models.build").addHandler(handler)
         factory = partial(create_model, ENTRY_POINT)
         model = build_sharded(factory, MemoryTransforms(), torch.device("cpu"), 9,
                               FsdpSettings(), model_name=ENTRY_POINT)

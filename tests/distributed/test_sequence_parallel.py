@@ -190,7 +190,7 @@ def split(request: pytest.FixtureRequest, weights: Path) -> list[dict[Any, Any]]
     size = request.param
     start_workers(_worker, (free_port(), size, str(weights)), size,
                   modules=(*PRELOAD, "transformers.models.llama.modeling_llama"))
-    return [torch.load(weights / f"rank{rank}.pt", weights_only=False) for rank in range(size)]
+    return [torch.load(weights / f"rank{rank}.pt", weights_only=True) for rank in range(size)]
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
