@@ -61,9 +61,10 @@ def test_each_rank_quantizes_its_rows_into_the_base_one_process_quantizes(
     an NF4 shard whose codes, scales, factors and mean are exactly the rank's rows of what one
     process's seeded build quantizes (so FSDP's all-gather gives back that base); the logged
     error is the whole weight's; and each rank's resident memory through the build stays under
-    its NF4 shard plus two layers in flight (seen: about 1.8, each made in fp32 and cast to
-    bf16), and under 0.6 of the bf16 base, which it would pass if it held the base in bf16
-    even for a moment."""
+    its NF4 shard plus one layer in flight (the largest weight, made in fp32 and cast to bf16)
+    and a quarter of one for the rest of the model (seen: 1.10 layers in all: the embeddings,
+    the adapters and the modules' own objects), and under 0.6 of the bf16 base, which it would
+    pass if it held the base in bf16 even for a moment."""
     from trainer.memory.lora import nf4_layers
     from trainer.models.build import model_factory
 
@@ -90,5 +91,5 @@ def test_each_rank_quantizes_its_rows_into_the_base_one_process_quantizes(
                 assert torch.equal(shards[name][key], mine), (rank, name, key)
             assert torch.equal(shards[name]["scaler_mean"], weight.scaler_mean), (rank, name)
         assert result["errors"] == pytest.approx(whole.nf4_errors, rel=1e-5)
-        assert result["peak"] < min(nf4_shard + 2 * in_flight, 0.6 * base_bf16), \
+        assert result["peak"] < min(nf4_shard + 1.25 * in_flight, 0.6 * base_bf16), \
             (rank, result["peak"], nf4_shard, in_flight)

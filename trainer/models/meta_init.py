@@ -279,7 +279,9 @@ def replay(recording: MetaRecording, finals: set[int], seed: int | None,
                         **storages.convert(op.kwargs, scratch=True))
             continue
         storages.adopt(op.out, op.func(*storages.convert(op.args), **storages.convert(op.kwargs)))
-        for key in done_at.get(i, ()):
+        # the storages this operation used last: intermediates freed before a final one is
+        # taken (a weight's fp32 original before its cast is quantized)
+        for key in sorted(done_at.get(i, ()), key=lambda key: key in finals):
             if key in finals:
                 take(key, storages.tensor)
             storages.free(key)
