@@ -447,6 +447,12 @@ def weight_dtype_combinations(cfg: Config) -> None:
     memory = cfg.memory
     if cfg.model.dtype != "bf16":
         return
+    lora = cfg.model.lora
+    if lora is not None:  # first: the fixes below do not apply to a LoRA run
+        base = "bf16" if lora.base_dtype == "fp32" else lora.base_dtype
+        raise ValueError(f"model.dtype 'bf16' with model.lora: LoRA's adapters train in fp32 "
+                         f"over a frozen base; for a {base} base set model.lora.base_dtype "
+                         f"{base} and leave model.dtype fp32")
     if memory.precision in ("fp32", "fp16"):
         raise ValueError(f"model.dtype 'bf16' with memory.precision {memory.precision!r}: "
                          "bf16 weights compute in bf16; set memory.precision bf16 (or auto)")
@@ -454,10 +460,6 @@ def weight_dtype_combinations(cfg: Config) -> None:
         raise ValueError("model.dtype 'bf16' with memory.optimizer_states 'fp32': AdamW's "
                          "moments are kept in the weights' dtype or below (a checkpoint's "
                          "load casts them to it); set optimizer_states bf16, 8bit or 4bit")
-    if cfg.model.lora is not None:
-        raise ValueError("model.dtype 'bf16' with model.lora: LoRA's adapters train in fp32 "
-                         "over a frozen base; for a bf16 base set model.lora.base_dtype bf16 "
-                         "and leave model.dtype fp32")
     if cfg.parallel.fsdp.param_dtype == "fp32" and cfg.parallel.strategy != "ddp":
         raise ValueError("model.dtype 'bf16' with parallel.fsdp.param_dtype 'fp32': FSDP "
                          "would gather bf16 weights as fp32 copies; set param_dtype bf16 "

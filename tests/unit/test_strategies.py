@@ -275,6 +275,10 @@ def test_each_strategy_resumes_exactly(overrides: tuple[str, ...], corpus_dir: P
      "model.dtype 'bf16' with memory.optimizer_states 'fp32'"),
     (("model.dtype=bf16", "memory.precision=bf16", "memory.optimizer_states=8bit",
       "model.lora.rank=4"), "model.dtype 'bf16' with model.lora"),
+    # before the optimizer states' refusal, whose fix would not make a LoRA run valid
+    (("model.dtype=bf16", "memory.precision=bf16", "model.lora.rank=4",
+      "model.lora.base_dtype=nf4"), "model.dtype 'bf16' with model.lora: .* for a nf4 base set "
+     "model.lora.base_dtype nf4"),
     (("model.dtype=bf16", "memory.precision=bf16", "memory.optimizer_states=8bit",
       "parallel.strategy=fsdp", "parallel.fsdp.param_dtype=fp32"),
      "model.dtype 'bf16' with parallel.fsdp.param_dtype 'fp32'"),
