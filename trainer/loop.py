@@ -210,6 +210,7 @@ class Trainer:
                              cfg.train.global_batch_size * cfg.model.seq_len,
                              cfg.train.global_batch_size // self.data.world_size,
                              cfg.model.seq_len // self.data.sequence,
+                             counts_rows=self.data.first,
                              publish_seconds=cfg.monitoring.publish_seconds,
                              peak_window_seconds=cfg.monitoring.peak_window_seconds,
                              trackers=trackers, total_steps=cfg.train.steps)

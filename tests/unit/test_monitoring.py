@@ -122,6 +122,26 @@ def test_docs_list_every_metric_of_the_contract() -> None:
     assert not missing, f"docs/monitoring.md lacks {missing}"
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_a_sequence_group_counts_its_rows_once_and_each_rank_its_own_tokens(
+        first: bool, tmp_path: Path) -> None:
+    """Two ranks share each row at half its tokens: the first counts the rows, both their
+    tokens, so the ranks' sums are the group's samples and tokens."""
+    from types import SimpleNamespace
+
+    from trainer.telemetry.run_metrics import RunMetrics
+
+    metrics = RunMetrics(LocalContext(0, 0, 1, torch.device("cpu"), tmp_path), "t", 64 * 4, 4,
+                         32, counts_rows=first)
+    metrics._loader = SimpleNamespace(resized_from=None, skipped_shards=0, pinned_bytes=0)
+    metrics._uuid = "cpu"
+    metrics.steps_this_run = 3
+    values = metrics._current_values()
+    assert values["memtrain_train_samples_total"] == (3 * 4 if first else 0)
+    assert values["memtrain_train_tokens_total"] == 3 * 4 * 32
+    metrics.close()
+
+
 def test_the_time_left_is_the_steps_to_go_at_the_mean_step_time(tmp_path: Path) -> None:
     from trainer.telemetry.run_metrics import RunMetrics
 

@@ -90,7 +90,10 @@ class RunMetrics:
     run_name: str
     tokens_per_step: int  # all ranks together
     samples_per_rank_step: int
-    seq_len: int
+    seq_len: int  # the tokens this rank holds of each row
+    # False on a sequence-parallel group's other ranks: they hold parts of the first's rows,
+    # whose samples are counted there once (their tokens are their own)
+    counts_rows: bool = True
     wall_start: float = field(default_factory=time.perf_counter)
     steps_this_run: int = 0
     skipped_steps: int = 0
@@ -150,7 +153,7 @@ class RunMetrics:
             "memtrain_train_world_size_changes_total": int(
                 self._loader.resized_from is not None),
             # This run's running totals (since the last start or resume).
-            "memtrain_train_samples_total": samples,
+            "memtrain_train_samples_total": samples if self.counts_rows else 0,
             "memtrain_train_tokens_total": samples * self.seq_len,
             "memtrain_train_skipped_steps_total": self.skipped_steps,
             "memtrain_data_wait_seconds_total": self.wait_seconds,
