@@ -174,6 +174,17 @@ def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) ->
     assert "--device-memory 'lots'" in result.stderr
 
 
+def test_plan_divides_the_global_batch_over_the_sequence_groups(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """4 workers in sequence groups of 2 are 2 data ranks: a global batch of 2 is one row
+    each, as ``train`` splits it, not a batch 4 workers cannot share."""
+    result = memtrain_here(capsys, "plan", "-c", DEMO, "--workers", "4", "--set",
+                           "parallel.sequence=2", "--set", "train.global_batch_size=2",
+                           "--set", "train.micro_batch_size=1")
+    assert result.returncode == 0, result.stderr
+    assert "micro-batch 1 x accumulation 1 x 2 workers" in result.stdout
+
+
 def test_plan_refuses_bf16_weights_where_auto_gives_fp32(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """``plan`` refuses what ``train`` refuses: bf16 weights compute only in bf16, and
