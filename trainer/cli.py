@@ -115,7 +115,7 @@ def train_command(
         from trainer.launch.local import launch_local
 
         summary = launch_local(cfg, run_dir)
-    _print_summary(summary, time.perf_counter() - start)
+    _print_summary(summary, time.perf_counter() - start, cfg.parallel.sequence)
 
 
 def _step_list(text: str | None, option: str) -> list[int] | None:
@@ -129,7 +129,9 @@ def _step_list(text: str | None, option: str) -> list[int] | None:
                                  param_hint=option) from None
 
 
-def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
+def _print_summary(summary: dict[str, Any], wall_seconds: float, sequence: int = 1) -> None:
+    """The run's summary table; ``sequence``: ``parallel.sequence``, the ranks of a group that
+    read the same rows, so the global batch is micro x accumulation x the data ranks."""
     from monitoring.units import format_bytes
 
     table = Table(title=f"run {summary['run']}", show_header=False)
@@ -143,9 +145,9 @@ def _print_summary(summary: dict[str, Any], wall_seconds: float) -> None:
         ("workers x device", f"{summary['workers']} x {summary['device']}"),
         ("precision / activation ckpt", f"{summary['precision']} / "
                                         f"{summary['activation_checkpointing']}"),
-        ("micro-batch x accum x workers",
+        ("micro-batch x accum x " + ("workers" if sequence == 1 else "data ranks"),
          f"{summary['micro_batch_size']} x {summary['accumulation_steps']} x "
-         f"{summary['workers']} = {summary['global_batch_size']}"),
+         f"{summary['workers'] // sequence} = {summary['global_batch_size']}"),
         ("steps (this run)", f"{summary['final_step']} ({summary['steps_this_run']}, resumed "
                              f"from {fmt(summary['resumed_from_step'])})"),
         ("loss first -> final", f"{fmt(summary['first_loss'], '.4f')} -> "

@@ -172,20 +172,22 @@ class TrainConfig(_Strict):
             raise ConfigError("train.micro_batch_size is 'auto' and has not been resolved")
         return self.micro_batch_size
 
-    def accumulation_steps(self, world_size: int) -> int:
+    def accumulation_steps(self, world_size: int, sequence: int = 1) -> int:
         """Micro-batches per optimizer step on each rank; the global batch is kept exactly
-        (``trainer.batches``)."""
+        (``trainer.batches``). ``world_size``: the data ranks, the workers over ``sequence``
+        (``parallel.sequence``), which the refusal names."""
         try:
-            return accumulation_steps(self.global_batch_size, self.micro_batch(), world_size)
+            return accumulation_steps(self.global_batch_size, self.micro_batch(), world_size,
+                                      sequence)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
-    def per_rank_batch(self, world_size: int) -> int:
+    def per_rank_batch(self, world_size: int, sequence: int = 1) -> int:
         """Samples each rank trains per optimizer step, whatever the micro-batch (``auto``
-        too); a ConfigError naming both sizes where the workers do not divide the global
-        batch."""
+        too); a ConfigError naming both sizes where the data ranks (``world_size``, the workers
+        over ``sequence``) do not divide the global batch."""
         try:
-            return per_rank_batch(self.global_batch_size, world_size)
+            return per_rank_batch(self.global_batch_size, world_size, sequence)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 

@@ -10,27 +10,40 @@ torch), and gpu-check and the benches use it without pydantic.
 from __future__ import annotations
 
 
-def per_rank_batch(global_batch_size: int, world_size: int) -> int:
+def _ranks(sequence: int) -> str:
+    """What the global batch divides over: the workers, or under ``parallel.sequence`` the data
+    ranks (the sequence groups, whose ranks read the same rows)."""
+    return "workers" if sequence == 1 else f"data ranks (workers / parallel.sequence {sequence})"
+
+
+def per_rank_batch(global_batch_size: int, world_size: int, sequence: int = 1) -> int:
     """Samples each rank trains per optimizer step; ValueError naming both where the global
-    batch does not divide over the ranks."""
+    batch does not divide over the ranks. ``world_size``: the data ranks, the workers over
+    ``sequence`` (``parallel.sequence``, the ranks of a sequence group)."""
     per_rank, remainder = divmod(global_batch_size, world_size)
     if remainder:
         raise ValueError(f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-                         f"the workers ({world_size})")
+                         f"the {_ranks(sequence)} ({world_size})")
     return per_rank
 
 
-def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches per optimizer step on each rank; ValueError naming the world sizes that
-    keep this global batch where ``micro x world`` does not divide it."""
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int,
+                       sequence: int = 1) -> int:
+    """Micro-batches per optimizer step on each rank; ValueError naming the worker counts that
+    keep this global batch where ``micro x world`` does not divide it. ``world_size``: the data
+    ranks, the workers over ``sequence`` (``parallel.sequence``): the counts named are
+    multiples of it."""
     per_step = micro_batch_size * world_size
     if global_batch_size % per_step:
-        fits = [w for w in range(1, global_batch_size // micro_batch_size + 1)
-                if global_batch_size % (micro_batch_size * w) == 0]
+        fits = [sequence * ranks for ranks in range(1, global_batch_size // micro_batch_size + 1)
+                if global_batch_size % (micro_batch_size * ranks) == 0]
+        keep = (f"workers that keep this global batch: {', '.join(map(str, fits))}" if fits else
+                f"no number of workers keeps it: train.micro_batch_size ({micro_batch_size}) "
+                "does not divide it")
         raise ValueError(
             f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size x workers ({micro_batch_size} x {world_size}); workers "
-            f"that keep this global batch: {', '.join(map(str, fits))}")
+            f"train.micro_batch_size x {_ranks(sequence)} ({micro_batch_size} x {world_size}); "
+            f"{keep}")
     return global_batch_size // per_step
 
 

@@ -13,6 +13,12 @@ runs on gloo and NCCL alike.
 Grouped-query attention: where the key and value heads do not divide among the ranks, each is
 repeated (``kv_repeats``) until they do, as ALST does; autograd sums the copies' gradients.
 
+What the split would change is refused in one line rather than trained: an attention argument
+``hf_attention`` does not implement (attention sinks, softcapping, a sliding window shorter than
+the row), ``longrope`` factors chosen from a rank's positions, and decoder layers that mix tokens
+outside attention (short convolutions, state-space, recurrent and linear-attention blocks),
+which would see only a rank's slice.
+
 - ``apply_sequence_parallel(model, group)``: memtrain's GPT or an ``hf:`` model made to hold
   slices of rows (transformers' models through its attention interface, ``hf_attention``);
 - ``SequenceParallel``: the ``SequenceSplit`` the models ask (positions, masks, attention);
@@ -23,6 +29,7 @@ repeated (``kv_repeats``) until they do, as ALST does; autograd sums the copies'
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -32,10 +39,23 @@ from torch import nn
 
 from trainer.batches import RowSlice, TokenBatch
 from trainer.models.gpt import GPT, CausalSelfAttention, document_mask
-from trainer.models.hf import HFCausalLM
+from trainer.models.hf import HFCausalLM, decoder_layers_path
 from trainer.models.sequence_split import HF_SEQUENCE_KWARG
 
 HF_ATTENTION = "memtrain_ulysses"  # the name transformers' attention interface knows it by
+# Keyword arguments transformers carries through a model's layers to its attention function
+# that do not change what attention computes: the positions were applied by the rotary
+# embedding before it, the rest are cache and output flags. Any other that carries a value is
+# one ``hf_attention`` does not implement, and is refused rather than dropped.
+_NOT_ATTENTION_KWARGS = frozenset({"position_ids", "cache_position", "use_cache",
+                                   "output_attentions", "output_hidden_states",
+                                   "output_router_logits", "return_dict"})
+# Decoder-layer modules that mix tokens outside attention (state-space, recurrent, short
+# convolution and linear-attention blocks), by their class names' parts as transformers spells
+# them: run on a rank's slice they would see only its tokens.
+_TOKEN_MIXER_NAMES = re.compile(r"Mamba|Conv|Recurrent|Rglru|SSM|Ssm|DeltaNet|LinearAttention|"
+                                r"Lightning|Mixer|Rwkv")
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 def check_divisible(field: str, value: int, size: int) -> None:
@@ -221,26 +241,67 @@ class SequenceShapes(SequenceParallel):
 def hf_attention(module: nn.Module, query_BHTD: torch.Tensor, key_BKTD: torch.Tensor,
                  value_BKTD: torch.Tensor, attention_mask: torch.Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None,
                  **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention function (``HF_ATTENTION``) of a model split by
     ``apply_sequence_parallel``: queries, keys and values after the model's rotary embedding
     (of the global positions ``HFCausalLM`` passes), attended over whole rows by the
     ``SequenceSplit`` its forward carries; ``(B, T, H, D)`` out, as transformers' SDPA gives.
-    ``attention_mask``: the whole rows' mask (None: causal)."""
-    sequence = kwargs.get(HF_SEQUENCE_KWARG)
+    ``attention_mask``: the whole rows' mask (None: causal).
+
+    Raises:
+        ValueError: an argument it does not implement (``softcap``, attention sinks' ``s_aux``,
+            a sliding window shorter than the row), attention that is not causal, or rotary
+            factors that depend on the positions a rank holds (``longrope``).
+    """
+    sequence = kwargs.pop(HF_SEQUENCE_KWARG, None)
+    name = type(module).__name__
     if sequence is None:
-        raise ValueError(f"{type(module).__name__}: attention '{HF_ATTENTION}' was called without "
+        raise ValueError(f"{name}: attention '{HF_ATTENTION}' was called without "
                          "its sequence split (HFCausalLM's forward passes it)")
-    for unsupported in ("sliding_window", "softcap"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"{type(module).__name__}: attention with {unsupported} is not "
-                             "supported under sequence parallelism")
-    if not getattr(module, "is_causal", True):
-        raise ValueError(f"{type(module).__name__}: attention that is not causal is not "
-                         "supported under sequence parallelism")
+    seq_len = query_BHTD.shape[2] * sequence.size
+    if softcap is not None:
+        raise ValueError(f"{name}: attention with softcap is not supported under sequence "
+                         "parallelism")
+    # transformers' window: a token attends to the last ``sliding_window`` tokens, itself
+    # included, so a window of at least the row's length masks nothing
+    if sliding_window is not None and sliding_window < seq_len:
+        raise ValueError(f"{name}: sliding_window {sliding_window} is shorter than seq_len "
+                         f"{seq_len}, which sequence parallelism attends whole (a window of "
+                         "at least seq_len is taken)")
+    if not getattr(module, "is_causal", True) or kwargs.pop("is_causal", True) is False:
+        raise ValueError(f"{name}: attention that is not causal is not supported under "
+                         "sequence parallelism")
+    for key, value in kwargs.items():
+        if key not in _NOT_ATTENTION_KWARGS and value is not None and value is not False:
+            raise ValueError(f"{name}: attention argument {key} ({type(value).__name__}) is "
+                             "not supported under sequence parallelism")
+    _check_rope(name, getattr(module, "config", None), seq_len)
     output_BTHD = sequence.attend(query_BHTD.transpose(1, 2), key_BKTD.transpose(1, 2),
                                   value_BKTD.transpose(1, 2), attention_mask, dropout, scaling)
     return output_BTHD, None
+
+
+def _check_rope(name: str, config: Any, seq_len: int) -> None:
+    """ValueError where the rotary embedding of a model's ``config`` depends on which tokens a
+    rank holds: ``longrope`` takes its long factors where the largest position it is given
+    reaches past ``original_max_position_embeddings``, which a whole row of ``seq_len`` tokens
+    may do and a rank's slice not. (``dynamic`` rope grows only past
+    ``max_position_embeddings``, which ``model.seq_len`` may not exceed.)"""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(parameters, dict):
+        return
+    # one set of parameters, or one per layer type (Gemma 3's full and sliding attention)
+    for rope in [parameters] if "rope_type" in parameters or "type" in parameters \
+            else [p for p in parameters.values() if isinstance(p, dict)]:
+        if rope.get("rope_type", rope.get("type")) != "longrope":
+            continue
+        original = rope.get("original_max_position_embeddings") or \
+            getattr(config, "original_max_position_embeddings", None)
+        if original is not None and seq_len > original:
+            raise ValueError(f"{name}: rope_type 'longrope' under sequence parallelism needs "
+                             f"seq_len {seq_len} at most original_max_position_embeddings "
+                             f"{original} (each rank picks its factors from its own positions)")
 
 
 def apply_sequence_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -286,6 +347,28 @@ def _split_hf(model: HFCausalLM, size: int) -> None:
         raise ValueError(f"{type(hf).__name__}: its attention does not go through transformers' "
                          "attention interface, which sequence parallelism replaces")
     config = hf.config.get_text_config()
+    mixer = _token_mixer(model)
+    if mixer is not None:
+        raise ValueError(f"{type(hf).__name__}: {mixer} mixes tokens outside attention, which "
+                         "sequence parallelism would run on each rank's slice alone")
     check_divisible("num_attention_heads", config.num_attention_heads, size)
     AttentionInterface.register(HF_ATTENTION, hf_attention)
     hf.set_attn_implementation(HF_ATTENTION)
+
+
+def _token_mixer(model: HFCausalLM) -> str | None:
+    """The first of ``model``'s decoder layers' modules that mixes tokens other than by
+    attention (named, with its class), or a layer type of its config that is not attention;
+    None where there is none."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, named as a convolution
+
+    for name, module in model.blocks.named_modules(prefix=decoder_layers_path(model.hf)):
+        cls = type(module).__name__
+        if isinstance(module, nn.Conv1d) or \
+                (_TOKEN_MIXER_NAMES.search(cls) and not isinstance(module, Conv1D)):
+            return f"{name} ({cls})"
+    layer_types = getattr(model.hf.config.get_text_config(), "layer_types", None) or ()
+    for index, layer_type in enumerate(layer_types):
+        if layer_type not in _ATTENTION_LAYER_TYPES:
+            return f"config.layer_types[{index}] '{layer_type}'"
+    return None
