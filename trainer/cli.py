@@ -269,10 +269,12 @@ def plan_command(
         _fail("--measure runs plans on this machine's CPU, and the config trains on GPUs "
               "(parallel.use_gpu: true); measure a CPU config", 2)
     if cfg.train.micro_batch_size == "auto":  # every micro-batch the global batch allows
-        cfg.train.per_rank_batch(cfg.parallel.data_workers(cfg.parallel.workers))
+        cfg.train.per_rank_batch(cfg.parallel.data_workers(cfg.parallel.workers),
+                                 cfg.parallel.sequence)
     else:
         # a ConfigError naming sizes that fit; the batch divides over the sequence groups
-        cfg.train.accumulation_steps(cfg.parallel.data_workers(cfg.parallel.workers))
+        cfg.train.accumulation_steps(cfg.parallel.data_workers(cfg.parallel.workers),
+                                     cfg.parallel.sequence)
     check_weight_precision(cfg)
     print_plan(console, cfg, budget, device_memory, gpu=gpu, calibrate=calibrate,
                measure_top=top if measure else 0, measure_steps=steps)

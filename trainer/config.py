@@ -487,12 +487,16 @@ def strategy_combinations(cfg: Config) -> None:
                              "'auto': without accumulation the micro-batch is the global "
                              "batch over the workers; set it")
         for workers in sorted(set(cfg.parallel.worker_range)):
-            if train.accumulation_steps(cfg.parallel.data_workers(workers)) > 1:
+            ranks = cfg.parallel.data_workers(workers)
+            if train.accumulation_steps(ranks, cfg.parallel.sequence) > 1:
+                named = f"{workers} workers" if ranks == workers else \
+                    f"{ranks} data ranks ({workers} workers / parallel.sequence " \
+                    f"{cfg.parallel.sequence})"
                 raise ValueError(
                     f"memory.optimizer_in_backward needs one micro-batch per step: "
                     f"train.global_batch_size {train.global_batch_size} over "
-                    f"train.micro_batch_size {train.micro_batch_size} x {workers} workers "
-                    "accumulates; set micro_batch_size to global_batch_size / workers")
+                    f"train.micro_batch_size {train.micro_batch_size} x {named} "
+                    f"accumulates; set micro_batch_size to global_batch_size / {ranks}")
     if memory.activation_offload == "checkpointed" and \
             memory.activation_checkpointing == "none":
         raise ValueError("memory.activation_offload 'checkpointed' with "

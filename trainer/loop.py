@@ -330,13 +330,15 @@ class Trainer:
                      loader.resized_from, self.data.world_size, loader.epoch,
                      loader.batches_in(loader.epoch) - loader.batch_index)
         log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
-                 "(blocks %s), micro-batch %d x accumulation %d x %d workers = global batch "
+                 "(blocks %s), micro-batch %d x accumulation %d x %d %s = global batch "
                  "%d; %s", cfg.run.name, ctx.world_size, ctx.device.type,
                  f"{precision.name} ({precision.reason}{self.parallel.precision_route()})",
                  cfg.memory.activation_checkpointing,
                  checkpointed_blocks(state.unwrapped), plan.micro_batch_size,
-                 plan.accumulation_steps, self.data.world_size, cfg.train.global_batch_size,
-                 where)
+                 plan.accumulation_steps, self.data.world_size,
+                 "workers" if self.data.sequence == 1 else
+                 f"data ranks (sequence groups of {self.data.sequence})",
+                 cfg.train.global_batch_size, where)
         if state.schedule_change is not None:
             log.info("%s", state.schedule_change)
         description = self.parallel.describe()

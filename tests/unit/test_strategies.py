@@ -258,6 +258,11 @@ def test_each_strategy_resumes_exactly(overrides: tuple[str, ...], corpus_dir: P
     (("memory.optimizer_in_backward=true", "train.grad_clip=0"),
      "needs one micro-batch per step: train.global_batch_size 16 over "
      "train.micro_batch_size 4"),
+    # the sequence groups share rows: the batch divides over the data ranks
+    (("memory.optimizer_in_backward=true", "train.grad_clip=0", "parallel.workers=2",
+      "parallel.sequence=2", "train.global_batch_size=8", "train.micro_batch_size=4"),
+     r"train.micro_batch_size 4 x 1 data ranks \(2 workers / parallel.sequence 2\) "
+     "accumulates; set micro_batch_size to global_batch_size / 1"),
     (("memory.optimizer_in_backward=true", "train.grad_clip=0", "memory.precision=fp16"),
      "memory.precision 'fp16'"),
     (("memory.optimizer_in_backward=true", "train.grad_clip=0", "train.micro_batch_size=16",

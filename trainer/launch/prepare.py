@@ -214,7 +214,7 @@ def _check_world_sizes(cfg: Config) -> None:
     low, high = cfg.parallel.worker_range
     for world in range(low, high + 1):
         # a ConfigError naming the sizes that fit
-        cfg.train.accumulation_steps(cfg.parallel.data_workers(world))
+        cfg.train.accumulation_steps(cfg.parallel.data_workers(world), cfg.parallel.sequence)
 
 
 def _check_datasets(cfg: Config) -> None:

@@ -241,7 +241,7 @@ def decide(cfg: Config, speed: SpeedModel | None = None, probe: Probe | None = N
     norm_auto = cfg.memory.bf16_norm_inputs == "auto"
     if not (searching or norm_auto):
         return cfg, None
-    cfg.train.per_rank_batch(data_ranks(cfg))
+    cfg.train.per_rank_batch(data_ranks(cfg), cfg.parallel.sequence)
     if norm_auto and not searching and planned_precision(cfg) != "bf16":
         # the copies exist only under bf16 autocast: nothing to plan
         return resolved(cfg, None, False), None
