@@ -5,9 +5,10 @@ attention, ``trainer.parallel.sequence``); gradients are reduced over the whole 
 FSDP as without the split.
 
 Why the loss needs nothing more: each rank divides its slice's summed loss by its slice's
-trained targets (``step_tokens`` over ``local_rows``), and the reduction averages over all ``W``
-ranks, so the gradient is that of the mean over the global batch, as at ``W / N`` ranks on whole
-rows. The all-to-alls' backward carries each rank's gradient to the ranks that hold the heads it
+trained targets where every target is trained, and by the global count over ``W`` where a mask
+or packing leaves some out (``step_tokens`` over ``local_rows``; a slice may train none); the
+reduction averages over all ``W`` ranks, so the gradient is that of the mean over the global
+batch, as at ``W / N`` ranks on whole rows. The all-to-alls' backward carries each rank's gradient to the ranks that hold the heads it
 attended with.
 
 ``SequenceDDP`` and ``SequenceFSDP`` are DDP and FSDP with the split added by
