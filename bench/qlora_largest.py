@@ -10,11 +10,16 @@ and trained for one step. Each worker's resident memory is sampled from outside 
 its first sample (the fork server's imports) through the end of step 1. The layer count is
 doubled until a trial does not fit, then bisected.
 
-The model: width 512, 8 heads on 2 key/value heads, MLP 1,408 (every block's weight fills NF4's
-blocks in each of 4 ranks' row shards), vocabulary 4,096, untied: about 2.8M parameters a
-layer and 4.2M in the embedding and output layer, which with the activations and the gathered
-block do not shrink with the base's dtype. The weights are random (bf16, written layer by
-layer, one file each; a trial's directory names its first L).
+The model: width 1,024 (``--width``; 512 is the other choice), 8 heads on 2 key/value heads, MLP
+2.75x as wide (every block's weight fills NF4's blocks in each of 4 ranks' row shards),
+vocabulary 4,096, untied: 11.3M parameters a layer (2.8M at width 512) and 8.4M in the
+embedding and output layer. What a layer costs a rank beyond its base shard does not shrink
+with the base's dtype: the adapters with their gradients and AdamW state, the checkpointed
+block input, and about 0.8 MiB of objects (Python's modules, about 84 a layer with PEFT's, and
+the tensors' and FSDP's C++ metadata; ``bench.qlora_layer_bytes``) whatever the width. At width
+512 those outweigh a rank's NF4 shard of the layer (0.39 MiB); at 1,024 the shard is 1.5 MiB
+against bf16's 5.4, nearer a real model's proportions. The weights are random (bf16, written
+layer by layer, one file each; a trial's directory names its first L).
 
 Target: on 4 ranks, at least 2.5x the parameters with the NF4 base (2 against about 0.56
 bytes a base parameter). Run: ``make bench-qlora-largest`` or ``python -m bench.qlora_largest
@@ -42,16 +47,24 @@ from bench.fsdp_resident import Sampler
 from bench.results import cpu_description, describe_cpu, write_json
 
 REPO = Path(__file__).resolve().parent.parent
-LLAMA = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1408,
-         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512,
-         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# The MLP's width for each model width (2.75x, rounded so every weight fills NF4's blocks in
+# each of 4 ranks' row shards).
+MLP = {512: 1408, 1024: 2816}
+
+
+def llama(width: int) -> dict[str, Any]:
+    """The Llama's config, but for its layer count."""
+    return {"vocab_size": 4096, "hidden_size": width, "intermediate_size": MLP[width],
+            "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 SEQ_LEN = 256
 MIB = 1 << 20
 
 
-def _layer_shapes(index: int) -> dict[str, tuple[int, ...]]:
-    hidden, inter = LLAMA["hidden_size"], LLAMA["intermediate_size"]
-    kv = hidden * LLAMA["num_key_value_heads"] // LLAMA["num_attention_heads"]
+def _layer_shapes(index: int, width: int) -> dict[str, tuple[int, ...]]:
+    config = llama(width)
+    hidden, inter = width, config["intermediate_size"]
+    kv = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
     shapes = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (kv, hidden),
               "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, hidden),
               "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
@@ -60,24 +73,24 @@ def _layer_shapes(index: int) -> dict[str, tuple[int, ...]]:
     return {f"model.layers.{index}.{name}": shape for name, shape in shapes.items()}
 
 
-def _layer_tensors(index: int) -> dict[str, Any]:
+def _layer_tensors(index: int, width: int) -> dict[str, Any]:
     import torch
 
     generator = torch.Generator().manual_seed(index)
     return {name: torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1
             else (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-            for name, shape in _layer_shapes(index).items()}
+            for name, shape in _layer_shapes(index, width).items()}
 
 
-def model_dir(work: Path, layers: int) -> tuple[Path, int]:
+def model_dir(work: Path, layers: int, width: int = 512) -> tuple[Path, int]:
     """A directory whose config names ``layers`` layers over the shared weight files (written
     as first needed); returns it and the model's parameter count."""
     import torch
     from safetensors.torch import save_file
 
-    weights = work / "weights"
+    weights = work / ("weights" if width == 512 else f"weights-{width}")
     weights.mkdir(parents=True, exist_ok=True)
-    hidden, vocab = LLAMA["hidden_size"], LLAMA["vocab_size"]
+    hidden, vocab = width, llama(width)["vocab_size"]
     if not (weights / "outside.safetensors").is_file():
         generator = torch.Generator().manual_seed(10_000)
         save_file({"model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=generator)
@@ -92,11 +105,11 @@ def model_dir(work: Path, layers: int) -> tuple[Path, int]:
     for index in range(layers):
         path = weights / f"layer-{index:04d}.safetensors"
         if not path.is_file():
-            save_file(_layer_tensors(index), str(path))
-        shapes = _layer_shapes(index)
+            save_file(_layer_tensors(index, width), str(path))
+        shapes = _layer_shapes(index, width)
         params += sum(math.prod(shape) for shape in shapes.values())
         weight_map.update(dict.fromkeys(shapes, path.name))
-    directory = work / f"llama-{layers}"
+    directory = work / (f"llama-{layers}" if width == 512 else f"llama-{width}-{layers}")
     directory.mkdir(exist_ok=True)
     for file in set(weight_map.values()):
         link = directory / file
@@ -106,15 +119,15 @@ def model_dir(work: Path, layers: int) -> tuple[Path, int]:
         {"metadata": {}, "weight_map": weight_map}))
     (directory / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "rms_norm_eps": 1e-6, "num_hidden_layers": layers, **LLAMA}))
+        "rms_norm_eps": 1e-6, "num_hidden_layers": layers, **llama(width)}))
     return directory, params
 
 
 def trial(work: Path, data: Path, layers: int, base_dtype: str, workers: int,
-          budget: int) -> dict[str, Any]:
+          budget: int, width: int) -> dict[str, Any]:
     """One fine-tune of L layers for one step (``run_trial``, in a process of its own); its
     workers' peaks and whether every one fits ``budget``."""
-    directory, params = model_dir(work, layers)
+    directory, params = model_dir(work, layers, width)
     spec = {"model": str(directory), "data": str(data), "runs": str(work / "runs"),
             "base_dtype": base_dtype, "workers": workers,
             "name": f"{base_dtype}-{workers}-{layers}-{time.strftime('%H%M%S')}"}
@@ -176,13 +189,13 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def largest(work: Path, data: Path, base_dtype: str, workers: int, budget: int,
-            start: int) -> dict[str, Any]:
+            start: int, width: int) -> dict[str, Any]:
     """The most layers that fit: doubled from ``start`` until a trial does not fit, then
     bisected to the layer."""
     trials: list[dict[str, Any]] = []
 
     def fits(layers: int) -> bool:
-        trials.append(trial(work, data, layers, base_dtype, workers, budget))
+        trials.append(trial(work, data, layers, base_dtype, workers, budget, width))
         print(f"{base_dtype} x{workers}: {json.dumps(trials[-1])}", flush=True)
         return bool(trials[-1]["fits"])
 
@@ -202,6 +215,8 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the weights, data and runs go")
     parser.add_argument("--budget-mib", type=int, default=192, help="per rank")
     parser.add_argument("--workers", default="1,4")
+    parser.add_argument("--width", type=int, default=1024, choices=sorted(MLP),
+                        help="the model's width (hidden size)")
     parser.add_argument("--trial", help=argparse.SUPPRESS)  # one trial, in its own process
     args = parser.parse_args()
     if args.trial:
@@ -217,7 +232,7 @@ def main() -> None:
     for workers in map(int, args.workers.split(",")):
         for base_dtype in ("bf16", "nf4"):
             rows[f"{base_dtype} x{workers}"] = largest(work, data, base_dtype, workers, budget,
-                                                        start=4 * workers)
+                                                        start=4 * workers, width=args.width)
         bf16, nf4 = (rows[f"{d} x{workers}"]["largest"] for d in ("bf16", "nf4"))
         if bf16 and nf4:
             rows[f"ratio x{workers}"] = round(nf4["parameters"] / bf16["parameters"], 2)
@@ -226,7 +241,7 @@ def main() -> None:
                   flush=True)
     cpu = cpu_description()
     report = {"machine": describe_cpu(cpu), "cpu": cpu, "budget_mib": args.budget_mib,
-              "llama": LLAMA, "seq_len": SEQ_LEN, "rows": rows}
+              "llama": llama(args.width), "seq_len": SEQ_LEN, "rows": rows}
     print(f"bench.qlora_largest: {write_json(args.out, 'qlora-largest', report)}")
 
 
