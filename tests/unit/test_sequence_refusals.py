@@ -81,6 +81,19 @@ def test_models_only_attention_mixes_are_split(kind: str, fields: dict[str, Any]
     assert _split_forward(_model(kind, **fields)).shape == (1, _T // 2, 64)
 
 
+@pytest.mark.parametrize("checkpointing,tiles", [("full", 1), ("none", 4), ("full", 2)])
+def test_layers_wrapped_by_the_memory_transforms_are_split(checkpointing: str,
+                                                           tiles: int) -> None:
+    """The split comes after the memory transforms (``Parallelism.build``'s order): layers
+    wrapped by activation checkpointing or the tiled MLP are still found and checked."""
+    from trainer.models.build import MemoryTransforms, apply_transforms
+
+    model = _model("Llama", **_COMMON)
+    apply_transforms(model, MemoryTransforms(activation_checkpointing=checkpointing,
+                                             tiled_mlp=tiles))
+    assert _split_forward(model).shape == (1, _T // 2, 64)
+
+
 def test_longrope_is_refused_where_a_row_reaches_past_its_original_length() -> None:
     rope = {"rope_type": "longrope", "rope_theta": 100.0, "short_factor": [1.0] * 4,
             "long_factor": [4.0] * 4, "original_max_position_embeddings": _T // 2}

@@ -39,7 +39,7 @@ from torch import nn
 
 from trainer.batches import RowSlice, TokenBatch
 from trainer.models.gpt import GPT, CausalSelfAttention, document_mask
-from trainer.models.hf import HFCausalLM, decoder_layers_path
+from trainer.models.hf import HFCausalLM
 from trainer.models.sequence_split import HF_SEQUENCE_KWARG
 
 HF_ATTENTION = "memtrain_ulysses"  # the name transformers' attention interface knows it by
@@ -362,7 +362,9 @@ def _token_mixer(model: HFCausalLM) -> str | None:
     None where there is none."""
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, named as a convolution
 
-    for name, module in model.blocks.named_modules(prefix=decoder_layers_path(model.hf)):
+    # named as in the transformers model (``model.layers.0...``); the layers may be wrapped by
+    # now (activation checkpointing, the tiled MLP), so their path is the one found at build
+    for name, module in model.blocks.named_modules(prefix=model._layers.removeprefix("hf.")):
         cls = type(module).__name__
         if isinstance(module, nn.Conv1d) or \
                 (_TOKEN_MIXER_NAMES.search(cls) and not isinstance(module, Conv1D)):
