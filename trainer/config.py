@@ -390,8 +390,9 @@ class Config(_Strict):
             raise ValueError("parallel.fsdp.reduce_dtype 'bf16' with memory.precision 'fp32': "
                              "bf16 gradient reduction is mixed precision; set "
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
-        strategy_combinations(self)
+        # bf16 weights first: with LoRA their refusal is the one whose fix applies
         weight_dtype_combinations(self)
+        strategy_combinations(self)
         sequence_combinations(self)
         workers = self.parallel.workers
         group = fsdp.reshard_after_forward
@@ -451,10 +452,10 @@ def weight_dtype_combinations(cfg: Config) -> None:
         return
     lora = cfg.model.lora
     if lora is not None:  # first: the fixes below do not apply to a LoRA run
-        base = "bf16" if lora.base_dtype == "fp32" else lora.base_dtype
+        fix = ("for a bf16 base set model.lora.base_dtype bf16" if lora.base_dtype == "fp32"
+               else f"model.lora.base_dtype {lora.base_dtype} already sets the base's dtype")
         raise ValueError(f"model.dtype 'bf16' with model.lora: LoRA's adapters train in fp32 "
-                         f"over a frozen base; for a {base} base set model.lora.base_dtype "
-                         f"{base} and leave model.dtype fp32")
+                         f"over a frozen base; {fix} and leave model.dtype fp32")
     if memory.precision in ("fp32", "fp16"):
         raise ValueError(f"model.dtype 'bf16' with memory.precision {memory.precision!r}: "
                          "bf16 weights compute in bf16; set memory.precision bf16 (or auto)")

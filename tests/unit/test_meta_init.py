@@ -174,3 +174,30 @@ def test_an_initialisation_that_draws_nothing_on_meta_cannot_be_recorded(init: s
     with pytest.raises(ValueError, match=f"torch.nn.init.{init} draws nothing on the meta"):
         meta_init.record(factory)
     assert nn.init.trunc_normal_(torch.zeros(4, 4), std=0.02).abs().sum() > 0  # restored
+
+
+class _Views(nn.Module):
+    """A tied embedding and output layer, and two buffers that are rows of one cache (as some
+    rotary modules keep ``cos`` and ``sin``): one storage each, tied only in the first case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.wte.weight
+        angles = torch.arange(6.0)[:, None] * torch.arange(1.0, 5.0)[None, :]
+        cache = torch.stack([angles.cos(), angles.sin()])
+        self.register_buffer("cos", cache[0], persistent=False)
+        self.register_buffer("sin", cache[1], persistent=False)
+
+
+def test_one_process_meta_build_ties_the_same_view_only() -> None:
+    """After ``to_empty`` the one-process build ties again what the model tied (the same view
+    of a storage), and keeps different views of one storage apart, each with its own values."""
+    from trainer.models.build import MemoryTransforms, build_on_meta
+
+    model = build_on_meta(_Views, MemoryTransforms(), torch.device("cpu"), 4)
+    host = _host(_Views, 4)
+    _assert_same(dict(meta_init.module_tensors(model)), host)
+    assert model.head.weight is model.wte.weight
+    assert model.sin is not model.cos

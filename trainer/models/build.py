@@ -267,14 +267,23 @@ def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: t
 
 
 def _tie_again(tensors: dict[int, list[Owner]]) -> None:
-    """``to_empty`` gives each module a tensor of its own: the ones the model ties (one storage
-    under several names, an embedding and its output layer) are made one again."""
+    """``to_empty`` gives each module a tensor of its own: the ones the model ties (one tensor
+    under several names, an embedding and its output layer) are made one again. Tied means the
+    same view of the storage; different views of one storage (``cos`` and ``sin`` as rows of
+    one cache) stay tensors of their own, each filled with its own values."""
     for found in tensors.values():
-        first = getattr(found[0].module, found[0].name)
-        for owner in found[1:]:
+        for index, owner in enumerate(found):
+            same = next(first for first in found[:index + 1]
+                        if _same_view(first.meta, owner.meta))
+            if same is owner:
+                continue
             module = owner.module
             kept = module._parameters if owner.name in module._parameters else module._buffers
-            kept[owner.name] = first
+            kept[owner.name] = getattr(same.module, same.name)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.storage_offset(), a.shape, a.stride()) == (b.storage_offset(), b.shape, b.stride())
 
 
 def _bf16_parameters(model: nn.Module) -> None:

@@ -8,8 +8,8 @@ Why the loss needs nothing more: each rank divides its slice's summed loss by it
 trained targets where every target is trained, and by the global count over ``W`` where a mask
 or packing leaves some out (``step_tokens`` over ``local_rows``; a slice may train none); the
 reduction averages over all ``W`` ranks, so the gradient is that of the mean over the global
-batch, as at ``W / N`` ranks on whole rows. The all-to-alls' backward carries each rank's gradient to the ranks that hold the heads it
-attended with.
+batch, as at ``W / N`` ranks on whole rows. The all-to-alls' backward carries each rank's
+gradient to the ranks that hold the heads it attended with.
 
 ``SequenceDDP`` and ``SequenceFSDP`` are DDP and FSDP with the split added by
 ``SplitSequences``: the model's attention switched to the split between the memory transforms
