@@ -142,7 +142,7 @@ bench-qlora: setup ## QLoRA's eval loss against LoRA on a bf16 base over the sam
 bench-qlora-largest: setup ## The largest Llama whose LoRA fine-tune fits 192 MiB a rank: NF4 base against bf16, 1 and 4 ranks
 	$(BIN)/python -m bench.qlora_largest --out bench/results
 
-bench-long: setup ## The longest sequence whose step fits 256 MiB a rank on 4 gloo ranks: one row a rank vs sequence parallel 4 + tiled MLP
+bench-long: setup ## The longest sequence whose step fits 96 MiB a rank on 4 gloo ranks: one row a rank vs sequence parallel 4 + tiled MLP
 	$(BIN)/python -m bench.long_sequence --out bench/results
 
 bench-metrics: setup ## Cost of recording the metrics contract as a share of step time (<= 1%)

@@ -2,9 +2,10 @@
 best plan for a long row on one rank against the row split over the 4 ranks
 (``parallel.sequence: 4``) with the tiled MLP.
 
-Each trial is the product itself: ``memtrain train`` with the local launcher, memtrain's GPT
-(vocabulary 256, 4 layers, 4 heads, width 128, fp32), one step, on 4 workers, under one of two
-plans:
+Each trial is the product itself: ``memtrain train`` with the local launcher, one step, on 4
+workers, of memtrain's GPT (vocabulary 256, 4 layers, 4 heads, width 128, fp32) or, with
+``--model llama``, an ``hf:`` Llama of the same shape (MLP 512, rotary positions, seeded
+weights), under one of two plans:
 
 - ``single``: each rank trains a row of its own (DDP over 4 ranks, global batch 4), with full
   activation checkpointing, ``memory.activation_offload: checkpointed`` and the chunked loss;
@@ -15,7 +16,9 @@ plans:
 Each worker's resident memory is sampled from outside every 0.1 s
 (``bench.fsdp_resident.Sampler``); a trial fits when every worker's anonymous resident memory
 stays within the budget above its first sample (the fork server's imports) through the end of
-the run (step 1 and the checkpoint a run saves at its end, of the weights' size).
+the run (step 1 and the checkpoint a run saves at its end, of the weights' size). Both plans'
+workers run with glibc returning freed memory (``RETURNED_HEAP``), as a run short of memory
+would.
 ``model.seq_len`` is doubled until a trial does not fit, then bisected to 1/16 of the longest
 that fits (in multiples of 256 tokens). The data are the standard library's bytes in
 rows of ``seq_len + 1`` (``datapipe.corpus``), one dataset per length, as a run refuses rows
@@ -25,14 +28,16 @@ Beside each trial: the planner's predicted peak for the rank (``trainer.plan.pea
 on the run's config, its activation offload's host bytes added, as on a CPU they are the same
 memory) and step time, and the step's measured time (rank 0's ``step_seconds``).
 
-The model's weights are small beside its activations at these lengths, except its learned
-positions (``seq_len x 128`` weights with their gradients and AdamW state), which grow with
-the sequence and which every rank holds whole under either plan. The loss is chunked by 1,024
-tokens (``--loss-chunk-tokens``): ``auto`` sizes a chunk for 256 MiB of fp32 logits, which at
-a vocabulary of 256 is the whole row.
+The model's weights are small beside its activations at these lengths, except the GPT's
+learned positions (``seq_len x 128`` weights with their gradients and AdamW state), which grow
+with the sequence and which every rank holds whole under either plan; the Llama has none.
+The loss is chunked by 1,024 tokens (``--loss-chunk-tokens``): ``auto`` sizes a chunk for
+256 MiB of fp32 logits, which at a vocabulary of 256 is the whole row.
 
 Target: a sequence at least 3.5x longer with ``sequence``. Run: ``make bench-long`` or
-``python -m bench.long_sequence --out bench/results`` (``--budget-mib`` per rank, default 256).
+``python -m bench.long_sequence --out bench/results`` (the Llama, ``--budget-mib`` 96 a rank and
+lengths from 2,048 by default: a budget that keeps the longest trials' attention within
+minutes on 2 CPUs).
 """
 
 from __future__ import annotations
@@ -54,11 +59,23 @@ from bench.results import cpu_description, describe_cpu, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = {"vocab_size": 256, "n_layer": 4, "n_head": 4, "n_embd": 128}
+# The same shape as an hf: Llama (rotary positions: nothing in it grows with the sequence)
+LLAMA: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1 << 20,
+    "tie_word_embeddings": True}
 WORKERS = 4
 TILES = 8
 STEP_TOKENS = 256  # the search's granularity; a multiple of the sequence degree
 MIB = 1 << 20
 PLANS = ("single", "sequence")
+# glibc's malloc as FSDP's CPU workers set it (``trainer.memory.allocator``
+# ``return_freed_host_memory``: an allocation above 128 KiB mapped on its own and unmapped when
+# freed), for both plans' workers alike: a DDP worker otherwise keeps freed memory in its heap
+# for the next step's speed, and its resident peak is then about twice its tensors' (a
+# 1,024-token row of the Llama: 69 MiB resident, 33.6 MiB in the allocator's record). A user's
+# own malloc variables are left alone by memtrain, so this is how one chooses it.
+RETURNED_HEAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def dataset(work: Path, seq_len: int) -> Path:
@@ -72,12 +89,24 @@ def dataset(work: Path, seq_len: int) -> Path:
     return data
 
 
+def llama_dir(work: Path) -> Path:
+    """``LLAMA``'s config.json (no weights: the seeded build's are used)."""
+    import transformers
+
+    directory = work / "llama"
+    if not (directory / "config.json").is_file():
+        transformers.LlamaConfig(**LLAMA).save_pretrained(directory)
+    return directory
+
+
 def settings(spec: dict[str, Any]) -> list[str]:
     """The run's ``--set`` values for ``spec``'s plan and length, with the workers that
     ``prepare_run`` accepts on this machine (``run_trial`` sets the 4 after it)."""
     data = Path(spec["data"])
     sequence = spec["plan"] == "sequence"
-    return [*(f"model.{key}={value}" for key, value in GPT.items()), "model.name=gpt",
+    model = [f"model.name=hf:{spec['llama']}"] if spec.get("llama") else \
+        [*(f"model.{key}={value}" for key, value in GPT.items()), "model.name=gpt"]
+    return [*model,
             f"model.seq_len={spec['seq_len']}", "memory.precision=fp32",
             "memory.bf16_norm_inputs=false", "memory.activation_checkpointing=full",
             "memory.activation_offload=checkpointed",
@@ -141,10 +170,11 @@ def trial(work: Path, plan: str, seq_len: int, args: argparse.Namespace) -> dict
     spec = {"plan": plan, "seq_len": seq_len, "data": str(dataset(work, seq_len)),
             "runs": str(work / "runs"), "tiles": args.tiles,
             "loss_chunk_tokens": args.loss_chunk_tokens,
+            "llama": str(llama_dir(work)) if args.model == "llama" else None,
             "name": f"{plan}-{seq_len}-{time.strftime('%H%M%S')}"}
     done = subprocess.run([sys.executable, "-m", "bench.long_sequence", "--trial",
                            json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
-                          timeout=args.trial_timeout)
+                          timeout=args.trial_timeout, env={**os.environ, **RETURNED_HEAP})
     result: dict[str, Any] = {"seq_len": seq_len}
     if done.returncode != 0:
         return {**result, "fits": False, "failed": done.stderr.strip().splitlines()[-1:]}
@@ -177,11 +207,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default=None, help="where the data and runs go")
-    parser.add_argument("--budget-mib", type=int, default=256, help="per rank")
+    parser.add_argument("--budget-mib", type=int, default=96, help="per rank")
     parser.add_argument("--plans", default=",".join(PLANS))
-    parser.add_argument("--start", type=int, default=4096, help="the first length tried")
+    parser.add_argument("--start", type=int, default=2048, help="the first length tried")
     parser.add_argument("--tiles", type=int, default=TILES, help="memory.tiled_mlp (sequence)")
     parser.add_argument("--loss-chunk-tokens", default="1024")
+    parser.add_argument("--model", choices=("gpt", "llama"), default="llama",
+                        help="memtrain's GPT (learned positions) or an hf: Llama of its shape")
     parser.add_argument("--trial-timeout", type=int, default=3600, help="seconds")
     parser.add_argument("--trial", help=argparse.SUPPRESS)  # one trial, in its own process
     args = parser.parse_args()
@@ -194,13 +226,15 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     rows = {plan: longest(work, plan, args.start, args) for plan in args.plans.split(",")}
     single, split = (rows.get(plan, {}).get("longest") for plan in PLANS)
-    ratio = round(split["seq_len"] / single["seq_len"], 2) if single and split else None
-    if ratio is not None:
+    ratio = None
+    if single is not None and split is not None:
+        ratio = round(split["seq_len"] / single["seq_len"], 2)
         print(f"sequence 4 + tiled MLP {split['seq_len']:,} tokens against one rank's "
               f"{single['seq_len']:,}: {ratio}x (target 3.5x)", flush=True)
     cpu = cpu_description()
     report = {"machine": describe_cpu(cpu), "cpu": cpu, "budget_mib": args.budget_mib,
-              "workers": WORKERS, "gpt": GPT, "tiled_mlp": args.tiles,
+              "workers": WORKERS, "model": args.model,
+              "shape": GPT if args.model == "gpt" else LLAMA, "tiled_mlp": args.tiles,
               "loss_chunk_tokens": args.loss_chunk_tokens, "rows": rows, "ratio": ratio,
               "target_ratio": 3.5}
     print(f"bench.long_sequence: {write_json(args.out, 'long-sequence', report)}")
