@@ -28,7 +28,10 @@ micro-batch, through the trainer's own ``train_step``:
 - the memory strategies beyond the guide (``bench.gpu_strategies``): the step in backward,
   activation offload, 8-bit, 4-bit and bf16 AdamW states, bf16 weights, LoRA and QLoRA, each
   alone on bf16 with full checkpointing, each peak beside the planner's (a row whose library is
-  missing recorded as skipped).
+  missing recorded as skipped);
+- sequence parallelism over two ranks (``bench.gpu_sequence``), with and without the tiled MLP,
+  the highest rank's peak beside the planner's for a rank of the split (two GPUs; on one,
+  recorded as skipped).
 
 Without CUDA (``--dry`` is implied) it runs the same code paths on a tiny model on CPU, so the
 script cannot rot; CI runs that. It writes ``gpu-check-<date>-<host>.json`` and ``.md`` to --out
@@ -60,6 +63,7 @@ import numpy as np
 import torch
 
 from bench.gpu_fsdp import fsdp_rows
+from bench.gpu_sequence import sequence_rows
 from bench.gpu_strategies import strategy_rows
 from bench.results import result_path, write_json
 from datapipe.loader import BatchLoader
@@ -609,7 +613,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    args.loss_chunk_tokens, 64 if dry else 512)
     report["loss_kernels"] = section("loss kernels", loss_kernels, device, dry)
     report["fsdp"] = fsdp_rows(section, cfg, device, micro_batch, steps, warmup)
-    report["strategies"] = strategy_rows(section, cfg, device, micro_batch, steps, warmup)
+    report["strategies"] = strategy_rows(section, cfg, device, micro_batch, steps, warmup) + \
+        sequence_rows(section, cfg, device, micro_batch, steps, warmup)
     report["summary"] = summarize(report)
     return report
 

@@ -15,11 +15,11 @@ The model: width 1,024 (``--width``; 512 is the other choice), 8 heads on 2 key/
 vocabulary 4,096, untied: 11.3M parameters a layer (2.8M at width 512) and 8.4M in the
 embedding and output layer. What a layer costs a rank beyond its base shard does not shrink
 with the base's dtype: the adapters with their gradients and AdamW state, the checkpointed
-block input, and about 0.8 MiB of objects (Python's modules, about 84 a layer with PEFT's, and
-the tensors' and FSDP's C++ metadata; ``bench.qlora_layer_bytes``) whatever the width. At width
-512 those outweigh a rank's NF4 shard of the layer (0.39 MiB); at 1,024 the shard is 1.5 MiB
-against bf16's 5.4, nearer a real model's proportions. The weights are random (bf16, written
-layer by layer, one file each; a trial's directory names its first L).
+block input, and about 0.8 MiB that is not a tensor's bytes (Python's modules, 84 a layer with
+PEFT's, and the tensors' and FSDP's C++ objects; ``bench.qlora_layer_bytes``, at width
+1,024). At width 512 those outweigh a rank's NF4 shard of the layer (0.35 MiB); at 1,024 the
+shard is 1.39 MiB against bf16's 5.4, nearer a real model's proportions. The weights are
+random (bf16, written layer by layer, one file each; a trial's directory names its first L).
 
 Target: on 4 ranks, at least 2.5x the parameters with the NF4 base (2 against about 0.56
 bytes a base parameter). Run: ``make bench-qlora-largest`` or ``python -m bench.qlora_largest

@@ -1,6 +1,7 @@
-"""What one more layer costs each FSDP rank of a QLoRA fine-tune, split into its tensors, the
-C heap's other bytes and Python's objects: the bytes per layer that do not shrink with the
-base's dtype (``bench.qlora_largest``'s 4-rank figures).
+"""What one more layer costs each FSDP rank of a QLoRA fine-tune: its tensors' bytes, and the
+rest of what it adds to the rank's resident memory (the modules, the tensors' C++ objects,
+FSDP's and autograd's metadata), of which Python's own allocations are counted too: the bytes
+per layer that do not shrink with the base's dtype (``bench.qlora_largest``'s 4-rank figures).
 
 Two gloo ranks build ``bench.qlora_largest``'s Llama at two layer counts as a FSDP worker does
 (``Parallelism.build``, LoRA rank 8 on every block linear layer, the NF4 or bf16 base read from
@@ -8,16 +9,20 @@ its safetensors, full checkpointing), and after the build each rank reports:
 
 - ``tensors``: the bytes of every parameter's and buffer's storage on the rank (an NF4 shard's
   codes, scales, factors and mean; the adapters; the embeddings' and norms' shards);
-- ``c_heap``: glibc's allocated bytes (``mallinfo2``: the heap in use and the mapped chunks),
-  less ``tensors``: the tensors' C++ objects, FSDP's and autograd's metadata;
-- ``python``: Python's allocated bytes (``tracemalloc``, started after the imports): the
-  modules (PEFT adds about ten to each adapted linear layer) and their dictionaries;
-- ``resident``: anonymous resident memory (resident less file-backed).
+- ``resident``: anonymous resident memory (resident less file-backed), less tracemalloc's own
+  tables;
+- ``other``: ``resident`` less ``tensors``: everything a layer adds that is not a tensor's
+  bytes;
+- ``python``: of ``other``, Python's allocations (``tracemalloc``, started after the imports):
+  the modules (PEFT adds about ten to each adapted linear layer) and their dictionaries;
+- ``c_heap``: glibc's allocated bytes (``mallinfo2``: the heap in use and the mapped chunks)
+  less ``tensors`` and tracemalloc's tables; Python's objects above 512 bytes are allocated
+  there too, so ``python`` and ``c_heap`` overlap and are not added.
 
-The difference between the two layer counts, over the layers added, is each figure per layer.
-Run: ``python -m bench.qlora_layer_bytes --out bench/results`` (needs
-``bench.qlora_largest``'s weights: ``--work`` is the directory that bench wrote, or one where
-they are written first).
+The difference between the two layer counts, over the layers added, is each figure per layer
+(the highest rank's). Run: ``python -m bench.qlora_layer_bytes --out bench/results`` (needs
+``bench.qlora_largest``'s weights at the same width: ``--work`` is the directory that bench
+wrote, or one where they are written first).
 """
 
 from __future__ import annotations
@@ -107,9 +112,11 @@ def _rank(rank: int, port: int, spec: dict[str, Any], out: str) -> None:
         ctypes.CDLL(None).malloc_trim(0)
         memory = psutil.Process().memory_info()
         tensors = _tensor_bytes(model)
-        figures = {"tensors": tensors, "c_heap": _malloc_bytes() - tensors,
+        tracing = tracemalloc.get_tracemalloc_memory()  # its tables, in the C heap
+        resident = memory.rss - memory.shared - tracing
+        figures = {"tensors": tensors, "resident": resident, "other": resident - tensors,
                    "python": tracemalloc.get_traced_memory()[0],
-                   "resident": memory.rss - memory.shared,
+                   "c_heap": _malloc_bytes() - tensors - tracing,
                    "modules": sum(1 for _ in model.modules())}
         Path(f"{out}.{rank}").write_text(json.dumps(figures))
     finally:
@@ -132,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default=None, help="where the weights are (or go)")
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", default="16,32", help="the two layer counts")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="memtrain-qlora-layer-bytes-"))
@@ -141,10 +148,11 @@ def main() -> None:
     for base_dtype in ("nf4", "bf16"):
         first, second = (measure(work, layers, base_dtype, args.width)
                          for layers in (low, high))
-        per_layer = {key: round(max((b[key] - a[key]) for a, b in zip(first, second,
-                                                                      strict=True))
-                                / (high - low) / MIB, 3)
-                     for key in ("tensors", "c_heap", "python", "resident")}
+        # the rank whose resident memory grew most, every figure its own
+        a, b = max(zip(first, second, strict=True), key=lambda pair: pair[1]["resident"]
+                   - pair[0]["resident"])
+        per_layer = {key: round((b[key] - a[key]) / (high - low) / MIB, 3)
+                     for key in ("tensors", "resident", "other", "python", "c_heap")}
         per_layer["modules"] = (second[0]["modules"] - first[0]["modules"]) // (high - low)
         rows[base_dtype] = {"per_layer_mib": per_layer, low: first, high: second}
         print(f"{base_dtype}: a layer costs a rank {json.dumps(per_layer)}", flush=True)

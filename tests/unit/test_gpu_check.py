@@ -59,7 +59,17 @@ def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: 
     strategies = {row["strategy"]: row for row in report["strategies"]}
     assert set(strategies) == {"baseline", "step in backward", "offload checkpointed",
                                "offload all", "8-bit AdamW", "4-bit AdamW",
-                               "bf16 AdamW states", "bf16 weights", "LoRA", "QLoRA"}
+                               "bf16 AdamW states", "bf16 weights", "LoRA", "QLoRA",
+                               "sequence parallel 2", "sequence parallel 2 + tiled MLP 4"}
+    # Sequence parallelism on two gloo ranks: the highest rank's peak against the planner's
+    # for a rank of the split. Tolerance 25%: at these 2-3 MiB peaks one configuration's steps
+    # spread about 10% either side (DDP's buckets and gloo's threads allocate on their own
+    # timing: tests/distributed/test_sequence_plan.py), and the planner leaves out the tiled
+    # MLP's tile held in backward (seen: +3.8% untiled, -10.2% tiled, on a 2-core Xeon).
+    for name in ("sequence parallel 2", "sequence parallel 2 + tiled MLP 4"):
+        row = strategies[name]
+        assert row["peak_allocated_bytes"] > 0 and row["tokens_per_second"] > 0, row
+        assert abs(row["planner_error"]) <= 0.25, row
     for name, row in strategies.items():
         if name not in ("baseline", "step in backward", "offload checkpointed", "offload all") \
                 and "skipped" in row:
