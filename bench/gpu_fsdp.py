@@ -71,20 +71,17 @@ def fsdp_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: int, 
         shape = GPT(cfg)
     plan = plan_row(static_bytes(shape, "fsdp", 1, settings), profile, micro_batch, 1)
     del model, optimizer
-    return {"setting": name, **dataclasses.asdict(settings), "micro_batch_size": micro_batch,
-            "peak_allocated_bytes": peak,
-            "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "predicted_host_bytes": plan.host_bytes, "predicted_peak_moment": plan.peak_moment,
-            "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
+    return {"setting": name, **dataclasses.asdict(settings),
+            **measured_row(micro_batch, cfg.seq_len, steps, peak, elapsed, plan)}
 
 
 def measured_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
                    tokens: torch.Tensor, policy: Any, grad_clip: float, steps: int,
-                   warmup: int) -> tuple[int, float]:
-    """``warmup`` then ``steps`` of the trainer's ``train_step`` on ``tokens``: (the peak bytes
-    of the timed steps, CUDA's ``max_memory_allocated``, or dry on CPU the allocator's record of
-    one more step; the seconds the timed steps took)."""
+                   warmup: int, parallel: Any = None) -> tuple[int, float]:
+    """``warmup`` then ``steps`` of the trainer's ``train_step`` on ``tokens`` (``parallel``:
+    its way of splitting them, as ``train_step`` takes it): (the peak bytes of the timed steps,
+    CUDA's ``max_memory_allocated``, or dry on CPU the allocator's record of one more step; the
+    seconds the timed steps took)."""
     device = tokens.device
     for i in range(warmup + steps):
         if i == warmup:
@@ -92,13 +89,24 @@ def measured_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
-        train_step(model, optimizer, scaler, [tokens], 1, policy, grad_clip)
+        train_step(model, optimizer, scaler, [tokens], 1, policy, grad_clip, parallel=parallel)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        peak = step_peak_bytes(model, optimizer, scaler, tokens, policy, grad_clip)
+        peak = step_peak_bytes(model, optimizer, scaler, tokens, policy, grad_clip,
+                               parallel=parallel)
     return peak, time.perf_counter() - start
+
+
+def measured_row(micro_batch: int, seq_len: int, steps: int, peak: int, seconds: float,
+                 plan: Any) -> dict[str, Any]:
+    """A gpu-check row's measured figures beside ``plan``'s (a ``PlanRow``) prediction."""
+    return {"micro_batch_size": micro_batch, "peak_allocated_bytes": peak,
+            "tokens_per_second": steps * micro_batch * seq_len / seconds,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_host_bytes": plan.host_bytes, "predicted_peak_moment": plan.peak_moment,
+            "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
 
 
 def fsdp_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int, steps: int,

@@ -14,9 +14,7 @@ rows are recorded as skipped, saying so.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,15 +23,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.gpu_fsdp import measured_row, measured_steps
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.optim import build_optimizer
 from trainer.parallel.mesh import SequenceDDP, SequenceMesh
-from trainer.parallel.rendezvous import backend_for
+from trainer.parallel.rendezvous import backend_for, free_port
 from trainer.parallel.sequence import apply_sequence_parallel
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
-from trainer.step import step_peak_bytes, train_step
 
 RANKS = 2
 # name: the MLP's sequence tiles (``memory.tiled_mlp``)
@@ -43,12 +41,6 @@ CASES = {"sequence parallel 2": 1, "sequence parallel 2 + tiled MLP 4": 4}
 def _transforms(tiles: int) -> MemoryTransforms:
     return MemoryTransforms("full", loss_chunk_tokens=1024, bf16_norm_inputs=False,
                             tiled_mlp=tiles)
-
-
-def _free_port() -> int:
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        return int(listener.getsockname()[1])
 
 
 def _rank(rank: int, port: int, device_type: str, cfg: GPTConfig, tiles: int, micro_batch: int,
@@ -74,21 +66,8 @@ def _rank(rank: int, port: int, device_type: str, cfg: GPTConfig, tiles: int, mi
         # the same rows on both ranks: each trains its half of every row's tokens
         tokens = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1),
                                generator=torch.Generator().manual_seed(1)).to(device)
-        start = time.perf_counter()
-        for i in range(warmup + steps):
-            if i == warmup:
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                start = time.perf_counter()
-            train_step(model, optimizer, scaler, [tokens], 1, policy, 1.0, parallel=parallel)
-        if cuda:
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        seconds = time.perf_counter() - start
-        if not cuda:
-            peak = step_peak_bytes(model, optimizer, scaler, tokens, policy, 1.0,
-                                   parallel=parallel)
+        peak, seconds = measured_steps(model, optimizer, scaler, tokens, policy, 1.0, steps,
+                                       warmup, parallel=parallel)
         torch.save({"peak": int(peak), "seconds": seconds}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -104,7 +83,7 @@ def sequence_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
                                              f"this machine has {torch.cuda.device_count()}"}
     with tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch) / "rank")
-        mp.start_processes(_rank, args=(_free_port(), device.type, cfg, tiles, micro_batch,
+        mp.start_processes(_rank, args=(free_port(), device.type, cfg, tiles, micro_batch,
                                         steps, warmup, out), nprocs=RANKS, start_method="spawn")
         ranks = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(RANKS)]
     peak = max(rank["peak"] for rank in ranks)
@@ -114,11 +93,8 @@ def sequence_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
     with torch.device("meta"):
         shape = GPT(cfg)
     plan = plan_row(static_bytes(shape, "ddp", RANKS), profile, micro_batch, 1)
-    return {"strategy": name, "micro_batch_size": micro_batch, "peak_allocated_bytes": peak,
-            "tokens_per_second": steps * micro_batch * cfg.seq_len / seconds,
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "predicted_host_bytes": plan.host_bytes, "predicted_peak_moment": plan.peak_moment,
-            "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
+    return {"strategy": name, **measured_row(micro_batch, cfg.seq_len, steps, peak, seconds,
+                                             plan)}
 
 
 def sequence_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_fsdp import measured_steps
+from bench.gpu_fsdp import measured_row, measured_steps
 from trainer.memory.lora import LoraSettings, apply_lora
 from trainer.memory.optimizers import InBackward, MissingExtraError
 from trainer.memory.precision import precision_policy
@@ -77,11 +77,8 @@ def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
     plan = plan_row(static_bytes(model, states=states, in_backward=in_backward,
                                  step_device=device.type), profile, micro_batch, 1)
     del model, optimizer
-    return {"strategy": name, "micro_batch_size": micro_batch, "peak_allocated_bytes": peak,
-            "tokens_per_second": steps * micro_batch * cfg.seq_len / elapsed,
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "predicted_host_bytes": plan.host_bytes, "predicted_peak_moment": plan.peak_moment,
-            "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
+    return {"strategy": name, **measured_row(micro_batch, cfg.seq_len, steps, peak, elapsed,
+                                             plan)}
 
 
 def strategy_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int,

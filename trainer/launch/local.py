@@ -35,7 +35,7 @@ from trainer.logs import setup_logging
 from trainer.loop import train
 from trainer.memory.allocator import configure_allocator_env
 from trainer.models.hf import config_model_type
-from trainer.parallel.rendezvous import init_process_group
+from trainer.parallel.rendezvous import free_port, init_process_group
 from trainer.telemetry.worker_errors import (
     clear_worker_errors,
     record_worker_error,
@@ -44,12 +44,6 @@ from trainer.telemetry.worker_errors import (
 )
 
 log = logging.getLogger("memtrain")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(use_gpu: bool, local_rank: int) -> torch.device:

@@ -24,6 +24,13 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def backend_for(device_type: str) -> str:
     """The process group's backends for a run on ``device_type``."""
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
