@@ -56,6 +56,7 @@ import psutil
 
 from bench.fsdp_resident import Sampler
 from bench.results import cpu_description, describe_cpu, write_json
+from bench.search import largest_fitting
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = {"vocab_size": 256, "n_layer": 4, "n_head": 4, "n_embd": 128}
@@ -193,12 +194,7 @@ def longest(work: Path, plan: str, start: int, args: argparse.Namespace) -> dict
         print(f"{plan}: {json.dumps(trials[-1])}", flush=True)
         return bool(trials[-1]["fits"])
 
-    low, high = 0, start
-    while fits(high):
-        low, high = high, high * 2
-    while high - low > max(STEP_TOKENS, low // 16):
-        middle = (low + high) // 2 // STEP_TOKENS * STEP_TOKENS
-        low, high = (middle, high) if fits(middle) else (low, middle)
+    largest_fitting(fits, start, STEP_TOKENS)
     best = max((t for t in trials if t["fits"]), key=lambda t: t["seq_len"], default=None)
     return {"longest": best, "trials": trials}
 

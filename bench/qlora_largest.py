@@ -45,6 +45,7 @@ import psutil
 
 from bench.fsdp_resident import Sampler
 from bench.results import cpu_description, describe_cpu, write_json
+from bench.search import largest_fitting
 
 REPO = Path(__file__).resolve().parent.parent
 # The MLP's width for each model width (2.75x, rounded so every weight fills NF4's blocks in
@@ -191,7 +192,7 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
 def largest(work: Path, data: Path, base_dtype: str, workers: int, budget: int,
             start: int, width: int) -> dict[str, Any]:
     """The most layers that fit: doubled from ``start`` until a trial does not fit, then
-    bisected to the layer."""
+    bisected to 1/16 of the most that fit (``bench.search.largest_fitting``)."""
     trials: list[dict[str, Any]] = []
 
     def fits(layers: int) -> bool:
@@ -199,12 +200,7 @@ def largest(work: Path, data: Path, base_dtype: str, workers: int, budget: int,
         print(f"{base_dtype} x{workers}: {json.dumps(trials[-1])}", flush=True)
         return bool(trials[-1]["fits"])
 
-    low, high = 0, start
-    while fits(high):
-        low, high = high, high * 2
-    while high - low > max(1, low // 16):
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
+    largest_fitting(fits, start)
     best = max((t for t in trials if t["fits"]), key=lambda t: t["layers"], default=None)
     return {"largest": best, "trials": trials}
 

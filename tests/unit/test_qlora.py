@@ -140,16 +140,22 @@ def test_qlora_trains_and_resumes_exactly(corpus_dir: Path, tmp_path: Path, work
     adapters and their AdamW state alone; the NF4 base is built again from its seed): the
     same losses, to the bit, on one process, under DDP and under FSDP (width 256: each rank's
     rows of every layer fill NF4's blocks)."""
+    _assert_resumes_exactly(corpus_dir, tmp_path, workers, "model.n_embd=256",
+                            f"parallel.strategy={strategy}")
+
+
+def _assert_resumes_exactly(corpus_dir: Path, tmp_path: Path, workers: int,
+                            *overrides: str) -> None:
+    """Four QLoRA steps straight, against two and then two more from the checkpoint: the same
+    losses to the bit, and falling."""
     from trainer.launch.local import launch_local
 
     def run(name: str, until: int | None) -> list[float]:
         cfg, run_dir = prepared_local_run(tiny_config(
-            corpus_dir, tmp_path, "model.n_embd=256", "model.lora.rank=4",
-            "model.lora.base_dtype=nf4", "memory.precision=bf16", "train.steps=4",
-            "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=0",
-            "parallel.launcher=local", f"parallel.workers={workers}",
-            f"parallel.strategy={strategy}", f"run.name={name}"),
-            workers)
+            corpus_dir, tmp_path, "model.lora.rank=4", "model.lora.base_dtype=nf4",
+            "memory.precision=bf16", "train.steps=4", "train.log_every=1",
+            "train.checkpoint_every=2", "train.eval_every=0", "parallel.launcher=local",
+            f"parallel.workers={workers}", *overrides, f"run.name={name}"), workers)
         launch_local(cfg, run_dir, until_step=until)
         rows = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
         return [r["loss"] for r in map(json.loads, rows) if "loss" in r]
@@ -383,27 +389,11 @@ def test_an_hf_llamas_qlora_resumes_exactly_under_fsdp(corpus_dir: Path, tmp_pat
     the same losses to the bit."""
     import transformers
 
-    from trainer.launch.local import launch_local
-
     base = tmp_path / "llama"
     torch.manual_seed(5)
     transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
         vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
     )).save_pretrained(base)
-
-    def run(name: str, until: int | None) -> list[float]:
-        cfg, run_dir = prepared_local_run(tiny_config(
-            corpus_dir, tmp_path, f"model.name=hf:{base}", "model.lora.rank=4",
-            "model.lora.base_dtype=nf4", "memory.precision=bf16", "train.steps=4",
-            "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=0",
-            "parallel.launcher=local", "parallel.workers=2", "parallel.strategy=fsdp",
-            f"run.name={name}"), 2)
-        launch_local(cfg, run_dir, until_step=until)
-        rows = (run_dir / "metrics" / "rank-0.jsonl").read_text().splitlines()
-        return [r["loss"] for r in map(json.loads, rows) if "loss" in r]
-
-    straight = run("straight", None)
-    run("resumed", 2)
-    assert run("resumed", None) == straight
-    assert len(straight) == 4 and straight[-1] < straight[0]
+    _assert_resumes_exactly(corpus_dir, tmp_path, 2, f"model.name=hf:{base}",
+                            "parallel.strategy=fsdp")
