@@ -60,28 +60,16 @@ def _malloc_bytes() -> int:
 
 def _tensor_bytes(model: Any) -> int:
     """The storages' bytes of ``model``'s parameters and buffers on this rank, each once (an
-    NF4 weight's inner tensors counted, a DTensor by its local shard)."""
-    seen: set[int] = set()
-    total = 0
+    NF4 weight by its parts, a DTensor by its local shard: ``trainer.tensors``)."""
+    from trainer.tensors import local_tensor, plain_tensors
 
-    def add(tensor: Any) -> None:
-        nonlocal total
-        tensor = getattr(tensor, "_local_tensor", tensor)
-        if hasattr(tensor, "quantized_data"):  # an NF4Tensor: its parts hold its bytes
-            for name in ("quantized_data", "quantized_scalers", "quantization_factor",
-                         "scaler_mean", "nf4"):
-                add(getattr(tensor, name))
-            return
-        if tensor.device.type == "meta":
-            return
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-
+    storages: dict[int, int] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        add(tensor)
-    return total
+        for plain in plain_tensors(local_tensor(tensor)):
+            if plain.device.type != "meta":
+                storage = plain.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _rank(rank: int, port: int, spec: dict[str, Any], out: str) -> None:
