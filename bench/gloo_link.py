@@ -3,7 +3,9 @@ all-to-all, in bus bytes/s (the bytes each rank sends, ``(world - 1) / world`` o
 twice for the all-reduce), at 2 and 4 ranks, 16 MiB a rank, one thread each, the median of 5
 calls after one to warm. The planner's CPU figures (``trainer.plan.devices``:
 ``ALLREDUCE_BYTES_PER_S``, which also times sequence parallelism's all-to-alls,
-``GATHER_BYTES_PER_S``) come from it. Run idle: ``python -m bench.gloo_link``.
+``GATHER_BYTES_PER_S``) come from it. Beside them, the seconds of one all-reduce of one number
+over the ranks (the mean of 1,000): what ``trainer.oom.GroupOOMWatch`` adds before each of a
+sequence group's collectives while OOM recovery is on. Run idle: ``python -m bench.gloo_link``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,21 @@ def _timed(fn: Callable[[], object], calls: int = 5) -> float:
     return statistics.median(seconds)
 
 
+def _flag_seconds(calls: int = 1000) -> float:
+    """One all-reduce (MAX) of a one-number host tensor, read back: ``GroupOOMWatch.ready``."""
+    def flag() -> None:
+        value = torch.zeros(1)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        bool(value.item())
+
+    flag()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        flag()
+    return (time.perf_counter() - start) / calls
+
+
 def _rank(rank: int, port: int, world: int, mib: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -50,6 +67,7 @@ def _rank(rank: int, port: int, world: int, mib: int, out: str) -> None:
             "reduce_scatter": share / _timed(lambda: dist.reduce_scatter_tensor(part, whole)),
             "all_to_all": share / _timed(lambda: dist.all_to_all_single(received, whole)),
         }
+        rates["flag_all_reduce_s"] = _flag_seconds()
         if rank == 0:
             torch.save(rates, out)
     finally:
@@ -68,8 +86,11 @@ def main() -> None:
             start_workers(_rank, (free_port(), world, args.mib, out), world)
             rates = torch.load(out, weights_only=True)
             report["bus_bytes_per_s"][world] = rates
+            flag = rates.pop("flag_all_reduce_s")
+            report.setdefault("flag_all_reduce_s", {})[world] = flag
             print(f"{world} ranks: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s"
-                                                 for k, v in rates.items()), flush=True)
+                                                 for k, v in rates.items()) +
+                  f"; one-number all-reduce {flag * 1e6:.0f} us", flush=True)
     path = write_json(args.out, "gloo-link", report)
     print(f"{describe_cpu(report['cpu'])}; wrote {path}")
 

@@ -13,6 +13,15 @@ Under FSDP over several ranks the reduce-scatter runs inside backward and cannot
 agreement, so an OOM there fails the run (``Parallelism.agrees_on_oom``, ``trainer.parallel``);
 one FSDP worker is one process and recovers as one.
 
+Under sequence parallelism with DDP the ranks of a sequence group also meet inside every
+micro-batch, in each attention layer's all-to-alls, where a rank that ran out would leave its
+peers waiting. ``GroupOOMWatch`` makes those meetings agree first: before each of the group's
+collectives (its buffers allocated), one flag is all-reduced over the group; a rank that ran out
+sends 1 at the meeting its peers wait in, and every rank of the group raises
+``PeerOutOfMemory`` there, before any all-to-all is left unmatched (both in
+``trainer.parallel.sequence``). The step's agreement then carries it to the other groups as
+above.
+
 The price: the gradient all-reduce no longer overlaps the last micro-batch's backward (with
 ``memory.oom_recovery: false`` DDP's own overlapped all-reduce is used). An OOM inside the
 gradient all-reduce itself, after the agreement, is re-raised and fails the run.

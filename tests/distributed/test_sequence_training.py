@@ -141,15 +141,35 @@ def test_a_llama_on_packed_masked_rows_trains_as_one_process_and_exports_plain(
     assert HF_ATTENTION not in json.dumps(exported)
 
 
-def test_the_split_ways_answer_as_their_data_way_but_for_oom_agreement() -> None:
-    """The ranks of a sequence group wait for each other in every attention layer's
-    all-to-all, so an out-of-memory step cannot be agreed on and retried; the optimizer steps
-    in backward where the data-parallel way attaches it."""
+def test_an_oom_in_a_split_step_is_agreed_on_and_retried_at_half_the_micro_batch(
+        corpus_dir: Path, tmp_path: Path, whole_rows: list[float],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 runs out before step 3's second micro-batch while rank 0, its peer, waits in
+    that micro-batch's first all-to-all: both stop there
+    (``trainer.parallel.sequence.GroupOOMWatch``), the step is retried in pieces half as
+    large, and the run trains as one process on whole rows.
+    (Each place in a micro-batch an OOM may strike: tests/distributed/test_sequence_oom.py.)"""
+    monkeypatch.setenv("MEMTRAIN_FAULTS", "oom@3:1")
+    split = _run(corpus_dir, tmp_path, "oom", 2, 2, "parallel.strategy=ddp",
+                 "memory.oom_recovery=true")  # "auto" is off on CPU
+    _assert_close(split, whole_rows)
+    for rank in (0, 1):
+        records = map(json.loads, (tmp_path / "oom" / "metrics" / f"rank-{rank}.jsonl")
+                      .read_text().splitlines())
+        plans = [(r["micro_batch_size"], r["accumulation_steps"]) for r in records
+                 if "loss" in r]
+        assert plans == [(4, 4)] * 2 + [(2, 8)] * 2, (rank, plans)
+
+
+def test_the_split_ways_answer_as_their_data_way() -> None:
+    """OOM agreement as the data-parallel way (DDP's ranks agree, within each group too;
+    FSDP's reduce-scatter cannot wait); the optimizer steps in backward where the
+    data-parallel way attaches it."""
     from trainer.parallel.ddp import DistributedDataParallel
     from trainer.parallel.fsdp import FullyShardedDataParallel
     from trainer.parallel.mesh import SequenceDDP, SequenceFSDP
 
-    assert DistributedDataParallel.agrees_on_oom and not SequenceDDP.agrees_on_oom
+    assert DistributedDataParallel.agrees_on_oom and SequenceDDP.agrees_on_oom
     assert not SequenceFSDP.agrees_on_oom
     assert SequenceDDP.in_backward == DistributedDataParallel.in_backward
     assert SequenceFSDP.in_backward == FullyShardedDataParallel.in_backward

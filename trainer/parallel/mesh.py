@@ -15,14 +15,19 @@ gradient to the ranks that hold the heads it attended with.
 ``SplitSequences``: the model's attention switched to the split between the memory transforms
 and compile (``Parallelism.build``'s order), each micro-batch cut to the rank's slice, the step's
 loss the group's, the loader placed by data rank. The ranks of a group wait for each other in
-every attention layer, so an out-of-memory step cannot be agreed on and retried
-(``agrees_on_oom``).
+every attention layer: under DDP, in a step that recovers from an out-of-memory error, each of
+those meetings agrees on one first (``trainer.parallel.sequence.GroupOOMWatch``), so a rank that
+ran out stops its group where the group meets and the step is retried at half the micro-batch
+as without the split; under FSDP, as without the split, an OOM over several ranks fails the
+run.
 """
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +36,7 @@ from torch import nn
 from trainer.batches import Rows, TokenBatch
 from trainer.parallel.ddp import DistributedDataParallel
 from trainer.parallel.fsdp import FsdpSettings, FullyShardedDataParallel
-from trainer.parallel.sequence import apply_sequence_parallel, row_slice
+from trainer.parallel.sequence import SequenceParallel, apply_sequence_parallel, row_slice
 from trainer.parallel.strategy import Compile, DataPlace, Parallelism
 
 if TYPE_CHECKING:
@@ -64,7 +69,6 @@ class SequenceMesh:
 class SplitSequences(Parallelism):
     """The sequence split, added to a data-parallel way (``SequenceDDP``, ``SequenceFSDP``)."""
 
-    agrees_on_oom: ClassVar[bool] = False  # the group's all-to-alls cannot wait for a peer
     mesh: SequenceMesh
 
     def build(self, cfg: Config, device: torch.device, compile_model: Compile) -> nn.Module:
@@ -91,6 +95,19 @@ class SplitSequences(Parallelism):
                                              device=loss_sum.device)])
         dist.all_reduce(total, group=self.mesh.group)
         return (total[0] / total[1].clamp(min=1)).to(loss_sum.dtype)
+
+    def micro_batch(self, model: nn.Module, is_last: bool,
+                    deferred: bool) -> AbstractContextManager[Any]:
+        # deferred: the step agrees on an OOM, so the group's meetings agree on one too
+        data_way = super().micro_batch(model, is_last, deferred)
+        if not deferred:
+            return data_way
+        sequence = self.unwrap(model).sequence  # apply_sequence_parallel's
+        assert isinstance(sequence, SequenceParallel), "the model was not split"
+        stack = contextlib.ExitStack()
+        stack.enter_context(data_way)
+        stack.enter_context(sequence.watch.watching())
+        return stack
 
     def describe(self) -> str:
         mesh = self.mesh

@@ -28,8 +28,10 @@ which would see only a rank's slice.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,6 +58,57 @@ _NOT_ATTENTION_KWARGS = frozenset({"position_ids", "cache_position", "use_cache"
 _TOKEN_MIXER_NAMES = re.compile(r"Mamba|Conv|Recurrent|Rglru|SSM|Ssm|DeltaNet|LinearAttention|"
                                 r"Lightning|Mixer|Rwkv")
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+class PeerOutOfMemory(torch.OutOfMemoryError):
+    """A peer in this rank's sequence group ran out of memory in this micro-batch: this rank
+    stopped where the group met (``GroupOOMWatch``), as the peer did."""
+
+
+class GroupOOMWatch:
+    """The meetings of one group's ranks inside a micro-batch, made to agree on an OOM first.
+
+    While ``armed`` (a step with OOM agreement: ``watching``), ``ready()`` runs before each of
+    the group's collectives: one all-reduce (MAX) of a one-element host tensor over the group,
+    through gloo (beside NCCL on GPUs: ``trainer.parallel.rendezvous``), so no device sync. Each
+    rank calls it the same number of times until one returns a failure: a rank that ran out of
+    memory between two meetings calls it once more with 1 (``watching``'s exit), at the meeting
+    where its peers wait, and then every rank stops. The cost: one small host all-reduce per
+    collective of the group, and none when not armed (``memory.oom_recovery`` off).
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.armed = False
+
+    def _any(self, failed: bool) -> bool:
+        flag = torch.tensor([1.0 if failed else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def ready(self) -> None:
+        """Before one of the group's collectives: raise ``PeerOutOfMemory`` where a peer ran
+        out of memory since the last meeting (then the watch disarms: this was the last one)."""
+        if self.armed and self._any(False):
+            self.armed = False
+            raise PeerOutOfMemory("a peer rank of this sequence group ran out of memory in this "
+                                  "step")
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: armed inside; an OOM of this rank is
+        sent to the peers at their meeting, and the micro-batch ends with one more meeting (a
+        peer may have run out after the last collective)."""
+        self.armed = True
+        try:
+            yield
+            self.ready()
+        except torch.OutOfMemoryError as err:
+            if self.armed and not isinstance(err, PeerOutOfMemory):
+                self._any(True)
+            raise
+        finally:
+            self.armed = False
 
 
 def check_divisible(field: str, value: int, size: int) -> None:
@@ -92,67 +145,84 @@ def row_slice(batch: TokenBatch, rank: int, size: int) -> RowSlice:
                     batch.masked)
 
 
-def _seq_to_heads(x_BTHD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _seq_to_heads(x_BTHD: torch.Tensor, group: dist.ProcessGroup,
+                  watch: GroupOOMWatch | None) -> torch.Tensor:
     size = dist.get_world_size(group)
     B, T, H, D = x_BTHD.shape
     check_divisible("num_heads", H, size)
     # send[j]: this rank's tokens of rank j's heads; received[j]: rank j's tokens of ours
     send = x_BTHD.reshape(B, T, size, H // size, D).permute(2, 0, 1, 3, 4).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    _all_to_all(received, send, group, watch)
     return received.permute(1, 0, 2, 3, 4).reshape(B, size * T, H // size, D)
 
 
-def _heads_to_seq(y_BShD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _heads_to_seq(y_BShD: torch.Tensor, group: dist.ProcessGroup,
+                  watch: GroupOOMWatch | None) -> torch.Tensor:
     size = dist.get_world_size(group)
     B, S, h, D = y_BShD.shape
     # send[j]: rank j's tokens of this rank's heads; received[j]: our tokens of rank j's heads
     send = y_BShD.reshape(B, size, S // size, h, D).transpose(0, 1).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    _all_to_all(received, send, group, watch)
     return received.permute(1, 2, 0, 3, 4).reshape(B, S // size, size * h, D)
+
+
+def _all_to_all(received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup,
+                watch: GroupOOMWatch | None) -> None:
+    if watch is not None:  # both buffers allocated: the group meets, then moves them
+        watch.ready()
+    dist.all_to_all_single(received, send, group=group)
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x_BTHD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _seq_to_heads(x_BTHD, group)
+    def forward(ctx: Any, x_BTHD: torch.Tensor, group: dist.ProcessGroup,
+                watch: GroupOOMWatch | None) -> torch.Tensor:
+        ctx.group, ctx.watch = group, watch
+        return _seq_to_heads(x_BTHD, group, watch)
 
     @staticmethod
-    def backward(ctx: Any, grad_BShD: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_seq(grad_BShD, ctx.group), None
+    def backward(ctx: Any, grad_BShD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _heads_to_seq(grad_BShD, ctx.group, ctx.watch), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, y_BShD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_seq(y_BShD, group)
+    def forward(ctx: Any, y_BShD: torch.Tensor, group: dist.ProcessGroup,
+                watch: GroupOOMWatch | None) -> torch.Tensor:
+        ctx.group, ctx.watch = group, watch
+        return _heads_to_seq(y_BShD, group, watch)
 
     @staticmethod
-    def backward(ctx: Any, grad_BTHD: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_to_heads(grad_BTHD, ctx.group), None
+    def backward(ctx: Any, grad_BTHD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _seq_to_heads(grad_BTHD, ctx.group, ctx.watch), None, None
 
 
-def seq_to_heads(x_BTHD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def seq_to_heads(x_BTHD: torch.Tensor, group: dist.ProcessGroup,
+                 watch: GroupOOMWatch | None = None) -> torch.Tensor:
     """This rank's slice of the tokens ``(B, T, H, D)`` of every head, as the whole row's tokens
     of its ``H / N`` heads ``(B, N * T, H / N, D)`` (rank ``r``: heads ``r * H / N`` on), ``N``
-    the size of ``group``; differentiable, its backward ``heads_to_seq``. ValueError where the
-    heads do not divide among the ranks."""
-    return _SeqToHeads.apply(x_BTHD, group)
+    the size of ``group``; differentiable, its backward ``heads_to_seq``. ``watch``: the group's
+    meetings on an OOM, before each all-to-all, forward and backward. ValueError where the heads
+    do not divide among the ranks."""
+    return _SeqToHeads.apply(x_BTHD, group, watch)
 
 
-def heads_to_seq(y_BShD: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def heads_to_seq(y_BShD: torch.Tensor, group: dist.ProcessGroup,
+                 watch: GroupOOMWatch | None = None) -> torch.Tensor:
     """``seq_to_heads``' inverse: the whole row of this rank's heads ``(B, S, h, D)`` as its slice
     of the tokens of every head ``(B, S / N, N * h, D)``; differentiable."""
-    return _HeadsToSeq.apply(y_BShD, group)
+    return _HeadsToSeq.apply(y_BShD, group, watch)
 
 
-def gather_sequence(tensor_BT: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_sequence(tensor_BT: torch.Tensor, group: dist.ProcessGroup,
+                    watch: GroupOOMWatch | None = None) -> torch.Tensor:
     """The whole rows ``(B, N * T)`` of the ranks' slices ``(B, T)`` (not differentiable: for
     positions)."""
     parts = [torch.empty_like(tensor_BT) for _ in range(dist.get_world_size(group))]
+    if watch is not None:
+        watch.ready()
     dist.all_gather(parts, tensor_BT.contiguous(), group=group)
     return torch.cat(parts, dim=1)
 
@@ -165,6 +235,8 @@ class SequenceParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # the group's meetings agree on an OOM first, in steps that recover from one
+        self.watch = GroupOOMWatch(group)
 
     def positions(self, position_ids_BT: torch.Tensor | None, local_len: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -179,15 +251,15 @@ class SequenceParallel:
 
     def whole_rows(self, tensor_BT: torch.Tensor) -> torch.Tensor:
         """The whole rows of every rank's slice (``gather_sequence``)."""
-        return gather_sequence(tensor_BT, self.group)
+        return gather_sequence(tensor_BT, self.group, self.watch)
 
     def to_heads(self, x_BTHD: torch.Tensor) -> torch.Tensor:
         """``seq_to_heads`` over this split's group."""
-        return seq_to_heads(x_BTHD, self.group)
+        return seq_to_heads(x_BTHD, self.group, self.watch)
 
     def to_sequence(self, y_BShD: torch.Tensor) -> torch.Tensor:
         """``heads_to_seq`` over this split's group."""
-        return heads_to_seq(y_BShD, self.group)
+        return heads_to_seq(y_BShD, self.group, self.watch)
 
     def attend(self, q_BTHD: torch.Tensor, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor,
                mask_B1SS: torch.Tensor | None, dropout_p: float = 0.0,
