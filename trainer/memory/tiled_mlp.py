@@ -113,6 +113,12 @@ class TiledMLPMixin(nn.Module):
         return out
 
 
+def untiled_forward(mlp: TiledMLPMixin, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's own forward, on ``x`` whole (one tile's, for the planner's probe)."""
+    out: torch.Tensor = super(TiledMLPMixin, mlp).forward(x)
+    return out
+
+
 _TILED_CLASSES: dict[type, type] = {}
 
 

@@ -19,14 +19,20 @@ of the parameters and AdamW's state:
 - with the plain loss (``memory.loss_chunk_tokens: 0``), the loss's own backward, first: the
   saved activations (the fp32 log-probabilities among them) and the fp32 gradients of the
   log-probabilities and of the logits (``trainer.memory.loss.PlainLossShape``);
-- the start of backward: the saved activations, the gradients of the parameters outside the
-  repeated blocks (the output head's come first), the gradient of the largest tensor a block
-  saves and, when the last block is checkpointed, that block's recomputed activations (measured
-  as the difference to a probe without checkpointing) and its autocast weight copies. Further
-  down, each block frees at least as much activation memory as its parameters' gradients take;
+- the start of backward (the last block's): the saved activations less what was saved after
+  the blocks (the final norm's, the output layer's and the loss's, the chunked loss's weight
+  gradient among them: backward has freed those by then), the gradients of the parameters
+  outside the repeated blocks (the output head's come first), the gradient flowing into the
+  block (the residual stream's, and under autocast its low-precision copy), the block's largest
+  backward temporary (the gradient of the largest tensor it saves, or, where larger, a tiled
+  MLP's one tile recomputed with its gradients: ``_tile_bytes``) and, when the last block is
+  checkpointed, that block's recomputed activations (measured as the difference to a probe
+  without checkpointing) and its autocast weight copies. Further down, each block frees at
+  least as much activation memory as its parameters' gradients take;
 - the end of backward (``backward end``): every gradient but the first block's, beside that
-  block's activations (recomputed where checkpointed); with the optimizer step in backward, a
-  block's gradients, and the last step (a tied embedding's) alone;
+  block's activations (recomputed where checkpointed), its incoming gradient and its largest
+  temporary; with the optimizer step in backward, a block's gradients, and the last step (a
+  tied embedding's) alone;
 - the optimizer step: every gradient, and AdamW's temporaries (``step_temporaries``: one
   moment's size on CUDA's foreach path; on CPU, and for torchao's low-bit states, a multiple of
   the largest parameter). AdamW's state is counted by its dtype (``memory.optimizer_states``),
@@ -81,6 +87,13 @@ from trainer.memory.nf4 import Nf4Linear, is_nf4, to_nf4
 from trainer.memory.offload import offload_of
 from trainer.memory.optimizers import state_bytes, trainable
 from trainer.memory.precision import precision_policy
+from trainer.memory.tiled_mlp import (
+    TOKEN_DIM,
+    TiledMLPMixin,
+    block_mlps,
+    tile_sizes,
+    untiled_forward,
+)
 from trainer.models.build import MemoryTransforms, ModelFactory, build_model, checkpointed_blocks
 from trainer.parallel.fsdp import FsdpSettings
 from trainer.parallel.sequence import SequenceShapes, check_divisible, split_model
@@ -186,6 +199,17 @@ class ActivationProfile:
     sequence: int = 1
     all_to_all_per_sample_bytes: int = 0
     all_to_all_largest_per_sample_bytes: int = 0
+    # What the forward saves once the blocks have run (the final norm, the output layer, the
+    # loss; its output-weight gradient where the chunked loss computes it in the forward):
+    # backward frees it before any block's backward, as ``fixed + per_sample * batch``.
+    after_blocks_per_sample_bytes: int = 0
+    after_blocks_fixed_bytes: int = 0
+    # memory.tiled_mlp: what a tiled MLP's backward holds for its largest tile, per sample
+    # (``_tile_bytes``); 0 without tiling.
+    mlp_tile_per_sample_bytes: int = 0
+    # The gradient of a block's output, alive through its backward, per sample
+    # (``_output_grad_bytes``; 0 for a model without blocks).
+    block_output_grad_per_sample_bytes: int = 0
     # The step's operators, for the time model (``trainer.plan.speed``; None: not recorded).
     work: StepWork | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -196,6 +220,10 @@ class ActivationProfile:
     def host_bytes(self, batch: int) -> int:
         """What activation offload holds in host memory of ``saved_bytes``."""
         return self.host_fixed_bytes + self.host_per_sample_bytes * batch
+
+    def after_blocks_bytes(self, batch: int) -> int:
+        """What of ``saved_bytes`` the blocks' backward no longer holds (on the device)."""
+        return self.after_blocks_fixed_bytes + self.after_blocks_per_sample_bytes * batch
 
 
 @dataclass(frozen=True)
@@ -263,13 +291,19 @@ def static_bytes(model: nn.Module, parallel: str = "ddp", world_size: int = 1,
 
 
 @contextlib.contextmanager
-def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
-    """Count bytes autograd saves inside the block (deduplicated by storage, no parameters)."""
+def count_saved_tensors(model: nn.Module, held: Iterable[torch.Tensor] = ()
+                        ) -> Iterator[dict[str, Any]]:
+    """Count bytes autograd saves inside the block (deduplicated by storage, no parameters nor
+    the ``held`` tensors' storages)."""
     # Storages are told apart by ``storage_key``: fake tensors (``profile_activations``'s
     # default probe) have no data pointer.
-    param_storages = {storage_key(p) for p in model.parameters()}
+    param_storages = {storage_key(p) for p in (*model.parameters(), *held)}
     seen: set[int] = set()
-    counts: dict[str, Any] = {"bytes": 0, "sizes": []}  # sizes: each storage, in save order
+    # sizes: each storage, in save order; after_blocks: what is saved once the last of
+    # ``model.blocks`` has run (the final norm, the output layer, the loss), which backward
+    # frees before it reaches any block
+    counts: dict[str, Any] = {"bytes": 0, "sizes": [], "after_blocks": 0}
+    past_blocks = False
 
     def record(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -279,6 +313,12 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
         seen.add(key)
         counts["bytes"] += storage.nbytes()
         counts["sizes"].append(storage.nbytes())
+        if past_blocks:
+            counts["after_blocks"] += storage.nbytes()
+
+    def blocks_done(*_: object) -> None:
+        nonlocal past_blocks
+        past_blocks = True
 
     # The probe never runs backward, so the graph keeps only an index; the tensors themselves
     # stay alive in ``kept`` until the block ends (so no storage is reused and counted twice),
@@ -304,6 +344,9 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
     # With activation offload those inputs go to the host, and its hooks count them.
     handles = [module.register_forward_pre_hook(record_inputs) for module in model.modules()
                if is_checkpoint_wrapper(module) and offload_of(model) is None]
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        handles.append(blocks[-1].register_forward_hook(blocks_done))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield counts
@@ -316,7 +359,7 @@ def count_saved_tensors(model: nn.Module) -> Iterator[dict[str, Any]]:
 def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: str
                         ) -> tuple[int, list[int]]:
     """(saved bytes, each saved storage's bytes in save order) of one training forward."""
-    bytes_, sizes, _shapes, _host = _probe(model, tokens_BT, precision)
+    bytes_, sizes, _shapes, _host, _after = _probe(model, tokens_BT, precision)
     return bytes_, sizes
 
 
@@ -333,10 +376,10 @@ def probe_batch(batch: int, seq_len: int, vocab_size: int, device: torch.device,
 
 
 def _probe(model: nn.Module, batch: torch.Tensor | TokenBatch, precision: str
-           ) -> tuple[int, list[int], list[LossShape], int]:
-    """(saved bytes, each saved storage's bytes, the loss's shapes, the offloaded bytes): the
-    saved bytes count the offloaded ones too (the offload's hooks see those in place of
-    ``count_saved_tensors``'s)."""
+           ) -> tuple[int, list[int], list[LossShape], int, int]:
+    """(saved bytes, each saved storage's bytes, the loss's shapes, the offloaded bytes, the
+    bytes saved after the blocks): the saved bytes count the offloaded ones too (the offload's
+    hooks see those in place of ``count_saved_tensors``'s)."""
     batch = as_batch(batch)
     device = batch.tokens.device
     policy = precision_policy(precision, device, warn=False)
@@ -345,7 +388,7 @@ def _probe(model: nn.Module, batch: torch.Tensor | TokenBatch, precision: str
     del loss
     offload = offload_of(model)
     host = offload.bytes_this_forward if offload is not None else 0
-    return counts["bytes"] + host, counts["sizes"], shapes, host
+    return counts["bytes"] + host, counts["sizes"], shapes, host, counts["after_blocks"]
 
 
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
@@ -526,12 +569,22 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
         hook = blocks[0].register_forward_pre_hook(
             lambda _module, args, kwargs: block_calls.append(BlockCall.record(args, kwargs)),
             with_kwargs=True)
+        inputs_hook = blocks[0].register_forward_pre_hook(
+            lambda _module, args: block_inputs.append(args[0]))
+    block_inputs: list[torch.Tensor] = []
+    tiled = next((mlp for mlp in block_mlps(model) if isinstance(mlp, TiledMLPMixin)), None)
+    mlp_inputs: list[torch.Tensor] = []
+    if tiled is not None:
+        mlp_hook = tiled.register_forward_pre_hook(lambda _m, args: mlp_inputs.append(args[0]))
     for batch in (1, 2):
         measured[batch] = _probe(model, probe_batch(batch, seq_len, vocab_size, device, packed),
                                  precision)
         _collect_cycles(model)
         if num_blocks and batch == 1:
             hook.remove()
+            inputs_hook.remove()
+        if tiled is not None and batch == 1:
+            mlp_hook.remove()
     per_sample, fixed = _fit(measured[1][0], measured[2][0])
     largest_per_sample = _largest_growth(measured[1][1], measured[2][1])
     recompute_block = recompute_block_fixed = autocast_cache = 0
@@ -553,6 +606,7 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
     loss_shapes = measured[2][2]
     host_per_sample, host_fixed = _fit(measured[1][3], measured[2][3])
+    after_per_sample, after_fixed = _fit(measured[1][4], measured[2][4])
     profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
                                 fixed, largest_per_sample, recompute, recompute_block,
                                 autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
@@ -564,8 +618,40 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                     (_nbytes([p]) for p in blocks.parameters()
                                      if p.requires_grad), default=0),
                                 largest_nf4_weights=max((p.numel() for p in blocks.parameters()
-                                                         if is_nf4(p)), default=0))
+                                                         if is_nf4(p)), default=0),
+                                after_blocks_per_sample_bytes=after_per_sample,
+                                after_blocks_fixed_bytes=after_fixed,
+                                mlp_tile_per_sample_bytes=0 if tiled is None else _tile_bytes(
+                                    tiled, mlp_inputs[0], precision),
+                                block_output_grad_per_sample_bytes=_output_grad_bytes(
+                                    block_inputs[0], precision) if block_inputs else 0)
     return _with_all_to_alls(profile, split), (block_calls[0] if block_calls else None)
+
+
+def _output_grad_bytes(block_input: torch.Tensor, precision: str) -> int:
+    """The gradient flowing into a block's backward from the block after it, per sample: the
+    shape and dtype of the block's input (the residual stream's), and under autocast its copy
+    in the autocast dtype, which the block's last matrix product takes."""
+    sample = block_input[:1]
+    grad = sample.numel() * sample.element_size()
+    low = 2 if precision in ("bf16", "fp16") and sample.element_size() > 2 else 0
+    return grad + sample.numel() * low
+
+
+def _tile_bytes(mlp: TiledMLPMixin, sample_input: torch.Tensor, precision: str) -> int:
+    """What the tiled ``mlp``'s backward holds for one tile of one sample (its largest tile):
+    the tile's forward, recomputed with grad, saves its intermediates, and the gradient of the
+    largest of them is the largest temporary of its backward. Measured as the probe measures a
+    block: the MLP's own forward on one tile of ``sample_input`` (batch 1, this rank's tokens)
+    under the run's autocast, its saved tensors counted (the tile's input is a view of what the
+    tiled MLP saved already, so not counted)."""
+    tile = max(tile_sizes(sample_input.shape[TOKEN_DIM], mlp.mlp_tiles))
+    x = sample_input[:1].narrow(TOKEN_DIM, 0, tile).detach().clone().requires_grad_()
+    policy = precision_policy(precision, x.device, warn=False)
+    with torch.enable_grad(), policy.autocast(x.device), \
+            count_saved_tensors(mlp, held=[x]) as counts:
+        untiled_forward(mlp, x)
+    return counts["bytes"] + max(counts["sizes"], default=0)
 
 
 def _split_for_probe(model: nn.Module, sequence: int) -> SequenceShapes | None:
@@ -673,14 +759,18 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
     dequantized = nf4_dequantized_bytes(profile.largest_nf4_weights)  # wherever a block runs
     exchanged, sent = _all_to_alls(profile, micro_batch_size, accumulation_steps)
+    # A block's largest backward temporary, per sample: the gradient of the largest tensor it
+    # saves, or a tiled MLP's one tile, recomputed with its gradients, where that is larger.
+    largest_temporary = max(profile.largest_tensor_per_sample_bytes,
+                            profile.mlp_tile_per_sample_bytes)
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation + dequantized,
-        "backward start": activations - _loss_weight_grad(shape, outside_grads)
+        "backward start": activations - profile.after_blocks_bytes(micro_batch_size)
         + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes + dequantized
-        + exchanged + (profile.largest_tensor_per_sample_bytes
-           + profile.recompute_block_per_sample_bytes) * micro_batch_size,
+        + exchanged + (largest_temporary + profile.recompute_block_per_sample_bytes
+           + profile.block_output_grad_per_sample_bytes) * micro_batch_size,
         "optimizer step": 0 if static.offloaded or static.in_backward
         else static.grads + step_temporaries(static),
     }
@@ -693,7 +783,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     else:  # the first block's backward: every other gradient exists, its activations too
         moments["backward end"] = held_grads + emulation + dequantized + exchanged \
             + profile.recompute_block_fixed_bytes + (profile.first_block_per_sample_bytes
-               + profile.largest_tensor_per_sample_bytes) * micro_batch_size
+               + largest_temporary
+               + profile.block_output_grad_per_sample_bytes) * micro_batch_size
     if static.in_backward and not static.offloaded:  # the last step: a tied embedding's,
         moments["last step in backward"] = in_backward_bytes(static)  # alone by then
     moment = max(moments, key=lambda name: moments[name])
@@ -725,15 +816,6 @@ def recomputed_share(profile: ActivationProfile) -> float:
     """The share of the blocks checkpointing recomputes (a recomputed forward is a third of
     forward and backward: ``recompute_fraction``)."""
     return 3 * profile.recompute_fraction
-
-
-def _loss_weight_grad(shape: LossShape | None, outside_grads: int) -> int:
-    """The chunked loss's output-weight gradient, computed in the forward pass and saved with
-    the activations: once the loss's backward has run it is that weight's gradient, counted
-    with the gradients outside the blocks, not twice."""
-    if not isinstance(shape, ChunkedLossShape) or not shape.weight_trains:
-        return 0
-    return min(shape.vocab_size * shape.width * shape.weight_itemsize, outside_grads)
 
 
 def _loss_terms(profile: ActivationProfile, tokens: int, loss_chunk_tokens: int | None
