@@ -34,6 +34,14 @@ with the sequence and which every rank holds whole under either plan; the Llama 
 The loss is chunked by 1,024 tokens (``--loss-chunk-tokens``): ``auto`` sizes a chunk for
 256 MiB of fp32 logits, which at a vocabulary of 256 is the whole row.
 
+``--allocator 8192,16384`` measures instead what the planner predicts: the CPU allocator's
+record of a rank's step (``trainer.step.step_peak_bytes``, the median of 3 steps on each rank)
+of ``--allocator-plan`` (``sequence`` by default) at those lengths, on 4 gloo ranks built as
+the run builds them (the config above, ``parallelism_for`` and ``Parallelism.build``), beside
+the planner's peak; its own results file (``long-sequence-allocator``). The allocator's record
+is what the planner counts (tensor bytes); the sampled resident memory of the trials above can
+lie below it (pages of a buffer not yet written are not resident) or above it (the heap).
+
 Target: a sequence at least 3.5x longer with ``sequence``. Run: ``make bench-long`` or
 ``python -m bench.long_sequence --out bench/results`` (the Llama, ``--budget-mib`` 96 a rank and
 lengths from 2,048 by default: a budget that keeps the longest trials' attention within
@@ -199,6 +207,78 @@ def longest(work: Path, plan: str, start: int, args: argparse.Namespace) -> dict
     return {"longest": best, "trials": trials}
 
 
+def config(work: Path, plan: str, seq_len: int, tiles: int, loss_chunk_tokens: str,
+           model: str, name: str) -> Any:
+    """The config of a trial (``settings``) with its 4 workers."""
+    from trainer.config import Config, load_config
+
+    spec = {"plan": plan, "seq_len": seq_len, "data": str(dataset(work, seq_len)),
+            "runs": str(work / "runs"), "tiles": tiles, "loss_chunk_tokens": loss_chunk_tokens,
+            "llama": str(llama_dir(work)) if model == "llama" else None, "name": name}
+    cfg = load_config(REPO / "configs" / "demo-cpu.yaml", settings(spec))
+    parallel = cfg.parallel.model_copy(update={
+        "workers": WORKERS, "sequence": WORKERS if plan == "sequence" else 1})
+    return Config.model_validate(cfg.model_copy(update={"parallel": parallel}).model_dump())
+
+
+def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
+    """One rank's allocator peaks over 3 steps of ``cfg`` (``--allocator``), saved to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import Config
+    from trainer.memory.precision import precision_policy
+    from trainer.optim import build_optimizer
+    from trainer.parallel.choice import parallelism_for
+    from trainer.plan.peak import probe_batch
+    from trainer.step import create_optimizer_state, step_peak_bytes
+
+    cfg = Config.model_validate_json(cfg_json)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORKERS)
+    try:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        parallel = parallelism_for(cfg, WORKERS, "fp32")
+        model = parallel.build(cfg, device, lambda _model: None)
+        optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
+                                    cfg.train.betas, cfg.train.fused(),
+                                    cfg.memory.optimizer_states, None)
+        model = parallel.wrap(model, optimizer)
+        policy = precision_policy("fp32", device, warn=False)
+        scaler = policy.grad_scaler(device)
+        torch.manual_seed(parallel.data_place(rank, WORKERS).rank)  # a group's rows alike
+        batch = probe_batch(1, cfg.model.seq_len, cfg.model.vocab_size, device)
+        create_optimizer_state(optimizer)
+        peaks = [step_peak_bytes(model, optimizer, scaler, batch, policy, parallel=parallel)
+                 for _ in range(3)]
+        Path(f"{out}.{rank}").write_text(json.dumps(peaks))
+    finally:
+        dist.destroy_process_group()
+
+
+def allocator_rows(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--allocator``: each length's ranks' median allocator peaks beside the planner's."""
+    import statistics
+
+    from trainer.launch.local import free_port, start_workers
+
+    rows = []
+    for seq_len in (int(n) for n in args.allocator.split(",")):
+        cfg = config(work, args.allocator_plan, seq_len, args.tiles, args.loss_chunk_tokens,
+                     args.model, f"allocator-{seq_len}")
+        out = work / f"allocator-{args.allocator_plan}-{seq_len}"
+        start_workers(allocator_rank, (free_port(), cfg.model_dump_json(), str(out)), WORKERS)
+        medians = [statistics.median(json.loads(Path(f"{out}.{rank}").read_text())) / MIB
+                   for rank in range(WORKERS)]
+        row = {"seq_len": seq_len, "allocator_peaks_mib": [round(m, 1) for m in medians],
+               **predicted(cfg)}
+        row["error"] = round(row["predicted_peak_mib"] / max(medians) - 1, 3)
+        print(f"{args.allocator_plan}: {json.dumps(row)}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
@@ -211,10 +291,21 @@ def main() -> None:
     parser.add_argument("--model", choices=("gpt", "llama"), default="llama",
                         help="memtrain's GPT (learned positions) or an hf: Llama of its shape")
     parser.add_argument("--trial-timeout", type=int, default=3600, help="seconds")
+    parser.add_argument("--allocator", help="lengths (comma-separated) whose allocator "
+                        "peaks to measure instead of the search")
+    parser.add_argument("--allocator-plan", choices=PLANS, default="sequence")
     parser.add_argument("--trial", help=argparse.SUPPRESS)  # one trial, in its own process
     args = parser.parse_args()
     if args.trial:
         print(json.dumps(run_trial(json.loads(args.trial))))
+        return
+    if args.allocator:
+        work = Path(args.work or tempfile.mkdtemp(prefix="memtrain-long-sequence-"))
+        report = {"machine": describe_cpu(cpu_description()), "cpu": cpu_description(),
+                  "workers": WORKERS, "model": args.model, "plan": args.allocator_plan,
+                  "tiled_mlp": args.tiles, "loss_chunk_tokens": args.loss_chunk_tokens,
+                  "rows": allocator_rows(work, args)}
+        print(f"bench.long_sequence: {write_json(args.out, 'long-sequence-allocator', report)}")
         return
     if args.start % STEP_TOKENS:
         parser.error(f"--start {args.start} is not a multiple of {STEP_TOKENS}")

@@ -204,9 +204,10 @@ class ActivationProfile:
     # backward frees it before any block's backward, as ``fixed + per_sample * batch``.
     after_blocks_per_sample_bytes: int = 0
     after_blocks_fixed_bytes: int = 0
-    # memory.tiled_mlp: what a tiled MLP's backward holds for its largest tile, per sample
-    # (``_tile_bytes``); 0 without tiling.
+    # memory.tiled_mlp: what a tiled MLP's backward holds while it runs its largest tile, as
+    # ``fixed + per_sample * batch`` (``_tile_bytes``); 0 without tiling.
     mlp_tile_per_sample_bytes: int = 0
+    mlp_tile_fixed_bytes: int = 0
     # The gradient of a block's output, alive through its backward, per sample
     # (``_output_grad_bytes``; 0 for a model without blocks).
     block_output_grad_per_sample_bytes: int = 0
@@ -607,6 +608,8 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     loss_shapes = measured[2][2]
     host_per_sample, host_fixed = _fit(measured[1][3], measured[2][3])
     after_per_sample, after_fixed = _fit(measured[1][4], measured[2][4])
+    tile_per_sample, tile_fixed = (0, 0) if tiled is None else \
+        _tile_bytes(tiled, mlp_inputs[0], precision)
     profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
                                 fixed, largest_per_sample, recompute, recompute_block,
                                 autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
@@ -621,8 +624,8 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                                          if is_nf4(p)), default=0),
                                 after_blocks_per_sample_bytes=after_per_sample,
                                 after_blocks_fixed_bytes=after_fixed,
-                                mlp_tile_per_sample_bytes=0 if tiled is None else _tile_bytes(
-                                    tiled, mlp_inputs[0], precision),
+                                mlp_tile_per_sample_bytes=tile_per_sample,
+                                mlp_tile_fixed_bytes=tile_fixed,
                                 block_output_grad_per_sample_bytes=_output_grad_bytes(
                                     block_inputs[0], precision) if block_inputs else 0)
     return _with_all_to_alls(profile, split), (block_calls[0] if block_calls else None)
@@ -638,20 +641,26 @@ def _output_grad_bytes(block_input: torch.Tensor, precision: str) -> int:
     return grad + sample.numel() * low
 
 
-def _tile_bytes(mlp: TiledMLPMixin, sample_input: torch.Tensor, precision: str) -> int:
-    """What the tiled ``mlp``'s backward holds for one tile of one sample (its largest tile):
-    the tile's forward, recomputed with grad, saves its intermediates, and the gradient of the
-    largest of them is the largest temporary of its backward. Measured as the probe measures a
-    block: the MLP's own forward on one tile of ``sample_input`` (batch 1, this rank's tokens)
-    under the run's autocast, its saved tensors counted (the tile's input is a view of what the
-    tiled MLP saved already, so not counted)."""
+def _tile_bytes(mlp: TiledMLPMixin, sample_input: torch.Tensor, precision: str
+                ) -> tuple[int, int]:
+    """What the tiled ``mlp``'s backward holds while it runs its largest tile, as (per sample,
+    fixed) bytes (``trainer.memory.tiled_mlp.TiledMLPFunction.backward``): the tile's forward,
+    recomputed with grad, saves its intermediates, and the gradient of the largest of them is
+    the largest temporary of its backward; beside them, the gradient of the MLP's whole input,
+    filled tile by tile, and the MLP's parameter gradients summed over the tiles (fixed).
+    The tile is measured as the probe measures a block: the MLP's own forward on one tile of
+    ``sample_input`` (batch 1, this rank's tokens) under the run's autocast, its saved tensors
+    counted (the tile's input is a view of what the tiled MLP saved already, so not counted)."""
     tile = max(tile_sizes(sample_input.shape[TOKEN_DIM], mlp.mlp_tiles))
-    x = sample_input[:1].narrow(TOKEN_DIM, 0, tile).detach().clone().requires_grad_()
+    sample = sample_input[:1]
+    x = sample.narrow(TOKEN_DIM, 0, tile).detach().clone().requires_grad_()
     policy = precision_policy(precision, x.device, warn=False)
     with torch.enable_grad(), policy.autocast(x.device), \
             count_saved_tensors(mlp, held=[x]) as counts:
         untiled_forward(mlp, x)
-    return counts["bytes"] + max(counts["sizes"], default=0)
+    input_grad = sample.numel() * sample.element_size()
+    parameter_grads = _nbytes(p for p in mlp.parameters() if p.requires_grad)
+    return counts["bytes"] + max(counts["sizes"], default=0) + input_grad, parameter_grads
 
 
 def _split_for_probe(model: nn.Module, sequence: int) -> SequenceShapes | None:
@@ -759,18 +768,20 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
     dequantized = nf4_dequantized_bytes(profile.largest_nf4_weights)  # wherever a block runs
     exchanged, sent = _all_to_alls(profile, micro_batch_size, accumulation_steps)
-    # A block's largest backward temporary, per sample: the gradient of the largest tensor it
-    # saves, or a tiled MLP's one tile, recomputed with its gradients, where that is larger.
-    largest_temporary = max(profile.largest_tensor_per_sample_bytes,
-                            profile.mlp_tile_per_sample_bytes)
+    # A block's largest backward temporary: the gradient of the largest tensor it saves, or a
+    # tiled MLP's one tile recomputed with its gradients, where that is larger.
+    largest_temporary = max(
+        profile.largest_tensor_per_sample_bytes * micro_batch_size,
+        profile.mlp_tile_per_sample_bytes * micro_batch_size + profile.mlp_tile_fixed_bytes)
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation + dequantized,
         "backward start": activations - profile.after_blocks_bytes(micro_batch_size)
         + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes + dequantized
-        + exchanged + (largest_temporary + profile.recompute_block_per_sample_bytes
-           + profile.block_output_grad_per_sample_bytes) * micro_batch_size,
+        + exchanged + largest_temporary + (profile.recompute_block_per_sample_bytes
+                                           + profile.block_output_grad_per_sample_bytes)
+        * micro_batch_size,
         "optimizer step": 0 if static.offloaded or static.in_backward
         else static.grads + step_temporaries(static),
     }
@@ -782,8 +793,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
             + backward_grads + dequantized + exchanged
     else:  # the first block's backward: every other gradient exists, its activations too
         moments["backward end"] = held_grads + emulation + dequantized + exchanged \
-            + profile.recompute_block_fixed_bytes + (profile.first_block_per_sample_bytes
-               + largest_temporary
+            + profile.recompute_block_fixed_bytes + largest_temporary \
+            + (profile.first_block_per_sample_bytes
                + profile.block_output_grad_per_sample_bytes) * micro_batch_size
     if static.in_backward and not static.offloaded:  # the last step: a tied embedding's,
         moments["last step in backward"] = in_backward_bytes(static)  # alone by then
