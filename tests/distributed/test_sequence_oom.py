@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from trainer.batches import TokenBatch
 from trainer.launch.local import free_port, start_workers
@@ -100,7 +101,10 @@ def _trained(mesh: SequenceMesh, packed: bool, faults: bool) -> dict[str, Any]:
 
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # an unmatched collective fails in 30 s rather than hanging the suite
+    # an unmatched collective fails in 30 s rather than hanging the suite: the default group's
+    # timeout, and the sequence groups' (``dist.new_group`` takes torch's default, not the
+    # default group's)
+    distributed_c10d.default_pg_timeout = timedelta(seconds=30)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
     try:
         torch.set_num_threads(1)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trainer.config import Config
+from trainer.memory.loss import ChunkedLossShape
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model, compile_model
 from trainer.models.gpt import GPT, GPTConfig
@@ -616,23 +617,23 @@ def test_fsdp_settings_move_bytes_between_device_and_host() -> None:
         static, fsdp=FsdpSettings()), fp32, 1, 1)
 
 
-def test_what_the_head_saves_is_freed_before_the_blocks_backward() -> None:
-    """The final norm, the output layer and the chunked loss save tensors in the forward (the
-    loss its output weight's gradient among them, which becomes that weight's gradient, counted
-    with the gradients outside the blocks): backward frees them before it reaches any block, so
-    the start of backward holds the saved activations less those, counted once."""
-    cfg = GPTConfig(vocab_size=1000, seq_len=256, n_layer=2, n_head=2, n_embd=64)
-    profile = profile_activations(partial(GPT, cfg), MemoryTransforms("none", 2, 32),
-                                  cfg.seq_len, cfg.vocab_size, "fp32")
-    weight_grad = cfg.vocab_size * cfg.n_embd * 4
-    assert weight_grad <= profile.after_blocks_fixed_bytes < 2 * weight_grad
-    assert 0 < profile.after_blocks_per_sample_bytes < profile.per_sample_bytes / 2
-    static = static_bytes(GPT(cfg))
-    row = plan_row(static, profile, 4, 1)
-    kept = plan_row(static, dataclasses.replace(profile, after_blocks_fixed_bytes=0,
-                                                after_blocks_per_sample_bytes=0), 4, 1)
-    assert row.peak_moment == kept.peak_moment == "backward start"
-    assert kept.predicted_peak_bytes - row.predicted_peak_bytes == profile.after_blocks_bytes(4)
+def test_the_losss_saved_weight_gradient_is_counted_once_at_the_start_of_backward() -> None:
+    """The chunked loss computes its output weight's gradient in the forward pass and saves it;
+    once its backward has run that tensor is the weight's gradient, already counted with the
+    gradients outside the blocks: the start of backward counts it once."""
+    vocab, width = 1000, 100
+    weight_grad = vocab * width * 4
+
+    def start_of_backward(weight_trains: bool) -> PlanRow:
+        shape = ChunkedLossShape(vocab, width, 64, 4, 4, 4, weight_trains=weight_trains)
+        profile = ActivationProfile("fp32", "none", 5 * 10**6, weight_grad, 10**7, 0.0,
+                                    loss_shape=shape, seq_len=64,
+                                    outside_blocks_grad_bytes=weight_grad)
+        return plan_row(StaticBytes(10**6, 10**6, 2 * 10**6), profile, 1, 1)
+
+    trained, frozen = start_of_backward(True), start_of_backward(False)
+    assert trained.peak_moment == frozen.peak_moment == "backward start"
+    assert frozen.predicted_peak_bytes - trained.predicted_peak_bytes == weight_grad
 
 
 def test_the_step_in_backward_holds_one_gradient_in_one_process_and_a_block_under_ddp() -> None:

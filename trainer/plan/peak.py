@@ -19,16 +19,20 @@ of the parameters and AdamW's state:
 - with the plain loss (``memory.loss_chunk_tokens: 0``), the loss's own backward, first: the
   saved activations (the fp32 log-probabilities among them) and the fp32 gradients of the
   log-probabilities and of the logits (``trainer.memory.loss.PlainLossShape``);
-- the start of backward (the last block's): the saved activations less what was saved after
-  the blocks (the final norm's, the output layer's and the loss's, the chunked loss's weight
-  gradient among them: backward has freed those by then), the gradients of the parameters
-  outside the repeated blocks (the output head's come first), the gradient flowing into the
-  block (the residual stream's, and under autocast its low-precision copy), the block's largest
-  backward temporary (the gradient of the largest tensor it saves, or, where larger, a tiled
-  MLP's one tile recomputed with its gradients: ``_tile_bytes``) and, when the last block is
-  checkpointed, that block's recomputed activations (measured as the difference to a probe
-  without checkpointing) and its autocast weight copies. Further down, each block frees at
-  least as much activation memory as its parameters' gradients take;
+- the start of backward (the last block's): the saved activations, the gradients of the
+  parameters outside the repeated blocks (the output head's come first), the gradient flowing
+  into the block (the residual stream's, and under autocast its low-precision copy), the
+  block's largest backward temporary (the gradient of the largest tensor it saves, or, where
+  larger, a tiled MLP's one tile recomputed with its gradients: ``_tile_bytes``) and, when the
+  last block is checkpointed, that block's recomputed activations (measured as the difference
+  to a probe without checkpointing) and its autocast weight copies. What the head saved (the
+  final norm's, the output layer's, the loss's) is counted though backward has freed it by
+  then: for an ``hf:`` Llama it stands in for what a block's backward holds beyond the terms
+  above (without it the planner was 8-9% under the allocator's record with full
+  checkpointing), for memtrain's GPT on long rows with full checkpointing it is 13-23% over
+  (2,048 tokens, width 128, a 256-token vocabulary, whose plain loss saves its
+  log-probabilities). Further down, each block frees at least as much activation memory as
+  its parameters' gradients take;
 - the end of backward (``backward end``): every gradient but the first block's, beside that
   block's activations (recomputed where checkpointed), its incoming gradient and its largest
   temporary; with the optimizer step in backward, a block's gradients, and the last step (a
@@ -199,11 +203,6 @@ class ActivationProfile:
     sequence: int = 1
     all_to_all_per_sample_bytes: int = 0
     all_to_all_largest_per_sample_bytes: int = 0
-    # What the forward saves once the blocks have run (the final norm, the output layer, the
-    # loss; its output-weight gradient where the chunked loss computes it in the forward):
-    # backward frees it before any block's backward, as ``fixed + per_sample * batch``.
-    after_blocks_per_sample_bytes: int = 0
-    after_blocks_fixed_bytes: int = 0
     # memory.tiled_mlp: what a tiled MLP's backward holds while it runs its largest tile, as
     # ``fixed + per_sample * batch`` (``_tile_bytes``); 0 without tiling.
     mlp_tile_per_sample_bytes: int = 0
@@ -221,10 +220,6 @@ class ActivationProfile:
     def host_bytes(self, batch: int) -> int:
         """What activation offload holds in host memory of ``saved_bytes``."""
         return self.host_fixed_bytes + self.host_per_sample_bytes * batch
-
-    def after_blocks_bytes(self, batch: int) -> int:
-        """What of ``saved_bytes`` the blocks' backward no longer holds (on the device)."""
-        return self.after_blocks_fixed_bytes + self.after_blocks_per_sample_bytes * batch
 
 
 @dataclass(frozen=True)
@@ -300,11 +295,7 @@ def count_saved_tensors(model: nn.Module, held: Iterable[torch.Tensor] = ()
     # default probe) have no data pointer.
     param_storages = {storage_key(p) for p in (*model.parameters(), *held)}
     seen: set[int] = set()
-    # sizes: each storage, in save order; after_blocks: what is saved once the last of
-    # ``model.blocks`` has run (the final norm, the output layer, the loss), which backward
-    # frees before it reaches any block
-    counts: dict[str, Any] = {"bytes": 0, "sizes": [], "after_blocks": 0}
-    past_blocks = False
+    counts: dict[str, Any] = {"bytes": 0, "sizes": []}  # sizes: each storage, in save order
 
     def record(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -314,12 +305,6 @@ def count_saved_tensors(model: nn.Module, held: Iterable[torch.Tensor] = ()
         seen.add(key)
         counts["bytes"] += storage.nbytes()
         counts["sizes"].append(storage.nbytes())
-        if past_blocks:
-            counts["after_blocks"] += storage.nbytes()
-
-    def blocks_done(*_: object) -> None:
-        nonlocal past_blocks
-        past_blocks = True
 
     # The probe never runs backward, so the graph keeps only an index; the tensors themselves
     # stay alive in ``kept`` until the block ends (so no storage is reused and counted twice),
@@ -345,9 +330,6 @@ def count_saved_tensors(model: nn.Module, held: Iterable[torch.Tensor] = ()
     # With activation offload those inputs go to the host, and its hooks count them.
     handles = [module.register_forward_pre_hook(record_inputs) for module in model.modules()
                if is_checkpoint_wrapper(module) and offload_of(model) is None]
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and len(blocks):
-        handles.append(blocks[-1].register_forward_hook(blocks_done))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield counts
@@ -360,7 +342,7 @@ def count_saved_tensors(model: nn.Module, held: Iterable[torch.Tensor] = ()
 def measure_saved_bytes(model: nn.Module, tokens_BT: torch.Tensor, precision: str
                         ) -> tuple[int, list[int]]:
     """(saved bytes, each saved storage's bytes in save order) of one training forward."""
-    bytes_, sizes, _shapes, _host, _after = _probe(model, tokens_BT, precision)
+    bytes_, sizes, _shapes, _host = _probe(model, tokens_BT, precision)
     return bytes_, sizes
 
 
@@ -377,10 +359,10 @@ def probe_batch(batch: int, seq_len: int, vocab_size: int, device: torch.device,
 
 
 def _probe(model: nn.Module, batch: torch.Tensor | TokenBatch, precision: str
-           ) -> tuple[int, list[int], list[LossShape], int, int]:
-    """(saved bytes, each saved storage's bytes, the loss's shapes, the offloaded bytes, the
-    bytes saved after the blocks): the saved bytes count the offloaded ones too (the offload's
-    hooks see those in place of ``count_saved_tensors``'s)."""
+           ) -> tuple[int, list[int], list[LossShape], int]:
+    """(saved bytes, each saved storage's bytes, the loss's shapes, the offloaded bytes): the
+    saved bytes count the offloaded ones too (the offload's hooks see those in place of
+    ``count_saved_tensors``'s)."""
     batch = as_batch(batch)
     device = batch.tokens.device
     policy = precision_policy(precision, device, warn=False)
@@ -389,7 +371,7 @@ def _probe(model: nn.Module, batch: torch.Tensor | TokenBatch, precision: str
     del loss
     offload = offload_of(model)
     host = offload.bytes_this_forward if offload is not None else 0
-    return counts["bytes"] + host, counts["sizes"], shapes, host, counts["after_blocks"]
+    return counts["bytes"] + host, counts["sizes"], shapes, host
 
 
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
@@ -607,7 +589,6 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
     loss_shapes = measured[2][2]
     host_per_sample, host_fixed = _fit(measured[1][3], measured[2][3])
-    after_per_sample, after_fixed = _fit(measured[1][4], measured[2][4])
     tile_per_sample, tile_fixed = (0, 0) if tiled is None else \
         _tile_bytes(tiled, mlp_inputs[0], precision)
     profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
@@ -622,8 +603,6 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                      if p.requires_grad), default=0),
                                 largest_nf4_weights=max((p.numel() for p in blocks.parameters()
                                                          if is_nf4(p)), default=0),
-                                after_blocks_per_sample_bytes=after_per_sample,
-                                after_blocks_fixed_bytes=after_fixed,
                                 mlp_tile_per_sample_bytes=tile_per_sample,
                                 mlp_tile_fixed_bytes=tile_fixed,
                                 block_output_grad_per_sample_bytes=_output_grad_bytes(
@@ -776,7 +755,7 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation + dequantized,
-        "backward start": activations - profile.after_blocks_bytes(micro_batch_size)
+        "backward start": activations - _loss_weight_grad(shape, outside_grads)
         + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes + dequantized
         + exchanged + largest_temporary + (profile.recompute_block_per_sample_bytes
@@ -827,6 +806,15 @@ def recomputed_share(profile: ActivationProfile) -> float:
     """The share of the blocks checkpointing recomputes (a recomputed forward is a third of
     forward and backward: ``recompute_fraction``)."""
     return 3 * profile.recompute_fraction
+
+
+def _loss_weight_grad(shape: LossShape | None, outside_grads: int) -> int:
+    """The chunked loss's output-weight gradient, computed in the forward pass and saved with
+    the activations: once the loss's backward has run it is that weight's gradient, counted
+    with the gradients outside the blocks, not twice."""
+    if not isinstance(shape, ChunkedLossShape) or not shape.weight_trains:
+        return 0
+    return min(shape.vocab_size * shape.width * shape.weight_itemsize, outside_grads)
 
 
 def _loss_terms(profile: ActivationProfile, tokens: int, loss_chunk_tokens: int | None
