@@ -38,9 +38,11 @@ The loss is chunked by 1,024 tokens (``--loss-chunk-tokens``): ``auto`` sizes a 
 record of a rank's step (``trainer.step.step_peak_bytes``, the median of 3 steps on each rank)
 of ``--allocator-plan`` (``sequence`` by default) at those lengths, on 4 gloo ranks built as
 the run builds them (the config above, ``parallelism_for`` and ``Parallelism.build``), beside
-the planner's peak; its own results file (``long-sequence-allocator``). The allocator's record
-is what the planner counts (tensor bytes); the sampled resident memory of the trials above can
-lie below it (pages of a buffer not yet written are not resident) or above it (the heap).
+the planner's peak, and what the step added to the allocator's record and to the process's
+resident memory by the kernel's high-water mark (``allocator_rank``); its own results file
+(``long-sequence-allocator``). The allocator's record is what the planner counts (tensor
+bytes); resident memory can lie below it (pages of a buffer not yet written are not resident)
+or above it (the heap), and the 0.1 s sampling of the trials above can miss a short peak.
 
 Target: a sequence at least 3.5x longer with ``sequence``. Run: ``make bench-long`` or
 ``python -m bench.long_sequence --out bench/results`` (the Llama, ``--budget-mib`` 96 a rank and
@@ -221,17 +223,30 @@ def config(work: Path, plan: str, seq_len: int, tiles: int, loss_chunk_tokens: s
     return Config.model_validate(cfg.model_copy(update={"parallel": parallel}).model_dump())
 
 
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
 def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
-    """One rank's allocator peaks over 3 steps of ``cfg`` (``--allocator``), saved to ``out``."""
+    """One rank's step of ``cfg`` (``--allocator``), three ways, saved to ``out``: what its
+    resident memory rose by (the kernel's high-water mark ``VmHWM``, reset before the step:
+    exact, where sampling may miss a short peak), what the allocator's record rose by over
+    the tensors held before it, and the allocator's peak (``step_peak_bytes``: those tensors
+    counted); 3 steps each."""
     import torch
     import torch.distributed as dist
 
     from trainer.config import Config
+    from trainer.memory.optimizers import state_tensors
     from trainer.memory.precision import precision_policy
     from trainer.optim import build_optimizer
     from trainer.parallel.choice import parallelism_for
     from trainer.plan.peak import probe_batch
-    from trainer.step import create_optimizer_state, step_peak_bytes
+    from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
     cfg = Config.model_validate_json(cfg_json)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -250,30 +265,46 @@ def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
         torch.manual_seed(parallel.data_place(rank, WORKERS).rank)  # a group's rows alike
         batch = probe_batch(1, cfg.model.seq_len, cfg.model.vocab_size, device)
         create_optimizer_state(optimizer)
+        train_step(model, optimizer, scaler, [batch], 1, policy, 1.0, parallel=parallel)
+        resident = []
+        for _ in range(3):
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+            before = _status_bytes("VmRSS")
+            train_step(model, optimizer, scaler, [batch], 1, policy, 1.0, parallel=parallel)
+            resident.append(_status_bytes("VmHWM") - before)
+        held = sum(t.untyped_storage().nbytes() for t in
+                   [*model.parameters(), *state_tensors(optimizer), batch.tokens])
         peaks = [step_peak_bytes(model, optimizer, scaler, batch, policy, parallel=parallel)
                  for _ in range(3)]
-        Path(f"{out}.{rank}").write_text(json.dumps(peaks))
+        Path(f"{out}.{rank}").write_text(json.dumps({
+            "peak": peaks, "allocated": [peak - held for peak in peaks], "resident": resident}))
     finally:
         dist.destroy_process_group()
 
 
 def allocator_rows(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``--allocator``: each length's ranks' median allocator peaks beside the planner's."""
+    """``--allocator``: each length's ranks' medians (``allocator_rank``) beside the planner's
+    peak; its workers' heap as the trials' (``RETURNED_HEAP``)."""
     import statistics
 
     from trainer.launch.local import free_port, start_workers
 
+    os.environ.update(RETURNED_HEAP)  # the workers take this process's environment
     rows = []
     for seq_len in (int(n) for n in args.allocator.split(",")):
         cfg = config(work, args.allocator_plan, seq_len, args.tiles, args.loss_chunk_tokens,
                      args.model, f"allocator-{seq_len}")
         out = work / f"allocator-{args.allocator_plan}-{seq_len}"
         start_workers(allocator_rank, (free_port(), cfg.model_dump_json(), str(out)), WORKERS)
-        medians = [statistics.median(json.loads(Path(f"{out}.{rank}").read_text())) / MIB
-                   for rank in range(WORKERS)]
-        row = {"seq_len": seq_len, "allocator_peaks_mib": [round(m, 1) for m in medians],
-               **predicted(cfg)}
-        row["error"] = round(row["predicted_peak_mib"] / max(medians) - 1, 3)
+        ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(WORKERS)]
+
+        def medians(key: str) -> list[float]:
+            return [round(statistics.median(r[key]) / MIB, 1) for r in ranks]  # noqa: B023
+
+        row = {"seq_len": seq_len, "allocator_peaks_mib": medians("peak"),
+               "allocated_in_step_mib": medians("allocated"),
+               "resident_in_step_mib": medians("resident"), **predicted(cfg)}
+        row["error"] = round(row["predicted_peak_mib"] / max(row["allocator_peaks_mib"]) - 1, 3)
         print(f"{args.allocator_plan}: {json.dumps(row)}", flush=True)
         rows.append(row)
     return rows
