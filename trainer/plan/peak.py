@@ -29,10 +29,9 @@ of the parameters and AdamW's state:
   final norm's, the output layer's, the loss's) is counted though backward has freed it by
   then: for an ``hf:`` Llama it stands in for what a block's backward holds beyond the terms
   above (without it the planner was 8-9% under the allocator's record with full
-  checkpointing), for memtrain's GPT on long rows with full checkpointing it is 13-23% over
-  (2,048 tokens, width 128, a 256-token vocabulary, whose plain loss saves its
-  log-probabilities). Further down, each block frees at least as much activation memory as
-  its parameters' gradients take;
+  checkpointing), for memtrain's GPT on long rows with full checkpointing it over-counts, most
+  where the plain loss saves its log-probabilities. Further down, each block frees at least
+  as much activation memory as its parameters' gradients take;
 - the end of backward (``backward end``): every gradient but the first block's, beside that
   block's activations (recomputed where checkpointed), its incoming gradient and its largest
   temporary; with the optimizer step in backward, a block's gradients, and the last step (a
@@ -547,27 +546,12 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     num_blocks = len(blocks)
     model.train()
     measured = {}
-    block_calls: list[BlockCall] = []  # the first block's call, batch 1
-    if num_blocks:
-        hook = blocks[0].register_forward_pre_hook(
-            lambda _module, args, kwargs: block_calls.append(BlockCall.record(args, kwargs)),
-            with_kwargs=True)
-        inputs_hook = blocks[0].register_forward_pre_hook(
-            lambda _module, args: block_inputs.append(args[0]))
-    block_inputs: list[torch.Tensor] = []
-    tiled = next((mlp for mlp in block_mlps(model) if isinstance(mlp, TiledMLPMixin)), None)
-    mlp_inputs: list[torch.Tensor] = []
-    if tiled is not None:
-        mlp_hook = tiled.register_forward_pre_hook(lambda _m, args: mlp_inputs.append(args[0]))
+    first = _FirstCalls(model)  # batch 1's
     for batch in (1, 2):
-        measured[batch] = _probe(model, probe_batch(batch, seq_len, vocab_size, device, packed),
-                                 precision)
+        with first.recording() if batch == 1 else contextlib.nullcontext():
+            measured[batch] = _probe(
+                model, probe_batch(batch, seq_len, vocab_size, device, packed), precision)
         _collect_cycles(model)
-        if num_blocks and batch == 1:
-            hook.remove()
-            inputs_hook.remove()
-        if tiled is not None and batch == 1:
-            mlp_hook.remove()
     per_sample, fixed = _fit(measured[1][0], measured[2][0])
     largest_per_sample = _largest_growth(measured[1][1], measured[2][1])
     recompute_block = recompute_block_fixed = autocast_cache = 0
@@ -589,8 +573,7 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
     recompute = (len(chosen) / num_blocks) / 3 if num_blocks else 0.0
     loss_shapes = measured[2][2]
     host_per_sample, host_fixed = _fit(measured[1][3], measured[2][3])
-    tile_per_sample, tile_fixed = (0, 0) if tiled is None else \
-        _tile_bytes(tiled, mlp_inputs[0], precision)
+    tile_per_sample, tile_fixed = first.tile_bytes(precision)
     profile = ActivationProfile(precision, transforms.activation_checkpointing, per_sample,
                                 fixed, largest_per_sample, recompute, recompute_block,
                                 autocast_cache, loss_shapes[0] if loss_shapes else None, seq_len,
@@ -605,9 +588,55 @@ def _profile(factory: ModelFactory, transforms: MemoryTransforms, seq_len: int,
                                                          if is_nf4(p)), default=0),
                                 mlp_tile_per_sample_bytes=tile_per_sample,
                                 mlp_tile_fixed_bytes=tile_fixed,
-                                block_output_grad_per_sample_bytes=_output_grad_bytes(
-                                    block_inputs[0], precision) if block_inputs else 0)
-    return _with_all_to_alls(profile, split), (block_calls[0] if block_calls else None)
+                                block_output_grad_per_sample_bytes=first.output_grad_bytes(
+                                    precision))
+    return _with_all_to_alls(profile, split), first.block
+
+
+class _FirstCalls:
+    """How a probe's forward called ``model``'s first block (``BlockCall``, and one sample of
+    its input) and its first tiled MLP (one sample of its input): what a block's backward is
+    planned from beside its saved activations (``block_backward_bytes``)."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = getattr(model, "blocks", None) or nn.ModuleList()
+        self.tiled = next((mlp for mlp in block_mlps(model) if isinstance(mlp, TiledMLPMixin)),
+                          None)
+        self.block: BlockCall | None = None
+        self.block_input: torch.Tensor | None = None
+        self.mlp_input: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the first calls inside (the samples detached: no graph is kept)."""
+        def on_block(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self.block is None:
+                self.block = BlockCall.record(args, kwargs)
+                self.block_input = args[0][:1].detach()
+
+        def on_mlp(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            if self.mlp_input is None:
+                self.mlp_input = args[0][:1].detach()
+
+        handles = [self.blocks[0].register_forward_pre_hook(on_block, with_kwargs=True)] \
+            if len(self.blocks) else []
+        if self.tiled is not None:
+            handles.append(self.tiled.register_forward_pre_hook(on_mlp))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def output_grad_bytes(self, precision: str) -> int:
+        """``_output_grad_bytes`` of the first block's input (0 without blocks)."""
+        return 0 if self.block_input is None else _output_grad_bytes(self.block_input, precision)
+
+    def tile_bytes(self, precision: str) -> tuple[int, int]:
+        """``_tile_bytes`` of the first tiled MLP ((0, 0) without one)."""
+        if self.tiled is None or self.mlp_input is None:
+            return 0, 0
+        return _tile_bytes(self.tiled, self.mlp_input, precision)
 
 
 def _output_grad_bytes(block_input: torch.Tensor, precision: str) -> int:
@@ -747,20 +776,14 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
     emulation = profile.emulation_workspace_per_sample_bytes * micro_batch_size
     dequantized = nf4_dequantized_bytes(profile.largest_nf4_weights)  # wherever a block runs
     exchanged, sent = _all_to_alls(profile, micro_batch_size, accumulation_steps)
-    # A block's largest backward temporary: the gradient of the largest tensor it saves, or a
-    # tiled MLP's one tile recomputed with its gradients, where that is larger.
-    largest_temporary = max(
-        profile.largest_tensor_per_sample_bytes * micro_batch_size,
-        profile.mlp_tile_per_sample_bytes * micro_batch_size + profile.mlp_tile_fixed_bytes)
+    in_block = block_backward_bytes(profile, micro_batch_size)
     moments = {
         "forward end": activations + loss + profile.autocast_cache_bytes + in_flight
         + forward_kept + emulation + dequantized,
         "backward start": activations - _loss_weight_grad(shape, outside_grads)
         + outside_grads + in_flight + forward_kept
         + backward_grads + emulation + profile.recompute_block_fixed_bytes + dequantized
-        + exchanged + largest_temporary + (profile.recompute_block_per_sample_bytes
-                                           + profile.block_output_grad_per_sample_bytes)
-        * micro_batch_size,
+        + exchanged + in_block + profile.recompute_block_per_sample_bytes * micro_batch_size,
         "optimizer step": 0 if static.offloaded or static.in_backward
         else static.grads + step_temporaries(static),
     }
@@ -772,9 +795,8 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
             + backward_grads + dequantized + exchanged
     else:  # the first block's backward: every other gradient exists, its activations too
         moments["backward end"] = held_grads + emulation + dequantized + exchanged \
-            + profile.recompute_block_fixed_bytes + largest_temporary \
-            + (profile.first_block_per_sample_bytes
-               + profile.block_output_grad_per_sample_bytes) * micro_batch_size
+            + profile.recompute_block_fixed_bytes + in_block \
+            + profile.first_block_per_sample_bytes * micro_batch_size
     if static.in_backward and not static.offloaded:  # the last step: a tied embedding's,
         moments["last step in backward"] = in_backward_bytes(static)  # alone by then
     moment = max(moments, key=lambda name: moments[name])
@@ -789,6 +811,16 @@ def plan_row(static: StaticBytes, profile: ActivationProfile, micro_batch_size: 
                    accumulation_steps, static.total, activations,
                    peak - static.device_static - activations, peak,
                    profile.recompute_fraction, moment, seconds, tokens_per_s, chunk, host, sent)
+
+
+def block_backward_bytes(profile: ActivationProfile, micro_batch_size: int) -> int:
+    """What a block's backward holds beside the activations it saved: the gradient flowing
+    into it, and its largest temporary, the gradient of the largest tensor it saves or, where
+    that is more, a tiled MLP's tile recomputed with its gradients (``_tile_bytes``)."""
+    largest = max(
+        profile.largest_tensor_per_sample_bytes * micro_batch_size,
+        profile.mlp_tile_per_sample_bytes * micro_batch_size + profile.mlp_tile_fixed_bytes)
+    return largest + profile.block_output_grad_per_sample_bytes * micro_batch_size
 
 
 def _all_to_alls(profile: ActivationProfile, micro_batch_size: int, accumulation_steps: int
