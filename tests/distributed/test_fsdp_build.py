@@ -112,13 +112,19 @@ def _results(tmp_path: Path, world_size: int, path: str) -> list[dict]:
 
 
 _FULL_BYTES = sum(p.numel() * 4 for p in GPT(_BIG).parameters())
+# A rank's resident peak through the meta build, as a share of the whole model's fp32 bytes: at
+# 4 ranks its shard (0.25) and the tensor being made and sharded (the 16 MiB embedding at most,
+# 0.14), with the allocator's slack. Seen: 0.37-0.44 (41-49 MiB of 112) with the machine to
+# itself, 0.51 beside the rest of the suite on 2 cores; the host build holds 1.08 (121 MiB).
+WHOLE_BOUND = 0.6
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_size: int) -> None:
-    """Each rank's resident memory through build and load stays below half the model's full
-    fp32 bytes (its shard is a quarter or an eighth of them), with fp32 weights and with bf16
-    ones (``model.dtype``: made in fp32, one tensor at a time, and rounded into the shards);
+    """Each rank's resident memory through build and load stays below ``WHOLE_BOUND`` of the
+    model's full fp32 bytes (its shard is a quarter or an eighth of them), with fp32 weights
+    and with bf16 ones (``model.dtype``: made in fp32, one tensor at a time, and rounded into
+    the shards);
     the shards are the host build's weights bit for bit (bf16 ones: rounded); and two steps
     train, each rank's peak (the CPU allocator's record) within a sharded rank's means: at
     least the planner's prediction for it less 10%, and under three quarters of what a whole
@@ -131,10 +137,10 @@ def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_s
     planned = _planned_peak(world_size)
     for rank, result in enumerate(_results(tmp_path, world_size, "meta")):
         assert _FULL_BYTES >= 4 * result["shard"]
-        assert result["peak"] < _FULL_BYTES / 2, (rank, result)
+        assert result["peak"] < WHOLE_BOUND * _FULL_BYTES, (rank, result)
         assert result["same"], rank
         assert result["same_bf16"], rank
-        assert result["peak_bf16"] < _FULL_BYTES / 2, (rank, result)
+        assert result["peak_bf16"] < WHOLE_BOUND * _FULL_BYTES, (rank, result)
         for peak in result["steps"]:
             assert planned * 0.9 <= peak < 3 * _FULL_BYTES, (rank, result["steps"], planned)
 
@@ -142,7 +148,7 @@ def test_no_rank_holds_the_whole_model_while_it_is_built(tmp_path: Path, world_s
 def test_the_host_build_holds_the_whole_model_on_every_rank(tmp_path: Path) -> None:
     """The measure above fails on the build sharding had before the meta device."""
     for rank, result in enumerate(_results(tmp_path, 4, "host")):
-        assert result["peak"] > _FULL_BYTES / 2, (rank, result)
+        assert result["peak"] > WHOLE_BOUND * _FULL_BYTES, (rank, result)
 
 
 def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
