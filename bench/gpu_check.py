@@ -62,9 +62,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.gpu_fsdp import fsdp_rows
-from bench.gpu_sequence import sequence_rows
-from bench.gpu_strategies import strategy_rows
+from bench import gpu_sequence, gpu_strategies
+from bench.gpu_fsdp import case_rows, fsdp_rows
 from bench.results import result_path, write_json
 from datapipe.loader import BatchLoader
 from datapipe.manifest import ColumnSpec
@@ -613,8 +612,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    args.loss_chunk_tokens, 64 if dry else 512)
     report["loss_kernels"] = section("loss kernels", loss_kernels, device, dry)
     report["fsdp"] = fsdp_rows(section, cfg, device, micro_batch, steps, warmup)
-    report["strategies"] = strategy_rows(section, cfg, device, micro_batch, steps, warmup) + \
-        sequence_rows(section, cfg, device, micro_batch, steps, warmup)
+    report["strategies"] = [
+        *case_rows(section, "strategy", gpu_strategies.strategy_row, gpu_strategies.CASES, cfg,
+                   device, micro_batch, steps, warmup),
+        *case_rows(section, "sequence", gpu_sequence.sequence_row, gpu_sequence.CASES, cfg,
+                   device, micro_batch, steps, warmup)]
     report["summary"] = summarize(report)
     return report
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -109,10 +109,18 @@ def measured_row(micro_batch: int, seq_len: int, steps: int, peak: int, seconds:
             "planner_error": plan.predicted_peak_bytes / peak - 1 if peak else None}
 
 
+def case_rows(section: Any, label: str, row: Any, cases: Iterable[str], *args: Any
+              ) -> list[dict[str, Any]]:
+    """``row(args[0], name, *args[1:])`` for every case ``name``, each a gpu-check section named
+    ``label name`` (one failing keeps the others): the rows that did not fail."""
+    first, *rest = args
+    rows = [section(f"{label} {name}", row, first, name, *rest) for name in cases]
+    return [row for row in rows if row is not None]
+
+
 def fsdp_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int, steps: int,
               warmup: int) -> list[dict[str, Any]]:
-    """Every setting's row, each a gpu-check section (one failing keeps the others)."""
+    """Every setting's row, each a gpu-check section, in a one-rank process group."""
     with one_rank(device):
-        rows = [section(f"fsdp {name}", fsdp_row, cfg, name, device, micro_batch, steps, warmup)
-                for name in CASES]
-    return [row for row in rows if row is not None]
+        return case_rows(section, "fsdp", fsdp_row, CASES, cfg, device, micro_batch, steps,
+                         warmup)

@@ -95,11 +95,3 @@ def sequence_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
     plan = plan_row(static_bytes(shape, "ddp", RANKS), profile, micro_batch, 1)
     return {"strategy": name, **measured_row(micro_batch, cfg.seq_len, steps, peak, seconds,
                                              plan)}
-
-
-def sequence_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int,
-                  steps: int, warmup: int) -> list[dict[str, Any]]:
-    """Every case's row, each a gpu-check section (one failing keeps the others)."""
-    rows = [section(f"sequence {name}", sequence_row, cfg, name, device, micro_batch, steps,
-                    warmup) for name in CASES]
-    return [row for row in rows if row is not None]

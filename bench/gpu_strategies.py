@@ -79,12 +79,3 @@ def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
     del model, optimizer
     return {"strategy": name, **measured_row(micro_batch, cfg.seq_len, steps, peak, elapsed,
                                              plan)}
-
-
-def strategy_rows(section: Any, cfg: GPTConfig, device: torch.device, micro_batch: int,
-                  steps: int, warmup: int) -> list[dict[str, Any]]:
-    """Every strategy's row, each a gpu-check section (one failing keeps the others)."""
-    rows = [section(f"strategy {name}", strategy_row, cfg, name, device, micro_batch, steps,
-                    warmup) for name in CASES]
-    return [row for row in rows if row is not None]
-
