@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from bench.results import describe_cpu, write_json
 from trainer.launch.local import free_port, start_workers
+from trainer.parallel.sequence import GroupOOMWatch
 
 
 def _timed(fn: Callable[[], object], calls: int = 5) -> float:
@@ -38,17 +39,15 @@ def _timed(fn: Callable[[], object], calls: int = 5) -> float:
 
 
 def _flag_seconds(calls: int = 1000) -> float:
-    """One all-reduce (MAX) of a one-number host tensor, read back: ``GroupOOMWatch.ready``."""
-    def flag() -> None:
-        value = torch.zeros(1)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        bool(value.item())
-
-    flag()
+    """One meeting of an armed ``GroupOOMWatch`` over every rank (``ready``: one all-reduce of
+    a one-number host tensor, read back)."""
+    watch = GroupOOMWatch(dist.group.WORLD)
+    watch.armed = True
+    watch.ready()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls):
-        flag()
+        watch.ready()
     return (time.perf_counter() - start) / calls
 
 

@@ -49,6 +49,7 @@ from monitoring.run_files import MEMORY_DIR
 from trainer import faults
 from trainer.compat import dump_memory_snapshot, record_memory_history
 from trainer.context import WorkerContext
+from trainer.parallel.rendezvous import any_rank
 
 log = logging.getLogger("memtrain")
 Result = TypeVar("Result")
@@ -102,9 +103,7 @@ class OOMAgreement:
     def _any(self, local_oom: bool) -> bool:
         if not self.distributed:
             return local_oom
-        flag = torch.tensor([1.0 if local_oom else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())  # host sync: once per step, only with world size > 1
+        return any_rank(local_oom, self.device)  # host sync: once a step, over several ranks
 
     def check(self, local_oom: str | None = None) -> None:
         """After the step's micro-batches: raise ``StepOutOfMemory`` if any rank ran out.

@@ -18,6 +18,7 @@ import os
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 # torch's default for a process group's operations (and so for its store's)
@@ -67,3 +68,12 @@ def init_process_group(device_type: str, rank: int, world_size: int, addr: str, 
     dist.init_process_group(backend_for(device_type),
                             store=bound_store(addr, port, rank, world_size, timeout),
                             rank=rank, world_size=world_size, timeout=timeout)
+
+
+def any_rank(flag: bool, device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``flag`` is set on any rank of ``group`` (None: every rank): one all-reduce (MAX)
+    of one number on ``device``, read back (a host sync where ``device`` is a GPU; a host tensor
+    goes over gloo, beside NCCL on GPUs)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())

@@ -43,6 +43,7 @@ from trainer.batches import RowSlice, TokenBatch
 from trainer.models.gpt import GPT, CausalSelfAttention, document_mask
 from trainer.models.hf import HFCausalLM
 from trainer.models.sequence_split import HF_SEQUENCE_KWARG
+from trainer.parallel.rendezvous import any_rank
 
 HF_ATTENTION = "memtrain_ulysses"  # the name transformers' attention interface knows it by
 # Keyword arguments transformers carries through a model's layers to its attention function
@@ -65,6 +66,9 @@ class PeerOutOfMemory(torch.OutOfMemoryError):
     stopped where the group met (``GroupOOMWatch``), as the peer did."""
 
 
+_HOST = torch.device("cpu")  # the watch's flag: no device sync
+
+
 class GroupOOMWatch:
     """The meetings of one group's ranks inside a micro-batch, made to agree on an OOM first.
 
@@ -81,15 +85,10 @@ class GroupOOMWatch:
         self.group = group
         self.armed = False
 
-    def _any(self, failed: bool) -> bool:
-        flag = torch.tensor([1.0 if failed else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
-
     def ready(self) -> None:
         """Before one of the group's collectives: raise ``PeerOutOfMemory`` where a peer ran
         out of memory since the last meeting (then the watch disarms: this was the last one)."""
-        if self.armed and self._any(False):
+        if self.armed and any_rank(False, _HOST, self.group):
             self.armed = False
             raise PeerOutOfMemory("a peer rank of this sequence group ran out of memory in this "
                                   "step")
@@ -105,7 +104,7 @@ class GroupOOMWatch:
             self.ready()
         except torch.OutOfMemoryError as err:
             if self.armed and not isinstance(err, PeerOutOfMemory):
-                self._any(True)
+                any_rank(True, _HOST, self.group)
             raise
         finally:
             self.armed = False
