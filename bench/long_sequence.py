@@ -147,20 +147,36 @@ def predicted(cfg: Any) -> dict[str, Any]:
             "all_to_all_mib": round(row.all_to_all_bytes / MIB, 1)}
 
 
+def with_workers(cfg: Any, plan: str) -> Any:
+    """``cfg`` on the bench's 4 workers (more than this machine's CPUs, which ``prepare_run``
+    refuses to protect a user's), split 4 ways under ``sequence``; validated again as a whole,
+    so the sequence split's own refusals still apply."""
+    from trainer.config import Config
+
+    parallel = cfg.parallel.model_copy(update={
+        "workers": WORKERS, "sequence": WORKERS if plan == "sequence" else 1})
+    return Config.model_validate(cfg.model_copy(update={"parallel": parallel}).model_dump())
+
+
+def trial_spec(work: Path, plan: str, seq_len: int, args: argparse.Namespace, name: str
+               ) -> dict[str, Any]:
+    """What a trial of ``plan`` at ``seq_len`` runs (``settings``), its data written once."""
+    return {"plan": plan, "seq_len": seq_len, "data": str(dataset(work, seq_len)),
+            "runs": str(work / "runs"), "tiles": args.tiles,
+            "loss_chunk_tokens": args.loss_chunk_tokens,
+            "llama": str(llama_dir(work)) if args.model == "llama" else None, "name": name}
+
+
 def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
     """One step through the local launcher (``launch_local``) on 4 workers, more than this
     machine's CPUs as the tests do, sampled from a thread of this process: each worker's
     anonymous resident memory above its first sample; then the planner's figures."""
-    from trainer.config import Config, load_config
+    from trainer.config import load_config
     from trainer.launch.local import launch_local
     from trainer.launch.prepare import prepare_run
 
     cfg, run_dir = prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", settings(spec)))
-    # 4 workers on a 2-CPU machine, which prepare_run refuses to protect a user's; validated
-    # again as a whole, so the sequence split's own refusals still apply.
-    parallel = cfg.parallel.model_copy(update={
-        "workers": WORKERS, "sequence": WORKERS if spec["plan"] == "sequence" else 1})
-    cfg = Config.model_validate(cfg.model_copy(update={"parallel": parallel}).model_dump())
+    cfg = with_workers(cfg, spec["plan"])
     with Sampler(psutil.Process()) as sampler:
         launch_local(cfg, run_dir)
     pids = [pid for pid in sampler.series if "forkserver" in sampler.names.get(
@@ -178,11 +194,7 @@ def run_trial(spec: dict[str, Any]) -> dict[str, Any]:
 def trial(work: Path, plan: str, seq_len: int, args: argparse.Namespace) -> dict[str, Any]:
     """One step of ``plan`` at ``seq_len`` (``run_trial``, in a process of its own); its
     workers' peaks and whether every one fits the budget."""
-    spec = {"plan": plan, "seq_len": seq_len, "data": str(dataset(work, seq_len)),
-            "runs": str(work / "runs"), "tiles": args.tiles,
-            "loss_chunk_tokens": args.loss_chunk_tokens,
-            "llama": str(llama_dir(work)) if args.model == "llama" else None,
-            "name": f"{plan}-{seq_len}-{time.strftime('%H%M%S')}"}
+    spec = trial_spec(work, plan, seq_len, args, f"{plan}-{seq_len}-{time.strftime('%H%M%S')}")
     done = subprocess.run([sys.executable, "-m", "bench.long_sequence", "--trial",
                            json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
                           timeout=args.trial_timeout, env={**os.environ, **RETURNED_HEAP})
@@ -209,26 +221,12 @@ def longest(work: Path, plan: str, start: int, args: argparse.Namespace) -> dict
     return {"longest": best, "trials": trials}
 
 
-def config(work: Path, plan: str, seq_len: int, tiles: int, loss_chunk_tokens: str,
-           model: str, name: str) -> Any:
-    """The config of a trial (``settings``) with its 4 workers."""
-    from trainer.config import Config, load_config
-
-    spec = {"plan": plan, "seq_len": seq_len, "data": str(dataset(work, seq_len)),
-            "runs": str(work / "runs"), "tiles": tiles, "loss_chunk_tokens": loss_chunk_tokens,
-            "llama": str(llama_dir(work)) if model == "llama" else None, "name": name}
-    cfg = load_config(REPO / "configs" / "demo-cpu.yaml", settings(spec))
-    parallel = cfg.parallel.model_copy(update={
-        "workers": WORKERS, "sequence": WORKERS if plan == "sequence" else 1})
-    return Config.model_validate(cfg.model_copy(update={"parallel": parallel}).model_dump())
-
-
-def _status_bytes(key: str) -> int:
-    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``), in bytes."""
+def _resident_high_water() -> int:
+    """This process's resident high-water mark (``VmHWM`` of ``/proc/self/status``), bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
+        if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-    raise KeyError(key)
+    raise KeyError("VmHWM")
 
 
 def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
@@ -240,13 +238,14 @@ def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from monitoring.memory import resident_bytes
     from trainer.config import Config
-    from trainer.memory.optimizers import state_tensors
     from trainer.memory.precision import precision_policy
     from trainer.optim import build_optimizer
     from trainer.parallel.choice import parallelism_for
     from trainer.plan.peak import probe_batch
-    from trainer.step import create_optimizer_state, step_peak_bytes, train_step
+    from trainer.step import create_optimizer_state, step_held, step_peak_bytes, train_step
+    from trainer.telemetry.diagnostics import held_bytes
 
     cfg = Config.model_validate_json(cfg_json)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -269,11 +268,10 @@ def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
         resident = []
         for _ in range(3):
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
-            before = _status_bytes("VmRSS")
+            before = resident_bytes()
             train_step(model, optimizer, scaler, [batch], 1, policy, 1.0, parallel=parallel)
-            resident.append(_status_bytes("VmHWM") - before)
-        held = sum(t.untyped_storage().nbytes() for t in
-                   [*model.parameters(), *state_tensors(optimizer), batch.tokens])
+            resident.append(_resident_high_water() - before)
+        held = held_bytes(step_held(model, optimizer, batch))
         peaks = [step_peak_bytes(model, optimizer, scaler, batch, policy, parallel=parallel)
                  for _ in range(3)]
         Path(f"{out}.{rank}").write_text(json.dumps({
@@ -287,13 +285,15 @@ def allocator_rows(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]
     peak; its workers' heap as the trials' (``RETURNED_HEAP``)."""
     import statistics
 
+    from trainer.config import load_config
     from trainer.launch.local import free_port, start_workers
 
     os.environ.update(RETURNED_HEAP)  # the workers take this process's environment
     rows = []
     for seq_len in (int(n) for n in args.allocator.split(",")):
-        cfg = config(work, args.allocator_plan, seq_len, args.tiles, args.loss_chunk_tokens,
-                     args.model, f"allocator-{seq_len}")
+        spec = trial_spec(work, args.allocator_plan, seq_len, args, f"allocator-{seq_len}")
+        cfg = with_workers(load_config(REPO / "configs" / "demo-cpu.yaml", settings(spec)),
+                           args.allocator_plan)
         out = work / f"allocator-{args.allocator_plan}-{seq_len}"
         start_workers(allocator_rank, (free_port(), cfg.model_dump_json(), str(out)), WORKERS)
         ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(WORKERS)]

@@ -198,13 +198,19 @@ def step_peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
     """CPU: the allocator's peak over one ``train_step`` on ``tokens_BT``, counting the
     parameters, optimizer state and batch alive before it (``diagnostics.cpu_peak_bytes``);
     ``parallel``: ``train_step``'s."""
-    state = state_tensors(optimizer)  # a quantized moment by its parts
     batch = as_batch(tokens_BT)
-    columns = [t for t in (batch.tokens, batch.loss_mask, batch.document_ids) if t is not None]
     return cpu_peak_bytes(
         lambda: train_step(model, optimizer, scaler, [batch], 1, policy, grad_clip,
                            parallel=parallel),
-        held=[*model.parameters(), *state, *columns])
+        held=step_held(model, optimizer, batch))
+
+
+def step_held(model: nn.Module, optimizer: torch.optim.Optimizer,
+              batch: TokenBatch) -> list[torch.Tensor]:
+    """What a step's peak counts as alive before it (``step_peak_bytes``): the parameters, the
+    optimizer state (a quantized moment by its parts) and the batch's columns."""
+    columns = [t for t in (batch.tokens, batch.loss_mask, batch.document_ids) if t is not None]
+    return [*model.parameters(), *state_tensors(optimizer), *columns]
 
 
 @torch.no_grad()

@@ -118,22 +118,29 @@ def cpu_peak_bytes(fn: Callable[[], object], held: Iterable[torch.Tensor] = ()) 
     the CPU allocator with its running total (``trainer.compat.cpu_allocation_events``). It
     costs a few times the call's own time: a check, not a training tool.
     """
-    storages: dict[int, int] = {}
-    for tensor in held:
-        for plain in plain_tensors(local_tensor(tensor)):  # a DTensor: its shard; NF4: parts
-            storage = plain.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+    before = held_bytes(held)
     with quiet_native_logs(), profile(activities=[ProfilerActivity.CPU],
                                       profile_memory=True) as prof:
         fn()
     events = cpu_allocation_events(prof)
     if not events:
-        return sum(storages.values())
+        return before
     # The running total also counts what earlier profiled calls allocated and left alive: start
     # from its value before this call's first event.
     _time, size, total = events[0]
     start = total - size
-    return sum(storages.values()) + max(0, max(total for _t, _s, total in events) - start)
+    return before + max(0, max(total for _t, _s, total in events) - start)
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of ``tensors``' storages, each once (a DTensor by its local shard, a quantized
+    tensor by its parts): what ``cpu_peak_bytes`` counts as held before its call."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        for plain in plain_tensors(local_tensor(tensor)):
+            storage = plain.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
