@@ -639,17 +639,16 @@ class _FirstCalls:
         return _tile_bytes(self.tiled, self.mlp_input, precision)
 
 
-def _output_grad_bytes(block_input: torch.Tensor, precision: str) -> int:
+def _output_grad_bytes(sample: torch.Tensor, precision: str) -> int:
     """The gradient flowing into a block's backward from the block after it, per sample: the
-    shape and dtype of the block's input (the residual stream's), and under autocast its copy
-    in the autocast dtype, which the block's last matrix product takes."""
-    sample = block_input[:1]
-    grad = sample.numel() * sample.element_size()
+    shape and dtype of one sample of the block's input (``sample``: the residual stream's),
+    and under autocast its copy in the autocast dtype, which the block's last matrix product
+    takes."""
     low = 2 if precision in ("bf16", "fp16") and sample.element_size() > 2 else 0
-    return grad + sample.numel() * low
+    return tensor_bytes(sample) + sample.numel() * low
 
 
-def _tile_bytes(mlp: TiledMLPMixin, sample_input: torch.Tensor, precision: str
+def _tile_bytes(mlp: TiledMLPMixin, sample: torch.Tensor, precision: str
                 ) -> tuple[int, int]:
     """What the tiled ``mlp``'s backward holds while it runs its largest tile, as (per sample,
     fixed) bytes (``trainer.memory.tiled_mlp.TiledMLPFunction.backward``): the tile's forward,
@@ -657,16 +656,16 @@ def _tile_bytes(mlp: TiledMLPMixin, sample_input: torch.Tensor, precision: str
     the largest temporary of its backward; beside them, the gradient of the MLP's whole input,
     filled tile by tile, and the MLP's parameter gradients summed over the tiles (fixed).
     The tile is measured as the probe measures a block: the MLP's own forward on one tile of
-    ``sample_input`` (batch 1, this rank's tokens) under the run's autocast, its saved tensors
-    counted (the tile's input is a view of what the tiled MLP saved already, so not counted)."""
-    tile = max(tile_sizes(sample_input.shape[TOKEN_DIM], mlp.mlp_tiles))
-    sample = sample_input[:1]
+    ``sample`` (one sample of the MLP's input: this rank's tokens) under the run's autocast, its
+    saved tensors counted (the tile's input is a view of what the tiled MLP saved already, so
+    not counted)."""
+    tile = max(tile_sizes(sample.shape[TOKEN_DIM], mlp.mlp_tiles))
     x = sample.narrow(TOKEN_DIM, 0, tile).detach().clone().requires_grad_()
     policy = precision_policy(precision, x.device, warn=False)
     with torch.enable_grad(), policy.autocast(x.device), \
             count_saved_tensors(mlp, held=[x]) as counts:
         untiled_forward(mlp, x)
-    input_grad = sample.numel() * sample.element_size()
+    input_grad = tensor_bytes(sample)
     parameter_grads = _nbytes(p for p in mlp.parameters() if p.requires_grad)
     return counts["bytes"] + max(counts["sizes"], default=0) + input_grad, parameter_grads
 
