@@ -109,7 +109,7 @@ def test_memtrain_plan_shows_a_row_per_sequence_degree() -> None:
     ("16MiB", "; parallel.sequence 2 (each row split over 2 ranks) would fit, at a predicted "
               "peak of 14.1 MiB per rank; "),
     ("12MiB", "; parallel.sequence 4 (each row split over 4 ranks) would fit, at a predicted "
-              "peak of 9.9 MiB per rank; "),  # its fastest fitting plan, selective
+              "peak of 9.8 MiB per rank; "),  # its fastest fitting plan, selective
     ("8MiB", "; nor with parallel.sequence 2 or 4; "),
 ])
 def test_when_a_row_fits_no_rank_auto_says_which_sequence_split_would(budget: str,

@@ -43,6 +43,11 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+# A chunk's logits are normalised in this many slices of rows (``_normalise_rows_``): beside the
+# logits, one slice's fp32 temporaries are alive, a sixteenth of the chunk's rows.
+NORMALISE_SLICES = 16
+
+
 @dataclass(frozen=True)
 class ChunkedLossShape:
     """What sets one chunked loss call's temporaries, apart from the number of tokens."""
@@ -59,19 +64,20 @@ class ChunkedLossShape:
         """Peak bytes of the forward's temporaries for ``tokens`` tokens (not the saved ones).
 
         Alive throughout: the weight cast to the compute dtype (when it differs). Per chunk of
-        ``n`` tokens, the larger of two moments: the fp32 logits beside cross-entropy's fp32
-        log-softmax, or softmax's copy (8 bytes per logit either way); and the chunk's gradient
-        logits in the compute dtype beside the output weight's chunk gradient (in the compute
-        dtype, and its fp32 copy when that differs).
+        ``n`` tokens, its logits in the compute dtype (overwritten by their gradient), beside the
+        larger of two moments: one slice's fp32 copy and its (log-)softmax (``_normalise_rows_``;
+        the copy is the slice itself in fp32), with the chunk's picked log-probabilities; or the
+        output weight's chunk gradient (in the compute dtype, and its fp32 copy when that
+        differs).
         """
         V, C, s = self.vocab_size, self.width, self.compute_itemsize
         n = min(self.chunk_tokens, tokens)
+        rows = max(1, -(-n // NORMALISE_SLICES))
         weight_copy = V * C * s if s != self.weight_itemsize else 0
         hidden_copy = n * C * s if s != self.hidden_itemsize else 0
         weight_grad = V * C * (s + (4 if s != 4 else 0)) if self.weight_trains else 0
-        per_chunk = max(8 * n * V, s * n * V + weight_grad)
-        return weight_copy + hidden_copy + per_chunk
-
+        normalise = rows * V * (4 + (4 if s != 4 else 0)) + 4 * n
+        return weight_copy + hidden_copy + s * n * V + max(normalise, weight_grad)
 
     def backward_bytes(self, tokens: int) -> int:
         """Bytes the loss adds at the start of backward: none, its gradients were computed in
@@ -126,6 +132,45 @@ def observe_chunked_losses() -> Iterator[list[LossShape]]:
         _observed = outer
 
 
+
+def _normalise_rows_(logits_NV: torch.Tensor, targets_N: torch.Tensor, gradient: bool
+                     ) -> torch.Tensor:
+    """The summed cross-entropy of ``logits_NV`` (any float dtype; computed in fp32), and with
+    ``gradient`` its gradient with respect to the logits written over them, in their dtype.
+
+    The same numbers, bit for bit, as ``F.cross_entropy(logits.float(), targets,
+    reduction="sum")`` and ``(softmax(logits.float()) - one_hot) * trained`` cast back, but a
+    slice of rows at a time: log-softmax and softmax are computed row by row, so a slice's rows
+    are the whole tensor's, and the loss is summed by ``nll_loss`` over the same values in the
+    same order. What is alive beyond the logits is one slice's fp32 copy and its (log-)softmax,
+    not two fp32 copies of the whole chunk (8 bytes a logit, which set the chunk's peak).
+    A target of ``IGNORE_INDEX`` adds nothing to the loss and gets a zero gradient row.
+    """
+    n = logits_NV.shape[0]
+    rows = max(1, -(-n // NORMALISE_SLICES))
+    picked_N1 = torch.empty((n, 1), dtype=torch.float32, device=logits_NV.device)
+    for start in range(0, n, rows):
+        x = logits_NV[start: start + rows].float()  # the slice itself when already fp32
+        t = targets_N[start: start + rows]
+        index = t.clamp(min=0).unsqueeze(1)
+        picked_N1[start: start + rows] = x.log_softmax(dim=-1).gather(1, index)
+        if gradient:
+            # d(sum of losses)/d(logits) = softmax - one_hot; zero for a target that is not
+            # trained, without a host sync to find them.
+            grad = x.softmax(dim=-1)
+            del x
+            keep = (t != IGNORE_INDEX).unsqueeze(1)
+            grad.mul_(keep)
+            grad.scatter_add_(1, index, -keep.float())
+            logits_NV[start: start + rows] = grad  # cast as .to() casts
+            del grad
+        else:
+            del x
+    # nll_loss of the picked log-probabilities: the sum cross_entropy's own nll_loss takes.
+    slot = torch.where(targets_N == IGNORE_INDEX, targets_N, torch.zeros_like(targets_N))
+    return F.nll_loss(picked_N1, slot, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NC: torch.Tensor, weight_VC: torch.Tensor, targets_N: torch.Tensor,
@@ -157,19 +202,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden_NC.shape[0], chunk_tokens):
                 h = hidden_NC[start: start + chunk_tokens].to(dtype)
                 t = targets_N[start: start + chunk_tokens]
-                logits = (h @ weight.t()).float()
-                loss_sum += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                logits = h @ weight.t()  # the compute dtype, like nn.Linear's
+                loss_sum += _normalise_rows_(logits, t, gradient=grad_hidden is not None)
                 if grad_hidden is None:
                     continue  # no gradient wanted (evaluation)
-                # d(sum of losses)/d(logits) = softmax - one_hot, computed in place; zero for a
-                # target that is not trained (IGNORE_INDEX), without a host sync to find them.
-                grad_logits = logits.softmax(dim=-1)
+                grad_logits_lp = logits  # now d(sum of losses)/d(logits), in the compute dtype
                 del logits
-                keep = (t != IGNORE_INDEX).unsqueeze(1)
-                grad_logits.mul_(keep)
-                grad_logits.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -keep.float())
-                grad_logits_lp = grad_logits.to(dtype)
-                del grad_logits
                 grad_hidden[start: start + chunk_tokens] = grad_logits_lp @ weight
                 if grad_weight is not None:
                     grad_weight += (grad_logits_lp.t() @ h).float()
