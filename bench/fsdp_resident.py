@@ -135,7 +135,8 @@ def worker_figures(series: list[tuple[float, int]], rows: dict[int, dict[str, An
 
 
 def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_bytes: int,
-        *overrides: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+        *overrides: str, env: dict[str, str] | None = None, interval: float = 0.1
+        ) -> dict[str, Any]:
     """One ``memtrain train`` of the Llama on 2 local workers under FSDP, sampled."""
     command = [sys.executable, "-m", "trainer.cli", "train", "--config",
                str(REPO / "configs" / "demo-cpu.yaml"), "--launcher", "local", "--workers", "2",
@@ -151,7 +152,7 @@ def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_by
         command += ["--set", setting]
     launcher = psutil.Popen(command, cwd=REPO, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with Sampler(launcher) as sampler:
+    with Sampler(launcher, interval) as sampler:
         output, _ = launcher.communicate(timeout=3600)
     if launcher.returncode != 0:
         raise SystemExit(f"bench.fsdp_resident: {name} failed:\n{output[-3000:]}")
@@ -188,6 +189,8 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the model, data and runs go")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rows", default="plain,lora", help="plain, lora (comma-separated)")
+    parser.add_argument("--interval", type=float, default=0.1,
+                        help="seconds between samples (a short spike falls between 0.1 s ones)")
     parser.add_argument("--env", action="append", default=[],
                         help="KEY=VALUE for the run's processes (a malloc setting, say)")
     args = parser.parse_args()
@@ -205,11 +208,12 @@ def main() -> None:
         lora = ("model.lora.rank=8", "model.lora.base_dtype=bf16",
                 "memory.precision=bf16") if row == "lora" else ()
         rows[row] = run(work, work / "llama", data, f"{row}-{stamp}", args.steps, model_bytes,
-                        *lora, env=env)
+                        *lora, env=env, interval=args.interval)
         print(f"{row}: {json.dumps({k: v for k, v in rows[row].items() if k != 'series'})}",
               flush=True)
     cpu = cpu_description()
     report = {"machine": describe_cpu(cpu), "cpu": cpu, "env": env, "parameters": params,
+              "interval_s": args.interval,
               "model_fp32_bytes": model_bytes, "steps": args.steps, "rows": rows}
     path = write_json(args.out, "fsdp-resident", report)
     print(f"bench.fsdp_resident: {path}")

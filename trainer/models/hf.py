@@ -29,7 +29,7 @@ import importlib.util
 import json
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -75,6 +75,10 @@ class HFCausalLM(nn.Module):
     # Set by trainer.parallel.sequence.apply_sequence_parallel, which also switches the model's
     # attention function: the forward takes this rank's slice of each row (None: whole rows).
     sequence: SequenceSplit | None = None
+    # How the tokens become the first hidden states, when not through the input embedding module
+    # itself: set by FSDP where it splits a frozen embedding by vocabulary
+    # (trainer.parallel.vocab_loss.split_lookup), so that the embedding is never gathered.
+    input_lookup: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, model: Any):
         super().__init__()
@@ -104,10 +108,10 @@ class HFCausalLM(nn.Module):
         return int(self.hf.config.vocab_size)
 
     @property
-    def fsdp_units(self) -> list[nn.Module]:
-        """Modules FSDP shards as units of their own besides the blocks: the input embedding,
-        unless the output layer shares its weight (then both stay in the root)."""
-        return [] if self._tied() else [self.hf.get_input_embeddings()]
+    def fsdp_input_unit(self) -> nn.Module | None:
+        """The input embedding, which FSDP shards as a unit of its own; None where the output
+        layer shares its weight (then both stay in the root)."""
+        return None if self._tied() else self.hf.get_input_embeddings()
 
     @property
     def fsdp_loss_unit(self) -> nn.Module | None:
@@ -137,10 +141,12 @@ class HFCausalLM(nn.Module):
         # The planner's probe runs on fake tensors: unpacked, it takes the real forward's path.
         with hf_positions_read_as_unpacked() if position_ids is None and is_fake(idx_BT) \
                 else contextlib.nullcontext():
+            inputs = {"input_ids": idx_BT} if self.input_lookup is None else \
+                {"inputs_embeds": self.input_lookup(idx_BT)}
             if targets_BT is None:
-                return self.hf(input_ids=idx_BT, position_ids=position_ids, use_cache=False,
+                return self.hf(**inputs, position_ids=position_ids, use_cache=False,
                                **split).logits
-            hidden_BTC = self.hf.base_model(input_ids=idx_BT, position_ids=position_ids,
+            hidden_BTC = self.hf.base_model(**inputs, position_ids=position_ids,
                                             use_cache=False, **split).last_hidden_state
         return self.hf.get_output_embeddings().summed_loss(
             hidden_BTC.flatten(0, 1), targets_BT.flatten(), self.loss_chunk_tokens)

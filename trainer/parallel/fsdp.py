@@ -2,7 +2,7 @@
 ``FullyShardedDataParallel``, the ``Parallelism`` of ``parallel.strategy: fsdp`` over several
 ranks.
 
-FSDP shards every block of ``model.blocks``, the modules a model names in ``fsdp_units`` and
+FSDP shards every block of ``model.blocks``, the modules a model names as ``fsdp_input_unit`` and
 ``fsdp_loss_unit`` (a Hugging Face model's untied input embedding and output layer), and then
 the root module, so parameters, gradients and optimizer state are split across ranks (each
 holds 1/world of them) and a block's parameters are all-gathered only while it runs. Its
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from trainer.models.build import (
 from trainer.models.hf import PREFIX as HF_PREFIX
 from trainer.models.hf import SafetensorsRows, weights_of
 from trainer.parallel.strategy import Compile, Parallelism
+from trainer.parallel.vocab_loss import split_lookup, split_summed_loss, splits_the_vocabulary
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -132,7 +134,7 @@ def _fsdp_kwargs(settings: FsdpSettings, device: torch.device) -> dict:
 
 def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
                 device: torch.device | None = None) -> nn.Module:
-    """``fully_shard`` each block of ``model.blocks``, each module of ``model.fsdp_units`` and
+    """``fully_shard`` each block of ``model.blocks``, ``model.fsdp_input_unit`` and
     ``model.fsdp_loss_unit`` where the model names them, then the root; returns the model. The
     root keeps its parameters gathered after forward (backward needs them first)."""
     blocks = getattr(model, "blocks", None)
@@ -146,15 +148,56 @@ def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
         fully_shard(block, reshard_after_forward=settings.reshard_after_forward, **kwargs)
     # A unit of its own runs its all-gather only in its forward and backward (the input
     # embedding: at the step's start and end), where the root holds what it has gathered for
-    # the whole step, since backward needs it first.
-    for unit in getattr(model, "fsdp_units", ()):
-        fully_shard(unit, **kwargs)
+    # the whole step, since backward needs it first. A frozen embedding or output layer is
+    # never gathered: its lookup and the loss are split by vocabulary over the ranks
+    # (trainer.parallel.vocab_loss).
+    offloaded = settings.offload == "cpu"
+    param_dtype = _DTYPES[settings.param_dtype] if settings.mixed_precision else None
+    input_unit = getattr(model, "fsdp_input_unit", None)
+    if input_unit is not None:
+        fully_shard(input_unit, **kwargs)
+        if splits_the_vocabulary(input_unit, offloaded):
+            lookup = functools.partial(split_lookup, input_unit, param_dtype)
+            setattr(model, "input_lookup", lookup)  # noqa: B010 - any model class
+        else:
+            input_unit.register_forward_pre_hook(_gather_before_forward, prepend=True)
     loss_unit = getattr(model, "fsdp_loss_unit", None)
-    if loss_unit is not None:  # kept gathered from the loss to its backward, which comes next
+    if loss_unit is not None:
         fully_shard(loss_unit, reshard_after_forward=False, **kwargs)
-        register_fsdp_forward_method(loss_unit, "summed_loss")
+        if splits_the_vocabulary(loss_unit, offloaded):
+            loss_unit.summed_loss = functools.partial(split_summed_loss, loss_unit, param_dtype)
+        else:  # gathered for the loss and kept to its backward, which comes next
+            register_fsdp_forward_method(loss_unit, "summed_loss")
+            _gather_before(loss_unit, "summed_loss")
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if input_unit is not None and not any(p.requires_grad for p in input_unit.parameters()):
+        # In backward FSDP gathers the unit that ran before the first block (the embedding)
+        # while the first block's gradients are computed; a frozen unit (LoRA's base) has no
+        # backward of its own and is never used, so that all-gather would only be held. A
+        # block "prefetching" itself, already gathered, does nothing and turns that off.
+        first: Any = blocks[0]
+        first.set_modules_to_backward_prefetch([first])
     return model
+
+
+# A unit of its own (the embedding, the output layer) is a vocabulary wide. Gathered in its
+# forward, FSDP keeps the all-gather's buffer (a second copy of the unit) until the next unit's
+# forward has gathered, to overlap that copy with the next all-gather: for the output layer
+# that is through the whole loss. Gathered explicitly (``FSDPModule.unshard``) just before, the
+# buffer is freed as soon as it is copied out; the forward then finds the unit gathered.
+def _gather_before_forward(unit: Any, args: Any) -> None:
+    unit.unshard()
+
+
+def _gather_before(unit: Any, method: str) -> None:
+    fsdp_method = getattr(unit, method)
+
+    @functools.wraps(fsdp_method)
+    def gathered_first(*args: Any, **kwargs: Any) -> Any:
+        unit.unshard()
+        return fsdp_method(*args, **kwargs)
+
+    setattr(unit, method, gathered_first)
 
 
 def is_sharded(model: nn.Module) -> bool:
