@@ -1,6 +1,7 @@
 """Resident memory of the product's own FSDP workers: ``memtrain train`` with the local launcher,
 2 gloo ranks, an ``hf:`` Llama read from its safetensors, each worker's resident memory sampled
-every 0.1 s from outside, through build, load and training.
+every 0.01 s from outside, through build, load and training (a gather's spike lasts a few tens
+of milliseconds: samples 0.1 s apart miss most of it).
 
 The figures are multiples of the model's fp32 bytes: each worker's highest resident memory up
 to a point, above its own first sample (a worker is forked from the launcher's preloaded server,
@@ -68,7 +69,7 @@ def save_model(directory: Path) -> int:
 class Sampler:
     """Resident bytes of a process tree every ``interval`` s: {pid: [(time, bytes)]}."""
 
-    def __init__(self, root: psutil.Process, interval: float = 0.1) -> None:
+    def __init__(self, root: psutil.Process, interval: float = 0.01) -> None:
         self.root, self.interval = root, interval
         self.series: dict[int, list[tuple[float, int]]] = {}
         # the file-backed and shared part of each sample (a mapped safetensors file's pages)
@@ -120,7 +121,7 @@ def worker_figures(series: list[tuple[float, int]], rows: dict[int, dict[str, An
     baseline = series[0][1]
     step1_end = rows[1]["time"]
     step1_start = step1_end - rows[1]["step_seconds"]
-    through_1 = max(rss for t, rss in series if t <= step1_end + 0.1)
+    through_1 = max(rss for t, rss in series if t <= step1_end)  # the row's time: step 1 done
 
     def share(rss: int) -> float:
         return round((rss - baseline) / model_bytes, 3)
@@ -134,8 +135,20 @@ def worker_figures(series: list[tuple[float, int]], rows: dict[int, dict[str, An
                                       if s > 5) / max(1, len(rows) - 5), 1)}
 
 
+def window_peaks(samples: list[tuple[float, int, int]], window: float = 0.1
+                 ) -> list[tuple[float, int, int]]:
+    """The samples kept in the results file: each ``window`` seconds' one of most anonymous
+    memory (resident less shared), so the file stays small and keeps every peak."""
+    kept: dict[int, tuple[float, int, int]] = {}
+    for t, rss, shared in samples:
+        key = int(t // window)
+        if key not in kept or rss - shared > kept[key][1] - kept[key][2]:
+            kept[key] = (round(t, 3), rss, shared)
+    return [kept[key] for key in sorted(kept)]
+
+
 def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_bytes: int,
-        *overrides: str, env: dict[str, str] | None = None, interval: float = 0.1
+        *overrides: str, env: dict[str, str] | None = None, interval: float = 0.01
         ) -> dict[str, Any]:
     """One ``memtrain train`` of the Llama on 2 local workers under FSDP, sampled."""
     command = [sys.executable, "-m", "trainer.cli", "train", "--config",
@@ -172,8 +185,9 @@ def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_by
             key: value for key, value in worker_figures(anonymous, rows, model_bytes,
                                                         steps).items()
             if key not in ("process_peak", "tokens_per_s")}
-    figures["series"] = {name: [(round(t, 2), rss, shared) for (t, rss), (_, shared) in
-                                zip(sampler.series[pid], sampler.file_backed[pid], strict=True)]
+    figures["series"] = {name: window_peaks([(t, rss, shared) for (t, rss), (_, shared) in
+                                             zip(sampler.series[pid], sampler.file_backed[pid],
+                                                 strict=True)])
                          for name, pid in (("rank_0", min(workers)), ("rank_1", max(workers)),
                                            ("launcher", launcher.pid))}
     figures["step_times"] = {step: (row["time"] - row["step_seconds"], row["time"])
@@ -189,8 +203,8 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the model, data and runs go")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rows", default="plain,lora", help="plain, lora (comma-separated)")
-    parser.add_argument("--interval", type=float, default=0.1,
-                        help="seconds between samples (a short spike falls between 0.1 s ones)")
+    parser.add_argument("--interval", type=float, default=0.01,
+                        help="seconds between samples (a short spike falls between wider ones)")
     parser.add_argument("--env", action="append", default=[],
                         help="KEY=VALUE for the run's processes (a malloc setting, say)")
     args = parser.parse_args()

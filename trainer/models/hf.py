@@ -117,7 +117,9 @@ class HFCausalLM(nn.Module):
     def fsdp_loss_unit(self) -> nn.Module | None:
         """The output layer, where FSDP may shard it as a unit of its own: the loss reads its
         weight in its ``summed_loss`` method (``_summed_loss``), which FSDP then runs as it runs
-        a forward (``register_fsdp_forward_method``); None where the embedding shares it."""
+        a forward (``register_fsdp_forward_method``), or, the layer frozen, replaces with a loss
+        split by vocabulary (``trainer.parallel.vocab_loss``); None where the embedding shares
+        it."""
         return None if self._tied() else self.hf.get_output_embeddings()
 
     def _tied(self) -> bool:
