@@ -163,3 +163,16 @@ def test_the_uploads_bench_publishes_the_checkpoint_both_ways(tmp_path: Path) ->
     report = json.loads(result.read_text())
     assert set(report["seconds"]) == {"serial", "parallel"} and report["threads"] > 1
     assert all(seconds > 0 for seconds in report["seconds"].values())
+
+
+def test_the_fsdp_resident_results_keep_each_windows_highest_sample() -> None:
+    """A spike of one 0.01 s sample survives the results file's thinning to 0.1 s windows; the
+    anonymous part (resident less shared) decides which sample a window keeps."""
+    from bench.fsdp_resident import window_peaks
+
+    samples = [(i / 100, 100 + i % 7, 50) for i in range(100)]
+    samples[42] = (0.42, 500, 10)  # the spike
+    samples[55] = (0.55, 600, 590)  # more resident, but shared pages: not the window's peak
+    kept = window_peaks(samples)
+    assert len(kept) == 10 and (0.42, 500, 10) in kept and (0.55, 600, 590) not in kept
+    assert sorted(kept) == kept
