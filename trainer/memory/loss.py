@@ -65,10 +65,10 @@ class ChunkedLossShape:
 
         Alive throughout: the weight cast to the compute dtype (when it differs). Per chunk of
         ``n`` tokens, its logits in the compute dtype (overwritten by their gradient), beside the
-        larger of two moments: one slice's fp32 copy and its (log-)softmax (``_normalise_rows_``;
-        the copy is the slice itself in fp32), with the chunk's picked log-probabilities; or the
-        output weight's chunk gradient (in the compute dtype, and its fp32 copy when that
-        differs).
+        largest of three moments: one slice's fp32 copy and its (log-)softmax
+        (``_normalise_rows_``; the copy is the slice itself in fp32), with the chunk's picked
+        log-probabilities; the hidden states' chunk gradient in the compute dtype; or the output
+        weight's chunk gradient (in the compute dtype, and its fp32 copy when that differs).
         """
         V, C, s = self.vocab_size, self.width, self.compute_itemsize
         n = min(self.chunk_tokens, tokens)
@@ -77,7 +77,7 @@ class ChunkedLossShape:
         hidden_copy = n * C * s if s != self.hidden_itemsize else 0
         weight_grad = V * C * (s + (4 if s != 4 else 0)) if self.weight_trains else 0
         normalise = rows * V * (4 + (4 if s != 4 else 0)) + 4 * n
-        return weight_copy + hidden_copy + s * n * V + max(normalise, weight_grad)
+        return weight_copy + hidden_copy + s * n * V + max(normalise, n * C * s, weight_grad)
 
     def backward_bytes(self, tokens: int) -> int:
         """Bytes the loss adds at the start of backward: none, its gradients were computed in

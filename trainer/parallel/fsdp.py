@@ -54,7 +54,12 @@ from trainer.models.build import (
 from trainer.models.hf import PREFIX as HF_PREFIX
 from trainer.models.hf import SafetensorsRows, weights_of
 from trainer.parallel.strategy import Compile, Parallelism
-from trainer.parallel.vocab_loss import split_lookup, split_summed_loss, splits_the_vocabulary
+from trainer.parallel.vocab_loss import (
+    LOOKUP_ROUND_TOKENS,
+    split_lookup,
+    split_summed_loss,
+    splits_the_vocabulary,
+)
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -151,20 +156,27 @@ def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
     # the whole step, since backward needs it first. A frozen embedding or output layer is
     # never gathered: its lookup and the loss are split by vocabulary over the ranks
     # (trainer.parallel.vocab_loss).
+    # Such a unit is sharded without FSDP's mixed precision, which it never gathers for (and
+    # whose gradient accumulation would read the gathered parameter): it casts its own rows.
     offloaded = settings.offload == "cpu"
+    world = dist.get_world_size() if dist.is_initialized() else 1
     param_dtype = _DTYPES[settings.param_dtype] if settings.mixed_precision else None
+    unmixed = {key: value for key, value in kwargs.items() if key != "mp_policy"}
     input_unit = getattr(model, "fsdp_input_unit", None)
     if input_unit is not None:
-        fully_shard(input_unit, **kwargs)
-        if splits_the_vocabulary(input_unit, offloaded):
+        split = splits_the_vocabulary(input_unit, world, offloaded, LOOKUP_ROUND_TOKENS)
+        fully_shard(input_unit, **(unmixed if split else kwargs))
+        if split:
             lookup = functools.partial(split_lookup, input_unit, param_dtype)
             setattr(model, "input_lookup", lookup)  # noqa: B010 - any model class
         else:
             input_unit.register_forward_pre_hook(_gather_before_forward, prepend=True)
     loss_unit = getattr(model, "fsdp_loss_unit", None)
     if loss_unit is not None:
-        fully_shard(loss_unit, reshard_after_forward=False, **kwargs)
-        if splits_the_vocabulary(loss_unit, offloaded):
+        split = splits_the_vocabulary(loss_unit, world, offloaded,
+                                      getattr(model, "loss_chunk_tokens", 0))
+        fully_shard(loss_unit, reshard_after_forward=False, **(unmixed if split else kwargs))
+        if split:
             loss_unit.summed_loss = functools.partial(split_summed_loss, loss_unit, param_dtype)
         else:  # gathered for the loss and kept to its backward, which comes next
             register_fsdp_forward_method(loss_unit, "summed_loss")
