@@ -6,6 +6,8 @@ else (nothing outside this folder and ``trainer.plan`` branches on the kind of s
 - ``ddp``: ``DistributedDataParallel``: the whole model on every rank, gradients all-reduced;
 - ``fsdp``: ``FullyShardedDataParallel``: FSDP2's settings, sharding, and the sharded build
   (meta device, then each rank's shards filled), so that no rank holds the whole model;
+- ``vocab_loss``: under FSDP, the loss and the embedding's lookup split by vocabulary over the
+  ranks, so that a frozen output layer or embedding is never gathered;
 - ``sequence``: Ulysses sequence parallelism: the ranks of a group each hold a slice of every
   row, attention's all-to-alls between slices of the tokens and shares of the heads, for
   memtrain's GPT and ``hf:`` models (``apply_sequence_parallel``);
