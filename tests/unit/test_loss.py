@@ -229,7 +229,7 @@ def test_an_oom_in_backward_leaves_no_activation_alive_while_it_is_recovered() -
 
 def test_which_layers_fsdp_splits_by_vocabulary() -> None:
     """A frozen output layer or plain embedding is split (never gathered) where a round of
-    tokens holds no more than the gathered layer's two copies; a trained, biased, subclassed,
+    tokens holds no more than one gathered copy of the layer; a trained, biased, subclassed,
     renormalising or offloaded one, a round too large, or a rank left without rows is not."""
     from trainer.parallel.vocab_loss import LOOKUP_ROUND_TOKENS, splits_the_vocabulary
 
@@ -240,9 +240,9 @@ def test_which_layers_fsdp_splits_by_vocabulary() -> None:
     embedding = frozen(torch.nn.Embedding(32_000, 64))
     assert splits_the_vocabulary(output, 2, False, 2048)
     assert splits_the_vocabulary(embedding, 8, False, LOOKUP_ROUND_TOKENS)
-    # a round's hidden states and fp32 gradient (8 bytes a value) against two fp32 copies
-    assert splits_the_vocabulary(output, 2, False, 32_000)
-    assert not splits_the_vocabulary(output, 2, False, 32_001)
+    # a round's hidden states and fp32 gradient (8 bytes a value) against one fp32 copy
+    assert splits_the_vocabulary(output, 2, False, 16_000)
+    assert not splits_the_vocabulary(output, 2, False, 16_001)
     assert not splits_the_vocabulary(output, 2, False, 0)  # the plain loss: one unbounded round
     assert not splits_the_vocabulary(output, 2, True, 2048)  # offloaded
     assert not splits_the_vocabulary(torch.nn.Linear(64, 32_000, bias=False), 2, False, 2048)

@@ -15,7 +15,7 @@ through its slice of the vocabulary; a reduce-scatter sums those slices' parts a
 rank its own tokens'. As Megatron-LM's vocabulary-parallel cross-entropy does for tensor
 parallelism. What a round holds beyond the gathered path's chunk is its tokens' hidden states
 and their fp32 gradient (``round tokens x width x (itemsize + 4)``), which
-``splits_the_vocabulary`` asks to be at most the gathered layer's two copies.
+``splits_the_vocabulary`` asks to be at most one gathered copy of the layer.
 
 The lookup (``split_lookup``) is the same exchange the other way, in rounds of
 ``LOOKUP_ROUND_TOKENS``: every rank's next token ids are gathered, each rank looks up those in
@@ -57,8 +57,8 @@ def splits_the_vocabulary(layer: nn.Module, world: int, offloaded: bool,
     0: unbounded, refused): its weight frozen, a plain floating-point tensor (not NF4), no rank's
     slice empty, on the device it computes on (not offloaded), no bias; an embedding a plain
     ``nn.Embedding`` that does not renormalise rows (``max_norm``); and a round's rows (and for
-    the loss their fp32 gradient) no more than two gathered copies of the layer (the
-    all-gather's buffer and the parameter it is copied into)."""
+    the loss their fp32 gradient) no more than one gathered copy of the layer (the planner
+    counts the layer gathered; gathered, FSDP holds two copies while it copies one out)."""
     weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.requires_grad or offloaded \
             or getattr(layer, "bias", None) is not None or weight.ndim != 2 or round_tokens <= 0:
@@ -72,7 +72,7 @@ def splits_the_vocabulary(layer: nn.Module, world: int, offloaded: bool,
         return False  # the last rank would hold no rows
     itemsize = weight.element_size()  # a round's rows, and for the loss their fp32 gradient
     per_token = width * (itemsize + (0 if isinstance(layer, nn.Embedding) else 4))
-    return round_tokens * per_token <= 2 * vocab * width * itemsize
+    return round_tokens * per_token <= vocab * width * itemsize
 
 
 def split_lookup(embedding: nn.Module, param_dtype: torch.dtype | None,
