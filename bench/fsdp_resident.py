@@ -46,6 +46,7 @@ LLAMA = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
          "num_hidden_layers": 8, "num_attention_heads": 12, "num_key_value_heads": 4,
          "max_position_embeddings": 512, "tie_word_embeddings": False}
 SEQ_LEN = 256
+INTERVAL = 0.01  # seconds between samples
 
 
 def save_model(directory: Path) -> int:
@@ -69,7 +70,7 @@ def save_model(directory: Path) -> int:
 class Sampler:
     """Resident bytes of a process tree every ``interval`` s: {pid: [(time, bytes)]}."""
 
-    def __init__(self, root: psutil.Process, interval: float = 0.01) -> None:
+    def __init__(self, root: psutil.Process, interval: float = INTERVAL) -> None:
         self.root, self.interval = root, interval
         self.series: dict[int, list[tuple[float, int]]] = {}
         # the file-backed and shared part of each sample (a mapped safetensors file's pages)
@@ -148,7 +149,7 @@ def window_peaks(samples: list[tuple[float, int, int]], window: float = 0.1
 
 
 def run(work: Path, model_dir: Path, data: Path, name: str, steps: int, model_bytes: int,
-        *overrides: str, env: dict[str, str] | None = None, interval: float = 0.01
+        *overrides: str, env: dict[str, str] | None = None, interval: float = INTERVAL
         ) -> dict[str, Any]:
     """One ``memtrain train`` of the Llama on 2 local workers under FSDP, sampled."""
     command = [sys.executable, "-m", "trainer.cli", "train", "--config",
@@ -203,7 +204,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the model, data and runs go")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rows", default="plain,lora", help="plain, lora (comma-separated)")
-    parser.add_argument("--interval", type=float, default=0.01,
+    parser.add_argument("--interval", type=float, default=INTERVAL,
                         help="seconds between samples (a short spike falls between wider ones)")
     parser.add_argument("--env", action="append", default=[],
                         help="KEY=VALUE for the run's processes (a malloc setting, say)")

@@ -48,6 +48,11 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
 NORMALISE_SLICES = 16
 
 
+def slice_rows(rows: int) -> int:
+    """The rows of one of ``NORMALISE_SLICES`` slices of a chunk of ``rows`` (at least 1)."""
+    return max(1, -(-rows // NORMALISE_SLICES))
+
+
 @dataclass(frozen=True)
 class ChunkedLossShape:
     """What sets one chunked loss call's temporaries, apart from the number of tokens."""
@@ -72,7 +77,7 @@ class ChunkedLossShape:
         """
         V, C, s = self.vocab_size, self.width, self.compute_itemsize
         n = min(self.chunk_tokens, tokens)
-        rows = max(1, -(-n // NORMALISE_SLICES))
+        rows = slice_rows(n)
         weight_copy = V * C * s if s != self.weight_itemsize else 0
         hidden_copy = n * C * s if s != self.hidden_itemsize else 0
         weight_grad = V * C * (s + (4 if s != 4 else 0)) if self.weight_trains else 0
@@ -132,7 +137,6 @@ def observe_chunked_losses() -> Iterator[list[LossShape]]:
         _observed = outer
 
 
-
 def _normalise_rows_(logits_NV: torch.Tensor, targets_N: torch.Tensor, gradient: bool
                      ) -> torch.Tensor:
     """The summed cross-entropy of ``logits_NV`` (any float dtype; computed in fp32), and with
@@ -147,7 +151,7 @@ def _normalise_rows_(logits_NV: torch.Tensor, targets_N: torch.Tensor, gradient:
     A target of ``IGNORE_INDEX`` adds nothing to the loss and gets a zero gradient row.
     """
     n = logits_NV.shape[0]
-    rows = max(1, -(-n // NORMALISE_SLICES))
+    rows = slice_rows(n)
     picked_N1 = torch.empty((n, 1), dtype=torch.float32, device=logits_NV.device)
     for start in range(0, n, rows):
         x = logits_NV[start: start + rows].float()  # the slice itself when already fp32

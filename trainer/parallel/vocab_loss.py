@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.batches import IGNORE_INDEX
-from trainer.memory.loss import NORMALISE_SLICES
+from trainer.memory.loss import slice_rows
 
 # torch 2.13's names for the flat collectives, the older ones before it (they warn there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -190,7 +190,7 @@ def _split_normalise_(logits_NV: torch.Tensor, local_targets_N: torch.Tensor,
     rows at a time (what is alive beyond the logits is one slice's fp32 copy and its
     exponentials). ``local_targets_N``: the targets less this slice's first row."""
     n, vocab = logits_NV.shape
-    step = max(1, -(-n // NORMALISE_SLICES))
+    step = slice_rows(n)
     slices = [slice(start, start + step) for start in range(0, n, step)]
     here = (local_targets_N >= 0) & (local_targets_N < vocab) & trained_N
     index = local_targets_N.clamp(0, vocab - 1).unsqueeze(1)
