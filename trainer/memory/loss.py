@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.batches import IGNORE_INDEX, Rows, RowSlice, as_batch
+from trainer.compat import cpu_bf16_support
 
 if TYPE_CHECKING:
     from trainer.memory.precision import PrecisionPolicy
@@ -64,16 +65,20 @@ class ChunkedLossShape:
     weight_itemsize: int
     hidden_itemsize: int
     weight_trains: bool = True  # False: a frozen output layer (LoRA's base), no gradient
+    # oneDNN's emulated bf16 (a CPU with AVX-512 but no bf16 instructions) writes the logits'
+    # product in fp32 before its bf16 result: 4 bytes a logit beside them while it runs.
+    fp32_product: bool = False
 
     def transient_bytes(self, tokens: int) -> int:
         """Peak bytes of the forward's temporaries for ``tokens`` tokens (not the saved ones).
 
         Alive throughout: the weight cast to the compute dtype (when it differs). Per chunk of
         ``n`` tokens, its logits in the compute dtype (overwritten by their gradient), beside the
-        largest of three moments: one slice's fp32 copy and its (log-)softmax
-        (``_normalise_rows_``; the copy is the slice itself in fp32), with the chunk's picked
-        log-probabilities; the hidden states' chunk gradient in the compute dtype; or the output
-        weight's chunk gradient (in the compute dtype, and its fp32 copy when that differs).
+        largest of four moments: the logits' product's fp32 result (``fp32_product`` only); one
+        slice's fp32 copy and its (log-)softmax (``_normalise_rows_``; the copy is the slice
+        itself in fp32), with the chunk's picked log-probabilities; the hidden states' chunk
+        gradient in the compute dtype; or the output weight's chunk gradient (in the compute
+        dtype, and its fp32 copy when that differs).
         """
         V, C, s = self.vocab_size, self.width, self.compute_itemsize
         n = min(self.chunk_tokens, tokens)
@@ -82,7 +87,9 @@ class ChunkedLossShape:
         hidden_copy = n * C * s if s != self.hidden_itemsize else 0
         weight_grad = V * C * (s + (4 if s != 4 else 0)) if self.weight_trains else 0
         normalise = rows * V * (4 + (4 if s != 4 else 0)) + 4 * n
-        return weight_copy + hidden_copy + s * n * V + max(normalise, n * C * s, weight_grad)
+        product = 4 * n * V if self.fp32_product else 0
+        return weight_copy + hidden_copy + s * n * V + max(product, normalise, n * C * s,
+                                                            weight_grad)
 
     def backward_bytes(self, tokens: int) -> int:
         """Bytes the loss adds at the start of backward: none, its gradients were computed in
@@ -192,9 +199,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                  targets_N: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         dtype = _compute_dtype(weight_VC)
         if _observed is not None:
+            fp32_product = dtype == torch.bfloat16 and weight_VC.device.type == "cpu" and \
+                cpu_bf16_support() == "onednn-emulated"
             _observed.append(ChunkedLossShape(
                 weight_VC.shape[0], weight_VC.shape[1], chunk_tokens, dtype.itemsize,
-                weight_VC.element_size(), hidden_NC.element_size(), weight_VC.requires_grad))
+                weight_VC.element_size(), hidden_NC.element_size(), weight_VC.requires_grad,
+                fp32_product))
         needs_grad = hidden_NC.requires_grad or weight_VC.requires_grad
         with torch.autocast(weight_VC.device.type, enabled=False):
             weight = weight_VC.to(dtype)
