@@ -11,8 +11,9 @@ keeps alive for recomputation. Two probe sizes separate the per-sample bytes fro
 The predicted step peak is the largest of these moments (``PlanRow.peak_moment``), each on top
 of the parameters and AdamW's state:
 - the end of the forward pass: the saved activations, the chunked loss's temporaries
-  (``trainer.memory.loss.ChunkedLossShape.transient_bytes``: one chunk's fp32 logits and
-  softmax, the weight's copy in the autocast dtype; the probe records the loss's shapes) and,
+  (``trainer.memory.loss.ChunkedLossShape.transient_bytes``: one chunk's logits in the compute
+  dtype and a slice of them in fp32, the weight's copy in the autocast dtype; the probe records
+  the loss's shapes) and,
   with activation checkpointing under autocast, autocast's cache of low-precision weight copies
   for the checkpointed blocks, kept until autocast exits but not saved (measured as the fixed saved
   bytes a probe without checkpointing has in excess);
