@@ -10,13 +10,15 @@ A resume takes the rates of the config it runs under, not of the checkpoint (tor
 ``LambdaLR.load_state_dict`` would restore the old peak rate and the old schedule's fields):
 
 - a changed ``train.lr`` scales the schedule from the resume on;
-- a changed shape (``train.steps``, ``warmup_steps``, ``min_lr_ratio``) past warm-up does not
-  restart the curve: from the resume step, the cosine runs from the factor the run had reached
-  (``anchor``) down to the floor at the new last step, so more steps stretch the rest of the
-  decay and fewer compress it, and the rate does not jump at the resume. A resume within
-  either warm-up follows the new schedule: the new warm-up, or, where the new one is shorter
-  and already over, the new schedule's own rate, so the run reaches its peak (continuing from
-  the factor the old warm-up had reached would decay from below the peak and never reach it).
+- a changed shape (``train.steps``, ``warmup_steps``, ``min_lr_ratio``) does not restart the
+  curve, and the run reaches the peak rate once:
+  - a run past its peak continues its decay: from the resume step, the cosine runs from the
+    factor the run had reached (``anchor``) down to the new floor at the new last step, so more
+    steps stretch the rest of the decay and fewer compress it, and the rate does not jump;
+  - a run still in its warm-up rises from the factor it had reached to the peak at the new
+    warm-up's last step, then follows the new cosine; where the new warm-up is already over,
+    the peak is taken at the resume step and the cosine runs from it to the new floor (the
+    new schedule's own rate there would start below the peak and never reach it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Schedule:
     warmup_steps: int
     min_lr_ratio: float
     anchor: tuple[int, float] | None = None  # (step, factor): a resume that changed the shape
+    rising: bool = False  # the anchor starts a rise to the peak (else a decay from it)
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> Schedule:
@@ -53,10 +56,15 @@ class Schedule:
             return None
         anchor = saved.get("anchor")
         return cls(saved["steps"], saved["warmup_steps"], saved["min_lr_ratio"],
-                   (int(anchor[0]), float(anchor[1])) if anchor else None)
+                   (int(anchor[0]), float(anchor[1])) if anchor else None,
+                   bool(saved.get("rising", False)))
 
     def __call__(self, step: int) -> float:
-        if self.anchor is not None and step >= self.anchor[0]:
+        if self.rising and self.anchor is not None and \
+                self.anchor[0] <= step < self.warmup_steps - 1:
+            start, factor = self.anchor  # linear to 1 at the warm-up's last step
+            return factor + (1 - factor) * (step - start) / (self.warmup_steps - 1 - start)
+        if not self.rising and self.anchor is not None and step >= self.anchor[0]:
             start, factor = self.anchor
             progress = (step - start) / max(1, self.steps - start)
             return self.min_lr_ratio + (factor - self.min_lr_ratio) * _cosine(progress)
@@ -73,13 +81,17 @@ class Schedule:
         ran ``before`` (None: one from before schedules were kept, taken as this one)."""
         if before is None or before.shape() == self.shape():
             return before or self
-        if step < self.warmup_steps or before.warming_up(step):
-            return self  # the new warm-up, or the peak the old one had not reached yet
-        return replace(self, anchor=(step, before(step)))
+        reached = before(step)
+        if not before.warming_up(step) or reached >= 1:  # past the peak: the decay goes on
+            return replace(self, anchor=(step, reached))
+        if step < self.warmup_steps - 1:  # the rise goes on, to the peak at the new warm-up's end
+            return replace(self, anchor=(step, reached), rising=True)
+        return replace(self, anchor=(step, 1.0))  # the new warm-up is over: the peak, now
 
     def warming_up(self, step: int) -> bool:
         """Whether ``step`` is still in this schedule's warm-up (below the peak)."""
-        return step < self.warmup_steps and (self.anchor is None or step < self.anchor[0])
+        return step < self.warmup_steps and (
+            self.anchor is None or self.rising or step < self.anchor[0])
 
 
 def _cosine(progress: float) -> float:
@@ -109,15 +121,23 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[st
     if old_peaks != peaks:
         changes.append(f"peak {old_peaks[0]:g} -> {peaks[0]:g}")
     if before is not None and before.shape() != configured.shape():
-        how = (f"the cosine continuing from factor {before(step):.4g} at step {step}"
-               if runs.anchor is not None else
-               f"inside a warm-up at step {step}: the new schedule from there (factor "
-               f"{before(step):.4g} -> {runs(step):.4g})")
-        changes.append(f"steps, warm-up, floor {before.shape()} -> {configured.shape()}, {how}")
+        changes.append(f"steps, warm-up, floor {before.shape()} -> {configured.shape()}, "
+                       f"{_resumed_in_words(before, runs, step)}")
     if not changes:
         return None
     return (f"learning rate: {'; '.join(changes)}; the next step's rate "
             f"{scheduler._last_lr[0]:.4g}")
+
+
+def _resumed_in_words(before: Schedule, runs: Schedule, step: int) -> str:
+    """What ``Schedule.resumed`` made of a changed shape at ``step``, for the resume's line."""
+    if runs.rising:
+        return (f"inside a warm-up at step {step}: rising from factor {before(step):.4g} to the "
+                f"peak at step {runs.warmup_steps - 1}")
+    if runs.anchor is not None and runs.anchor[1] == 1.0 and before(step) < 1:
+        return (f"the new warm-up over at step {step}: the peak from there (factor "
+                f"{before(step):.4g} -> 1), then the cosine")
+    return f"the cosine continuing from factor {before(step):.4g} at step {step}"
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,

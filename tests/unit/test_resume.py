@@ -29,7 +29,8 @@ def test_a_changed_step_count_continues_the_decay_from_where_it_was() -> None:
     assert shorter(60) == before(60) and shorter(80) == pytest.approx(0.1)
     # The same shape: the checkpoint's schedule, anchor and all, runs on.
     assert Schedule(200, 10, 0.1).resumed(longer, 150) == longer
-    assert Schedule(100, 20, 0.1).resumed(before, 5) == Schedule(100, 20, 0.1)  # in warm-up
+    assert Schedule(100, 20, 0.1).resumed(before, 5) == Schedule(  # in warm-up: it rises on
+        100, 20, 0.1, anchor=(5, before(5)), rising=True)
     assert Schedule(100, 10, 0.1).resumed(None, 60) == before  # a checkpoint without one
 
 
@@ -169,9 +170,51 @@ def test_the_run_keeps_as_many_checkpoints_as_it_is_told(corpus_dir: Path,
 
 
 def test_a_resume_inside_the_old_warm_up_with_a_shorter_one_reaches_the_peak() -> None:
+    before = Schedule(steps=100, warmup_steps=100, min_lr_ratio=0.1)
+    resumed = Schedule(steps=150, warmup_steps=20, min_lr_ratio=0.1).resumed(before, 50)
+    assert before(50) < 0.52 and resumed(50) == 1.0  # the new warm-up is over: the peak
+    assert all(resumed(s) > resumed(s + 1) for s in range(50, 149))
+    assert resumed(150) == pytest.approx(0.1)
+
+
+def test_a_resume_inside_both_warm_ups_rises_from_where_it_was() -> None:
     before = Schedule(steps=300, warmup_steps=100, min_lr_ratio=0.1)
-    resumed = Schedule(steps=300, warmup_steps=20, min_lr_ratio=0.1).resumed(before, 50)
-    assert resumed(50) == Schedule(300, 20, 0.1)(50) > 0.95 > before(50)
+    resumed = Schedule(steps=300, warmup_steps=200, min_lr_ratio=0.1).resumed(before, 50)
+    assert resumed(50) == before(50)  # no jump down to the longer warm-up's 51/200
+    assert all(resumed(s) < resumed(s + 1) for s in range(50, 199))
+    assert resumed(199) == 1.0 and resumed(200) == 1.0 > resumed(201)
+
+
+def _factors(schedules: list[tuple[int, Schedule]], steps: int) -> list[float]:
+    """The factor each trained step ran at, for a run whose ``schedules`` took over at the
+    given steps."""
+    return [next(s for start, s in reversed(schedules) if start <= step)(step)
+            for step in range(steps)]
+
+
+@settings(max_examples=600, deadline=None)
+@given(steps=st.lists(st.integers(2, 300), min_size=2, max_size=3),
+       warmups=st.lists(st.integers(0, 150), min_size=3, max_size=3),
+       floors=st.lists(st.sampled_from([0.0, 0.1, 0.5]), min_size=3, max_size=3),
+       points=st.lists(st.integers(0, 299), min_size=2, max_size=2))
+def test_every_run_of_resumes_reaches_the_peak_once_and_never_past_it(
+        steps, warmups, floors, points) -> None:
+    """Any old and new warm-up, step count, floor and resume points (one or two resumes):
+    the rate never exceeds ``train.lr``, reaches it, and the steps at the peak are one
+    stretch (a run does not decay and then climb back to its peak)."""
+    shapes = [Schedule(n, min(w, n - 1), f) for n, w, f in zip(steps, warmups, floors,
+                                                               strict=False)]
+    schedules, at = [(0, shapes[0])], 0
+    for new, point in zip(shapes[1:], points, strict=False):
+        at = min(max(point, at), schedules[-1][1].steps)
+        if at >= new.steps:  # no step left to resume into
+            break
+        schedules.append((at, new.resumed(schedules[-1][1], at)))
+    factors = _factors(schedules, schedules[-1][1].steps)
+    assert max(factors) <= 1 + 1e-12
+    peaks = [i for i, f in enumerate(factors) if f >= 1 - 1e-9]
+    assert peaks, factors
+    assert peaks == list(range(peaks[0], peaks[-1] + 1)), peaks
 
 
 @settings(max_examples=400, deadline=None)
@@ -180,9 +223,11 @@ def test_a_resume_inside_the_old_warm_up_with_a_shorter_one_reaches_the_peak() -
        floors=st.tuples(st.sampled_from([0.0, 0.1, 0.5]), st.sampled_from([0.0, 0.1, 0.5])),
        at=st.integers(0, 399))
 def test_every_resume_of_a_schedule_keeps_its_promises(steps, warmups, floors, at) -> None:
-    """Over old and new shapes and resume points: a resume in either warm-up runs the new
-    schedule itself; past both, the rate does not jump at the resume, moves one way only, from
-    the factor reached to the new floor, which it reaches at the new last step."""
+    """Over old and new shapes and resume points: inside the old warm-up, the rate rises
+    without a jump to the peak at the new warm-up's end (or takes the peak at once where the
+    new warm-up is over), then runs the new cosine; past the peak, the rate does not jump at
+    the resume, moves one way only, from the factor reached to the new floor, which it
+    reaches at the new last step."""
     before = Schedule(steps[0], min(warmups[0], steps[0] - 1), floors[0])
     new = Schedule(steps[1], min(warmups[1], steps[1] - 1), floors[1])
     at = min(at, before.steps, new.steps - 1)
@@ -190,9 +235,14 @@ def test_every_resume_of_a_schedule_keeps_its_promises(steps, warmups, floors, a
     after = [runs(s) for s in range(at, new.steps + 1)]
     if before.shape() == new.shape():
         assert runs == before
-    elif at < new.warmup_steps or at < before.warmup_steps:
-        assert after == [new(s) for s in range(at, new.steps + 1)]
-        assert max(after) == pytest.approx(max(new(s) for s in range(at, new.steps + 1)))
+    elif before.warming_up(at) and before(at) < 1:
+        peak = max(at, new.warmup_steps - 1)
+        assert after[0] == (before(at) if at < new.warmup_steps - 1 else 1.0)
+        assert all(a < b for a, b in zip(after[:peak - at], after[1:peak - at + 1],
+                                         strict=True))
+        assert runs(peak) == 1.0
+        if at < new.warmup_steps - 1:
+            assert after[peak - at:] == [new(s) for s in range(peak, new.steps + 1)]
     else:
         assert after[0] == pytest.approx(before(at))
         sign = 1 if before(at) >= new.min_lr_ratio else -1  # a raised floor: the rate rises
@@ -202,9 +252,9 @@ def test_every_resume_of_a_schedule_keeps_its_promises(steps, warmups, floors, a
         assert after[-1] == pytest.approx(new.min_lr_ratio)
 
 
-def test_a_resume_inside_a_warm_up_says_the_new_schedule_runs_from_there() -> None:
-    """The line a resume logs names what the rate does: inside a warm-up the new schedule's
-    own rate, not a cosine continuing from the factor reached."""
+def test_a_resume_inside_a_warm_up_says_what_the_rate_does() -> None:
+    """The line a resume logs names what the rate does inside a warm-up: the peak at once
+    where the new warm-up is over, else a rise to it; not a cosine continuing."""
     from trainer.optim import resume_schedule
 
     def scheduler(schedule: Schedule) -> torch.optim.lr_scheduler.LambdaLR:
@@ -216,5 +266,8 @@ def test_a_resume_inside_a_warm_up_says_the_new_schedule_runs_from_there() -> No
         old.optimizer.step()
         old.step()
     line = resume_schedule(scheduler(Schedule(1000, 20, 0.1)), old.state_dict())
-    assert line is not None and "inside a warm-up at step 50: the new schedule from there " \
-        "(factor 0.51 -> 0.9979)" in line and "cosine continuing" not in line
+    assert line is not None and "the new warm-up over at step 50: the peak from there " \
+        "(factor 0.51 -> 1), then the cosine" in line and "continuing" not in line
+    line = resume_schedule(scheduler(Schedule(1000, 200, 0.1)), old.state_dict())
+    assert line is not None and "inside a warm-up at step 50: rising from factor 0.51 to " \
+        "the peak at step 199" in line
