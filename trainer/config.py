@@ -452,10 +452,13 @@ def weight_dtype_combinations(cfg: Config) -> None:
         return
     lora = cfg.model.lora
     if lora is not None:  # first: the fixes below do not apply to a LoRA run
-        fix = ("for a bf16 base set model.lora.base_dtype bf16" if lora.base_dtype == "fp32"
-               else f"model.lora.base_dtype {lora.base_dtype} already sets the base's dtype")
-        raise ValueError(f"model.dtype 'bf16' with model.lora: LoRA's adapters train in fp32 "
-                         f"over a frozen base; {fix} and leave model.dtype fp32")
+        if lora.base_dtype == "fp32":
+            raise ValueError("model.dtype 'bf16' with model.lora: LoRA's adapters train in "
+                             "fp32 over a frozen base; for a bf16 base set "
+                             "model.lora.base_dtype bf16 and leave model.dtype fp32")
+        raise ValueError(f"model.dtype 'bf16' with model.lora.base_dtype {lora.base_dtype!r}: "
+                         f"base_dtype sets the frozen base's dtype itself ({lora.base_dtype}) "
+                         "and the adapters train in fp32; leave model.dtype fp32")
     if memory.precision in ("fp32", "fp16"):
         raise ValueError(f"model.dtype 'bf16' with memory.precision {memory.precision!r}: "
                          "bf16 weights compute in bf16; set memory.precision bf16 (or auto)")

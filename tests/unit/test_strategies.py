@@ -282,8 +282,9 @@ def test_each_strategy_resumes_exactly(overrides: tuple[str, ...], corpus_dir: P
       "model.lora.rank=4"), "model.dtype 'bf16' with model.lora"),
     # before the optimizer states' refusal, whose fix would not make a LoRA run valid
     (("model.dtype=bf16", "memory.precision=bf16", "model.lora.rank=4",
-      "model.lora.base_dtype=nf4"), "model.dtype 'bf16' with model.lora: .*; "
-     "model.lora.base_dtype nf4 already sets the base's dtype and leave model.dtype fp32"),
+      "model.lora.base_dtype=nf4"), "model.dtype 'bf16' with model.lora.base_dtype 'nf4': "
+     r"base_dtype sets the frozen base's dtype itself \(nf4\) and the adapters train in fp32; "
+     "leave model.dtype fp32$"),
     # and before the base dtype's need of bf16 precision, whose fix leads straight to it
     (("model.dtype=bf16", "model.lora.rank=4", "model.lora.base_dtype=nf4"),
      "model.dtype 'bf16' with model.lora"),
