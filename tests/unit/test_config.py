@@ -49,6 +49,25 @@ def test_bad_values_name_the_field(overrides: list[str], expected: str) -> None:
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("setting, shown", [
+    ("parallel.fsdp.reshard_after_forward=false", "parallel.fsdp.reshard_after_forward false"),
+    ("parallel.fsdp.param_dtype=bf16", "parallel.fsdp.param_dtype 'bf16'"),
+    ("parallel.fsdp.offload=cpu", "parallel.fsdp.offload 'cpu'"),
+])
+def test_an_fsdp_setting_under_ddp_is_refused_in_one_line(setting: str, shown: str) -> None:
+    with pytest.raises(ConfigError, match=f"{shown} with parallel.strategy 'ddp': ") as refused:
+        load_config(None, ["parallel.strategy=ddp", "memory.precision=bf16", setting])
+    assert "\n" not in str(refused.value)
+    # auto may resolve to FSDP; fsdp takes it
+    for strategy in ("auto", "fsdp"):
+        load_config(None, [f"parallel.strategy={strategy}", "memory.precision=bf16", setting])
+
+
+def test_fsdp_defaults_under_ddp_are_taken_as_a_saved_config_writes_them() -> None:
+    cfg = load_config(None, ["parallel.strategy=ddp", "parallel.fsdp.offload=none"])
+    assert Config.model_validate(cfg.model_dump(mode="json")) == cfg
+
+
 def test_impossible_batch_arithmetic_is_refused() -> None:
     cfg = load_config(None, ["train.global_batch_size=30", "train.micro_batch_size=8"])
     with pytest.raises(ConfigError, match="global_batch_size .30. must be a multiple"):

@@ -48,6 +48,17 @@ def test_each_auto_field_adds_its_candidates() -> None:
     assert [c.parallel.strategy for c in one] == ["fsdp"]
 
 
+def test_a_ddp_candidate_drops_the_fsdp_settings_and_validates_again() -> None:
+    """The workers validate the resolved config again, and ddp refuses FSDP settings."""
+    cfg = _cfg("parallel.strategy=auto", "parallel.fsdp.reshard_after_forward=false",
+               "parallel.fsdp.param_dtype=bf16")
+    ddp, fsdp = sharding_candidates(cfg)
+    assert ddp.parallel.strategy == "ddp"
+    assert Config.model_validate(ddp.model_dump(mode="json")) == ddp
+    assert (fsdp.parallel.fsdp.reshard_after_forward, fsdp.parallel.fsdp.param_dtype) \
+        == (False, "bf16")
+
+
 @pytest.mark.parametrize(("budget", "chosen"), [
     ("96MiB", "parallel.strategy ddp"),
     ("52MiB", "parallel.strategy fsdp (reshard_after_forward true, offload none)"),

@@ -38,7 +38,7 @@ import torch
 
 from monitoring.units import format_bytes, parse_bytes
 from trainer.batches import DOCUMENT_IDS, dataset_columns
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, FsdpConfig
 from trainer.memory.precision import resolve_precision
 from trainer.models.build import MemoryTransforms, build_model, model_factory
 from trainer.models.hf import model_vocab_size
@@ -336,8 +336,10 @@ def resolved(cfg: Config, decision: Decision | None, norm: bool | str,
 
 
 def _with(cfg: Config, strategy: str, **fsdp: Any) -> Config:
-    parallel = cfg.parallel.model_copy(update={
-        "strategy": strategy, "fsdp": cfg.parallel.fsdp.model_copy(update=fsdp)})
+    # DDP takes parallel.fsdp's defaults: the config refuses FSDP settings under ddp, and the
+    # workers validate the resolved config again.
+    settings = cfg.parallel.fsdp.model_copy(update=fsdp) if strategy == "fsdp" else FsdpConfig()
+    parallel = cfg.parallel.model_copy(update={"strategy": strategy, "fsdp": settings})
     return cfg.model_copy(update={"parallel": parallel})
 
 
@@ -356,8 +358,7 @@ def sharding_candidates(cfg: Config) -> list[Config]:
     candidates = []
     for strategy in strategies:
         if strategy == "ddp":
-            candidates.append(_with(cfg, "ddp", reshard_after_forward=reshards[0],
-                                    offload=offloads[0]))
+            candidates.append(_with(cfg, "ddp"))
             continue
         candidates += [_with(cfg, "fsdp", reshard_after_forward=reshard, offload=offload)
                        for offload in offloads for reshard in reshards]
