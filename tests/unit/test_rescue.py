@@ -52,6 +52,16 @@ def test_the_tiers_keep_the_arithmetic_first_and_never_touch_a_set_field() -> No
         [in_backward]]
 
 
+def test_the_step_in_backward_takes_the_batch_of_a_data_rank_under_sequence_parallelism(
+        ) -> None:
+    """4 workers in sequence groups of 2 are 2 data ranks: one micro-batch a step is 8 rows."""
+    [stepped] = [c for tier in rescue_tiers(_cfg("parallel.sequence=2",
+                                                 "memory.optimizer_states=fp32"))
+                 for c in tier if c.memory.optimizer_in_backward
+                 and c.memory.activation_offload == "none"]
+    assert stepped.train.micro_batch_size == 8
+
+
 @pytest.mark.parametrize(("budget", "added"), [
     ("80MiB", ""),  # fits as configured: nothing added
     # the step in backward and offload keep the arithmetic: tried before low-bit states

@@ -84,8 +84,10 @@ def _with(cfg: Config, in_backward: bool, offload: str, states: str) -> Config |
     train: dict[str, Any] = {}
     if in_backward and cfg.train.micro_batch_size == "auto":
         try:
-            train["micro_batch_size"] = per_rank_batch(cfg.train.global_batch_size,
-                                                       cfg.parallel.workers)
+            parallel = cfg.parallel
+            train["micro_batch_size"] = per_rank_batch(
+                cfg.train.global_batch_size, parallel.data_workers(parallel.workers),
+                parallel.sequence)
         except ValueError:
             return None
     candidate = cfg.model_copy(update={
