@@ -57,7 +57,8 @@ GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")  # as transform
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A compiled chat template and the special tokens it is rendered with."""
+    """A compiled chat template and the special tokens it is rendered with; a render that
+    fails raises jinja2's ``TemplateError`` (``assistant_spans`` names the row)."""
 
     source: str  # "the chat template of DIR" or "memtrain's plain template"
     render: Callable[..., str]
@@ -91,16 +92,10 @@ def chat_template(model_dir: Path | None, eos_token: str) -> ChatTemplate:
     context = specials | {"tools": None, "documents": None}
 
     def render(**kwargs: Any) -> str:
-        try:
-            return template.render(**context, **kwargs)
-        except TemplateError as err:
-            raise DatasetError(f"{source}: {err}") from err
+        return template.render(**context, **kwargs)
 
     def blocks(**kwargs: Any) -> tuple[str, list[tuple[int, str]]]:
-        try:
-            return tracker.track(template, **context, **kwargs)
-        except TemplateError as err:
-            raise DatasetError(f"{source}: {err}") from err
+        return tracker.track(template, **context, **kwargs)
 
     return ChatTemplate(source, render, text,
                         blocks=blocks if GENERATION_TAG.search(text) else None)
@@ -208,9 +203,21 @@ def check_messages(messages: object, where: str) -> list[dict[str, Any]]:
 def assistant_spans(template: ChatTemplate, messages: list[dict[str, Any]], where: str
                     ) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and the character spans of its assistant turns: the template's
-    generation blocks where it has them, else each turn found by rendering prefixes."""
-    if template.blocks is not None:
-        return _generation_spans(template, messages, where)
+    generation blocks where it has them, else each turn found by rendering prefixes.
+    DatasetError naming the row (``where``) where the template fails or refuses the
+    conversation (its ``raise_exception``)."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        if template.blocks is not None:
+            return _generation_spans(template, messages, where)
+        return _prefix_spans(template, messages, where)
+    except TemplateError as err:
+        raise DatasetError(f"{where}: {template.source}: {err}") from err
+
+
+def _prefix_spans(template: ChatTemplate, messages: list[dict[str, Any]], where: str
+                  ) -> tuple[str, list[tuple[int, int]]]:
     text = template.text(messages)
     spans = []
     for turn, message in enumerate(messages):

@@ -194,6 +194,28 @@ def test_bad_fine_tuning_inputs_are_one_line_and_write_nothing(model_dir: Path,
         assert not (out / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("answer", ["{{ m.content }}",
+                                    "{% generation %}{{ m.content }}{% endgeneration %}"])
+def test_a_template_that_refuses_a_conversation_names_the_row(answer: str, tmp_path: Path
+                                                              ) -> None:
+    """Mistral's templates call raise_exception for a conversation they refuse: the one line
+    names the row, as every other refusal of a chat row does."""
+    template = ("{% for m in messages %}{% if m.role == 'system' %}"
+                "{{ raise_exception('System messages are not supported') }}{% endif %}"
+                "{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+                "{% else %}" + answer + "{{ eos_token }}{% endif %}{% endfor %}")
+    chats = [{"messages": row["messages"][1:]} for row in arithmetic_chats(3)]  # no system
+    model_dir = write_chat_tokenizer(tmp_path / "model", [m["content"] for row in chats
+                                                          for m in row["messages"]],
+                                     template=template)
+    chats[1]["messages"].insert(0, {"role": "system", "content": "You add numbers."})
+    source = write_jsonl(tmp_path / "chat.jsonl", chats)
+    with pytest.raises(DatasetError, match=rf"^{source}: line 2: the chat template of "
+                                           rf"{model_dir}: System messages are not supported$"):
+        write_dataset([source], tmp_path / "ds", "chat", seq_len=63, tokenizer=model_dir)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
 def test_a_loss_mask_of_another_shape_than_the_tokens_is_refused(corpus_dir: Path,
                                                                  tmp_path: Path) -> None:
     from datapipe.manifest import ColumnSpec
