@@ -75,12 +75,16 @@ log = logging.getLogger("memtrain.data")
 
 
 def expand_sources(sources: list[Path]) -> list[Path]:
-    """Files as given, directories as their files (recursively), in a stable order."""
+    """Files as given, directories as their files (recursively), in a stable order. A
+    directory's hidden files (a hub snapshot's ``.gitattributes``, ``.cache/``) and its
+    ``README.md`` (the dataset card) are left out, as ``datasets`` leaves them out of a
+    directory's data files; a file given by name is read whatever its name."""
     files: list[Path] = []
     for source in sources:
         if source.is_dir():
-            files += sorted((p for p in source.rglob("*") if p.is_file()),
-                            key=lambda p: p.relative_to(source).as_posix())
+            found = {p.relative_to(source).as_posix(): p for p in source.rglob("*")
+                     if p.is_file() and not _documentation(p.relative_to(source))}
+            files += [found[name] for name in sorted(found)]
         elif source.is_file():
             files.append(source)
         else:
@@ -88,6 +92,11 @@ def expand_sources(sources: list[Path]) -> list[Path]:
     if not files:
         raise DatasetError(f"no input files in {', '.join(map(str, sources))}")
     return files
+
+
+def _documentation(relative: PurePath) -> bool:
+    return relative.name.lower() == "readme.md" or any(
+        part.startswith(".") for part in relative.parts)
 
 
 def detect_format(files: list[Path]) -> str:

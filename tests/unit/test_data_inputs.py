@@ -234,6 +234,27 @@ def test_text_files_of_several_splits_need_split_and_a_code_corpus_is_read_whole
     assert columns(tmp_path / "code")["tokens"].tolist() == [[6, 7, 8, 9], [EOT, 2, 3, 4]]
 
 
+@pytest.mark.parametrize("data", ["data/train-00000-of-00001.parquet", "data/train.jsonl"])
+def test_a_snapshots_dataset_card_and_hidden_files_are_no_data(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], data: str) -> None:
+    """As ``datasets`` resolves a directory: README.md, .gitattributes and huggingface_hub's
+    .cache/ beside the data files are neither read nor a second format."""
+    root = tmp_path / "snapshot"
+    if data.endswith(".parquet"):
+        snapshot(root, {data: [[2, 3], [4, 5]]})
+    else:
+        (root / "data").mkdir(parents=True)
+        (root / data).write_text('{"input_ids": [2, 3]}\n{"input_ids": [4, 5]}\n')
+    (root / "README.md").write_text("---\nlicense: mit\n---\n# A dataset\n")
+    (root / ".gitattributes").write_text("*.parquet filter=lfs diff=lfs merge=lfs -text\n")
+    cache = root / ".cache" / "huggingface" / "download" / "data"
+    cache.mkdir(parents=True)
+    (cache / "train-00000-of-00001.parquet.metadata").write_text("0123abcd\n")
+    code, err = memtrain(capsys, root, "--out", tmp_path / "ds", "--seq-len", 3)
+    assert (code, err) == (0, "")
+    assert columns(tmp_path / "ds")["tokens"].tolist() == [[2, 3, 4, 5]]
+
+
 def test_files_of_no_split_beside_a_splits_files_are_left_out_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """As ``datasets`` resolves a directory: where some files name a split, only they are
