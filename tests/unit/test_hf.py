@@ -392,3 +392,35 @@ def test_the_launcher_plans_an_hf_model_without_reading_its_weights(corpus_dir: 
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[name] = int(out.stdout.split()[-1])
     assert peaks["weights"] - peaks["shapes"] < weight_bytes // 4, (peaks, weight_bytes)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_default_lora_targets_are_pefts_all_linear(family: str, tmp_path: Path) -> None:
+    """Every family's default targets are the layers PEFT's ``all-linear`` adapts (GPT-2's
+    Conv1D among them), and the adapted model computes what PEFT's does with the same adapter
+    values, and merges to what its ``merge_and_unload`` gives."""
+    import peft
+
+    from trainer.memory.lora import LoraSettings, apply_lora, merge_adapters, peft_config
+
+    CONFIGS[family]().save_pretrained(tmp_path)
+    ours = apply_lora(build(f"hf:{tmp_path}", chunk=0), LoraSettings(rank=4))
+    reference = peft.get_peft_model(
+        _transformers().AutoModelForCausalLM.from_config(CONFIGS[family]()),
+        peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
+    assert set(ours.lora_settings.targets) == {  # PEFT may name them in full
+        name.rsplit(".", 1)[-1] for name in reference.peft_config["default"].target_modules}
+    exported = peft_config(ours.lora_settings, ours, str(tmp_path))  # GPT-2's Conv1D: in x out
+    assert exported.fan_in_fan_out == (family == "gpt2")
+    for name, param in ours.named_parameters():
+        if ".lora_B." in name:  # non-zero, so the adapters change the logits
+            param.data.normal_(generator=torch.Generator().manual_seed(len(name)))
+    reference.base_model.model.load_state_dict(ours.hf.state_dict())  # base and adapters
+    tokens_BT = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours.eval(), reference.eval()
+    with torch.no_grad():
+        expected = reference(tokens_BT).logits
+        torch.testing.assert_close(ours(tokens_BT), expected, rtol=1e-5, atol=1e-5)
+        merged = reference.merge_and_unload()
+        torch.testing.assert_close(merge_adapters(ours)(tokens_BT), merged(tokens_BT).logits,
+                                   rtol=1e-5, atol=1e-5)

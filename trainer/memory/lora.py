@@ -13,7 +13,9 @@ weight directly (chunked), so an adapter there would be skipped.
 
 Targets by default: memtrain's GPT ``qkv``, ``proj`` (attention's and the MLP's) and ``fc``; a
 Hugging Face model, every linear layer of its decoder layers (a Llama's ``q_proj`` ...
-``down_proj``), as PEFT's ``all-linear``.
+``down_proj``; GPT-2's ``c_attn``, ``c_proj`` and ``c_fc``, transformers' ``Conv1D``), as PEFT's
+``all-linear``. A ``Conv1D`` stores its weight transposed (``in x out``): its adapters are
+PEFT's with ``fan_in_fan_out``.
 """
 
 from __future__ import annotations
@@ -70,8 +72,31 @@ def default_targets(model: nn.Module) -> list[str]:
         raise ValueError(f"model.lora: {type(model).__name__} has no blocks; name the linear "
                          "layers to adapt in model.lora.targets")
     names = {name.rsplit(".", 1)[-1] for name, module in blocks[0].named_modules()
-             if isinstance(module, nn.Linear)}
+             if isinstance(module, _linear_classes(model))}
     return sorted(names)
+
+
+def _linear_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The layer classes PEFT's ``all-linear`` takes: ``nn.Linear``, and in a Hugging Face
+    model transformers' ``Conv1D`` (GPT-2's)."""
+    if getattr(model, "hf", None) is None:
+        return (nn.Linear,)
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+def _fan_in_fan_out(model: nn.Module, targets: list[str]) -> bool:
+    """Whether the targets are ``Conv1D`` layers (weights stored ``in x out``), which PEFT's
+    adapters must then be told (``fan_in_fan_out``); ValueError where they mix both kinds."""
+    linear = _linear_classes(model)
+    layers = [getattr(module, "get_base_layer", lambda m=module: m)()  # PEFT's: the base's
+              for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
+    kinds = {type(layer).__name__ == "Conv1D" for layer in layers if isinstance(layer, linear)}
+    if len(kinds) > 1:
+        raise ValueError(f"model.lora.targets {targets}: they name both nn.Linear and Conv1D "
+                         "layers, whose weights are stored the other way round; name one kind")
+    return kinds == {True}
 
 
 def _output_layer(model: nn.Module) -> str | None:
@@ -95,7 +120,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     for param in model.parameters():
         param.requires_grad_(False)
     config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
-                             lora_dropout=settings.dropout, target_modules=targets)
+                             lora_dropout=settings.dropout, target_modules=targets,
+                             fan_in_fan_out=_fan_in_fan_out(model, targets))
     try:
         peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as err:  # PEFT: a target that matches no module
@@ -229,4 +255,5 @@ def peft_config(settings: LoraSettings, model: nn.Module, base: str) -> Any:
     return _peft().LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=list(settings.targets),
+        fan_in_fan_out=_fan_in_fan_out(model, list(settings.targets)),
         task_type="CAUSAL_LM", base_model_name_or_path=base)
