@@ -16,6 +16,8 @@ needs. Where a loss mask or packed documents leave targets out, the ranks' count
 divisor is then the global count over the world size (``step_tokens``), which keeps the same rule.
 Under sequence parallelism a rank's tokens are its slice of each row (``Parallelism.local_rows``):
 it counts those, and the same rule holds over the whole world (``trainer.parallel.mesh``).
+The loss a step reports is the global batch's mean over its trained targets (``global_mean``),
+the same at any number of ranks, not one rank's own.
 
 Host syncs: one per optimizer step (the finite check of the grad norm, which GradScaler needs
 anyway). Nothing holds a graph across steps: the loss is accumulated detached.
@@ -48,7 +50,7 @@ from trainer.telemetry.diagnostics import cpu_peak_bytes
 class StepResult:
     """What one optimizer step gives back, on the device (no host sync until read)."""
 
-    loss: torch.Tensor  # detached mean token loss over this rank's micro-batches
+    loss: torch.Tensor  # detached mean token loss over every rank's trained targets
     grad_norm: torch.Tensor
     skipped: bool  # non-finite gradients: the optimizer did not step
     # The targets trained over every rank, where a loss mask or packed documents leave some out
@@ -113,7 +115,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
             optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
             raise
     if in_backward is not None:  # every parameter has stepped already
-        return _stepped_in_backward(in_backward, parallel.row_mean(loss_sum, tokens.local),
+        return _stepped_in_backward(in_backward, global_mean(loss_sum, tokens.local),
                                     tokens.trained)
     if deferred:
         parallel.reduce_gradients(model)
@@ -126,7 +128,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(parallel.row_mean(loss_sum, tokens.local), grad_norm.detach(), not finite,
+    return StepResult(global_mean(loss_sum, tokens.local), grad_norm.detach(), not finite,
                       tokens.trained)
 
 
@@ -155,8 +157,21 @@ def step_tokens(chunks: list[Rows]) -> StepTokens:
 
 class StepTokens(NamedTuple):
     divisor: int | torch.Tensor  # of each rank's summed loss, for the gradient
-    local: int | torch.Tensor  # this rank's trained targets (``Parallelism.row_mean``)
+    local: int | torch.Tensor  # this rank's trained targets (``global_mean``)
     trained: torch.Tensor | None  # over every rank, where some targets are left out
+
+
+def global_mean(loss_sum: torch.Tensor, trained: int | torch.Tensor) -> torch.Tensor:
+    """The step's mean token loss over every rank: the ranks' summed losses over their
+    trained targets (one all-reduce of two numbers, no host sync), so the loss a run reports
+    is the global batch's whatever the number of ranks (a rank's rows, or its slice of them
+    under sequence parallelism, may hold few or no trained targets)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return loss_sum / (trained.clamp(min=1) if isinstance(trained, torch.Tensor) else trained)
+    total = torch.stack([loss_sum.detach().double(),
+                         torch.as_tensor(trained, dtype=torch.float64, device=loss_sum.device)])
+    dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).to(loss_sum.dtype)
 
 
 def _stepped_in_backward(steps: BackwardSteps, loss: torch.Tensor,

@@ -8,7 +8,11 @@ PEFT's LoRA layers into the target linear layers in place (``peft.inject_adapter
 no ``PeftModel`` wrapper, so the model keeps memtrain's contract: ``blocks``, its own loss).
 Each target's weight becomes ``<target>.base_layer.weight`` beside ``<target>.lora_A.default``
 and ``lora_B.default``; only those adapters have gradients, optimizer state and a place in
-checkpoints (``trainable_state_dict``). The output layer cannot be a target: the loss reads its
+checkpoints (``trainable_state_dict``). ``lora_A`` starts as PEFT draws it (Kaiming-uniform,
+``lora_B`` zero), but from a generator of its own seeded by the run's seed and the adapter's
+name (``initial_adapter``): the values do not depend on how many random draws the base's
+construction made before it, which differs between a model read with ``from_pretrained``
+(none), one built on meta for FSDP (its initialisation recorded), and one with more layers. The output layer cannot be a target: the loss reads its
 weight directly (chunked), so an adapter there would be skipped.
 
 Targets by default: memtrain's GPT ``qkv``, ``proj`` (attention's and the MLP's) and ``fc``; a
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +203,28 @@ def dequantize_base(model: nn.Module) -> None:
         if weight is not None and hasattr(weight, "get_original_weight"):
             module.weight = nn.Parameter(weight.get_original_weight().to(torch.bfloat16),
                                          requires_grad=False)
+
+
+def initial_adapter(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The first value of the adapter parameter ``name`` (a ``lora_A`` weight: PEFT's
+    Kaiming-uniform draw; a ``lora_B``, zero) at ``seed``, from a generator of its own, in
+    fp32; ``name`` as the model's state dict has it."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(
+        (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    value = torch.empty(shape)
+    nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+    return value
+
+
+def draw_adapters(model: nn.Module, seed: int) -> None:
+    """Every adapter of a LoRA model built whole (not sharded) set to ``initial_adapter``,
+    in place; a fake or meta model is left as it is."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(name) and not param.is_meta and not is_fake(param):
+                param.copy_(initial_adapter(name, param.shape, seed))
 
 
 def is_adapter(name: str) -> bool:

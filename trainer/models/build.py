@@ -27,7 +27,16 @@ from torch import nn
 from trainer.compat import is_checkpoint_wrapper
 from trainer.errors import first_line
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
-from trainer.memory.lora import LoraSettings, apply_lora, lora_of, nf4_layers, quantize_base
+from trainer.memory.lora import (
+    LoraSettings,
+    apply_lora,
+    draw_adapters,
+    initial_adapter,
+    is_adapter,
+    lora_of,
+    nf4_layers,
+    quantize_base,
+)
 from trainer.memory.loss import set_loss_chunking
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.offload import install as install_offload
@@ -140,6 +149,8 @@ def build_model(factory: ModelFactory, transforms: MemoryTransforms,
     if seed is not None:
         torch.manual_seed(seed)
     model = factory()
+    if seed is not None and lora_of(model) is not None:
+        draw_adapters(model, seed)  # the same at any way of building (trainer.memory.lora)
     if device is not None:
         model = model.to(device)
     apply_transforms(model, transforms)
@@ -255,6 +266,11 @@ def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: t
                 fill_owner(owner, real(owner.meta))
 
         meta_init.replay(recording, set(tensors) - filled, seed, take)
+        if seed is not None:  # each rank's part of the adapters' first values
+            for found in tensors.values():
+                for owner in found:
+                    if is_adapter(owner.fqn):
+                        fill_owner(owner, initial_adapter(owner.fqn, owner.meta.shape, seed))
         if shards_on_host and device != host:  # the buffers stay with the compute
             for module in model.modules():
                 module._buffers.update({k: b.to(device) for k, b in module._buffers.items()

@@ -87,15 +87,6 @@ class SplitSequences(Parallelism):
     def local_rows(self, batch: TokenBatch) -> Rows:
         return row_slice(batch, self.mesh.rank, self.mesh.size)
 
-    def row_mean(self, loss_sum: torch.Tensor, trained: int | torch.Tensor) -> torch.Tensor:
-        # the whole rows' mean: the group's summed losses over its trained targets (a rank's
-        # slice may hold none: a prompt's tokens, masked out)
-        total = torch.stack([loss_sum.detach().double(),
-                             torch.as_tensor(trained, dtype=torch.float64,
-                                             device=loss_sum.device)])
-        dist.all_reduce(total, group=self.mesh.group)
-        return (total[0] / total[1].clamp(min=1)).to(loss_sum.dtype)
-
     def micro_batch(self, model: nn.Module, is_last: bool,
                     deferred: bool) -> AbstractContextManager[Any]:
         # deferred: the step agrees on an OOM, so the group's meetings agree on one too

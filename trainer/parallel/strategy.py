@@ -107,11 +107,6 @@ class Parallelism:
         """What this rank trains of a micro-batch's rows: all of them, here."""
         return batch
 
-    def row_mean(self, loss_sum: torch.Tensor, trained: int | torch.Tensor) -> torch.Tensor:
-        """The mean loss over this rank's rows, from its ``local_rows``' summed loss and their
-        ``trained`` targets (the loss a step reports; 0 where none is trained)."""
-        return loss_sum / (trained.clamp(min=1) if isinstance(trained, torch.Tensor) else trained)
-
     def defers_reduction(self, agreement: Any) -> bool:
         """Whether the step's gradients are reduced only after ``agreement``'s check (an
         ``OOMAgreement`` over several ranks, or None), so that a rank that ran out of memory
