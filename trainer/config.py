@@ -138,7 +138,9 @@ class TrainConfig(_Strict):
     # optimizer, schedule and data start afresh): a run directory (its latest whole checkpoint) or
     # one checkpoint directory, any strategy and world size; or hf:DIR, a Hugging Face directory's
     # safetensors loaded into a compatible hf: model (a LoRA model's base too; under FSDP each rank
-    # reads its rows). A resume ignores it: the run's own checkpoint decides.
+    # reads its rows). A resume ignores it, the run's own checkpoint deciding, except as a LoRA
+    # model's base, which the checkpoint does not hold: that is read again, and refused where it
+    # differs from the one the checkpoint trained on (trainer.launch.prepare).
     init_from: str | None = None
     # Resume a run that has no checkpoint of its own from another checkpoint, every part of
     # its state (weights, optimizer, schedule, data position, RNG): a run directory (its latest

@@ -65,7 +65,7 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_chats(40, seed=1)))
     write_dataset([chats], tmp_path / "data", "chat", tokenizer=base, seq_len=127)
-    cfg, run_dir = prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", [
+    overrides = [
         f"model.name=hf:{bare}", f"train.init_from=hf:{base}", "model.lora.rank=4",
         "model.seq_len=127", f"data.path={tmp_path / 'data'}", "data.shuffle=false",
         f"data.val_path={tmp_path / 'data'}", f"run.dir={tmp_path}", "run.name=lora",
@@ -73,9 +73,11 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "train.warmup_steps=1", "train.lr=0.02", "train.eval_every=0",
         "train.checkpoint_every=3", "memory.precision=fp32",
         "memory.activation_checkpointing=none", "parallel.launcher=local",
-        "parallel.workers=1"]))
+        "parallel.workers=1"]
+    cfg, run_dir = prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", overrides))
     launch_local(cfg, run_dir)
-    return {"base": base, "data": tmp_path / "data", "run": run_dir, "tmp": tmp_path}
+    return {"base": base, "data": tmp_path / "data", "run": run_dir, "tmp": tmp_path,
+            "overrides": overrides}  # type: ignore[dict-item]
 
 
 def memtrain(*args: str) -> int:
@@ -170,3 +172,48 @@ def test_export_refuses_a_lora_base_missing_or_changed(lora_run: dict[str, Path]
     assert f"train.init_from hf:{base}: model.safetensors is not the file the LoRA run " \
            "trained on" in err
     assert not Path(out).exists()
+
+
+def _resume(lora_run: dict, *changes: str, allow_changes: bool = False) -> None:
+    """The driver's part of resuming the fixture's run to step 4 with ``changes``."""
+    from trainer.config import load_config
+    from trainer.launch.prepare import prepare_run
+
+    prepare_run(load_config(REPO / "configs" / "demo-cpu.yaml", [
+        *lora_run["overrides"], "train.steps=4", *changes]), allow_changes=allow_changes)
+
+
+def test_a_lora_resume_refuses_a_base_changed_since_its_checkpoint(
+        lora_run: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint holds the adapters alone: a base whose file changed since (same size, new
+    bytes), or another ``train.init_from``, is refused before any worker starts, naming the
+    field and both values, unless ``--allow-changes``, which says what changed."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer.checkpoint.integrity import sha256_of
+    from trainer.config import ConfigError
+
+    base = lora_run["base"]
+    _resume(lora_run)  # unchanged: resumes
+    weights = base / "model.safetensors"
+    original, before = weights.read_bytes(), sha256_of(weights)
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-3  # same size, new bytes
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    try:
+        with pytest.raises(ConfigError) as refused:
+            _resume(lora_run)
+        line = str(refused.value)
+        assert line.startswith(f"train.init_from: model.safetensors sha256 {before[:12]} -> "
+                               f"{sha256_of(weights)[:12]} since checkpoint-") and "\n" not in line
+        assert "--allow-changes" in line
+        with caplog.at_level("WARNING", logger="memtrain"):
+            _resume(lora_run, allow_changes=True)
+        assert "resuming with train.init_from: model.safetensors sha256" in caplog.text
+    finally:
+        weights.write_bytes(original)
+    other = lora_run["tmp"] / "other-llama"
+    shutil.copytree(base, other, dirs_exist_ok=True)
+    with pytest.raises(ConfigError, match=rf"^train.init_from: 'hf:{base}' -> 'hf:{other}' on "
+                                          "resuming run 'lora'.*--allow-changes"):
+        _resume(lora_run, f"train.init_from=hf:{other}")

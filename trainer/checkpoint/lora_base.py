@@ -48,3 +48,25 @@ def lora_base(model_name: str, init_from: str | None, hashes: bool) -> dict[str,
     if source is None:
         return None
     return {"source": source, "files": weights_fingerprint(source, hashes)}
+
+
+def base_changes(recorded: dict[str, Any], source: str | None) -> list[str]:
+    """How the base ``source`` (None: a seeded initialisation) differs from the one a checkpoint
+    ``recorded`` (``lora_base``): another directory, or a weight file missing, added or of
+    other size or SHA-256 (hashed where the record was); one phrase each, empty where none."""
+    if source != recorded["source"]:
+        return [f"the base {recorded['source']} -> {source or 'a seeded initialisation'}"]
+    before = recorded["files"]
+    hashes = any("sha256" in found for found in before.values())
+    now = weights_fingerprint(source, hashes)
+    changes = []
+    for name in sorted(set(now) | set(before)):
+        old, new = before.get(name), now.get(name)
+        if old == new:
+            continue
+        if old is None or new is None:
+            changes.append(f"{name} {'added' if old is None else 'missing'}")
+        else:
+            key = "size" if old["size"] != new["size"] else "sha256"
+            changes.append(f"{name} {key} {str(old[key])[:12]} -> {str(new[key])[:12]}")
+    return changes

@@ -21,8 +21,15 @@ from datapipe.paths import is_remote
 from monitoring.run_files import CONFIG
 from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
 from trainer.batches import DOCUMENT_IDS, LOSS_MASK
-from trainer.checkpoint.files import checkpoint_step, latest_whole, published_checkpoints
+from trainer.checkpoint.files import (
+    checkpoint_step,
+    latest_whole,
+    load_checkpoint,
+    published_checkpoints,
+)
 from trainer.checkpoint.integrity import local_problem
+from trainer.checkpoint.lora_base import base_changes, lora_base_source
+from trainer.checkpoint.publish import fetch_latest
 from trainer.checkpoint.store import RemoteRun, default_work_dir
 from trainer.config import Config, ConfigError
 from trainer.errors import first_line
@@ -163,15 +170,45 @@ def _whole_checkpoint(cfg: Config, key: str, value: str) -> str:
 def _check_resume(cfg: Config, run_dir: Path, remote: RemoteRun | None,
                   allow_changes: bool) -> None:
     """A run with checkpoints resumes from its own latest: what changed is said (refused where
-    exactness breaks unless ``allow_changes``), and ``train.resume_from`` is refused."""
+    exactness breaks unless ``allow_changes``), and ``train.resume_from`` is refused. A LoRA
+    run resumes on the base its checkpoint trained on (``_check_lora_base``)."""
     previous = previous_config(run_dir, remote)
     if previous is None:
+        if cfg.train.resume_from is not None:
+            _check_lora_base(cfg, Path(cfg.train.resume_from), allow_changes)
         return
     if cfg.train.resume_from is not None:
         raise ConfigError(f"train.resume_from: run {cfg.run.name!r} has checkpoints of its "
                           "own, and its latest resumes; to start it from "
                           f"{cfg.train.resume_from} instead, add --fresh")
     check_resume(previous, cfg, allow_changes)
+    if cfg.model.lora is not None:
+        hashes = cfg.run.checkpoint_verify == "hashes"
+        latest = latest_whole(published_checkpoints(run_dir), hashes) if remote is None \
+            else fetch_latest(remote, run_dir, hashes)
+        _check_lora_base(cfg, latest, allow_changes)
+
+
+def _check_lora_base(cfg: Config, checkpoint: Path | None, allow_changes: bool) -> None:
+    """A LoRA checkpoint holds the adapters alone: resumed from ``checkpoint``, they train on
+    the base the run builds now, which must be the one the checkpoint recorded (its directory,
+    its files' sizes and SHA-256). Another one is refused in one line (exit 2) unless
+    ``allow_changes``, which logs what changed."""
+    if cfg.model.lora is None or checkpoint is None:
+        return
+    recorded = load_checkpoint(checkpoint).get("lora_base")
+    if recorded is None:  # a seeded base, or a checkpoint from before bases were recorded
+        return
+    changes = base_changes(recorded, lora_base_source(cfg.model.name, cfg.train.init_from))
+    if not changes:
+        return
+    field = "train.init_from" if (cfg.train.init_from or "").startswith(PREFIX) else "model.name"
+    what = (f"{field}: {'; '.join(changes)} since {checkpoint.name} of run "
+            f"{cfg.run.name!r} trained its LoRA adapters on that base")
+    if not allow_changes:
+        raise ConfigError(f"{what}; resuming would train them on another base: restore it, "
+                          "pass --allow-changes to resume anyway, or --fresh to start anew")
+    log.warning("resuming with %s (allowed: the adapters go on training on this base)", what)
 
 
 def previous_config(run_dir: Path, remote: RemoteRun | None) -> str | None:

@@ -5,8 +5,10 @@ A resume is a launch under a run name that has a checkpoint. Every changed key i
 line each. Some changes break an exact resume, and are refused in one line unless
 ``--allow-changes``: the data read and its order (``data.path``, ``data.column``,
 ``data.shuffle``, ``data.shuffle_window``), the model (any ``model.*``: its shape, its weights'
-meaning), the global batch, the seed and the optimizer's state format (a checkpoint of one
-does not load into the other). The rest take effect as meant: the learning rate and its
+meaning), the global batch, the seed, the optimizer's state format (a checkpoint of one
+does not load into the other) and, for a LoRA model, ``train.init_from`` (its frozen base: the
+checkpoint holds the adapters alone; without LoRA a resume reads every weight from the
+checkpoint, and ``init_from`` is not read). The rest take effect as meant: the learning rate and its
 schedule (``trainer.optim``), the step count, evaluation, logging, checkpointing, the
 parallel strategy (DDP and FSDP checkpoints load under each other), memory strategies that keep
 the math (checkpointing, offload, the micro-batch split, which keeps the global batch). Where
@@ -49,9 +51,10 @@ def changed_keys(previous: Mapping[str, Any], current: Mapping[str, Any]
             if before.get(key) != now.get(key) and not key.startswith(NOT_CHANGES)]
 
 
-def breaks_exactness(key: str) -> bool:
-    return any(key == rule or (rule.endswith(".") and key.startswith(rule))
-               for rule in BREAKS_EXACTNESS)
+def breaks_exactness(key: str, lora: bool = False) -> bool:
+    """Whether a change of ``key`` breaks an exact resume (of a LoRA model where ``lora``)."""
+    return (lora and key == "train.init_from") or any(
+        key == rule or (rule.endswith(".") and key.startswith(rule)) for rule in BREAKS_EXACTNESS)
 
 
 def check_resume(previous_yaml: str, cfg: Config, allow_changes: bool) -> list[str]:
@@ -64,7 +67,8 @@ def check_resume(previous_yaml: str, cfg: Config, allow_changes: bool) -> list[s
     if not isinstance(previous, dict):
         previous = {}
     changes = changed_keys(previous, yaml.safe_load(cfg.to_yaml()))
-    breaking = [key for key, _, _ in changes if breaks_exactness(key)]
+    lora = cfg.model.lora is not None
+    breaking = [key for key, _, _ in changes if breaks_exactness(key, lora)]
     if breaking and not allow_changes:
         key, before, now = next(change for change in changes if change[0] == breaking[0])
         more = f" (and {', '.join(breaking[1:])})" if len(breaking) > 1 else ""
@@ -72,7 +76,7 @@ def check_resume(previous_yaml: str, cfg: Config, allow_changes: bool) -> list[s
                           "breaks an exact resume; pass --allow-changes to resume anyway, or "
                           "--fresh to start the run anew")
     lines = [f"resuming with {key} changed: {before!r} -> {now!r}"
-             + (" (breaks an exact resume: allowed)" if breaks_exactness(key) else "")
+             + (" (breaks an exact resume: allowed)" if breaks_exactness(key, lora) else "")
              for key, before, now in changes]
     for line in lines:
         log.info("%s", line)
