@@ -155,6 +155,21 @@ def hf_positions_read_as_unpacked() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def uncached_compiles() -> Iterator[None]:
+    """Graphs compiled inside are neither taken from nor put in inductor's on-disk caches (its
+    FX graph cache and AOTAutograd's), which every run of a user shares. Their keys do not
+    tell torchao's 8-bit and 4-bit optimizer states apart under FSDP's DTensors: a step
+    compiled for one format was taken from the cache for the other and failed ("wrong number
+    of dimensions"); ``tests/distributed/test_strategies.py`` runs both in either order."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
 def compile_counts() -> tuple[int, float]:
     """(frames torch.compile has compiled, seconds spent compiling) in this process so far:
     dynamo's own counters (private; every torch.compile user reads them, torchtitan included).

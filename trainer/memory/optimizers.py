@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.compat import uncached_compiles
 from trainer.tensors import local_tensor, plain_tensors
 
 STATE_DTYPES = ("fp32", "bf16", "8bit", "4bit")
@@ -170,8 +171,12 @@ def _quantized_class(ao_optim: Any, states: str) -> type[torch.optim.Optimizer]:
         # torch's load_state_dict gives floating state its parameter's dtype: fp32 again
         self.register_load_state_dict_post_hook(_quantized_moments_look_fp32)
 
+    def step(self: Any, closure: Any = None) -> Any:
+        with uncached_compiles():  # the shared cache mixes up 8-bit and 4-bit states' graphs
+            return base.step(self, closure)
+
     return type(base.__name__, (base,), {"__init__": __init__, "__doc__": base.__doc__,
-                                         "_subclass_zeros": staticmethod(zeros)})
+                                         "_subclass_zeros": staticmethod(zeros), "step": step})
 
 
 def _quantized_moments_look_fp32(optimizer: torch.optim.Optimizer) -> None:
