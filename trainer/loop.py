@@ -39,7 +39,7 @@ from trainer.checkpoint.lora_base import lora_base
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
-from trainer.memory.lora import lora_of
+from trainer.memory.lora import lora_of, nf4_kept_in_bf16
 from trainer.memory.loss import computes_own_loss, takes_position_ids
 from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import precision_policy, resolve_precision
@@ -347,6 +347,9 @@ class Trainer:
         strategies = describe_strategies(cfg.memory, state.unwrapped, ctx.device)
         if strategies:
             log.info("memory strategies: %s", "; ".join(strategies))
+        kept = nf4_kept_in_bf16(state.unwrapped)
+        if kept is not None:
+            log.warning("%s", kept)
         chunk = getattr(state.unwrapped, "loss_chunk_tokens", 0)
         log.info("loss: %s (memory.loss_chunk_tokens %s)",
                  f"output projection and cross-entropy in chunks of {chunk} tokens" if chunk else

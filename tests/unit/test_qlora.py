@@ -106,18 +106,45 @@ def test_an_nf4_layer_computes_as_torchaos_linear_nf4_in_a_third_of_its_bytes() 
                                                                    rel=0.15)
 
 
-def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named_once_a_run(
+        corpus_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A weight must fill NF4's blocks (64 values) and its scales' blocks (256 scales): at
-    width 32 none does, so every one stays bf16, named in one warning line."""
+    width 32 none does, so every one stays bf16, named in one warning line of the run's log,
+    once, though the planner's probes build the model several times in the same process."""
     from torchao.quantization import NF4Tensor
 
-    with caplog.at_level(logging.WARNING, logger="trainer.memory.lora"):
-        model = _nf4_gpt(n_embd=32)
+    from trainer.launch.local import launch_local
+    from trainer.launch.prepare import prepare_run
+    from trainer.memory.lora import nf4_kept_in_bf16
+
+    model = _nf4_gpt(n_embd=32)
     assert not any(isinstance(p, NF4Tensor) for p in model.parameters())
-    [line] = [r.getMessage() for r in caplog.records if r.name == "trainer.memory.lora"]
-    assert line.startswith("model.lora.base_dtype nf4: 8 linear layer(s) kept in bf16, their "
-                           "size not a multiple of 16384") and "blocks.0.attn.qkv" in line
+    line = nf4_kept_in_bf16(model)
+    assert line is not None and line.startswith(
+        "model.lora.base_dtype nf4: 8 linear layer(s) kept in bf16, their size not a multiple "
+        "of 16384") and "blocks.0.attn.qkv" in line
+    with caplog.at_level(logging.WARNING):
+        cfg, run_dir = prepare_run(tiny_config(
+            corpus_dir, tmp_path, "model.lora.rank=4", "model.lora.base_dtype=nf4",
+            "model.n_embd=32", "memory.precision=bf16", "train.steps=1",
+            "train.micro_batch_size=auto", "train.eval_every=0", "train.checkpoint_every=0",
+            "parallel.launcher=local", "parallel.workers=1"))
+        launch_local(cfg, run_dir)
+    assert [r.getMessage() for r in caplog.records].count(line) == 1
+
+
+def test_an_nf4_base_that_does_not_split_under_fsdp_is_refused_before_any_worker_starts(
+        corpus_dir: Path, tmp_path: Path) -> None:
+    """The launcher knows the shapes: width 128's qkv [384, 128] fills NF4's blocks whole but
+    not in halves, so FSDP on 2 workers is refused by ``prepare_run``, naming it."""
+    from trainer.launch.prepare import prepare_run
+
+    with pytest.raises(ConfigError, match=r"^model\.lora\.base_dtype nf4 under FSDP on 2 "
+                                          r"ranks: blocks\.0\.attn\.qkv\.base_layer \[384, 128\]"):
+        prepare_run(tiny_config(corpus_dir, tmp_path, "model.lora.rank=4",
+                                "model.lora.base_dtype=nf4", "model.n_embd=128",
+                                "memory.precision=bf16", "parallel.strategy=fsdp",
+                                "parallel.launcher=local", "parallel.workers=2"))
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

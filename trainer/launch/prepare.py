@@ -84,7 +84,12 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
     if not micro_auto:
         _check_world_sizes(cfg)
     _check_datasets(cfg)
+    strategy_auto = cfg.parallel.strategy == "auto"
+    if not strategy_auto:
+        check_nf4_shards(cfg)
     cfg = resolve_auto(cfg)
+    if strategy_auto:
+        check_nf4_shards(cfg)  # with the strategy auto chose
     if micro_auto:
         _check_world_sizes(cfg)  # with the micro-batch auto chose
     run_dir = local_run_dir(cfg)
@@ -318,6 +323,29 @@ def check_strategies(cfg: Config) -> None:
             raise ConfigError(f"{field} needs the {package} package: pip install "
                               "'memtrain[strategies]'")
     check_weight_precision(cfg)
+
+
+def check_nf4_shards(cfg: Config) -> None:
+    """An NF4 base under FSDP: every layer one process quantizes must split into whole NF4
+    blocks on every world size the run may take, else one line naming the layer, before any
+    worker starts (the model's shapes, on the meta device: nothing is allocated or read)."""
+    lora, parallel = cfg.model.lora, cfg.parallel
+    if lora is None or lora.base_dtype != "nf4" or parallel.strategy != "fsdp":
+        return
+    import torch
+
+    from trainer.memory.lora import nf4_layers, nf4_split_refusal
+    from trainer.memory.nf4 import fits
+    from trainer.models.build import model_factory
+
+    bf16 = cfg.model.model_copy(update={"lora": lora.model_copy(update={"base_dtype": "bf16"})})
+    with torch.device("meta"):
+        model = model_factory(bf16, load_weights=False)()
+    low, high = parallel.worker_range
+    for world in range(max(low, 2), high + 1):
+        for name, module in nf4_layers(model):
+            if fits(module.weight.shape) and not fits(module.weight.shape, world):
+                raise ConfigError(nf4_split_refusal(name, module.weight.shape, world))
 
 
 def check_weight_precision(cfg: Config) -> None:

@@ -25,7 +25,6 @@ PEFT's with ``fan_in_fan_out``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import zlib
 from dataclasses import dataclass
@@ -46,7 +45,6 @@ from trainer.memory.nf4 import (
 )
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 
-log = logging.getLogger(__name__)
 ADAPTER = "default"  # PEFT's adapter name: the one adapter memtrain trains
 
 
@@ -157,7 +155,7 @@ def nf4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
     """The frozen weights of every linear layer in ``model.blocks`` (``nf4_layers``) as NF4
     (``base_dtype: nf4``), in place; a weight whose size does not fill NF4's blocks stays bf16,
-    named in one warning; one that does but whose ``parts`` row shards (FSDP's ranks) would
+    kept on the model as ``nf4_kept`` (the run warns once: ``nf4_kept_in_bf16``); one that does but whose ``parts`` row shards (FSDP's ranks) would
     not is refused (ValueError), so that a base is the same at every world size. Each quantized
     layer's error (the relative Frobenius norm of its dequantized weight's difference from the
     bf16 weight) is kept on the model as ``nf4_errors``, for the run's log, and returned. A
@@ -171,29 +169,41 @@ def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
                          "nn.Linear layer to store in NF4 (GPT-2's are Conv1D); use base_dtype "
                          "bf16")
     for name, module in layers:
+        if fits(module.weight.shape) and not fits(module.weight.shape, parts):
+            raise ValueError(nf4_split_refusal(name, module.weight.shape, parts))
+    for name, module in layers:
         if not fits(module.weight.shape):
             kept.append(f"{name} {list(module.weight.shape)}")
             continue
-        if not fits(module.weight.shape, parts):  # bf16 here and NF4 on one process: refused
-            raise ValueError(
-                f"model.lora.base_dtype nf4 under FSDP on {parts} ranks: {name} "
-                f"{list(module.weight.shape)} does not split into whole NF4 blocks (its rows "
-                f"must divide by {parts} and each rank's share fill blocks of {GRAIN}); one "
-                "process quantizes it, so its base would change with the world size: use "
-                "parallel.strategy ddp or another number of workers")
         weight = module.weight.detach().to(torch.bfloat16)
         module.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
         if type(module) is nn.Linear:  # its matmul dequantizes a slice at a time
             module.__class__ = Nf4Linear
         if weight.device.type != "meta" and not is_fake(weight):
             quantized[name] = relative_error(weight, module.weight)
-    if kept:
-        log.warning("model.lora.base_dtype nf4: %d linear layer(s) kept in bf16, their size "
-                    "not a multiple of %d (NF4's blocks of %d and its scales' of %d): %s",
-                    len(kept), GRAIN, BLOCK, SCALER_BLOCK,
-                    ", ".join(kept[:3]) + (", ..." if len(kept) > 3 else ""))
+    model.nf4_kept = kept  # type: ignore[assignment]
     model.nf4_errors = quantized  # type: ignore[assignment]
     return quantized
+
+
+def nf4_split_refusal(name: str, shape: torch.Size | tuple[int, ...], parts: int) -> str:
+    """The line refusing an NF4 base whose layer ``name`` one process quantizes but whose
+    ``parts`` row shards (FSDP's ranks) would not fill NF4's blocks."""
+    return (f"model.lora.base_dtype nf4 under FSDP on {parts} ranks: {name} {list(shape)} does "
+            f"not split into whole NF4 blocks (its rows must divide by {parts} and each rank's "
+            f"share fill blocks of {GRAIN}); one process quantizes it, so its base would change "
+            "with the world size: use parallel.strategy ddp or another number of workers")
+
+
+def nf4_kept_in_bf16(model: nn.Module) -> str | None:
+    """The run's warning naming the linear layers an NF4 base kept in bf16 (``quantize_base``),
+    said once, by the run; None where every one is in NF4."""
+    kept: list[str] = getattr(model, "nf4_kept", [])
+    if not kept:
+        return None
+    return (f"model.lora.base_dtype nf4: {len(kept)} linear layer(s) kept in bf16, their size "
+            f"not a multiple of {GRAIN} (NF4's blocks of {BLOCK} and its scales' of "
+            f"{SCALER_BLOCK}): {', '.join(kept[:3]) + (', ...' if len(kept) > 3 else '')}")
 
 
 def dequantize_base(model: nn.Module) -> None:
