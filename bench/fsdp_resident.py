@@ -15,10 +15,10 @@ here, which other processes share, and the safetensors file while the build read
 Beside them, the launcher's own peak (it plans from shapes, never reading the weights), the
 worker's high-water mark as the run logs it (``peak_memory_bytes``: on CPU the process's
 ``ru_maxrss``, its baseline included), and tokens/s at steady state. Rows (``--rows``): plain
-fp32 AdamW, and LoRA on a bf16 base.
+fp32 AdamW, LoRA on a bf16 base, and QLoRA (LoRA on an NF4 base).
 
-Targets (2 ranks, fp32 AdamW): at most 0.75x at start, 3.0x through step 1, step N within 5%
-of step 5; LoRA on a bf16 base at most 0.6x through step 1.
+Targets (2 ranks, every rank, fp32 AdamW): at most 0.75x at start, 3.0x through step 1, step N
+within 5% of step 5; LoRA on a bf16 base at most 0.6x through step 1; QLoRA at most 0.35x.
 Run: ``make bench-fsdp`` (with ``bench.fsdp``), or ``python -m bench.fsdp_resident --out
 bench/results``.
 """
@@ -47,6 +47,7 @@ LLAMA = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048,
          "max_position_embeddings": 512, "tie_word_embeddings": False}
 SEQ_LEN = 256
 INTERVAL = 0.01  # seconds between samples
+LORA_BASES = {"lora": "bf16", "qlora": "nf4"}  # the rows' frozen bases
 
 
 def save_model(directory: Path) -> int:
@@ -203,7 +204,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default=None, help="where the model, data and runs go")
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--rows", default="plain,lora", help="plain, lora (comma-separated)")
+    parser.add_argument("--rows", default="plain,lora,qlora",
+                        help="plain, lora, qlora (comma-separated)")
     parser.add_argument("--interval", type=float, default=INTERVAL,
                         help="seconds between samples (a short spike falls between wider ones)")
     parser.add_argument("--env", action="append", default=[],
@@ -220,8 +222,8 @@ def main() -> None:
     rows: dict[str, Any] = {}
     stamp = time.strftime("%H%M%S")
     for row in args.rows.split(","):
-        lora = ("model.lora.rank=8", "model.lora.base_dtype=bf16",
-                "memory.precision=bf16") if row == "lora" else ()
+        lora = (("model.lora.rank=8", f"model.lora.base_dtype={LORA_BASES[row]}",
+                 "memory.precision=bf16") if row in LORA_BASES else ())
         rows[row] = run(work, work / "llama", data, f"{row}-{stamp}", args.steps, model_bytes,
                         *lora, env=env, interval=args.interval)
         print(f"{row}: {json.dumps({k: v for k, v in rows[row].items() if k != 'series'})}",

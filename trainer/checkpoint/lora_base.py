@@ -54,7 +54,7 @@ def base_changes(recorded: dict[str, Any], source: str | None) -> list[str]:
     """How the base ``source`` (None: a seeded initialisation) differs from the one a checkpoint
     ``recorded`` (``lora_base``): another directory, or a weight file missing, added or of
     other size or SHA-256 (hashed where the record was); one phrase each, empty where none."""
-    if source != recorded["source"]:
+    if source is None or source != recorded["source"]:
         return [f"the base {recorded['source']} -> {source or 'a seeded initialisation'}"]
     before = recorded["files"]
     hashes = any("sha256" in found for found in before.values())

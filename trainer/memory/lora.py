@@ -12,8 +12,9 @@ checkpoints (``trainable_state_dict``). ``lora_A`` starts as PEFT draws it (Kaim
 ``lora_B`` zero), but from a generator of its own seeded by the run's seed and the adapter's
 name (``initial_adapter``): the values do not depend on how many random draws the base's
 construction made before it, which differs between a model read with ``from_pretrained``
-(none), one built on meta for FSDP (its initialisation recorded), and one with more layers. The output layer cannot be a target: the loss reads its
-weight directly (chunked), so an adapter there would be skipped.
+(none), one built on meta for FSDP (its initialisation recorded), and one with more layers.
+The output layer cannot be a target: the loss reads its weight directly (chunked), so an
+adapter there would be skipped.
 
 Targets by default: memtrain's GPT ``qkv``, ``proj`` (attention's and the MLP's) and ``fc``; a
 Hugging Face model, every linear layer of its decoder layers (a Llama's ``q_proj`` ...
@@ -155,8 +156,9 @@ def nf4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
     """The frozen weights of every linear layer in ``model.blocks`` (``nf4_layers``) as NF4
     (``base_dtype: nf4``), in place; a weight whose size does not fill NF4's blocks stays bf16,
-    kept on the model as ``nf4_kept`` (the run warns once: ``nf4_kept_in_bf16``); one that does but whose ``parts`` row shards (FSDP's ranks) would
-    not is refused (ValueError), so that a base is the same at every world size. Each quantized
+    listed on the model as ``nf4_kept`` (the run warns once: ``nf4_kept_in_bf16``); one that
+    does but whose ``parts`` row shards (FSDP's ranks) would not is refused (ValueError), so
+    that a base is the same at every world size. Each quantized
     layer's error (the relative Frobenius norm of its dequantized weight's difference from the
     bf16 weight) is kept on the model as ``nf4_errors``, for the run's log, and returned. A
     meta or fake model gets NF4 placeholders and no errors: the sharded build fills them
