@@ -265,12 +265,16 @@ def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: t
             for owner in tensors[key]:
                 fill_owner(owner, real(owner.meta))
 
-        meta_init.replay(recording, set(tensors) - filled, seed, take)
-        if seed is not None:  # each rank's part of the adapters' first values
-            for found in tensors.values():
-                for owner in found:
-                    if is_adapter(owner.fqn):
-                        fill_owner(owner, initial_adapter(owner.fqn, owner.meta.shape, seed))
+        # LoRA's adapters are drawn from their own generators (``initial_adapter``), not
+        # replayed: a base read from files then needs no random draw replayed at all (each
+        # would be made on a scratch tensor of its weight's size only to advance the stream:
+        # a whole embedding's fp32 bytes on every rank, three times over for a Llama).
+        adapters = {key for key, found in tensors.items()
+                    if seed is not None and any(is_adapter(o.fqn) for o in found)}
+        meta_init.replay(recording, set(tensors) - filled - adapters, seed, take)
+        for key in adapters:  # each rank's part of the adapters' first values
+            for owner in tensors[key]:
+                fill_owner(owner, initial_adapter(owner.fqn, owner.meta.shape, seed or 0))
         if shards_on_host and device != host:  # the buffers stay with the compute
             for module in model.modules():
                 module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
