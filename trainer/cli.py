@@ -259,7 +259,7 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
-    from trainer.launch.prepare import check_weight_precision
+    from trainer.launch.prepare import check_fsdp_settings, check_weight_precision
     from trainer.plan.table import print_plan
 
     cfg = load_config(config, list(overrides or []),
@@ -275,6 +275,7 @@ def plan_command(
         # a ConfigError naming sizes that fit; the batch divides over the sequence groups
         cfg.train.accumulation_steps(cfg.parallel.data_workers(cfg.parallel.workers),
                                      cfg.parallel.sequence)
+    check_fsdp_settings(cfg)
     check_weight_precision(cfg)
     print_plan(console, cfg, budget, device_memory, gpu=gpu, calibrate=calibrate,
                measure_top=top if measure else 0, measure_steps=steps)

@@ -338,21 +338,6 @@ class ParallelConfig(_Strict):
                              f"{self.workers}")
         return self
 
-    @model_validator(mode="after")
-    def _fsdp_settings_need_fsdp(self) -> ParallelConfig:
-        # Set and unlike the default: a saved config.yaml (and the workers' copy) writes out
-        # every field, defaults included.
-        if self.strategy != "ddp":
-            return self
-        for field in sorted(self.fsdp.model_fields_set):
-            value = getattr(self.fsdp, field)
-            if value != FsdpConfig.model_fields[field].default:
-                shown = str(value).lower() if isinstance(value, bool) else repr(value)
-                raise ValueError(f"parallel.fsdp.{field} {shown} with parallel.strategy 'ddp': "
-                                 "parallel.fsdp applies under FSDP only; remove it, or set "
-                                 "parallel.strategy fsdp (or auto)")
-        return self
-
     @property
     def worker_range(self) -> tuple[int, int]:
         """(min, max) workers; equal unless elastic."""

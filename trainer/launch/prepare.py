@@ -180,7 +180,7 @@ def _check_resume(cfg: Config, run_dir: Path, remote: RemoteRun | None,
     previous = previous_config(run_dir, remote)
     if previous is None:
         if cfg.train.resume_from is not None:
-            _check_lora_base(cfg, Path(cfg.train.resume_from), allow_changes)
+            _check_lora_base(cfg, Path(cfg.train.resume_from), allow_changes, own=False)
         return
     if cfg.train.resume_from is not None:
         raise ConfigError(f"train.resume_from: run {cfg.run.name!r} has checkpoints of its "
@@ -194,22 +194,28 @@ def _check_resume(cfg: Config, run_dir: Path, remote: RemoteRun | None,
         _check_lora_base(cfg, latest, allow_changes)
 
 
-def _check_lora_base(cfg: Config, checkpoint: Path | None, allow_changes: bool) -> None:
-    """A LoRA checkpoint holds the adapters alone: resumed from ``checkpoint``, they train on
-    the base the run builds now, which must be the one the checkpoint recorded (its directory,
-    its files' sizes and SHA-256). Another one is refused in one line (exit 2) unless
-    ``allow_changes``, which logs what changed."""
+def _check_lora_base(cfg: Config, checkpoint: Path | None, allow_changes: bool,
+                     own: bool = True) -> None:
+    """A LoRA checkpoint holds the adapters alone: resumed from ``checkpoint`` (the run's
+    ``own``, else ``train.resume_from``'s), they train on the base the run builds now, which
+    must be the one the checkpoint recorded (its directory, its files' sizes, and their SHA-256
+    where the run hashed them: ``run.checkpoint_verify: hashes``). Another one is refused in
+    one line (exit 2) unless ``allow_changes``, which logs what changed."""
     if cfg.model.lora is None or checkpoint is None:
         return
     recorded = load_checkpoint(checkpoint).get("lora_base")
     if recorded is None:  # a seeded base, or a checkpoint from before bases were recorded
         return
-    changes = base_changes(recorded, lora_base_source(cfg.model.name, cfg.train.init_from))
+    source = lora_base_source(cfg.model.name, cfg.train.init_from)
+    changes = base_changes(recorded, source)
     if not changes:
         return
-    field = "train.init_from" if (cfg.train.init_from or "").startswith(PREFIX) else "model.name"
-    what = (f"{field}: {'; '.join(changes)} since {checkpoint.name} of run "
-            f"{cfg.run.name!r} trained its LoRA adapters on that base")
+    if source != recorded["source"]:  # either field may have named either base
+        field = "the LoRA base (model.name or train.init_from)"
+    else:
+        field = "train.init_from" if source == cfg.train.init_from else "model.name"
+    where = f"{checkpoint.name} of run {cfg.run.name!r}" if own else str(checkpoint)
+    what = f"{field}: {'; '.join(changes)} since {where} trained its LoRA adapters on that base"
     if not allow_changes:
         raise ConfigError(f"{what}; resuming would train them on another base: restore it, "
                           "pass --allow-changes to resume anyway, or --fresh to start anew")
@@ -322,7 +328,24 @@ def check_strategies(cfg: Config) -> None:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(f"{field} needs the {package} package: pip install "
                               "'memtrain[strategies]'")
+    check_fsdp_settings(cfg)
     check_weight_precision(cfg)
+
+
+def check_fsdp_settings(cfg: Config) -> None:
+    """A ``parallel.fsdp`` field the user set, unlike its default, under ``parallel.strategy:
+    ddp`` would be ignored: one line naming it (``train`` and ``plan``; a run's saved config,
+    which writes every field out, still loads, for an export)."""
+    parallel = cfg.parallel
+    if parallel.strategy != "ddp":
+        return
+    for field in sorted(parallel.fsdp.model_fields_set):
+        value = getattr(parallel.fsdp, field)
+        if value != type(parallel.fsdp).model_fields[field].default:
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(f"parallel.fsdp.{field} {shown} with parallel.strategy 'ddp': "
+                              "parallel.fsdp applies under FSDP only; remove it, or set "
+                              "parallel.strategy fsdp (or auto)")
 
 
 def check_nf4_shards(cfg: Config) -> None:
