@@ -259,7 +259,8 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
-    from trainer.launch.prepare import check_fsdp_settings, check_weight_precision
+    from trainer.config import check_fsdp_settings
+    from trainer.launch.prepare import check_weight_precision
     from trainer.plan.table import print_plan
 
     cfg = load_config(config, list(overrides or []),

@@ -155,19 +155,23 @@ def hf_positions_read_as_unpacked() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
-@contextlib.contextmanager
-def uncached_compiles() -> Iterator[None]:
-    """Graphs compiled inside are neither taken from nor put in inductor's on-disk caches (its
-    FX graph cache and AOTAutograd's), which every run of a user shares. Their keys do not
-    tell torchao's 8-bit and 4-bit optimizer states apart under FSDP's DTensors: a step
-    compiled for one format was taken from the cache for the other and failed ("wrong number
-    of dimensions"); ``tests/distributed/test_strategies.py`` runs both in either order."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+def compile_cache_of_states(states: str) -> None:
+    """Compiles in this process from here on keep inductor's on-disk caches (its FX graph
+    cache and AOTAutograd's) in a directory of their own for torchao's ``states`` format
+    (``memtrain-states-8bit`` beside the user's cache directory, ``TORCHINDUCTOR_CACHE_DIR``),
+    which every run of a user shares. The caches' keys do not tell 8-bit and 4-bit states
+    apart under FSDP's DTensors: a step compiled for one format was taken from the cache for
+    the other and failed ("wrong number of dimensions"); one format's graphs are still cached
+    for its next run. ``tests/distributed/test_strategies.py`` runs both in either order."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    with inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
-        yield
+    base = Path(cache_dir())
+    if base.name.startswith(_STATES_CACHE):  # a format's already (a worker of this process)
+        base = base.parent
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / f"{_STATES_CACHE}{states}")
+
+
+_STATES_CACHE = "memtrain-states-"
 
 
 def compile_counts() -> tuple[int, float]:

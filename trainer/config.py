@@ -600,3 +600,19 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         return Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from err
+
+
+def check_fsdp_settings(cfg: Config) -> None:
+    """A ``parallel.fsdp`` field the user set, unlike its default, under ``parallel.strategy:
+    ddp`` would be ignored: one line naming it (``train`` and ``plan``; a run's saved config,
+    which writes every field out, still loads, for an export)."""
+    parallel = cfg.parallel
+    if parallel.strategy != "ddp":
+        return
+    for field in sorted(parallel.fsdp.model_fields_set):
+        value = getattr(parallel.fsdp, field)
+        if value != type(parallel.fsdp).model_fields[field].default:
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(f"parallel.fsdp.{field} {shown} with parallel.strategy 'ddp': "
+                              "parallel.fsdp applies under FSDP only; remove it, or set "
+                              "parallel.strategy fsdp (or auto)")

@@ -55,7 +55,7 @@ def test_bad_values_name_the_field(overrides: list[str], expected: str) -> None:
     ("parallel.fsdp.offload=cpu", "parallel.fsdp.offload 'cpu'"),
 ])
 def test_an_fsdp_setting_under_ddp_is_refused_in_one_line(setting: str, shown: str) -> None:
-    from trainer.launch.prepare import check_fsdp_settings
+    from trainer.config import check_fsdp_settings
 
     cfg = load_config(None, ["parallel.strategy=ddp", "memory.precision=bf16", setting])
     with pytest.raises(ConfigError, match=f"{shown} with parallel.strategy 'ddp': ") as refused:
@@ -70,7 +70,7 @@ def test_an_fsdp_setting_under_ddp_is_refused_in_one_line(setting: str, shown: s
 
 
 def test_fsdp_defaults_under_ddp_are_taken_as_a_saved_config_writes_them() -> None:
-    from trainer.launch.prepare import check_fsdp_settings
+    from trainer.config import check_fsdp_settings
 
     cfg = load_config(None, ["parallel.strategy=ddp", "parallel.fsdp.offload=none"])
     saved = Config.model_validate(cfg.model_dump(mode="json"))

@@ -31,7 +31,7 @@ from trainer.checkpoint.integrity import local_problem
 from trainer.checkpoint.lora_base import base_changes, lora_base_source
 from trainer.checkpoint.publish import fetch_latest
 from trainer.checkpoint.store import RemoteRun, default_work_dir
-from trainer.config import Config, ConfigError
+from trainer.config import Config, ConfigError, check_fsdp_settings
 from trainer.errors import first_line
 from trainer.launch.resume import check_resume
 from trainer.models.hf import PREFIX, config_vocab_size, has_weights
@@ -84,12 +84,11 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
     if not micro_auto:
         _check_world_sizes(cfg)
     _check_datasets(cfg)
-    strategy_auto = cfg.parallel.strategy == "auto"
-    if not strategy_auto:
-        check_nf4_shards(cfg)
+    from trainer.parallel.fsdp import check_nf4_shards
+
+    check_nf4_shards(cfg)  # where the strategy is set; again once auto has chosen one
     cfg = resolve_auto(cfg)
-    if strategy_auto:
-        check_nf4_shards(cfg)  # with the strategy auto chose
+    check_nf4_shards(cfg)
     if micro_auto:
         _check_world_sizes(cfg)  # with the micro-batch auto chose
     run_dir = local_run_dir(cfg)
@@ -330,45 +329,6 @@ def check_strategies(cfg: Config) -> None:
                               "'memtrain[strategies]'")
     check_fsdp_settings(cfg)
     check_weight_precision(cfg)
-
-
-def check_fsdp_settings(cfg: Config) -> None:
-    """A ``parallel.fsdp`` field the user set, unlike its default, under ``parallel.strategy:
-    ddp`` would be ignored: one line naming it (``train`` and ``plan``; a run's saved config,
-    which writes every field out, still loads, for an export)."""
-    parallel = cfg.parallel
-    if parallel.strategy != "ddp":
-        return
-    for field in sorted(parallel.fsdp.model_fields_set):
-        value = getattr(parallel.fsdp, field)
-        if value != type(parallel.fsdp).model_fields[field].default:
-            shown = str(value).lower() if isinstance(value, bool) else repr(value)
-            raise ConfigError(f"parallel.fsdp.{field} {shown} with parallel.strategy 'ddp': "
-                              "parallel.fsdp applies under FSDP only; remove it, or set "
-                              "parallel.strategy fsdp (or auto)")
-
-
-def check_nf4_shards(cfg: Config) -> None:
-    """An NF4 base under FSDP: every layer one process quantizes must split into whole NF4
-    blocks on every world size the run may take, else one line naming the layer, before any
-    worker starts (the model's shapes, on the meta device: nothing is allocated or read)."""
-    lora, parallel = cfg.model.lora, cfg.parallel
-    if lora is None or lora.base_dtype != "nf4" or parallel.strategy != "fsdp":
-        return
-    import torch
-
-    from trainer.memory.lora import nf4_layers, nf4_split_refusal
-    from trainer.memory.nf4 import fits
-    from trainer.models.build import model_factory
-
-    bf16 = cfg.model.model_copy(update={"lora": lora.model_copy(update={"base_dtype": "bf16"})})
-    with torch.device("meta"):
-        model = model_factory(bf16, load_weights=False)()
-    low, high = parallel.worker_range
-    for world in range(max(low, 2), high + 1):
-        for name, module in nf4_layers(model):
-            if fits(module.weight.shape) and not fits(module.weight.shape, world):
-                raise ConfigError(nf4_split_refusal(name, module.weight.shape, world))
 
 
 def check_weight_precision(cfg: Config) -> None:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.compat import uncached_compiles
+from trainer.compat import compile_cache_of_states
 from trainer.tensors import local_tensor, plain_tensors
 
 STATE_DTYPES = ("fp32", "bf16", "8bit", "4bit")
@@ -170,13 +170,10 @@ def _quantized_class(ao_optim: Any, states: str) -> type[torch.optim.Optimizer]:
         base.__init__(self, *args, **kwargs)
         # torch's load_state_dict gives floating state its parameter's dtype: fp32 again
         self.register_load_state_dict_post_hook(_quantized_moments_look_fp32)
-
-    def step(self: Any, closure: Any = None) -> Any:
-        with uncached_compiles():  # the shared cache mixes up 8-bit and 4-bit states' graphs
-            return base.step(self, closure)
+        compile_cache_of_states(states)  # one inductor cache mixed up 8-bit and 4-bit graphs
 
     return type(base.__name__, (base,), {"__init__": __init__, "__doc__": base.__doc__,
-                                         "_subclass_zeros": staticmethod(zeros), "step": step})
+                                         "_subclass_zeros": staticmethod(zeros)})
 
 
 def _quantized_moments_look_fp32(optimizer: torch.optim.Optimizer) -> None:

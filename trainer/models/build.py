@@ -265,16 +265,8 @@ def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: t
             for owner in tensors[key]:
                 fill_owner(owner, real(owner.meta))
 
-        # LoRA's adapters are drawn from their own generators (``initial_adapter``), not
-        # replayed: a base read from files then needs no random draw replayed at all (each
-        # would be made on a scratch tensor of its weight's size only to advance the stream:
-        # a whole embedding's fp32 bytes on every rank, three times over for a Llama).
-        adapters = {key for key, found in tensors.items()
-                    if seed is not None and any(is_adapter(o.fqn) for o in found)}
+        adapters = _fill_adapters(tensors, seed)  # not replayed: their own generators'
         meta_init.replay(recording, set(tensors) - filled - adapters, seed, take)
-        for key in adapters:  # each rank's part of the adapters' first values
-            for owner in tensors[key]:
-                fill_owner(owner, initial_adapter(owner.fqn, owner.meta.shape, seed or 0))
         if shards_on_host and device != host:  # the buffers stay with the compute
             for module in model.modules():
                 module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
@@ -284,6 +276,21 @@ def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: t
                             for name, module in nf4_layers(model)
                             if hasattr(module, "nf4_error")}
     return model
+
+
+def _fill_adapters(tensors: dict[int, list[Owner]], seed: int | None) -> set[int]:
+    """Each rank's part of LoRA's adapters' first values (``initial_adapter``); returns their
+    storages, which the replay then leaves out. Drawn from generators of their own, the
+    adapters need no random draw replayed before them: a base read from files then replays
+    none at all (each would be made on a scratch tensor of its weight's size only to advance
+    the stream: a whole embedding's fp32 bytes on every rank, three times for a Llama)."""
+    if seed is None:  # the replay's own draws, unseeded
+        return set()
+    adapters = {key for key, found in tensors.items() if any(is_adapter(o.fqn) for o in found)}
+    for key in adapters:
+        for owner in tensors[key]:
+            fill_owner(owner, initial_adapter(owner.fqn, owner.meta.shape, seed))
+    return adapters
 
 
 def _tie_again(tensors: dict[int, list[Owner]]) -> None:

@@ -284,3 +284,24 @@ class FullyShardedDataParallel(Parallelism):
 
     def describe(self) -> str:
         return f"FSDP: {self.settings.describe()}"
+
+
+def check_nf4_shards(cfg: Config) -> None:
+    """An NF4 base under FSDP: every layer one process quantizes must split into whole NF4
+    blocks on every world size the run may take, else one line naming the layer, before any
+    worker starts (the model's shapes, on the meta device: nothing is allocated or read)."""
+    lora, parallel = cfg.model.lora, cfg.parallel
+    if lora is None or lora.base_dtype != "nf4" or parallel.strategy != "fsdp":
+        return
+    from trainer.config import ConfigError
+    from trainer.memory.lora import nf4_layers, nf4_split_refusal
+    from trainer.memory.nf4 import fits
+
+    bf16 = cfg.model.model_copy(update={"lora": lora.model_copy(update={"base_dtype": "bf16"})})
+    with torch.device("meta"):
+        model = model_factory(bf16, load_weights=False)()
+    low, high = parallel.worker_range
+    for world in range(max(low, 2), high + 1):
+        for name, module in nf4_layers(model):
+            if fits(module.weight.shape) and not fits(module.weight.shape, world):
+                raise ConfigError(nf4_split_refusal(name, module.weight.shape, world))
