@@ -201,3 +201,32 @@ def test_one_process_meta_build_ties_the_same_view_only() -> None:
     _assert_same(dict(meta_init.module_tensors(model)), host)
     assert model.head.weight is model.wte.weight
     assert model.sin is not model.cos
+
+
+@pytest.mark.xdist_group("hf")
+def test_a_lora_base_read_from_its_files_replays_no_random_draw(tmp_path) -> None:
+    """The adapters draw from generators of their own, so a base whose weights all come from
+    its files has nothing random to replay: the replay seeds the stream and draws nothing (a
+    draw would be made on a scratch tensor of its weight's size, on every rank, only to move
+    the stream on: a whole embedding's bytes for each). The adapters are still the seeded
+    build's."""
+    import transformers
+
+    from trainer.config import LoraConfig, ModelConfig
+    from trainer.memory.lora import initial_adapter, is_adapter
+    from trainer.models.build import MemoryTransforms, build_whole
+
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )).save_pretrained(tmp_path)
+    model = ModelConfig(name=f"hf:{tmp_path}", seq_len=32,
+                        lora=LoraConfig(rank=4, base_dtype="bf16"))
+    built = build_whole(model, None, MemoryTransforms(), seed=11)  # on meta, then filled
+    after = torch.get_rng_state()
+    torch.manual_seed(11)
+    assert torch.equal(after, torch.get_rng_state())  # seeded, and nothing drawn since
+    adapters = {n: p for n, p in built.named_parameters() if is_adapter(n)}
+    assert adapters and all(torch.equal(p, initial_adapter(n, p.shape, 11))
+                            for n, p in adapters.items())
