@@ -1,9 +1,11 @@
 """The typed configuration tree: YAML files in ``configs/`` plus ``--set a.b=c`` overrides.
 
-One pydantic model per component; each component receives only its slice (``cfg.data``,
-``cfg.memory``...). Unknown keys are errors, and so are values outside their valid range. Derived
-values live in exactly one method (``TrainConfig.accumulation_steps``). Every failure is a
-``ConfigError`` whose one-line message names the file and the field.
+One pydantic model per component; a part built from one component takes its slice alone
+(``build_loader(cfg.data, ...)``, ``MemoryTransforms.of(cfg.memory)``), while the loop, the
+launchers and the planner read the whole tree. Unknown keys are errors, and so are values
+outside their valid range. Derived values live in exactly one method
+(``TrainConfig.accumulation_steps``). Every failure is a ``ConfigError`` whose one-line message
+names the file and the field.
 """
 
 from __future__ import annotations
@@ -128,17 +130,11 @@ class TrainConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.95)
     # Clip the global gradient norm to this (0: no clipping; the norm is still logged).
     grad_clip: float = Field(1.0, ge=0)
-    # AdamW's fused kernel ("auto": on CUDA; measured 3.7% faster a step than foreach on an
-    # H200, GPT-2 124M) or torch's default implementation (false). Checkpoints load
-    # across the switch.
-    # Checkpoints saved without holding the step: the local launcher writes, publishes and
-    # uploads each on a thread of its own once staged in host memory
-    # (trainer/checkpoint/async_save.py); under Ray the files are written in the step and Ray Train
-    # uploads them in the background. Start a new run from another run's weights (weights only: the
-    # optimizer, schedule and data start afresh): a run directory (its latest whole checkpoint) or
-    # one checkpoint directory, any strategy and world size; or hf:DIR, a Hugging Face directory's
-    # safetensors loaded into a compatible hf: model (a LoRA model's base too; under FSDP each rank
-    # reads its rows). A resume ignores it, the run's own checkpoint deciding, except as a LoRA
+    # Start a new run from another run's weights (weights only: the optimizer, schedule and
+    # data start afresh): a run directory (its latest whole checkpoint) or one checkpoint
+    # directory, any strategy and world size; or hf:DIR, a Hugging Face directory's safetensors
+    # loaded into a compatible hf: model (a LoRA model's base too; under FSDP each rank reads
+    # its rows). A resume ignores it, the run's own checkpoint deciding, except as a LoRA
     # model's base, which the checkpoint does not hold: that is read again, and refused where it
     # differs from the one the checkpoint trained on (trainer.launch.prepare).
     init_from: str | None = None
@@ -146,7 +142,14 @@ class TrainConfig(_Strict):
     # its state (weights, optimizer, schedule, data position, RNG): a run directory (its latest
     # whole checkpoint) or one checkpoint directory (memtrain train --resume-from PATH).
     resume_from: str | None = None
+    # Checkpoints saved without holding the step: the local launcher writes, publishes and
+    # uploads each on a thread of its own once staged in host memory
+    # (trainer/checkpoint/async_save.py); under Ray the files are written in the step and Ray
+    # Train uploads them in the background.
     checkpoint_async: bool = False
+    # AdamW's fused kernel ("auto": on CUDA; measured 3.7% faster a step than foreach on an
+    # H200, GPT-2 124M) or torch's default implementation (false). Checkpoints load
+    # across the switch.
     fused_optimizer: bool | Literal["auto"] = "auto"
     # torch.compile each repeated block (the whole model when it has no ``blocks``), after
     # activation checkpointing and before DDP/FSDP wrap it; "auto": on CUDA (where the planner
@@ -163,7 +166,7 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(50, ge=0)  # 0: only the final checkpoint
 
     def fused(self) -> bool | None:
-        """``fused_optimizer`` as ``trainer.step.build_optimizer`` takes it: None for "auto"
+        """``fused_optimizer`` as ``trainer.optim.build_optimizer`` takes it: None for "auto"
         (fused on CUDA parameters)."""
         return None if self.fused_optimizer == "auto" else self.fused_optimizer
 

@@ -20,7 +20,8 @@ The loss a step reports is the global batch's mean over its trained targets (``g
 the same at any number of ranks, not one rank's own.
 
 Host syncs: one per optimizer step (the finite check of the grad norm, which GradScaler needs
-anyway). Nothing holds a graph across steps: the loss is accumulated detached.
+anyway), and one more where the ranks agree on out-of-memory errors (``OOMAgreement.check``).
+Nothing holds a graph across steps: the loss is accumulated detached.
 """
 
 from __future__ import annotations

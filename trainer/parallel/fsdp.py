@@ -239,7 +239,7 @@ class FullyShardedDataParallel(Parallelism):
     """FSDP2 with ``settings`` (None: a model sharded elsewhere, only stepped here)."""
 
     # A reduce-scatter runs inside backward and cannot wait for the ranks to agree: an OOM
-    # is recovered per rank where nothing was reduced yet (``trainer.oom``).
+    # over several ranks fails the run (``trainer.oom``); one FSDP worker recovers as one.
     agrees_on_oom: ClassVar[bool] = False
     # post-accumulate hooks on the shards, the norm's squares summed over the ranks
     in_backward: ClassVar[InBackward] = InBackward(norm_over_ranks=True)

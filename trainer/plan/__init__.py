@@ -1,12 +1,13 @@
 """The planner: every choice's peak bytes and step time per rank, predicted before a run, and
-the one place ``auto`` is decided.
+the one place the plan's ``auto`` choices are decided.
 
 It sits above the memory strategies it plans (``trainer.memory``), the models, the ways of
 splitting the work and the step, and below the loop and the launchers. One concern a module:
 
-- ``auto``: a config's every ``auto`` resolved once (``resolve_auto``: the strategy, then the
-  rest, ``decide``), for ``train``, ``memtrain plan``, ``make bench-plan`` and ``make
-  gpu-check``;
+- ``auto``: the ``auto`` choices the plan decides, resolved once (``resolve_auto``: the
+  strategy, then the rest, ``decide``), for ``train``, ``memtrain plan``, ``make bench-plan``
+  and ``make gpu-check`` (precision, OOM recovery and compile, which depend on a worker's
+  device, are resolved there by the functions the planner asks);
 - ``candidates``: the plans that fit, fastest first, and the rules that pick among them (pure
   functions, no config: ``make gpu-check`` runs them without pydantic);
 - ``rescue``: what ``auto`` adds when nothing fits with the strategies a config has;
