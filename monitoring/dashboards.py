@@ -332,9 +332,3 @@ def write_dashboards(out_dir: Path = OUT_DIR, configmap: Path | None = CONFIGMAP
         rule.write_text(render_prometheus_rule())
         written.append(rule)
     return written
-
-
-def panel_queries(rendered: str) -> list[tuple[str, str]]:
-    """(panel title, PromQL) for every target of a rendered dashboard."""
-    return [(p["title"], t["expr"]) for p in json.loads(rendered)["panels"]
-            for t in p.get("targets", [])]

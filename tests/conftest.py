@@ -203,6 +203,12 @@ def logged_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
+def panel_queries(rendered: str) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of a rendered dashboard."""
+    return [(p["title"], t["expr"]) for p in json.loads(rendered)["panels"]
+            for t in p.get("targets", [])]
+
+
 def set_args(overrides: list[str]) -> list[str]:
     """``--set`` options for the CLI, one per override."""
     return [arg for item in overrides for arg in ("--set", item)]
@@ -234,9 +240,14 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(1)
-        from trainer.launch.local import start_fork_server
+        import multiprocessing.forkserver
 
-        start_fork_server(compile_stack=True)
+        import torch.multiprocessing as mp
+
+        from trainer.launch.local import PRELOAD_COMPILE
+
+        mp.set_forkserver_preload(list(PRELOAD_COMPILE))
+        multiprocessing.forkserver.ensure_running()
     elif getattr(config.option, "numprocesses", None):
         _calibrate_before_the_workers()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -36,12 +35,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of an FSDP DTensor, else the tensor."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
-
-
-def local_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this rank holds (its shards under FSDP, everything otherwise)."""
-    return sum(local_tensor(p).numel() * local_tensor(p).element_size()
-               for p in model.parameters())
 
 
 def shard_rows(rows: int, rank: int, world_size: int) -> slice:

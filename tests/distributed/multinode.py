@@ -117,7 +117,8 @@ def per_node_panels(port: int, nodes: dict[str, str], at: float) -> dict[str, li
     """For each node, the dashboard panels that select ``node`` (CUDA's aside) and returned
     nothing with that node chosen, queried at ``at`` (while every node was up: a killed node's
     series are stale afterwards, as Prometheus marks a target that stops answering)."""
-    from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, panel_queries, render
+    from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, render
+    from tests.conftest import panel_queries
 
     empty: dict[str, list[str]] = {}
     for ip, node in nodes.items():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import logged_losses, tiny_config
+from tests.distributed.shards import local_parameter_bytes
 from trainer.config import ConfigError, load_config
 from trainer.launch.local import free_port, launch_local, start_workers
 from trainer.launch.prepare import prepare_run
@@ -26,7 +27,6 @@ from trainer.parallel.fsdp import FsdpSettings, shard_model
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 from trainer.telemetry.worker_errors import WorkerError
-from trainer.tensors import local_parameter_bytes
 
 pytestmark = pytest.mark.distributed
 

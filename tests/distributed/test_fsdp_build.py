@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from monitoring.memory import PeakResident
+from tests.distributed.shards import local_parameter_bytes
 from trainer.launch.local import free_port, start_workers
 from trainer.memory.precision import precision_policy
 from trainer.models.build import Bf16Weights, MemoryTransforms, build_model
@@ -20,7 +21,6 @@ from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.fsdp import FsdpSettings, build_sharded, shard_model
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes
-from trainer.tensors import local_parameter_bytes
 
 pytestmark = pytest.mark.distributed
 

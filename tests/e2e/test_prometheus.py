@@ -243,7 +243,8 @@ def test_every_cpu_family_has_series_for_both_ranks(prometheus: int, corpus_dir:
 
     # Every dashboard panel's query, variables filled in: it parses (Prometheus answers 400
     # otherwise) and, except for the panels that need CUDA, returns data.
-    from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, panel_queries, render
+    from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, render
+    from tests.conftest import panel_queries
 
     # The CUDA panels read the allocator statistics recorded on an H200 instead. A counter's
     # rate needs two samples: one published at the run's last log step has one at first, so

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, OUT_DIR, panel_queries, render
+from monitoring.dashboards import CUDA_PANELS, DASHBOARDS, OUT_DIR, render
 from monitoring.metrics import METRICS
+from tests.conftest import panel_queries
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))

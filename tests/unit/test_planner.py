@@ -8,13 +8,14 @@ from functools import partial
 import pytest
 import torch
 
+from tests.unit.plan_baseline import choose_plan
 from trainer.config import Config
 from trainer.memory.loss import ChunkedLossShape
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model, compile_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.fsdp import FsdpSettings
-from trainer.plan.candidates import choose_norm_inputs, choose_plan, feasible_plans
+from trainer.plan.candidates import choose_norm_inputs, feasible_plans
 from trainer.plan.peak import (
     ActivationProfile,
     PlanRow,

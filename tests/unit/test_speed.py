@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from tests.conftest import recorded_cpu_speed
+from tests.unit.plan_baseline import choose_plan
 from trainer.models.build import MemoryTransforms
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan import calibrate as calibration
 from trainer.plan import measure as plan_measure
 from trainer.plan import work as plan_work
-from trainer.plan.candidates import choose_plan
 from trainer.plan.devices import DeviceSpeed, gpu_speed
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 from trainer.plan.speed import (

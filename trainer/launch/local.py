@@ -134,15 +134,6 @@ def preload(cfg: Config) -> tuple[str, ...]:
     return names
 
 
-def start_fork_server(compile_stack: bool) -> None:
-    """Start this process's fork server now, with ``PRELOAD_COMPILE`` if ``compile_stack``
-    (else ``PRELOAD``), for the launches to come (the test suite's: many of them compile)."""
-    import multiprocessing.forkserver
-
-    mp.set_forkserver_preload(list(PRELOAD_COMPILE if compile_stack else PRELOAD))
-    multiprocessing.forkserver.ensure_running()
-
-
 def compiles(cfg: Config) -> bool:
     """Whether ``cfg``'s workers compile: the model (``Config.compiles_model``, on the device
     this launcher gives them), or torchao's low-bit step (AdamW states other than fp32)."""
@@ -156,9 +147,8 @@ def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int,
     process's environment, joined; a worker's exception is raised as torch's
     ``ProcessRaisedException``, a killed worker as ``ProcessExitedException``.
 
-    The server is started by a process's first launch (or ``start_fork_server``) and serves
-    every later one, with what it imported then: ``modules`` (``preload``) count only on the
-    first."""
+    The server is started by a process's first launch and serves every later one, with what
+    it imported then: ``modules`` (``preload``) count only on the first."""
     mp.set_forkserver_preload(list(modules))
     mp.start_processes(_with_environ, args=(dict(os.environ), fn, *args), nprocs=nprocs,
                        start_method="forkserver")

@@ -82,32 +82,6 @@ def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
     return sorted(rows, key=lambda r: (r.recompute_cost, r.predicted_peak_bytes))
 
 
-def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,
-                world_size: int, device_memory_bytes: int, micro_batch_size: int | None = None,
-                min_micro_batch: int = MIN_MICRO_BATCH, headroom: float = HEADROOM,
-                speed: SpeedModel | None = None, choose_loss_chunk: bool = False
-                ) -> PlanRow | None:
-    """One set of profiles' pick; None when nothing fits. ``auto`` itself is ``choose``,
-    which searches a request's precisions, norm inputs and compile on top of this rule.
-
-    ``micro_batch_size`` None means auto: every divisor of the per-rank batch is a candidate.
-    With a ``speed`` model (and profiles with their work recorded): the fitting row with the
-    most predicted tokens/s, ``choose``'s rule. Without: the rule from before the time model,
-    which the tests keep as the baseline it is judged against: the least recomputation,
-    provided its micro-batch is at least ``min_micro_batch`` (or the whole per-rank batch, if
-    smaller); otherwise the row with the largest micro-batch.
-    """
-    rows = feasible_plans(static, profiles, global_batch_size, world_size, device_memory_bytes,
-                          headroom, speed, micro_batch_size, choose_loss_chunk)
-    if not rows:
-        return None
-    if speed is not None and all(row.tokens_per_s for row in rows):
-        return rows[0]
-    per_rank = global_batch_size // world_size
-    useful = [r for r in rows if r.micro_batch_size >= min(min_micro_batch, per_rank)]
-    return useful[0] if useful else max(rows, key=lambda r: r.micro_batch_size)
-
-
 def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank: int,
                        min_micro_batch: int = MIN_MICRO_BATCH) -> tuple[bool, str]:
     """``memory.bf16_norm_inputs: auto``: whether the plan with bf16 norm inputs (``with_``)
@@ -117,7 +91,7 @@ def choose_norm_inputs(without: PlanRow | None, with_: PlanRow | None, per_rank:
     The bf16 copies save memory and cost time (5.5% of an eager GPT-2 step, measured on an
     H200). With both plans' tokens/s predicted (``trainer.plan.speed``), the faster wins.
     Without, they are on only when their bytes buy something: a plan that fits at all, less
-    recomputation, or a useful micro-batch (``choose_plan``'s ``min_micro_batch``) where the
+    recomputation, or a useful micro-batch (at least ``min_micro_batch``) where the
     plan without them has none. Recomputation costs more than they do (a sixth of a step for
     selective checkpointing)."""
     if without is None:
