@@ -99,7 +99,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     try:
         for i, batch in enumerate(chunks):
             # Gradients are reduced only on the last micro-batch of the step.
-            with parallel.micro_batch(model, i == len(chunks) - 1, deferred):
+            with parallel.gradient_sync(model, i == len(chunks) - 1, deferred):
                 faults.maybe_oom(i, len(chunks))  # MEMTRAIN_FAULTS=oom@STEP:RANK
                 loss_sum += forward_backward(model, batch, policy, scaler, tokens.divisor,
                                              parallel.unwrap(model))

@@ -57,9 +57,9 @@ class DistributedDataParallel(Parallelism):
     def defers_reduction(self, agreement: Any) -> bool:
         return agreement is not None and agreement.distributed
 
-    def micro_batch(self, model: nn.Module, is_last: bool,
-                    deferred: bool) -> AbstractContextManager[Any]:
-        if isinstance(model, DDP) and (deferred or not is_last):
+    def gradient_sync(self, model: nn.Module, is_last: bool,
+                      agreeing: bool) -> AbstractContextManager[Any]:
+        if isinstance(model, DDP) and (agreeing or not is_last):
             return model.no_sync()
         return contextlib.nullcontext()
 

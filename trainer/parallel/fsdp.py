@@ -259,8 +259,8 @@ class FullyShardedDataParallel(Parallelism):
                              before_shard=compile_model,
                              weights=weights_of(init_hf or cfg.model.name))
 
-    def micro_batch(self, model: nn.Module, is_last: bool,
-                    deferred: bool) -> AbstractContextManager[Any]:
+    def gradient_sync(self, model: nn.Module, is_last: bool,
+                      agreeing: bool) -> AbstractContextManager[Any]:
         # FSDP's counterpart of no_sync(): one reduce-scatter per optimizer step
         if is_sharded(model):
             model.set_requires_gradient_sync(is_last)  # type: ignore[operator]

@@ -87,11 +87,11 @@ class SplitSequences(Parallelism):
     def local_rows(self, batch: TokenBatch) -> Rows:
         return row_slice(batch, self.mesh.rank, self.mesh.size)
 
-    def micro_batch(self, model: nn.Module, is_last: bool,
-                    deferred: bool) -> AbstractContextManager[Any]:
-        # deferred: the step agrees on an OOM, so the group's meetings agree on one too
-        data_way = super().micro_batch(model, is_last, deferred)
-        if not deferred:
+    def gradient_sync(self, model: nn.Module, is_last: bool,
+                      agreeing: bool) -> AbstractContextManager[Any]:
+        # agreeing: the step agrees on an OOM, so the group's meetings agree on one too
+        data_way = super().gradient_sync(model, is_last, agreeing)
+        if not agreeing:
             return data_way
         sequence = self.unwrap(model).sequence  # apply_sequence_parallel's
         assert isinstance(sequence, SequenceParallel), "the model was not split"

@@ -113,10 +113,11 @@ class Parallelism:
         leaves no peer waiting inside a reduction."""
         return False
 
-    def micro_batch(self, model: nn.Module, is_last: bool,
-                    deferred: bool) -> AbstractContextManager[Any]:
+    def gradient_sync(self, model: nn.Module, is_last: bool,
+                      agreeing: bool) -> AbstractContextManager[Any]:
         """Around one micro-batch's forward and backward: whether its gradients are reduced
-        (once a step: on the last micro-batch, unless ``deferred``)."""
+        (once a step: on the last micro-batch, unless the ranks are ``agreeing`` on an OOM
+        first, ``defers_reduction``, which then reduces them after the check)."""
         return contextlib.nullcontext()
 
     def reduce_gradients(self, model: nn.Module) -> None:
