@@ -83,7 +83,7 @@ def _build(path: str, cfg: GPTConfig, lean: bool) -> torch.nn.Module:
 def _train_one_step(model: torch.nn.Module, cfg: GPTConfig, lean: bool) -> None:
     if lean:  # the step runs inside backward, parameter by parameter
         build_optimizer(model, 1e-4, states=LEAN_STATES,
-                        in_backward=FullyShardedDataParallel.in_backward)
+                        backward_hooks=FullyShardedDataParallel.backward_hooks)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))

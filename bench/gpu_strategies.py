@@ -63,7 +63,7 @@ def strategy_row(cfg: GPTConfig, name: str, device: torch.device, micro_batch: i
     try:
         model = build_model(factory, transforms, device, seed=0)
         optimizer = build_optimizer(model, 3e-4, states=states,
-                                    in_backward=InBackward() if in_backward else None)
+                                    backward_hooks=InBackward() if in_backward else None)
     except MissingExtraError as err:
         return {"strategy": name, "skipped": str(err)}
     create_optimizer_state(optimizer)

@@ -104,7 +104,7 @@ def measure_row(row: Row, spec: str, seq_len: int, vocab_size: int, micro_batch:
                                   bf16_norm_inputs=False, activation_offload=row.offload)
     model = build_model(factory, transforms, seed=0)
     optimizer = build_optimizer(model, 1e-3, states=row.states,
-                                in_backward=InBackward() if row.in_backward else None)
+                                backward_hooks=InBackward() if row.in_backward else None)
     create_optimizer_state(optimizer)
     policy = precision_policy(row.precision, torch.device("cpu"), warn=False)
     scaler = policy.grad_scaler(torch.device("cpu"))

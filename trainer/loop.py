@@ -171,7 +171,7 @@ class Trainer:
         model = self.parallel.build(cfg, ctx.device, self.compile)
         optimizer = build_optimizer(model, cfg.train.lr, cfg.train.weight_decay,
                                     cfg.train.betas, cfg.train.fused(),
-                                    cfg.memory.optimizer_states, self.in_backward())
+                                    cfg.memory.optimizer_states, self.backward_hooks())
         return TrainState(
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
@@ -183,10 +183,10 @@ class Trainer:
             if cfg.model.lora is not None and ctx.is_main else None,
             parallel=self.parallel)
 
-    def in_backward(self) -> InBackward | None:
+    def backward_hooks(self) -> InBackward | None:
         """Where the optimizer steps in backward (``memory.optimizer_in_backward``): as the way
         of splitting attaches its hooks; None: after backward."""
-        return self.parallel.in_backward if self.cfg.memory.optimizer_in_backward else None
+        return self.parallel.backward_hooks if self.cfg.memory.optimizer_in_backward else None
 
     def compile(self, model: torch.nn.Module) -> None:
         """torch.compile where asked: after checkpointing's wrappers, before DDP's or FSDP's."""

@@ -143,13 +143,13 @@ def _resumed_in_words(before: Schedule, runs: Schedule, step: int) -> str:
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95),
                     fused: bool | None = None, states: str = "fp32",
-                    in_backward: InBackward | None = None) -> torch.optim.Optimizer:
+                    backward_hooks: InBackward | None = None) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on norms, biases), over the parameters
     that train (``requires_grad``: all but a LoRA model's frozen base).
 
     ``states``: the moments' dtype (``memory.optimizer_states``, trainer/memory/optimizers.py).
     ``in_backward``: each parameter steps in backward (``memory.optimizer_in_backward``), its
-    hooks where the way of splitting says (``Parallelism.in_backward``); None: after backward.
+    hooks where the way of splitting says (``Parallelism.backward_hooks``); None: after backward.
 
     ``fused``: torch's fused kernel, one launch per parameter group and no temporary of a
     moment's size (None: on CUDA parameters, as ``train.fused_optimizer: auto``); else torch's
@@ -164,7 +164,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
         fused = states == "fp32" and any(p.is_cuda for p in decay + no_decay)
     bf16 = any(p.dtype == torch.bfloat16 for p in decay + no_decay)  # ``model.dtype: bf16``
     optimizer = make_adamw(groups, lr, betas, states, bool(fused), stochastic_round=bf16)
-    if in_backward is not None:
-        BackwardSteps(optimizer, comm_hook=in_backward.comm_hook,
-                      norm_over_ranks=in_backward.norm_over_ranks)
+    if backward_hooks is not None:
+        BackwardSteps(optimizer, comm_hook=backward_hooks.comm_hook,
+                      norm_over_ranks=backward_hooks.norm_over_ranks)
     return optimizer

@@ -87,9 +87,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     # views; under sequence parallelism each is this rank's slice of the chunk's rows
     chunks = [parallel.local_rows(chunk) for mb in micro_batches
               for chunk in as_batch(mb).chunk(splits)]
-    in_backward = BackwardSteps.of(optimizer)
-    if in_backward is not None:
-        in_backward.begin()
+    backward_steps = BackwardSteps.of(optimizer)
+    if backward_steps is not None:
+        backward_steps.begin()
     tokens = step_tokens(chunks)
     loss_sum = torch.zeros((), device=chunks[0].device)
     # With OOM agreement across ranks, gradients must not be reduced inside backward (a peer may
@@ -115,8 +115,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         except StepOutOfMemory:
             optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
             raise
-    if in_backward is not None:  # every parameter has stepped already
-        return _stepped_in_backward(in_backward, global_mean(loss_sum, tokens.local),
+    if backward_steps is not None:  # every parameter has stepped already
+        return _stepped_in_backward(backward_steps, global_mean(loss_sum, tokens.local),
                                     tokens.trained)
     if deferred:
         parallel.reduce_gradients(model)

@@ -171,8 +171,8 @@ def test_the_split_ways_answer_as_their_data_way() -> None:
 
     assert DistributedDataParallel.agrees_on_oom and SequenceDDP.agrees_on_oom
     assert not SequenceFSDP.agrees_on_oom
-    assert SequenceDDP.in_backward == DistributedDataParallel.in_backward
-    assert SequenceFSDP.in_backward == FullyShardedDataParallel.in_backward
+    assert SequenceDDP.backward_hooks == DistributedDataParallel.backward_hooks
+    assert SequenceFSDP.backward_hooks == FullyShardedDataParallel.backward_hooks
 
 
 @pytest.mark.parametrize(("overrides", "said"), [

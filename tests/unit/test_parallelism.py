@@ -34,7 +34,7 @@ def test_each_config_takes_its_way_and_each_way_answers_for_itself(
     parallel = parallelism_for(cfg, workers, "bf16")
     assert type(parallel) is kind
     assert parallel.agrees_on_oom == (kind is not FullyShardedDataParallel)
-    assert parallel.in_backward == {Parallelism: InBackward(),
+    assert parallel.backward_hooks == {Parallelism: InBackward(),
                                     DistributedDataParallel: InBackward(comm_hook=True),
                                     FullyShardedDataParallel: InBackward(norm_over_ranks=True)
                                     }[kind]

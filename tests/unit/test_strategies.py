@@ -62,7 +62,7 @@ def test_the_step_in_backward_is_adamw_after_backward_to_the_bit() -> None:
     for where in (None, InBackward()):
         torch.manual_seed(0)
         model = SMALL()
-        optimizer = build_optimizer(model, 1e-3, in_backward=where)
+        optimizer = build_optimizer(model, 1e-3, backward_hooks=where)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
         for _ in range(3):
             _steps(model, optimizer, 1)
@@ -145,7 +145,7 @@ def test_the_planner_predicts_each_strategys_step_peak(ac: str, offload: str, st
     transforms = MemoryTransforms(ac, loss_chunk_tokens=64, activation_offload=offload)
     model = build_model(factory, transforms)
     optimizer = build_optimizer(model, 1e-3, states=states,
-                                in_backward=InBackward() if in_backward else None)
+                                backward_hooks=InBackward() if in_backward else None)
     create_optimizer_state(optimizer)
     tokens_BT = torch.randint(0, 512, (4, 129), generator=torch.Generator().manual_seed(0))
     step_peak_bytes(model, optimizer, NO_SCALER, tokens_BT, FP32, 0.0)  # compiles torchao's
@@ -173,7 +173,7 @@ def test_the_planner_predicts_a_bf16_weights_step_peak(states: str) -> None:
     transforms = MemoryTransforms("full", loss_chunk_tokens=64)
     model = build_model(bf16_factory, transforms)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    optimizer = build_optimizer(model, 1e-3, states=states, in_backward=InBackward())
+    optimizer = build_optimizer(model, 1e-3, states=states, backward_hooks=InBackward())
     assert getattr(optimizer, "bf16_stochastic_round", False)
     create_optimizer_state(optimizer)
     assert held_state_bytes(optimizer) == state_bytes(list(model.parameters()), states)

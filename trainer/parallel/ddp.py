@@ -34,7 +34,7 @@ def is_ddp(model: nn.Module) -> bool:
 class DistributedDataParallel(Parallelism):
     """DDP over ``world_size`` ranks."""
 
-    in_backward: ClassVar[InBackward] = InBackward(comm_hook=True)  # attached in ``wrap``
+    backward_hooks: ClassVar[InBackward] = InBackward(comm_hook=True)  # attached in ``wrap``
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -46,9 +46,9 @@ class DistributedDataParallel(Parallelism):
         ddp_ignore(model, [name for name, p in model.named_parameters()
                            if not p.requires_grad and hasattr(p, "get_original_weight")])
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        in_backward = BackwardSteps.of(optimizer)
-        if in_backward is not None:  # each parameter steps once its bucket is reduced
-            in_backward.attach_ddp(wrapped)
+        backward_steps = BackwardSteps.of(optimizer)
+        if backward_steps is not None:  # each parameter steps once its bucket is reduced
+            backward_steps.attach_ddp(wrapped)
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:

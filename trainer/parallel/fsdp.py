@@ -242,7 +242,7 @@ class FullyShardedDataParallel(Parallelism):
     # over several ranks fails the run (``trainer.oom``); one FSDP worker recovers as one.
     agrees_on_oom: ClassVar[bool] = False
     # post-accumulate hooks on the shards, the norm's squares summed over the ranks
-    in_backward: ClassVar[InBackward] = InBackward(norm_over_ranks=True)
+    backward_hooks: ClassVar[InBackward] = InBackward(norm_over_ranks=True)
 
     def __init__(self, settings: FsdpSettings | None):
         self.settings = settings or FsdpSettings()

@@ -65,7 +65,7 @@ class Parallelism:
     agrees_on_oom: ClassVar[bool] = True
     # Where ``memory.optimizer_in_backward``'s steps attach (``trainer.optim.build_optimizer``):
     # each parameter's post-accumulate-grad hook here.
-    in_backward: ClassVar[InBackward] = InBackward()
+    backward_hooks: ClassVar[InBackward] = InBackward()
 
     def build(self, cfg: Config, device: torch.device, compile_model: Compile) -> nn.Module:
         """``cfg``'s model made ready for this way of splitting, in this order:

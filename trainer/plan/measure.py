@@ -52,7 +52,7 @@ class PlanRun:
         self.policy = precision_policy(precision, device, warn=False)
         self.scaler = self.policy.grad_scaler(device)
         self.optimizer = build_optimizer(self.model, lr=1e-4, fused=fused, states=states,
-                                         in_backward=InBackward() if in_backward else None)
+                                         backward_hooks=InBackward() if in_backward else None)
         generator = torch.Generator().manual_seed(0)
         self.micro_batches = [torch.randint(0, vocab_size, (micro_batch, seq_len + 1),
                                             generator=generator) for _ in range(accumulation)]
