@@ -16,24 +16,24 @@ def _ranks(sequence: int) -> str:
     return "workers" if sequence == 1 else f"data ranks (workers / parallel.sequence {sequence})"
 
 
-def per_rank_batch(global_batch_size: int, world_size: int, sequence: int = 1) -> int:
+def per_rank_batch(global_batch_size: int, data_ranks: int, sequence: int = 1) -> int:
     """Samples each rank trains per optimizer step; ValueError naming both where the global
-    batch does not divide over the ranks. ``world_size``: the data ranks, the workers over
+    batch does not divide over the ranks. ``data_ranks``: the workers, or the workers over
     ``sequence`` (``parallel.sequence``, the ranks of a sequence group)."""
-    per_rank, remainder = divmod(global_batch_size, world_size)
+    per_rank, remainder = divmod(global_batch_size, data_ranks)
     if remainder:
         raise ValueError(f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-                         f"the {_ranks(sequence)} ({world_size})")
+                         f"the {_ranks(sequence)} ({data_ranks})")
     return per_rank
 
 
-def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int,
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, data_ranks: int,
                        sequence: int = 1) -> int:
     """Micro-batches per optimizer step on each rank; ValueError naming the worker counts that
-    keep this global batch where ``micro x world`` does not divide it. ``world_size``: the data
+    keep this global batch where ``micro x data ranks`` does not divide it. ``data_ranks``: the
     ranks, the workers over ``sequence`` (``parallel.sequence``): the counts named are
     multiples of it."""
-    per_step = micro_batch_size * world_size
+    per_step = micro_batch_size * data_ranks
     if global_batch_size % per_step:
         fits = [sequence * ranks for ranks in range(1, global_batch_size // micro_batch_size + 1)
                 if global_batch_size % (micro_batch_size * ranks) == 0]
@@ -42,7 +42,7 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size
                 "does not divide it")
         raise ValueError(
             f"train.global_batch_size ({global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size x {_ranks(sequence)} ({micro_batch_size} x {world_size}); "
+            f"train.micro_batch_size x {_ranks(sequence)} ({micro_batch_size} x {data_ranks}); "
             f"{keep}")
     return global_batch_size // per_step
 

@@ -8,7 +8,7 @@ from trainer.plan.speed import SpeedModel
 
 
 def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,
-                world_size: int, device_memory_bytes: int, micro_batch_size: int | None = None,
+                data_ranks: int, device_memory_bytes: int, micro_batch_size: int | None = None,
                 min_micro_batch: int = MIN_MICRO_BATCH, headroom: float = HEADROOM,
                 speed: SpeedModel | None = None, choose_loss_chunk: bool = False
                 ) -> PlanRow | None:
@@ -23,12 +23,12 @@ def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_b
     provided its micro-batch is at least ``min_micro_batch`` (or the whole per-rank batch, if
     smaller); otherwise the row with the largest micro-batch.
     """
-    rows = feasible_plans(static, profiles, global_batch_size, world_size, device_memory_bytes,
+    rows = feasible_plans(static, profiles, global_batch_size, data_ranks, device_memory_bytes,
                           headroom, speed, micro_batch_size, choose_loss_chunk)
     if not rows:
         return None
     if speed is not None and all(row.tokens_per_s for row in rows):
         return rows[0]
-    per_rank = global_batch_size // world_size
+    per_rank = global_batch_size // data_ranks
     useful = [r for r in rows if r.micro_batch_size >= min(min_micro_batch, per_rank)]
     return useful[0] if useful else max(rows, key=lambda r: r.micro_batch_size)

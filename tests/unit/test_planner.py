@@ -219,7 +219,7 @@ def test_feasible_plans_keep_the_global_batch_and_fit() -> None:
                                     "bf16")
                 for m in ("none", "full")]
     budget = static.total + profiles[1].saved_bytes(16) * 2  # too small for "none" at 16
-    rows = feasible_plans(static, profiles, global_batch_size=64, world_size=2,
+    rows = feasible_plans(static, profiles, global_batch_size=64, data_ranks=2,
                           device_memory_bytes=budget, headroom=1.0)
     assert rows, "at least one configuration must fit"
     for row in rows:
@@ -261,10 +261,10 @@ def test_choose_plan_prefers_least_recompute_with_a_useful_micro_batch() -> None
                 _profile("full", 10, 1 / 3)]
     # Predicted peak (backward start) = params + optimizer + per_sample x micro + grads:
     # 400 + per_sample x micro.
-    roomy = choose_plan(static, profiles, global_batch_size=16, world_size=1,
+    roomy = choose_plan(static, profiles, global_batch_size=16, data_ranks=1,
                         device_memory_bytes=2000, headroom=1.0)
     assert roomy is not None and roomy.activation_checkpointing == "none"
-    tight = choose_plan(static, profiles, global_batch_size=16, world_size=1,
+    tight = choose_plan(static, profiles, global_batch_size=16, data_ranks=1,
                         device_memory_bytes=750, headroom=1.0)  # "none" fits micro 2 only
     assert tight is not None and tight.activation_checkpointing == "selective"
     assert tight.micro_batch_size * tight.accumulation_steps == 16

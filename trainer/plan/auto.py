@@ -204,7 +204,7 @@ def request_from(cfg: Config, budget: int) -> Request:
     ac_auto = cfg.memory.activation_checkpointing == "auto"
     searching = searches(cfg)
     return Request(
-        global_batch_size=cfg.train.global_batch_size, world_size=data_ranks(cfg),
+        global_batch_size=cfg.train.global_batch_size, data_ranks=data_ranks(cfg),
         device_memory_bytes=budget,
         precisions=tuple(precision_candidates(cfg) if searching else [planned_precision(cfg)]),
         ac_modes=AC_MODES if ac_auto else (cfg.memory.activation_checkpointing,),

@@ -50,7 +50,7 @@ def loss_chunk_candidates(profile: ActivationProfile, max_tokens: int) -> list[i
 
 
 def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
-                   global_batch_size: int, world_size: int, device_memory_bytes: int,
+                   global_batch_size: int, data_ranks: int, device_memory_bytes: int,
                    headroom: float = HEADROOM, speed: SpeedModel | None = None,
                    micro_batch_size: int | None = None, choose_loss_chunk: bool = False
                    ) -> list[PlanRow]:
@@ -63,7 +63,7 @@ def feasible_plans(static: StaticBytes, profiles: list[ActivationProfile],
     predicted tokens/s, fastest first; ``choose_loss_chunk`` (with a chunked loss): each
     micro-batch with its fastest fitting chunk (``loss_chunk_candidates``).
     """
-    per_rank = per_rank_batch(global_batch_size, world_size)
+    per_rank = per_rank_batch(global_batch_size, data_ranks)
     budget = int(device_memory_bytes * headroom)
     micros = [micro_batch_size] if micro_batch_size else micro_batch_candidates(per_rank)
     rows = []
@@ -131,7 +131,7 @@ class Request:
     (``train.compile: auto`` on a GPU)."""
 
     global_batch_size: int
-    world_size: int  # the ranks the global batch divides over (under a sequence split, groups)
+    data_ranks: int  # the ranks the global batch divides over (under a sequence split, groups)
     device_memory_bytes: int
     precisions: tuple[str, ...]
     ac_modes: tuple[str, ...]
@@ -176,7 +176,7 @@ def choose(request: Request, probe: Probe, speed: SpeedModel) -> Decision:
         if (precision, norm) not in probes:
             probes[precision, norm] = probe(precision, norm)
         static, profiles = probes[precision, norm]
-        return feasible_plans(static, profiles, request.global_batch_size, request.world_size,
+        return feasible_plans(static, profiles, request.global_batch_size, request.data_ranks,
                               request.device_memory_bytes, request.headroom, speed=model,
                               micro_batch_size=request.micro_batch_size,
                               choose_loss_chunk=request.choose_loss_chunk)
@@ -189,7 +189,7 @@ def choose(request: Request, probe: Probe, speed: SpeedModel) -> Decision:
             without, with_ = plans_with("bf16", False), plans_with("bf16", True)
             on, reason = choose_norm_inputs(without[0] if without else None,
                                             with_[0] if with_ else None,
-                                            request.global_batch_size // request.world_size)
+                                            request.global_batch_size // request.data_ranks)
             why.append(f"auto: bf16 norm inputs {'on' if on else 'off'} ({reason})")
             norms["bf16"], found["bf16"] = on, with_ if on else without
         else:  # without bf16 an "auto" is off: the copies exist only under bf16 autocast
