@@ -34,7 +34,7 @@ from trainer.checkpoint.files import (
     published_checkpoints,
     verified,
 )
-from trainer.checkpoint.lora_base import lora_base_source, weights_fingerprint
+from trainer.checkpoint.lora_base import changed_files, lora_base_source, weights_fingerprint
 from trainer.config import Config, ConfigError, load_config
 from trainer.memory.lora import (
     lora_of,
@@ -181,13 +181,11 @@ def check_lora_base(cfg: Config, recorded: dict[str, Any] | None) -> str | None:
                     "are taken as they are now", source)
     if source is None:
         return None
-    hashes = recorded is not None and any("sha256" in f for f in recorded["files"].values())
-    now = weights_fingerprint(source, hashes)
+    now, changed = changed_files(recorded["files"], source) if recorded is not None \
+        else (weights_fingerprint(source, hashes=False), [])
     if not now:
         raise ConfigError(f"{field} {source}: the LoRA run's base weights are missing (no "
                           "model.safetensors or its index); export needs the base it trained on")
-    before = now if recorded is None else recorded["files"]
-    changed = sorted(name for name in set(now) | set(before) if now.get(name) != before.get(name))
     if changed:
         raise ConfigError(f"{field} {source}: {changed[0]} is not the file the LoRA run trained "
                           "on (changed since training); export needs the base it trained on")

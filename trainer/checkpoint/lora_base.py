@@ -50,6 +50,17 @@ def lora_base(model_name: str, init_from: str | None, hashes: bool) -> dict[str,
     return {"source": source, "files": weights_fingerprint(source, hashes)}
 
 
+def changed_files(before: dict[str, dict[str, Any]], source: str
+                  ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The weight files of ``source`` now (``weights_fingerprint``, hashed where ``before``,
+    a checkpoint's record of them, was) and the names of those that differ from ``before``
+    (missing, added, another size or SHA-256), sorted."""
+    hashes = any("sha256" in found for found in before.values())
+    now = weights_fingerprint(source, hashes)
+    return now, sorted(name for name in set(now) | set(before)
+                       if now.get(name) != before.get(name))
+
+
 def base_changes(recorded: dict[str, Any], source: str | None) -> list[str]:
     """How the base ``source`` (None: a seeded initialisation) differs from the one a checkpoint
     ``recorded`` (``lora_base``): another directory, or a weight file missing, added or of
@@ -57,16 +68,13 @@ def base_changes(recorded: dict[str, Any], source: str | None) -> list[str]:
     if source is None or source != recorded["source"]:
         return [f"the base {recorded['source']} -> {source or 'a seeded initialisation'}"]
     before = recorded["files"]
-    hashes = any("sha256" in found for found in before.values())
-    now = weights_fingerprint(source, hashes)
-    changes = []
-    for name in sorted(set(now) | set(before)):
+    now, changed = changed_files(before, source)
+    phrases = []
+    for name in changed:
         old, new = before.get(name), now.get(name)
-        if old == new:
-            continue
         if old is None or new is None:
-            changes.append(f"{name} {'added' if old is None else 'missing'}")
+            phrases.append(f"{name} {'added' if old is None else 'missing'}")
         else:
             key = "size" if old["size"] != new["size"] else "sha256"
-            changes.append(f"{name} {key} {str(old[key])[:12]} -> {str(new[key])[:12]}")
-    return changes
+            phrases.append(f"{name} {key} {str(old[key])[:12]} -> {str(new[key])[:12]}")
+    return phrases

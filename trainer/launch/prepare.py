@@ -86,9 +86,12 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
     _check_datasets(cfg)
     from trainer.parallel.fsdp import check_nf4_shards
 
-    check_nf4_shards(cfg)  # where the strategy is set; again once auto has chosen one
+    strategy_auto = cfg.parallel.strategy == "auto"
+    if not strategy_auto:
+        check_nf4_shards(cfg)  # before planning, where the strategy is set
     cfg = resolve_auto(cfg)
-    check_nf4_shards(cfg)
+    if strategy_auto:
+        check_nf4_shards(cfg)  # with the strategy auto chose
     if micro_auto:
         _check_world_sizes(cfg)  # with the micro-batch auto chose
     run_dir = local_run_dir(cfg)

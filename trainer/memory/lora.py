@@ -170,9 +170,9 @@ def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
         raise ValueError(f"model.lora.base_dtype nf4: {type(model).__name__}'s blocks hold no "
                          "nn.Linear layer to store in NF4 (GPT-2's are Conv1D); use base_dtype "
                          "bf16")
-    for name, module in layers:
-        if fits(module.weight.shape) and not fits(module.weight.shape, parts):
-            raise ValueError(nf4_split_refusal(name, module.weight.shape, parts))
+    refusal = nf4_split_refusal(model, parts)
+    if refusal is not None:
+        raise ValueError(refusal)
     for name, module in layers:
         if not fits(module.weight.shape):
             kept.append(f"{name} {list(module.weight.shape)}")
@@ -188,9 +188,15 @@ def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
     return quantized
 
 
-def nf4_split_refusal(name: str, shape: torch.Size | tuple[int, ...], parts: int) -> str:
-    """The line refusing an NF4 base whose layer ``name`` one process quantizes but whose
-    ``parts`` row shards (FSDP's ranks) would not fill NF4's blocks."""
+def nf4_split_refusal(model: nn.Module, parts: int) -> str | None:
+    """The line refusing an NF4 base whose first layer (``nf4_layers``) that one process
+    quantizes would not fill NF4's blocks in its ``parts`` row shards (FSDP's ranks); None
+    where every such layer splits."""
+    unsplit = next(((name, module.weight.shape) for name, module in nf4_layers(model)
+                    if fits(module.weight.shape) and not fits(module.weight.shape, parts)), None)
+    if unsplit is None:
+        return None
+    name, shape = unsplit
     return (f"model.lora.base_dtype nf4 under FSDP on {parts} ranks: {name} {list(shape)} does "
             f"not split into whole NF4 blocks (its rows must divide by {parts} and each rank's "
             f"share fill blocks of {GRAIN}); one process quantizes it, so its base would change "

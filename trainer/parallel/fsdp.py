@@ -294,14 +294,13 @@ def check_nf4_shards(cfg: Config) -> None:
     if lora is None or lora.base_dtype != "nf4" or parallel.strategy != "fsdp":
         return
     from trainer.config import ConfigError
-    from trainer.memory.lora import nf4_layers, nf4_split_refusal
-    from trainer.memory.nf4 import fits
+    from trainer.memory.lora import nf4_split_refusal
 
     bf16 = cfg.model.model_copy(update={"lora": lora.model_copy(update={"base_dtype": "bf16"})})
     with torch.device("meta"):
         model = model_factory(bf16, load_weights=False)()
     low, high = parallel.worker_range
     for world in range(max(low, 2), high + 1):
-        for name, module in nf4_layers(model):
-            if fits(module.weight.shape) and not fits(module.weight.shape, world):
-                raise ConfigError(nf4_split_refusal(name, module.weight.shape, world))
+        refusal = nf4_split_refusal(model, world)
+        if refusal is not None:
+            raise ConfigError(refusal)
