@@ -84,14 +84,7 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
     if not micro_auto:
         _check_world_sizes(cfg)
     _check_datasets(cfg)
-    from trainer.parallel.fsdp import check_nf4_shards
-
-    strategy_auto = cfg.parallel.strategy == "auto"
-    if not strategy_auto:
-        check_nf4_shards(cfg)  # before planning, where the strategy is set
-    cfg = resolve_auto(cfg)
-    if strategy_auto:
-        check_nf4_shards(cfg)  # with the strategy auto chose
+    cfg = _planned(cfg)
     if micro_auto:
         _check_world_sizes(cfg)  # with the micro-batch auto chose
     run_dir = local_run_dir(cfg)
@@ -107,6 +100,19 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
         except OSError as err:
             raise _store_error(cfg, err) from err
     return cfg, run_dir
+
+
+def _planned(cfg: Config) -> Config:
+    """``cfg`` with its ``auto`` choices resolved (``resolve_auto``), an NF4 base's split over
+    FSDP's ranks checked before planning where the strategy is set, after it where ``auto``
+    chose it."""
+    from trainer.parallel.fsdp import check_nf4_shards
+
+    checked = check_nf4_shards(cfg)
+    cfg = resolve_auto(cfg)
+    if not checked:
+        check_nf4_shards(cfg)
+    return cfg
 
 
 def _monitoring(cfg: Config) -> Any:

@@ -286,13 +286,14 @@ class FullyShardedDataParallel(Parallelism):
         return f"FSDP: {self.settings.describe()}"
 
 
-def check_nf4_shards(cfg: Config) -> None:
+def check_nf4_shards(cfg: Config) -> bool:
     """An NF4 base under FSDP: every layer one process quantizes must split into whole NF4
     blocks on every world size the run may take, else one line naming the layer, before any
-    worker starts (the model's shapes, on the meta device: nothing is allocated or read)."""
+    worker starts (the model's shapes, on the meta device: nothing is allocated or read).
+    Returns whether the split was checked (False: no NF4 base, or not FSDP, or not yet)."""
     lora, parallel = cfg.model.lora, cfg.parallel
     if lora is None or lora.base_dtype != "nf4" or parallel.strategy != "fsdp":
-        return
+        return False
     from trainer.config import ConfigError
     from trainer.memory.lora import nf4_split_refusal
 
@@ -304,3 +305,4 @@ def check_nf4_shards(cfg: Config) -> None:
         refusal = nf4_split_refusal(model, world)
         if refusal is not None:
             raise ConfigError(refusal)
+    return True
