@@ -45,7 +45,7 @@ from trainer.models.gpt import GPT, GPTConfig
 from trainer.optim import build_optimizer
 from trainer.parallel.fsdp import (
     FsdpSettings,
-    FullyShardedDataParallel,
+    ShardedDataParallel,
     build_sharded,
     shard_model,
 )
@@ -83,7 +83,7 @@ def _build(path: str, cfg: GPTConfig, lean: bool) -> torch.nn.Module:
 def _train_one_step(model: torch.nn.Module, cfg: GPTConfig, lean: bool) -> None:
     if lean:  # the step runs inside backward, parameter by parameter
         build_optimizer(model, 1e-4, states=LEAN_STATES,
-                        backward_hooks=FullyShardedDataParallel.backward_hooks)
+                        backward_hooks=ShardedDataParallel.backward_hooks)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))

@@ -3,12 +3,13 @@ Ulysses attention, ``trainer.parallel.sequence``), with and without the tiled ML
 planned.
 
 Two processes, one rank each (NCCL over two GPUs; dry, gloo on CPU), train the model on the same
-rows with the trainer's own ``train_step`` under ``SequenceDDP``: each holds half of every row's
-tokens and attends over whole rows for half of the heads. A row records the highest rank's peak
-(CUDA's ``max_memory_allocated``; dry, the allocator's record of one step) beside the planner's
-prediction for one rank of the split (``trainer.plan.peak.plan_row`` on a probe of the split,
-``profile_activations(sequence=2)``). NCCL runs one rank a GPU, so on a machine with one GPU the
-rows are recorded as skipped, saying so.
+rows with the trainer's own ``train_step`` under ``DataParallel`` over one sequence group: each
+holds half of every row's tokens and attends over whole rows for half of the heads. A row
+records the highest rank's peak (CUDA's ``max_memory_allocated``; dry, the allocator's record of
+one step) beside the planner's prediction for one rank of the split
+(``trainer.plan.peak.plan_row`` on a probe of the split, ``profile_activations(sequence=2)``).
+NCCL runs one rank a GPU, so on a machine with one GPU the rows are recorded as skipped, saying
+so.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.optim import build_optimizer
-from trainer.parallel.mesh import SequenceDDP, SequenceMesh
+from trainer.parallel.ddp import DataParallel
+from trainer.parallel.mesh import Mesh
 from trainer.parallel.rendezvous import backend_for, free_port
-from trainer.parallel.sequence import apply_sequence_parallel
 from trainer.plan.peak import plan_row, profile_activations, static_bytes
 
 RANKS = 2
@@ -55,10 +56,9 @@ def _rank(rank: int, port: int, device_type: str, cfg: GPTConfig, tiles: int, mi
     try:
         if not cuda:
             torch.set_num_threads(1)
-        mesh = SequenceMesh.of(RANKS)
-        parallel = SequenceDDP(mesh, RANKS)
+        parallel = DataParallel(Mesh.of(RANKS, rank, sequence=RANKS))
         model = build_model(partial(GPT, cfg), _transforms(tiles), device, seed=0)
-        apply_sequence_parallel(model, mesh.group)
+        parallel.split_sequences(model)
         optimizer = build_optimizer(model, lr=3e-4)
         model = parallel.wrap(model, optimizer)
         policy = precision_policy("bf16", device, warn=False)

@@ -261,7 +261,7 @@ def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
         model = parallel.wrap(model, optimizer)
         policy = precision_policy("fp32", device, warn=False)
         scaler = policy.grad_scaler(device)
-        torch.manual_seed(parallel.data_place(rank, WORKERS).rank)  # a group's rows alike
+        torch.manual_seed(parallel.mesh.data_rank)  # a group's rows alike
         batch = probe_batch(1, cfg.model.seq_len, cfg.model.vocab_size, device)
         create_optimizer_state(optimizer)
         train_step(model, optimizer, scaler, [batch], 1, policy, 1.0, parallel=parallel)

@@ -80,6 +80,7 @@ def _rank(rank: int, port: int, spec: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
     from trainer.config import load_config
+    from trainer.memory.allocator import settle_host_memory
     from trainer.parallel.choice import parallelism_for
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -92,7 +93,7 @@ def _rank(rank: int, port: int, spec: dict[str, Any], out: str) -> None:
             "parallel.strategy=fsdp", f"parallel.workers={WORKERS}",
             "memory.activation_checkpointing=full"])
         parallel = parallelism_for(cfg, WORKERS, "bf16")
-        parallel.settle_host_memory(lean=True)  # as the worker does
+        settle_host_memory(parallel.steady_transients, lean=True)  # as the worker does
         gc.collect()
         tracemalloc.start()
         model = parallel.build(cfg, torch.device("cpu"), lambda model: None)

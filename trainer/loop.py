@@ -39,6 +39,7 @@ from trainer.checkpoint.lora_base import lora_base
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
+from trainer.memory.allocator import settle_host_memory
 from trainer.memory.lora import lora_of, nf4_kept_in_bf16
 from trainer.memory.loss import computes_own_loss, takes_position_ids
 from trainer.memory.optimizers import InBackward
@@ -56,7 +57,8 @@ from trainer.oom import (
 )
 from trainer.optim import Schedule, build_optimizer
 from trainer.parallel.choice import parallelism_for, runs_fp16
-from trainer.parallel.strategy import DataPlace
+from trainer.parallel.mesh import Mesh
+from trainer.parallel.strategy import precision_route, step_policy
 from trainer.state import TrainState
 from trainer.step import StepResult, evaluate, step_seed, train_step
 from trainer.telemetry.diagnostics import (
@@ -93,15 +95,17 @@ class Trainer:
         self.precision = resolve_precision(cfg.memory.precision, ctx.device, runs_fp16(cfg))
         # how the work is split over the ranks: everything that differs between the ways
         self.parallel = parallelism_for(cfg, ctx.world_size, self.precision.name)
-        # which rows this rank reads: the global batch divides over the data ranks
-        self.data = self.parallel.data_place(ctx.rank, ctx.world_size)
+        # the ranks' layout: which rows this rank reads (the global batch divides over the
+        # data ranks) and which slice of their tokens it trains
+        self.mesh = self.parallel.mesh
         self.batch_plan = BatchPlan(cfg.train.micro_batch(),
-                                    cfg.train.accumulation_steps(self.data.world_size))
+                                    cfg.train.accumulation_steps(self.mesh.data_ranks))
         if ctx.device.type == "cpu":
             lora = cfg.model.lora
-            self.parallel.settle_host_memory(lean=lora is not None and lora.base_dtype != "fp32")
-        self.policy = self.parallel.step_policy(precision_policy(self.precision.name,
-                                                                 ctx.device))
+            settle_host_memory(self.parallel.steady_transients,
+                               lean=lora is not None and lora.base_dtype != "fp32")
+        self.policy = step_policy(self.parallel, precision_policy(self.precision.name,
+                                                                  ctx.device))
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))
         self.consecutive_skips = 0
         # train.checkpoint_async under the local launcher: saves on a thread
@@ -175,7 +179,7 @@ class Trainer:
         return TrainState(
             model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule.of(cfg.train)),
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
-            resources.enter_context(build_loader(cfg.data, self.data, ctx.device,
+            resources.enter_context(build_loader(cfg.data, self.mesh, ctx.device,
                                                  self.batch_plan.micro_batch_size, cfg.run.seed)),
             # rank 0's checkpoints record a LoRA base's files (hashed once here, if hashes)
             lora_base=lora_base(cfg.model.name, cfg.train.init_from,
@@ -208,9 +212,9 @@ class Trainer:
         # tokens counted once: each rank counts the rows it reads at the tokens it holds of them
         metrics = RunMetrics(self.ctx, cfg.run.name,
                              cfg.train.global_batch_size * cfg.model.seq_len,
-                             cfg.train.global_batch_size // self.data.world_size,
-                             cfg.model.seq_len // self.data.sequence,
-                             counts_rows=self.data.first,
+                             cfg.train.global_batch_size // self.mesh.data_ranks,
+                             cfg.model.seq_len // self.mesh.sequence,
+                             counts_rows=self.mesh.records_rows,
                              publish_seconds=cfg.monitoring.publish_seconds,
                              peak_window_seconds=cfg.monitoring.peak_window_seconds,
                              trackers=trackers, total_steps=cfg.train.steps)
@@ -222,13 +226,13 @@ class Trainer:
         if not (self.cfg.data.val_path and self.cfg.train.eval_every):
             return None
         return resources.enter_context(build_loader(
-            self.cfg.data, self.data, self.ctx.device, self.batch_plan.micro_batch_size,
+            self.cfg.data, self.mesh, self.ctx.device, self.batch_plan.micro_batch_size,
             self.cfg.run.seed, validation=True))
 
     def row_record(self, resources: contextlib.ExitStack) -> RowRecord | None:
-        if not self.cfg.data.record_rows or not self.data.first:  # one record per data rank
+        if not self.cfg.data.record_rows or not self.mesh.records_rows:  # one per data rank
             return None
-        rows = RowRecord(self.ctx.run_dir / rank_rows(self.data.rank), self.data.world_size)
+        rows = RowRecord(self.ctx.run_dir / rank_rows(self.mesh.data_rank), self.mesh.data_ranks)
         resources.callback(rows.close)
         return rows
 
@@ -327,17 +331,17 @@ class Trainer:
             log.info("resized: the checkpoint was written by %d workers, this run has %d; the "
                      "global batch is kept by the accumulation steps, and epoch %d continues "
                      "with the %d batches per rank no rank has read yet (datapipe/split.py)",
-                     loader.resized_from, self.data.world_size, loader.epoch,
+                     loader.resized_from, self.mesh.data_ranks, loader.epoch,
                      loader.batches_in(loader.epoch) - loader.batch_index)
         log.info("training %s: %d workers, %s, precision %s, activation checkpointing %s "
                  "(blocks %s), micro-batch %d x accumulation %d x %d %s = global batch "
                  "%d; %s", cfg.run.name, ctx.world_size, ctx.device.type,
-                 f"{precision.name} ({precision.reason}{self.parallel.precision_route()})",
+                 f"{precision.name} ({precision.reason}{precision_route(self.parallel)})",
                  cfg.memory.activation_checkpointing,
                  checkpointed_blocks(state.unwrapped), plan.micro_batch_size,
-                 plan.accumulation_steps, self.data.world_size,
-                 "workers" if self.data.sequence == 1 else
-                 f"data ranks (sequence groups of {self.data.sequence})",
+                 plan.accumulation_steps, self.mesh.data_ranks,
+                 "workers" if self.mesh.sequence == 1 else
+                 f"data ranks (sequence groups of {self.mesh.sequence})",
                  cfg.train.global_batch_size, where)
         if state.schedule_change is not None:
             log.info("%s", state.schedule_change)
@@ -502,18 +506,18 @@ def gc_policy(every: int) -> Iterator[None]:
             gc.enable()
 
 
-def build_loader(data: DataConfig, place: DataPlace, device: torch.device,
+def build_loader(data: DataConfig, mesh: Mesh, device: torch.device,
                  micro_batch_size: int, seed: int, validation: bool = False) -> TokenLoader:
-    """The loader of data rank ``place.rank`` of ``place.world_size``, of ``data.path``
+    """The loader of this rank's data rank of the ``mesh``'s data ranks, of ``data.path``
     (shuffled) or, for ``validation``, of ``data.val_path`` (in order, rewound before each
     evaluation): its token column and, where the dataset has them, its loss mask and document
     ids (``trainer.batches``)."""
     if validation:
         assert data.val_path is not None, "validation needs data.val_path"
-        return TokenLoader(data.val_path, data.column, rank=place.rank,
-                           world_size=place.world_size, batch_size=micro_batch_size, seed=seed,
+        return TokenLoader(data.val_path, data.column, rank=mesh.data_rank,
+                           world_size=mesh.data_ranks, batch_size=micro_batch_size, seed=seed,
                            shuffle=False, device=device, on_bad_shard=data.on_bad_shard)
-    return TokenLoader(data.path, data.column, rank=place.rank, world_size=place.world_size,
+    return TokenLoader(data.path, data.column, rank=mesh.data_rank, world_size=mesh.data_ranks,
                        batch_size=micro_batch_size, seed=seed, shuffle=data.shuffle,
                        device=device, shuffle_window=data.shuffle_window,
                        prefetch=data.prefetch, read_ahead=data.read_ahead,

@@ -43,7 +43,7 @@ from trainer.memory.optimizers import BackwardSteps, state_tensors
 from trainer.memory.precision import PrecisionPolicy
 from trainer.oom import OOMAgreement, StepOutOfMemory
 from trainer.parallel.choice import parallelism_of
-from trainer.parallel.strategy import Parallelism
+from trainer.parallel.strategy import DeferredReduction, Parallelism
 from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 
@@ -92,8 +92,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         backward_steps.begin()
     tokens = step_tokens(chunks)
     loss_sum = torch.zeros((), device=chunks[0].device)
-    # With OOM agreement across ranks, gradients must not be reduced inside backward (a peer may
-    # have failed): DDP then reduces them after the check.
+    # With OOM agreement, no reduction inside backward (a peer may have failed): after the check
     deferred = parallel.defers_reduction(agreement)
     oom_message = None
     try:
@@ -119,6 +118,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
         return _stepped_in_backward(backward_steps, global_mean(loss_sum, tokens.local),
                                     tokens.trained)
     if deferred:
+        assert isinstance(parallel, DeferredReduction)  # (defers_reduction's condition)
         parallel.reduce_gradients(model)
     scaler.unscale_(optimizer)
     # grad_clip 0: no clipping (an infinite bound scales every gradient by exactly 1).

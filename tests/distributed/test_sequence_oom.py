@@ -24,8 +24,8 @@ from trainer.launch.local import free_port, start_workers
 from trainer.memory.precision import PrecisionPolicy
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.oom import OOMAgreement, StepOutOfMemory
-from trainer.parallel.mesh import SequenceDDP, SequenceMesh
-from trainer.parallel.sequence import apply_sequence_parallel
+from trainer.parallel.ddp import DataParallel
+from trainer.parallel.mesh import Mesh
 from trainer.step import train_step
 
 pytestmark = pytest.mark.distributed
@@ -63,13 +63,13 @@ def _oom_at(model: GPT, point: str) -> torch.utils.hooks.RemovableHandle:
     return model.wte.weight.register_hook(oom)  # the last gradient: all-to-alls all done
 
 
-def _trained(mesh: SequenceMesh, packed: bool, faults: bool) -> dict[str, Any]:
+def _trained(mesh: Mesh, packed: bool, faults: bool) -> dict[str, Any]:
     """One step a place (each tried once with ``faults`` on the failing rank, then retried at
     half the micro-batch); the errors each attempt raised, the losses and the final weights."""
     torch.manual_seed(0)
     model = GPT(_GPT)
-    parallel = SequenceDDP(mesh, WORLD)
-    apply_sequence_parallel(model, mesh.group)
+    parallel = DataParallel(mesh)
+    parallel.split_sequences(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     wrapped = parallel.wrap(model, optimizer)
     batch = _batch(packed)
@@ -108,7 +108,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
     try:
         torch.set_num_threads(1)
-        mesh = SequenceMesh.of(SEQUENCE)
+        mesh = Mesh.of(WORLD, rank, sequence=SEQUENCE)
         result = {packed: {"clean": _trained(mesh, packed, faults=False),
                            "faulty": _trained(mesh, packed, faults=True)}
                   for packed in (False, True)}

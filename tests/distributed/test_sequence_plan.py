@@ -29,8 +29,8 @@ from trainer.launch.local import free_port, start_workers
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
-from trainer.parallel.mesh import SequenceDDP, SequenceMesh
-from trainer.parallel.sequence import apply_sequence_parallel
+from trainer.parallel.ddp import DataParallel
+from trainer.parallel.mesh import Mesh
 from trainer.plan.peak import plan_row, probe_batch, profile_activations, static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes
 
@@ -51,10 +51,9 @@ def _step_peak(rank: int, port: int, packed: bool, checkpointing: str, out: str)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
-        mesh = SequenceMesh.of(2)
-        parallel = SequenceDDP(mesh, 2)
+        parallel = DataParallel(Mesh.of(2, rank, sequence=2))
         model = build_model(partial(GPT, _CFG), _transforms(checkpointing), seed=0)
-        apply_sequence_parallel(model, mesh.group)
+        parallel.split_sequences(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model = parallel.wrap(model, optimizer)
         policy = precision_policy("fp32", torch.device("cpu"), warn=False)

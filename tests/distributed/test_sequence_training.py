@@ -161,20 +161,6 @@ def test_an_oom_in_a_split_step_is_agreed_on_and_retried_at_half_the_micro_batch
         assert plans == [(4, 4)] * 2 + [(2, 8)] * 2, (rank, plans)
 
 
-def test_the_split_ways_answer_as_their_data_way() -> None:
-    """OOM agreement as the data-parallel way (DDP's ranks agree, within each group too;
-    FSDP's reduce-scatter cannot wait); the optimizer steps in backward where the
-    data-parallel way attaches it."""
-    from trainer.parallel.ddp import DistributedDataParallel
-    from trainer.parallel.fsdp import FullyShardedDataParallel
-    from trainer.parallel.mesh import SequenceDDP, SequenceFSDP
-
-    assert DistributedDataParallel.agrees_on_oom and SequenceDDP.agrees_on_oom
-    assert not SequenceFSDP.agrees_on_oom
-    assert SequenceDDP.backward_hooks == DistributedDataParallel.backward_hooks
-    assert SequenceFSDP.backward_hooks == FullyShardedDataParallel.backward_hooks
-
-
 @pytest.mark.parametrize(("overrides", "said"), [
     (["parallel.workers=3"], "parallel.workers 3 is not divisible by parallel.sequence 2: "
                              "the workers form groups of 2 ranks"),

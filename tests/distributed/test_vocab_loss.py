@@ -130,7 +130,7 @@ def _sharded_steps(corpus: str, base: str, out: str, precision: str,
 def _lora_worker(rank: int, port: int, corpus: str, base: str, out: str) -> None:
     from tests.conftest import tiny_config
     from trainer.models.hf import HFCausalLM
-    from trainer.parallel.strategy import Parallelism
+    from trainer.parallel.strategy import OneProcess
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -142,7 +142,7 @@ def _lora_worker(rank: int, port: int, corpus: str, base: str, out: str) -> None
                 for precision in ("fp32", "bf16")}
         cfg = tiny_config(Path(corpus), Path(out), f"model.name=hf:{base}", "model.lora.rank=4",
                           "memory.activation_checkpointing=none", "memory.loss_chunk_tokens=8")
-        whole = Parallelism().build(cfg, torch.device("cpu"), lambda m: None)
+        whole = OneProcess().build(cfg, torch.device("cpu"), lambda m: None)
         assert isinstance(whole, HFCausalLM) and whole.input_lookup is None
         with torch.no_grad():  # the sharded build's values (its adapters are seeded apart)
             for name, param in whole.named_parameters():

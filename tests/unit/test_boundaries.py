@@ -193,7 +193,7 @@ KIND_BRANCH = re.compile(
     r"strategy\s*(?:[!=]=|(?:not\s+)?in\b)|\bis_sharded\(|\bis_ddp\("
     r"|\bworld_size\s*(?:[<>]=?|[!=]=)\s*\d|\d\s*(?:[<>]=?|[!=]=)\s*world_size\b"
     r"|[\"'](?:ddp|fsdp)[\"']\s*(?:[!=]=|in\b)|(?:[!=]=)\s*[\"'](?:ddp|fsdp)[\"']"
-    r"|isinstance\([^)]*\b(?:DDP|DistributedDataParallel|FSDPModule)\b"
+    r"|isinstance\([^)]*\b(?:DDP|DistributedDataParallel|DataParallel|ShardedDataParallel|FSDPModule)\b"
     r"|getattr\([^,]+,\s*[\"']module[\"']|set_requires_gradient_sync|\.no_sync\(")
 MAY_BRANCH_ON_THE_KIND = ("trainer/parallel/", "trainer/plan/", "trainer/config.py")
 

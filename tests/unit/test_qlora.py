@@ -283,7 +283,8 @@ def test_ddp_wraps_an_nf4_base_without_quantizing_it_again(tmp_path: Path) -> No
     it, as every rank builds it alike."""
     import torch.distributed as dist
 
-    from trainer.parallel.ddp import DistributedDataParallel
+    from trainer.parallel.ddp import DataParallel
+    from trainer.parallel.mesh import Mesh
 
     model = _nf4_gpt()
     before = {name: p.get_original_weight().clone() for name, p in model.named_parameters()
@@ -291,7 +292,7 @@ def test_ddp_wraps_an_nf4_base_without_quantizing_it_again(tmp_path: Path) -> No
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
-        wrapped = DistributedDataParallel(1).wrap(model, torch.optim.AdamW(
+        wrapped = DataParallel(Mesh()).wrap(model, torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad]))
     finally:
         dist.destroy_process_group()

@@ -83,6 +83,18 @@ def return_freed_host_memory() -> bool:
     return _set_malloc("returned")
 
 
+def settle_host_memory(steady_transients: bool, lean: bool = False) -> bool:
+    """glibc's heap on a CPU worker: freed memory kept for the next step where a step's large
+    transients are the same every step (``keep_freed_host_memory``: they reuse the last step's
+    pages), or returned where they change size through the step (FSDP's) or the run is
+    ``lean`` (a LoRA model over a bf16 or NF4 base: its own bytes are few, and a kept heap holds
+    every transient of its build and step beside them, as much again as an NF4 base). Returns
+    whether the policy is in effect."""
+    if steady_transients and not lean:
+        return keep_freed_host_memory()
+    return return_freed_host_memory()
+
+
 def _set_malloc(mode: str) -> bool:
     global _mode
     if _mode is not None:

@@ -1,14 +1,18 @@
-"""The one place a model gets its memory transforms: the loop, the planner, ``memtrain plan``,
-``resolve_auto``, gpu-check and every bench build their models here.
+"""How a model is made and where it gets its memory transforms: the loop (through its
+``Parallelism``), the planner, ``memtrain plan``, ``resolve_auto``, gpu-check and every bench
+build their models here.
 
-``build_model(factory, transforms)`` seeds, builds, moves to the device and then applies, in
-this order: the tiled MLP (each block's MLP), activation checkpointing (``model.blocks``), loss
-chunking (a model that computes its own loss), bf16 norm inputs (LayerNorms under bf16
-autocast) and activation offload (its hooks around the checkpointed blocks or the whole
-forward). ``MemoryTransforms`` is a
-small frozen dataclass, not the pydantic ``MemoryConfig``, so gpu-check and the benches (no
-pydantic there) build with exactly the same code; ``MemoryTransforms.of(cfg.memory)`` takes the
-config's slice.
+``start_model`` makes the configured model as a way of splitting asks (``Placement``): whole,
+with its values, or on the meta device (``OnMeta``), to be filled after it is sharded; its
+``finish`` then allocates and fills what the meta device only described. Between the two, the
+way applies ``apply_transforms``, in this order: the tiled MLP (each block's MLP), activation
+checkpointing (``model.blocks``), loss chunking (a model that computes its own loss), bf16 norm
+inputs (LayerNorms under bf16 autocast) and activation offload (its hooks around the
+checkpointed blocks or the whole forward). The whole order is ``Parallelism.build``.
+
+``MemoryTransforms`` is a small frozen dataclass, not the pydantic ``MemoryConfig``, so
+gpu-check and the benches (no pydantic there) build with exactly the same code;
+``MemoryTransforms.of(cfg.memory)`` takes the config's slice.
 """
 
 from __future__ import annotations
@@ -141,11 +145,18 @@ def to_bf16(model: nn.Module) -> nn.Module:
 
 def build_model(factory: ModelFactory, transforms: MemoryTransforms,
                 device: torch.device | None = None, seed: int | None = 0) -> nn.Module:
-    """A new model from ``factory`` with ``transforms`` applied, on ``device``.
+    """A new model from ``factory`` with ``transforms`` applied, on ``device`` (``made`` then
+    ``apply_transforms``). Raises ValueError naming the setting a model cannot take."""
+    model = made(factory, device, seed)
+    apply_transforms(model, transforms)
+    return model
 
-    ``seed`` (None: leave the RNG alone) makes the initial weights the same on every rank and
-    in every probe. Raises ValueError naming the setting a model cannot take.
-    """
+
+def made(factory: ModelFactory, device: torch.device | None = None,
+         seed: int | None = 0) -> nn.Module:
+    """A new model from ``factory`` on ``device``, its LoRA adapters drawn. ``seed`` (None:
+    leave the RNG alone) makes the initial weights the same on every rank and in every
+    probe."""
     if seed is not None:
         torch.manual_seed(seed)
     model = factory()
@@ -153,7 +164,6 @@ def build_model(factory: ModelFactory, transforms: MemoryTransforms,
         draw_adapters(model, seed)  # the same at any way of building (trainer.memory.lora)
     if device is not None:
         model = model.to(device)
-    apply_transforms(model, transforms)
     return model
 
 
@@ -187,23 +197,135 @@ def compile_model(model: nn.Module) -> str:
     return "the whole model"
 
 
-def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTransforms,
-                device: torch.device | None = None, seed: int | None = 0) -> nn.Module:
-    """The whole model ``model`` names, with ``transforms`` (``build_model``): with the weights
-    of ``init_from`` where it is ``hf:DIR`` (``load_hf_weights``, over the seeded build's), else
-    with the model's own. How the loop builds it without FSDP, and export a LoRA run's base. A
-    bf16 or NF4 LoRA base is built on meta and filled weight by weight, each converted as it
-    is made or read (``build_on_meta``), so that the fp32 base is never held whole."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a way of splitting has a model's tensors made (``Parallelism.placement``).
+
+    ``shards``: the way shards the model between ``start_model`` and ``finish`` (FSDP), so it
+    is made on the meta device and each rank fills only its shards; ``parts``: the ranks an
+    NF4 base's rows split over; ``on_host``: the shards live in host memory (FSDP's CPU
+    offload), the buffers on the device."""
+
+    shards: bool = False
+    parts: int = 1
+    on_host: bool = False
+
+
+def start_model(model: ModelConfig, init_from: str | None, device: torch.device,
+                seed: int | None, placement: Placement = Placement()) -> OnHost | OnMeta:
+    """The model ``model`` names, made as ``placement`` asks, not yet transformed: with the
+    weights of ``init_from`` where it is ``hf:DIR`` (over the seeded build's), else with the
+    model's own. On the meta device where the way shards it, and for a bf16 or NF4 LoRA base
+    (filled weight by weight, each converted as it is made or read, so that the fp32 base is
+    never held whole); whole on ``device`` otherwise."""
     init_hf = init_from if (init_from or "").startswith(HF_PREFIX) else None
-    factory = model_factory(model, load_weights=init_hf is None)
-    if model.lora is not None and model.lora.base_dtype != "fp32":  # never the fp32 base whole
-        return build_on_meta(model_factory(model, load_weights=False), transforms,
-                             device or torch.device("cpu"), seed, model_name=model.name,
-                             weights=weights_of(init_hf or model.name))
-    built = build_model(factory, transforms, device, seed)
+    lean_base = model.lora is not None and model.lora.base_dtype != "fp32"
+    if placement.shards or lean_base:
+        factory = model_factory(model, load_weights=False)
+        if isinstance(factory, Nf4Base):
+            factory = dataclasses.replace(factory, parts=placement.parts)
+        return OnMeta.start(factory, device, seed, model_name=model.name,
+                            weights=weights_of(init_hf or model.name),
+                            on_host=placement.on_host, tie=not placement.shards)
+    built = made(model_factory(model, load_weights=init_hf is None), device, seed)
     if init_hf is not None:
         load_hf_weights(built, weights_of(init_hf))
-    return built
+    return OnHost(built)
+
+
+@dataclass
+class OnHost:
+    """A model made whole, with its values: ``finish`` has nothing left to do."""
+
+    model: nn.Module
+
+    def finish(self) -> nn.Module:
+        return self.model
+
+
+@dataclass
+class OnMeta:
+    """A model made on the meta device, its construction recorded (``trainer.models.meta_init``):
+    transformed, split and sharded as it is, then each tensor (each rank's shard of it)
+    allocated and filled by ``finish``, one at a time, so that no process holds it whole: with
+    the seeded host build's values, or with ``weights``' rows where the directory has them. An
+    ``Nf4Base``'s weights are quantized as they are filled. A model that cannot be built on meta
+    is built whole on the host (``recording`` None), with one warning naming the reason."""
+
+    model: nn.Module
+    recording: meta_init.MetaRecording | None
+    tensors: dict[int, list[Owner]]  # by the storages the record made (fp32 or bf16, not NF4)
+    hf_model: Any  # its files' names are matched as transformers matches them
+    device: torch.device
+    seed: int | None
+    weights: SafetensorsRows | None
+    nf4: Nf4Base | None
+    on_host: bool  # the tensors in host memory, the buffers on ``device``
+    tie: bool  # tie again what ``to_empty`` untied (not after a shard: FSDP keeps its ties)
+
+    @classmethod
+    def start(cls, factory: ModelFactory, device: torch.device, seed: int | None, *,
+              model_name: str = "", weights: SafetensorsRows | None = None,
+              on_host: bool = False, tie: bool = True) -> OnMeta:
+        nf4 = factory if isinstance(factory, Nf4Base) else None
+        recorded = factory.factory if isinstance(factory, Bf16Weights | Nf4Base) else factory
+        try:
+            model, recording = _meta_build(recorded, hf_init=":" in model_name)
+        except Exception as err:  # the factory needed real values (an .item(), a data branch);
+            # an error of the model's own is raised again by the host build below.
+            log.warning("model.name %r cannot be built on the meta device (%s); building it "
+                        "whole on the host", model_name, first_line(err, type(err).__name__))
+            model, recording = made(factory, device, seed), None
+        tensors = owners(model)
+        if recording is not None:
+            if isinstance(factory, Bf16Weights):
+                _bf16_parameters(model)  # its shards are allocated in bf16
+            if nf4 is not None:
+                nf4.quantize(model)  # NF4 placeholders, filled by ``finish``
+        return cls(model, recording, tensors, getattr(model, "hf", None), device, seed,
+                   weights, nf4, on_host, tie)
+
+    def finish(self) -> nn.Module:
+        model, tensors, host = self.model, self.tensors, torch.device("cpu")
+        if self.recording is not None:
+            model.to_empty(device=host if self.on_host else self.device)
+            if self.tie:
+                _tie_again(tensors)
+        filled = fill_from_file(tensors, self.weights, self.hf_model)
+        if self.recording is not None:
+            def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                for owner in tensors[key]:
+                    fill_owner(owner, real(owner.meta))
+
+            adapters = _fill_adapters(tensors, self.seed)  # not replayed: their own generators'
+            meta_init.replay(self.recording, set(tensors) - filled - adapters, self.seed, take)
+            if self.on_host and self.device != host:  # the buffers stay with the compute
+                for module in model.modules():
+                    module._buffers.update({k: b.to(self.device)
+                                            for k, b in module._buffers.items() if b is not None})
+        if self.nf4 is not None:
+            model.nf4_errors = {name: module.nf4_error  # type: ignore[assignment]
+                                for name, module in nf4_layers(model)
+                                if hasattr(module, "nf4_error")}
+        return model
+
+
+def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTransforms,
+                device: torch.device | None = None, seed: int | None = 0) -> nn.Module:
+    """The whole model ``model`` names, with ``transforms``, made as one process makes it
+    (``start_model``): how export builds a LoRA run's base."""
+    started = start_model(model, init_from, device or torch.device("cpu"), seed)
+    apply_transforms(started.model, transforms)
+    return started.finish()
+
+
+def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
+                  seed: int | None, *, model_name: str = "",
+                  weights: SafetensorsRows | None = None) -> nn.Module:
+    """``factory``'s model made on meta, transformed, then filled (``OnMeta``)."""
+    started = OnMeta.start(factory, device, seed, model_name=model_name, weights=weights)
+    apply_transforms(started.model, transforms)
+    return started.finish()
 
 
 def _meta_build(factory: ModelFactory, hf_init: bool) -> tuple[nn.Module, meta_init.MetaRecording]:
@@ -216,66 +338,6 @@ def _meta_build(factory: ModelFactory, hf_init: bool) -> tuple[nn.Module, meta_i
         raise ValueError(f"{', '.join(unmade[:3])}: made without a tensor operation the meta "
                          "device records (torch.from_numpy, load_state_dict(assign=True))")
     return model, recording
-
-
-def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
-                  seed: int | None, *, model_name: str = "",
-                  before_shard: Callable[[nn.Module], None] = lambda model: None,
-                  shard: Callable[[nn.Module], object] | None = None,
-                  weights: SafetensorsRows | None = None,
-                  shards_on_host: bool = False) -> nn.Module:
-    """The model built so that no process holds it whole while it is made: on meta (its
-    construction recorded, ``trainer.models.meta_init``), transformed, ``before_shard``
-    (torch.compile), ``shard`` where given (FSDP: ``trainer.parallel.fsdp.build_sharded``),
-    then each tensor (each rank's shard of it) allocated and filled, one at a time: with the
-    seeded host build's values, or with ``weights``' rows where the directory has them
-    (``factory`` then builds without them). An ``Nf4Base``'s weights are quantized as they are
-    filled. A model that cannot be built on meta is built whole on the host, with one warning
-    naming the reason. ``shards_on_host``: the shards live on the host (FSDP's CPU offload),
-    the buffers on ``device``."""
-    cast = isinstance(factory, Bf16Weights)
-    nf4 = factory if isinstance(factory, Nf4Base) else None
-    recorded = factory.factory if isinstance(factory, Bf16Weights | Nf4Base) else factory
-    try:
-        model, recording = _meta_build(recorded, hf_init=":" in model_name)
-    except Exception as err:  # the factory needed real values (an .item(), a data branch);
-        # an error of the model's own is raised again by the host build below.
-        log.warning("model.name %r cannot be built on the meta device (%s); building it whole "
-                    "on the host", model_name, first_line(err, type(err).__name__))
-        model, recording = build_model(factory, MemoryTransforms(), device, seed), None
-    tensors = owners(model)  # by the storages the record made (fp32 or bf16 ones, not NF4)
-    hf_model = getattr(model, "hf", None)  # its files' names are matched as transformers does
-    if recording is not None:
-        if cast:
-            _bf16_parameters(model)  # its shards are allocated in bf16
-        if nf4 is not None:
-            nf4.quantize(model)  # NF4 placeholders, filled below
-    apply_transforms(model, transforms)
-    before_shard(model)
-    if shard is not None:
-        shard(model)
-    if recording is not None:
-        host = torch.device("cpu")
-        model.to_empty(device=host if shards_on_host else device)
-        if shard is None:
-            _tie_again(tensors)
-    filled = fill_from_file(tensors, weights, hf_model)
-    if recording is not None:
-        def take(key: int, real: Callable[[torch.Tensor], torch.Tensor]) -> None:
-            for owner in tensors[key]:
-                fill_owner(owner, real(owner.meta))
-
-        adapters = _fill_adapters(tensors, seed)  # not replayed: their own generators'
-        meta_init.replay(recording, set(tensors) - filled - adapters, seed, take)
-        if shards_on_host and device != host:  # the buffers stay with the compute
-            for module in model.modules():
-                module._buffers.update({k: b.to(device) for k, b in module._buffers.items()
-                                        if b is not None})
-    if nf4 is not None:
-        model.nf4_errors = {name: module.nf4_error  # type: ignore[assignment]
-                            for name, module in nf4_layers(model)
-                            if hasattr(module, "nf4_error")}
-    return model
 
 
 def _fill_adapters(tensors: dict[int, list[Owner]], seed: int | None) -> set[int]:

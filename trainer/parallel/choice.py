@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch import nn
 
-from trainer.parallel.ddp import DistributedDataParallel, is_ddp
-from trainer.parallel.fsdp import FsdpSettings, FullyShardedDataParallel, is_sharded
-from trainer.parallel.mesh import SequenceDDP, SequenceFSDP, SequenceMesh
-from trainer.parallel.strategy import Parallelism
+from trainer.parallel.ddp import DataParallel, is_ddp
+from trainer.parallel.fsdp import FsdpSettings, ShardedDataParallel, is_sharded
+from trainer.parallel.mesh import Mesh
+from trainer.parallel.strategy import OneProcess, Parallelism
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -29,17 +29,16 @@ def parallelism_for(cfg: Config, world_size: int, precision: str) -> Parallelism
     """The way ``cfg`` splits the work over ``world_size`` ranks at the run's resolved
     ``precision``: FSDP where asked over several ranks, DDP over several ranks otherwise, and
     one process alone (one FSDP worker has nothing to shard, and reads and writes the same
-    checkpoints); with ``parallel.sequence`` above 1, each row split over a group of that many
-    ranks besides (its groups created here: every rank calls)."""
+    checkpoints); its mesh splits each row over ``parallel.sequence`` ranks (the groups created
+    here: every rank calls)."""
     if world_size == 1:
-        return Parallelism()
-    mesh = SequenceMesh.of(cfg.parallel.sequence) if cfg.parallel.sequence > 1 else None
-    if cfg.parallel.strategy == "fsdp":
-        settings = FsdpSettings.of(cfg, precision, world_size)
-        return FullyShardedDataParallel(settings) if mesh is None else \
-            SequenceFSDP(mesh, settings)
-    return DistributedDataParallel(world_size) if mesh is None else \
-        SequenceDDP(mesh, world_size)
+        return OneProcess()
+    sharded = cfg.parallel.strategy == "fsdp"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mesh = Mesh.of(world_size, rank, cfg.parallel.sequence, sharded)
+    if sharded:
+        return ShardedDataParallel(mesh, FsdpSettings.of(cfg, precision, world_size))
+    return DataParallel(mesh)
 
 
 def parallelism_of(model: nn.Module) -> Parallelism:
@@ -47,7 +46,8 @@ def parallelism_of(model: nn.Module) -> Parallelism:
     outside the loop (the planner's measurements, the benches), which holds no ``Parallelism``
     of its own."""
     if is_ddp(model):
-        return DistributedDataParallel(dist.get_world_size())
+        return DataParallel(Mesh.of(dist.get_world_size(), dist.get_rank()))
     if is_sharded(model):
-        return FullyShardedDataParallel(None)
-    return Parallelism()
+        return ShardedDataParallel(Mesh.of(dist.get_world_size(), dist.get_rank(), sharded=True),
+                                   None)
+    return OneProcess()

@@ -24,20 +24,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.compat import ddp_ignore
 from trainer.memory.optimizers import BackwardSteps, InBackward
-from trainer.parallel.strategy import Parallelism
+from trainer.models.build import Placement
+from trainer.parallel.mesh import Mesh
+from trainer.parallel.strategy import DeferredReduction, Parallelism
 
 
 def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, DDP)
 
 
-class DistributedDataParallel(Parallelism):
-    """DDP over ``world_size`` ranks."""
+class DataParallel(Parallelism, DeferredReduction):
+    """DDP over the mesh's data ranks (every rank: the sequence ranks' gradients are of other
+    tokens of the same rows, and are summed with them)."""
 
+    agrees_on_oom: ClassVar[bool] = True
     backward_hooks: ClassVar[InBackward] = InBackward(comm_hook=True)  # attached in ``wrap``
+    steady_transients: ClassVar[bool] = True
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def placement(self) -> Placement:
+        return Placement()  # whole on every rank, alike (the same seed, the same weights)
+
+    def shard(self, model: nn.Module, device: torch.device) -> None:
+        """Nothing: every rank holds the whole model; ``wrap`` wraps it after the restore."""
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         device = next(model.parameters()).device
@@ -54,17 +65,19 @@ class DistributedDataParallel(Parallelism):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DDP) else model
 
-    def defers_reduction(self, agreement: Any) -> bool:
-        return agreement is not None and agreement.distributed
-
-    def gradient_sync(self, model: nn.Module, is_last: bool,
-                      agreeing: bool) -> AbstractContextManager[Any]:
-        if isinstance(model, DDP) and (agreeing or not is_last):
+    def reduction_held(self, model: nn.Module, held: bool) -> AbstractContextManager[Any]:
+        if isinstance(model, DDP) and held:
             return model.no_sync()
         return contextlib.nullcontext()
 
     def reduce_gradients(self, model: nn.Module) -> None:
-        all_reduce_gradients(list(model.parameters()), self.world_size)
+        all_reduce_gradients(list(model.parameters()), self.mesh.world_size)
+
+    def total_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        return grad_norm  # every rank holds every gradient, reduced
+
+    def describe(self) -> str | None:
+        return self.mesh.describe()
 
 
 def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,

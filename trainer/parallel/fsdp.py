@@ -1,5 +1,5 @@
 """Sharded data parallelism with FSDP2 (``fully_shard``), built so no rank holds the whole model:
-``FullyShardedDataParallel``, the ``Parallelism`` of ``parallel.strategy: fsdp`` over several
+``ShardedDataParallel``, the ``Parallelism`` of ``parallel.strategy: fsdp`` over several
 ranks.
 
 FSDP shards every block of ``model.blocks``, the modules a model names as ``fsdp_input_unit`` and
@@ -10,8 +10,9 @@ checkpoints are DCP files (``trainer.checkpoint.files``), which reshard on load:
 not wrapped (nothing to shard) but reads and writes the same files without a process group, so
 a run moves between 1 and N workers either way.
 
-``build_sharded`` builds the model on the meta device, applies the memory transforms, shards it,
-allocates each rank's shards and fills them: with the values a seeded host build would have made
+Its build (``Parallelism.build``; ``build_sharded`` without compile) makes the model on the
+meta device, applies the memory transforms, shards it, allocates each rank's shards and fills
+them: with the values a seeded host build would have made
 (``trainer.models.meta_init``: the same weights as DDP's build, at any world size), or, for an
 ``hf:`` directory with safetensors, with each rank's rows read from the files
 (``trainer.models.hf``). A model that cannot be built on meta is built whole on the host, with one
@@ -33,7 +34,6 @@ import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,18 +42,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.memory.allocator import return_freed_host_memory
 from trainer.memory.optimizers import InBackward
 from trainer.models.build import (
     MemoryTransforms,
     ModelFactory,
     Nf4Base,
-    build_on_meta,
+    OnMeta,
+    Placement,
+    apply_transforms,
     model_factory,
 )
-from trainer.models.hf import PREFIX as HF_PREFIX
-from trainer.models.hf import SafetensorsRows, weights_of
-from trainer.parallel.strategy import Compile, Parallelism
+from trainer.models.hf import SafetensorsRows
+from trainer.parallel.mesh import Mesh
+from trainer.parallel.strategy import AppliesPrecision, Parallelism
 from trainer.parallel.vocab_loss import (
     LOOKUP_ROUND_TOKENS,
     split_lookup,
@@ -219,51 +220,55 @@ def is_sharded(model: nn.Module) -> bool:
 
 def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
                   seed: int | None, settings: FsdpSettings, *, model_name: str = "",
-                  before_shard: Callable[[nn.Module], None] = lambda model: None,
                   weights: SafetensorsRows | None = None) -> nn.Module:
-    """The FSDP model, built so that no rank holds it whole (``build_on_meta``): on meta,
-    transformed, ``before_shard`` (torch.compile), sharded (``shard_model``), then each rank's
-    shards allocated and filled with the seeded host build's values or ``weights``' rows. An
-    NF4 base is quantized shard by shard; a layer one process quantizes whose rank shards
-    would not fill NF4's blocks is refused."""
+    """The FSDP model of ``factory``, built so that no rank holds it whole, in
+    ``Parallelism.build``'s order without the sequence split and compile: on meta
+    (``OnMeta``), transformed, sharded (``shard_model``), then each rank's shards allocated and
+    filled with the seeded host build's values or ``weights``' rows. An NF4 base is quantized
+    shard by shard."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if isinstance(factory, Nf4Base):
         factory = dataclasses.replace(factory, parts=world)
-    return build_on_meta(factory, transforms, device, seed, model_name=model_name,
-                         before_shard=before_shard,
-                         shard=lambda model: shard_model(model, settings, device),
-                         weights=weights, shards_on_host=settings.offload == "cpu")
+    started = OnMeta.start(factory, device, seed, model_name=model_name, weights=weights,
+                           on_host=settings.offload == "cpu", tie=False)
+    apply_transforms(started.model, transforms)
+    shard_model(started.model, settings, device)
+    return started.finish()
 
 
-class FullyShardedDataParallel(Parallelism):
-    """FSDP2 with ``settings`` (None: a model sharded elsewhere, only stepped here)."""
+class ShardedDataParallel(Parallelism, AppliesPrecision):
+    """FSDP2 with ``settings`` over every rank of the mesh (None: a model sharded elsewhere,
+    only stepped here)."""
 
     # A reduce-scatter runs inside backward and cannot wait for the ranks to agree: an OOM
     # over several ranks fails the run (``trainer.oom``); one FSDP worker recovers as one.
     agrees_on_oom: ClassVar[bool] = False
     # post-accumulate hooks on the shards, the norm's squares summed over the ranks
     backward_hooks: ClassVar[InBackward] = InBackward(norm_over_ranks=True)
+    # FSDP's transients change size through the step; a heap that kept them would fragment
+    steady_transients: ClassVar[bool] = False
 
-    def __init__(self, settings: FsdpSettings | None):
+    def __init__(self, mesh: Mesh, settings: FsdpSettings | None):
+        self.mesh = mesh
         self.settings = settings or FsdpSettings()
 
-    def build(self, cfg: Config, device: torch.device, compile_model: Compile) -> nn.Module:
-        """``Parallelism.build``'s order on the meta device: 1 and 2 there (no rank holds the
-        whole model), 3, then 4: sharded, each rank's shards allocated and filled with the
-        seeded build's values or its rows of the safetensors (``build_sharded``)."""
-        init_hf = cfg.train.init_from \
-            if (cfg.train.init_from or "").startswith(HF_PREFIX) else None
-        return build_sharded(model_factory(cfg.model, load_weights=False),
-                             MemoryTransforms.of(cfg.memory), device, cfg.run.seed,
-                             self.settings, model_name=cfg.model.name,
-                             before_shard=compile_model,
-                             weights=weights_of(init_hf or cfg.model.name))
+    def placement(self) -> Placement:
+        return Placement(shards=True, parts=self.mesh.world_size,
+                         on_host=self.settings.offload == "cpu")
 
-    def gradient_sync(self, model: nn.Module, is_last: bool,
-                      agreeing: bool) -> AbstractContextManager[Any]:
+    def shard(self, model: nn.Module, device: torch.device) -> None:
+        shard_model(model, self.settings, device)
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        return model  # sharded as it was built
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def reduction_held(self, model: nn.Module, held: bool) -> AbstractContextManager[Any]:
         # FSDP's counterpart of no_sync(): one reduce-scatter per optimizer step
         if is_sharded(model):
-            model.set_requires_gradient_sync(is_last)  # type: ignore[operator]
+            model.set_requires_gradient_sync(not held)  # type: ignore[operator]
         return contextlib.nullcontext()
 
     def total_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -278,12 +283,10 @@ class FullyShardedDataParallel(Parallelism):
             return ""
         return "; bf16 parameters through FSDP's MixedPrecisionPolicy, autocast off"
 
-    def settle_host_memory(self, lean: bool = False) -> None:
-        # FSDP's transients change size through the step; a heap that kept them would fragment
-        return_freed_host_memory()
-
     def describe(self) -> str:
-        return f"FSDP: {self.settings.describe()}"
+        mesh = self.mesh.describe()
+        line = f"FSDP: {self.settings.describe()}"
+        return line if mesh is None else f"{line}; {mesh}"
 
 
 def check_nf4_shards(cfg: Config) -> bool:

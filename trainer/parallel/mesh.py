@@ -1,124 +1,107 @@
-"""The data x sequence mesh of ``parallel.sequence: N``: the ranks form ``W / N`` sequence groups
-of ``N`` consecutive ranks (rank ``r``: data rank ``r // N``, sequence rank ``r % N``). The ranks
-of a group read the same rows and each trains its slice of every row's tokens (Ulysses
-attention, ``trainer.parallel.sequence``); gradients are reduced over the whole world by DDP or
-FSDP as without the split.
+"""The ranks as one mesh of named dimensions, which every way of splitting and the loader read.
 
-Why the loss needs nothing more: each rank divides its slice's summed loss by its slice's
-trained targets where every target is trained, and by the global count over ``W`` where a mask
-or packing leaves some out (``step_tokens`` over ``local_rows``; a slice may train none); the
-reduction averages over all ``W`` ranks, so the gradient is that of the mean over the global
+A run's ``W`` ranks form the grid ``data x sequence``:
+
+- ``data``: the data ranks. Each reads rows of its own, and the global batch divides over them
+  (``data_ranks``). Under DDP they hold whole copies of the model (the mesh calls them
+  ``replicate``); under FSDP they hold shards of it (``shard``). One mesh holds one of the two
+  above 1: hybrid sharding (replicas of a sharded model) is not a way memtrain has.
+- ``sequence`` (``parallel.sequence: N``): the ranks that share each row, each training a
+  ``1 / N`` slice of its tokens (Ulysses attention, ``trainer.parallel.sequence``). A sequence
+  group is ``N`` consecutive ranks: rank ``r`` is data rank ``r // N``, sequence rank ``r % N``.
+
+FSDP shards over every rank (``shard x sequence`` flattened, as torchtitan shards over
+``dp_shard x cp``) and gradients are reduced over every rank, with or without the sequence
+split: the sequence ranks' gradients are of different tokens of the same rows, and their sum
+is the rows' gradient.
+
+Why the loss needs nothing more under the split: each rank divides its slice's summed loss by
+the global batch's trained tokens (``trainer.step.step_tokens``; a slice may train none), and
+the reduction sums over all ``W`` ranks, so the gradient is that of the mean over the global
 batch, as at ``W / N`` ranks on whole rows. The all-to-alls' backward carries each rank's
 gradient to the ranks that hold the heads it attended with.
-
-``SequenceDDP`` and ``SequenceFSDP`` are DDP and FSDP with the split added by
-``SplitSequences``: the model's attention switched to the split between the memory transforms
-and compile (``Parallelism.build``'s order), each micro-batch cut to the rank's slice, the step's
-loss the group's, the loader placed by data rank. The ranks of a group wait for each other in
-every attention layer: under DDP, in a step that recovers from an out-of-memory error, each of
-those meetings agrees on one first (``trainer.parallel.sequence.GroupOOMWatch``), so a rank that
-ran out stops its group where the group meets and the step is retried at half the micro-batch
-as without the split; under FSDP, as without the split, an OOM over several ranks fails the
-run.
 """
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-from trainer.batches import Rows, TokenBatch
-from trainer.parallel.ddp import DistributedDataParallel
-from trainer.parallel.fsdp import FsdpSettings, FullyShardedDataParallel
-from trainer.parallel.sequence import SequenceParallel, apply_sequence_parallel, row_slice
-from trainer.parallel.strategy import Compile, DataPlace, Parallelism
-
-if TYPE_CHECKING:
-    from trainer.config import Config
+# The mesh's dimensions, outermost first (rank r = ((replicate * shard) + ...) row-major).
+DIMS = ("replicate", "shard", "sequence")
 
 
 @dataclass(frozen=True)
-class SequenceMesh:
-    """This rank's place in the data x sequence mesh, and its sequence group."""
+class Mesh:
+    """This rank's place in the mesh: the size of each named dimension, the rank, and the
+    process group of each dimension above 1 that has its own collectives (``sequence``)."""
 
-    size: int  # N: ranks per sequence group
-    rank: int  # within the group: which slice of every row this rank holds
-    data_rank: int
-    data_world: int
-    group: dist.ProcessGroup
+    replicate: int = 1
+    shard: int = 1
+    sequence: int = 1
+    rank: int = 0
+    groups: Mapping[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, size: int) -> SequenceMesh:
-        """The mesh of the default process group's ranks in groups of ``size``. A collective:
-        every rank creates every group, in the same order (``dist.new_group``'s contract)."""
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world % size:
-            raise ValueError(f"parallel.workers {world} is not divisible by parallel.sequence "
-                             f"{size}")
-        groups = [dist.new_group(list(range(first, first + size)))
-                  for first in range(0, world, size)]
-        return cls(size, rank % size, rank // size, world // size, groups[rank // size])
+    def of(cls, world_size: int, rank: int, sequence: int = 1, sharded: bool = False) -> Mesh:
+        """The mesh of ``world_size`` ranks: data ranks that replicate the model (or, where
+        ``sharded``, shard it) x ``sequence`` ranks per row. A collective where ``sequence``
+        is above 1: every rank creates every sequence group, in the same order
+        (``dist.new_group``'s contract). Raises ValueError where ``sequence`` does not divide
+        ``world_size``."""
+        if world_size % sequence:
+            raise ValueError(f"parallel.workers {world_size} is not divisible by "
+                             f"parallel.sequence {sequence}")
+        data = world_size // sequence
+        groups = {}
+        if sequence > 1:
+            every = [dist.new_group(list(range(first, first + sequence)))
+                     for first in range(0, world_size, sequence)]
+            groups["sequence"] = every[rank // sequence]
+        return cls(replicate=1 if sharded else data, shard=data if sharded else 1,
+                   sequence=sequence, rank=rank, groups=groups)
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size, by name, outermost first."""
+        return {dim: getattr(self, dim) for dim in DIMS}
 
-class SplitSequences(Parallelism):
-    """The sequence split, added to a data-parallel way (``SequenceDDP``, ``SequenceFSDP``)."""
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard * self.sequence
 
-    mesh: SequenceMesh
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read rows of their own: the global batch divides over them."""
+        return self.replicate * self.shard
 
-    def build(self, cfg: Config, device: torch.device, compile_model: Compile) -> nn.Module:
-        """The data-parallel way's build, with the attention split over the sequence group
-        after the memory transforms and before compile (and so before sharding)."""
-        def split_then_compile(model: nn.Module) -> None:
-            apply_sequence_parallel(model, self.mesh.group)
-            compile_model(model)
+    @property
+    def data_rank(self) -> int:
+        """Which of the ``data_ranks`` this rank is: the rows it reads."""
+        return self.rank // self.sequence
 
-        return super().build(cfg, device, split_then_compile)
+    @property
+    def sequence_rank(self) -> int:
+        """Which slice of each row's tokens this rank trains."""
+        return self.rank % self.sequence
 
-    def data_place(self, rank: int, world_size: int) -> DataPlace:
-        mesh = self.mesh
-        return DataPlace(mesh.data_rank, mesh.data_world, mesh.size, mesh.rank == 0)
+    @property
+    def records_rows(self) -> bool:
+        """Whether this rank records its data rank's rows (``data.record_rows``): the first of
+        its sequence group, so that each row is recorded once."""
+        return self.sequence_rank == 0
 
-    def local_rows(self, batch: TokenBatch) -> Rows:
-        return row_slice(batch, self.mesh.rank, self.mesh.size)
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The process group of this rank's ``dim`` (``sequence``): the ranks it meets there."""
+        if dim not in self.groups:
+            raise KeyError(f"the mesh has no {dim!r} group (sizes {self.sizes})")
+        return self.groups[dim]
 
-    def gradient_sync(self, model: nn.Module, is_last: bool,
-                      agreeing: bool) -> AbstractContextManager[Any]:
-        # agreeing: the step agrees on an OOM, so the group's meetings agree on one too
-        data_way = super().gradient_sync(model, is_last, agreeing)
-        if not agreeing:
-            return data_way
-        sequence = self.unwrap(model).sequence  # apply_sequence_parallel's
-        assert isinstance(sequence, SequenceParallel), "the model was not split"
-        stack = contextlib.ExitStack()
-        stack.enter_context(data_way)
-        stack.enter_context(sequence.watch.watching())
-        return stack
-
-    def describe(self) -> str:
-        mesh = self.mesh
-        line = (f"sequence parallel {mesh.size}: each row's tokens split over {mesh.size} ranks "
-                f"(Ulysses attention), {mesh.data_world} data ranks")
-        data = super().describe()
-        return line if data is None else f"{data}; {line}"
-
-
-class SequenceDDP(SplitSequences, DistributedDataParallel):
-    """DDP over every rank, each row split over the ranks of its sequence group."""
-
-    def __init__(self, mesh: SequenceMesh, world_size: int):
-        super().__init__(world_size)
-        self.mesh = mesh
-
-
-class SequenceFSDP(SplitSequences, FullyShardedDataParallel):
-    """FSDP sharded over every rank, each row split over the ranks of its sequence group."""
-
-    def __init__(self, mesh: SequenceMesh, settings: FsdpSettings):
-        super().__init__(settings)
-        self.mesh = mesh
+    def describe(self) -> str | None:
+        """The mesh's line in the run's log, where it splits rows (None otherwise)."""
+        if self.sequence == 1:
+            return None
+        return (f"sequence parallel {self.sequence}: each row's tokens split over "
+                f"{self.sequence} ranks (Ulysses attention), {self.data_ranks} data ranks")
