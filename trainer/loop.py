@@ -40,8 +40,9 @@ from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
 from trainer.memory.allocator import settle_host_memory
-from trainer.memory.lora import lora_of, nf4_kept_in_bf16
+from trainer.memory.lora import lora_of
 from trainer.memory.loss import computes_own_loss, takes_position_ids
+from trainer.memory.nf4 import nf4_kept_in_bf16
 from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.models.build import (

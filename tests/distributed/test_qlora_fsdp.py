@@ -65,7 +65,7 @@ def test_each_rank_quantizes_its_rows_into_the_base_one_process_quantizes(
     and a quarter of one for the rest of the model (seen: 1.10 layers in all: the embeddings,
     the adapters and the modules' own objects), and under 0.6 of the bf16 base, which it would
     pass if it held the base in bf16 even for a moment."""
-    from trainer.memory.lora import nf4_layers
+    from trainer.memory.nf4 import nf4_layers
     from trainer.models.build import model_factory
 
     out = tmp_path / "shards"

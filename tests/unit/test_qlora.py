@@ -36,7 +36,7 @@ def test_an_nf4_base_holds_4_bit_codes_and_computes_as_its_dequantized_weights()
     replaced by their bf16 dequantization, to the bit; the adapters train in fp32."""
     from torchao.quantization import NF4Tensor
 
-    from trainer.memory.lora import dequantize_base
+    from trainer.memory.nf4 import dequantize_base
     from trainer.plan.peak import static_bytes
 
     model = _nf4_gpt()
@@ -115,7 +115,7 @@ def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named_once_a_run(
 
     from trainer.launch.local import launch_local
     from trainer.launch.prepare import prepare_run
-    from trainer.memory.lora import nf4_kept_in_bf16
+    from trainer.memory.nf4 import nf4_kept_in_bf16
 
     model = _nf4_gpt(n_embd=32)
     assert not any(isinstance(p, NF4Tensor) for p in model.parameters())
@@ -393,7 +393,7 @@ def test_a_low_bit_base_keeps_its_tied_embedding_and_its_layout_at_every_world_s
     process quantizes but whose rank shards would not fill NF4's blocks is refused, naming it,
     rather than kept in bf16 on some world sizes only."""
     from trainer.config import LoraConfig, ModelConfig
-    from trainer.memory.lora import quantize_base
+    from trainer.memory.nf4 import quantize_base
     from trainer.models.build import MemoryTransforms, build_whole, model_factory
 
     for base in ("bf16", "nf4"):

@@ -3,7 +3,7 @@
 ``apply_lora`` freezes every parameter of the model, casts the frozen ones to ``base_dtype``
 where asked (bf16 halves the base's bytes; it then computes under bf16 autocast; nf4, QLoRA's
 base, stores the blocks' linear weights as torchao's ``NF4Tensor``, dequantized to bf16 in each
-matmul, ``quantize_base``, and the rest in bf16), and injects
+matmul: ``trainer.memory.nf4``, and the rest in bf16), and injects
 PEFT's LoRA layers into the target linear layers in place (``peft.inject_adapter_in_model``:
 no ``PeftModel`` wrapper, so the model keeps memtrain's contract: ``blocks``, its own loss).
 Each target's weight becomes ``<target>.base_layer.weight`` beside ``<target>.lora_A.default``
@@ -35,15 +35,7 @@ import torch
 from torch import nn
 
 from trainer.compat import is_fake
-from trainer.memory.nf4 import (
-    BLOCK,
-    GRAIN,
-    SCALER_BLOCK,
-    Nf4Linear,
-    fits,
-    relative_error,
-    to_nf4,
-)
+from trainer.memory.nf4 import dequantize_base, quantize_base
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 
 ADAPTER = "default"  # PEFT's adapter name: the one adapter memtrain trains
@@ -142,85 +134,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     # The targets as resolved: once injected, the blocks' linear layers include the adapters.
     model.lora_settings = dataclasses.replace(settings, targets=tuple(targets))  # type: ignore[assignment]
     return model
-
-
-def nf4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The frozen linear layers of ``model.blocks`` (the adapters' base layers among them), by
-    their names under the model: what ``base_dtype: nf4`` stores in NF4."""
-    return [(f"blocks.{i}.{name}".replace("_checkpoint_wrapped_module.", ""), module)
-            for i, block in enumerate(getattr(model, "blocks", []))
-            for name, module in block.named_modules()
-            if isinstance(module, nn.Linear) and not module.weight.requires_grad]
-
-
-def quantize_base(model: nn.Module, parts: int = 1) -> dict[str, float]:
-    """The frozen weights of every linear layer in ``model.blocks`` (``nf4_layers``) as NF4
-    (``base_dtype: nf4``), in place; a weight whose size does not fill NF4's blocks stays bf16,
-    listed on the model as ``nf4_kept`` (the run warns once: ``nf4_kept_in_bf16``); one that
-    does but whose ``parts`` row shards (FSDP's ranks) would not is refused (ValueError), so
-    that a base is the same at every world size. Each quantized
-    layer's error (the relative Frobenius norm of its dequantized weight's difference from the
-    bf16 weight) is kept on the model as ``nf4_errors``, for the run's log, and returned. A
-    meta or fake model gets NF4 placeholders and no errors: the sharded build fills them
-    (``trainer.memory.nf4.fill_nf4``)."""
-    quantized: dict[str, float] = {}
-    kept = []
-    layers = nf4_layers(model)
-    if not layers:
-        raise ValueError(f"model.lora.base_dtype nf4: {type(model).__name__}'s blocks hold no "
-                         "nn.Linear layer to store in NF4 (GPT-2's are Conv1D); use base_dtype "
-                         "bf16")
-    refusal = nf4_split_refusal(model, parts)
-    if refusal is not None:
-        raise ValueError(refusal)
-    for name, module in layers:
-        if not fits(module.weight.shape):
-            kept.append(f"{name} {list(module.weight.shape)}")
-            continue
-        weight = module.weight.detach().to(torch.bfloat16)
-        module.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
-        if type(module) is nn.Linear:  # its matmul dequantizes a slice at a time
-            module.__class__ = Nf4Linear
-        if weight.device.type != "meta" and not is_fake(weight):
-            quantized[name] = relative_error(weight, module.weight)
-    model.nf4_kept = kept  # type: ignore[assignment]
-    model.nf4_errors = quantized  # type: ignore[assignment]
-    return quantized
-
-
-def nf4_split_refusal(model: nn.Module, parts: int) -> str | None:
-    """The line refusing an NF4 base whose first layer (``nf4_layers``) that one process
-    quantizes would not fill NF4's blocks in its ``parts`` row shards (FSDP's ranks); None
-    where every such layer splits."""
-    unsplit = next(((name, module.weight.shape) for name, module in nf4_layers(model)
-                    if fits(module.weight.shape) and not fits(module.weight.shape, parts)), None)
-    if unsplit is None:
-        return None
-    name, shape = unsplit
-    return (f"model.lora.base_dtype nf4 under FSDP on {parts} ranks: {name} {list(shape)} does "
-            f"not split into whole NF4 blocks (its rows must divide by {parts} and each rank's "
-            f"share fill blocks of {GRAIN}); one process quantizes it, so its base would change "
-            "with the world size: use parallel.strategy ddp or another number of workers")
-
-
-def nf4_kept_in_bf16(model: nn.Module) -> str | None:
-    """The run's warning naming the linear layers an NF4 base kept in bf16 (``quantize_base``),
-    said once, by the run; None where every one is in NF4."""
-    kept: list[str] = getattr(model, "nf4_kept", [])
-    if not kept:
-        return None
-    return (f"model.lora.base_dtype nf4: {len(kept)} linear layer(s) kept in bf16, their size "
-            f"not a multiple of {GRAIN} (NF4's blocks of {BLOCK} and its scales' of "
-            f"{SCALER_BLOCK}): {', '.join(kept[:3]) + (', ...' if len(kept) > 3 else '')}")
-
-
-def dequantize_base(model: nn.Module) -> None:
-    """Every NF4 weight of ``model`` back to bf16, in place (before a merge)."""
-    for module in model.modules():
-        weight = module._parameters.get("weight")  # its own (PEFT's layers show their base's)
-        if weight is not None and hasattr(weight, "get_original_weight"):
-            module.weight = nn.Parameter(weight.get_original_weight().to(torch.bfloat16),
-                                         requires_grad=False)
 
 
 def initial_adapter(name: str, shape: torch.Size, seed: int) -> torch.Tensor:

@@ -298,7 +298,7 @@ def check_nf4_shards(cfg: Config) -> bool:
     if lora is None or lora.base_dtype != "nf4" or parallel.strategy != "fsdp":
         return False
     from trainer.config import ConfigError
-    from trainer.memory.lora import nf4_split_refusal
+    from trainer.memory.nf4 import nf4_split_refusal
 
     bf16 = cfg.model.model_copy(update={"lora": lora.model_copy(update={"base_dtype": "bf16"})})
     with torch.device("meta"):
