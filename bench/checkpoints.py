@@ -74,7 +74,7 @@ def demo_states() -> tuple[dict[str, Any], States]:
     scheduler.step()
     state = {"scaler": torch.amp.GradScaler("cpu", enabled=False).state_dict(),
              "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": 1,
-             "sharded": True}
+             "dcp": True}
     return state, model_and_optimizer_states(model, optimizer)
 
 
@@ -83,7 +83,7 @@ def sized_states(gib: float) -> tuple[dict[str, Any], States]:
     with no optimizer state; ``state.pt``'s dict holds the step."""
     count = max(1, round(gib * 16))
     model = {f"w{i}": torch.randn(16 << 20) for i in range(count)}
-    return {"step": 1, "sharded": True}, (model, {})
+    return {"step": 1, "dcp": True}, (model, {})
 
 
 def measure(states: tuple[dict[str, Any], States], directory: Path) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def eight_rank_checkpoint(root: Path, shard_mib: float) -> Path:
     for rank in range(8):
         (directory / f"__{rank}_0.distcp").write_bytes(os.urandom(int(shard_mib * 2**20)))
     (directory / ".metadata").write_bytes(os.urandom(64 << 10))
-    torch.save({"step": 8, "sharded": True}, directory / "state.pt")
+    torch.save({"step": 8, "dcp": True}, directory / "state.pt")
     write_manifest(directory, 8, describe(directory))
     return directory
 

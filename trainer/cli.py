@@ -259,7 +259,7 @@ def plan_command(
 ) -> None:
     """Predict memory and speed per rank before training: what fits, and what is fastest."""
     from monitoring.units import parse_bytes
-    from trainer.config import check_fsdp_settings
+    from trainer.config import check_way_settings
     from trainer.launch.prepare import check_weight_precision
     from trainer.plan.table import print_plan
 
@@ -276,7 +276,7 @@ def plan_command(
         # a ConfigError naming sizes that fit; the batch divides over the sequence groups
         cfg.train.accumulation_steps(cfg.parallel.data_workers(cfg.parallel.workers),
                                      cfg.parallel.sequence)
-    check_fsdp_settings(cfg)
+    check_way_settings(cfg)
     check_weight_precision(cfg)
     print_plan(console, cfg, budget, device_memory, gpu=gpu, calibrate=calibrate,
                measure_top=top if measure else 0, measure_steps=steps)
@@ -326,8 +326,9 @@ def export_command(
     step: Annotated[int | None, typer.Option(help="Checkpoint step (default: the latest).")
                     ] = None,
     max_shard_size: Annotated[str, typer.Option(
-        help="Largest safetensors file written from an FSDP checkpoint (and the most weights "
-             "held in memory meanwhile), e.g. 2GB, 500MiB.")] = "2GB",
+        help="Largest safetensors file written (and the most weights held in memory "
+             "meanwhile, a file at a time from the checkpoint's DCP files), e.g. 2GB, 500MiB.")
+    ] = "2GB",
     merge: Annotated[bool, typer.Option(
         "--merge", help="A LoRA run: the model with its adapters merged into the weights, in "
                         "place of PEFT's adapter directory.")] = False,

@@ -605,7 +605,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(_format_validation_error(err, source)) from err
 
 
-def check_fsdp_settings(cfg: Config) -> None:
+def check_way_settings(cfg: Config) -> None:
     """A ``parallel.fsdp`` field the user set, unlike its default, under ``parallel.strategy:
     ddp`` would be ignored: one line naming it (``train`` and ``plan``; a run's saved config,
     which writes every field out, still loads, for an export)."""

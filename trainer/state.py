@@ -29,7 +29,7 @@ from trainer.batches import TokenLoader
 from trainer.checkpoint.async_save import AsyncSaves, staged
 from trainer.checkpoint.files import (
     load_checkpoint,
-    load_sharded,
+    load_states,
     load_weights,
     model_and_optimizer_states,
     rng_state,
@@ -73,11 +73,11 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's ``state.pt``: everything but the model and optimizer, which go to
-        the DCP files beside it (the key ``sharded`` says so)."""
+        the DCP files beside it (the key ``dcp`` says so)."""
         state: dict[str, Any] = {
             "scaler": self.scaler.state_dict(), "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
-            "sharded": True,  # the model and optimizer are in DCP files beside it
+            "dcp": True,  # the model and optimizer are in DCP files beside it
         }
         if self.lora_base is not None:
             state["lora_base"] = self.lora_base
@@ -108,7 +108,7 @@ class TrainState:
                 return None
             state = load_checkpoint(checkpoint_dir)
             # any way of splitting and world size: DCP reshards to this one
-            load_sharded(checkpoint_dir, self.unwrapped, self.optimizer)
+            load_states(checkpoint_dir, self.unwrapped, self.optimizer)
             self.load_state_dict(state)
             return self.step
 

@@ -164,11 +164,11 @@ def test_ddp_and_fsdp_checkpoints_resume_under_each_other(corpus_dir: Path,
     from torch.distributed.checkpoint import FileSystemReader
 
     from tests.conftest import save_checkpoint
-    from trainer.checkpoint.files import load_checkpoint, load_sharded_tensors
+    from trainer.checkpoint.files import load_checkpoint, load_tensors
 
     checkpoint = tmp_path / "switch" / "checkpoint-00000006"
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    weights = load_sharded_tensors(checkpoint, {
+    weights = load_tensors(checkpoint, {
         key.removeprefix("model."): torch.empty(meta.size)  # type: ignore[union-attr]
         for key, meta in saved.items() if key.startswith("model.")})
     legacy = tmp_path / "legacy" / "checkpoint-00000006"

@@ -165,7 +165,7 @@ def _phase(rank: int, port: int, world_size: int, load: str, save: str, out: str
     """Build on meta, load ``load`` (a DCP checkpoint; "": none), train a step on data of its
     own (every world size draws the same global batch), save to ``save``; rank 0 records the
     whole state it loaded and the one it saved."""
-    from trainer.checkpoint.files import load_sharded, model_and_optimizer_states, write_states
+    from trainer.checkpoint.files import load_states, model_and_optimizer_states, write_states
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -180,7 +180,7 @@ def _phase(rank: int, port: int, world_size: int, load: str, save: str, out: str
                 p.grad = torch.zeros_like(p)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            load_sharded(Path(load), model, optimizer)
+            load_states(Path(load), model, optimizer)
             loaded = _full_state(model, optimizer)
         batch = torch.randint(0, _TINY.vocab_size, (4, _TINY.seq_len + 1),
                               generator=torch.Generator().manual_seed(len(load)))

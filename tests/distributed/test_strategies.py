@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import logged_losses, tiny_config
-from trainer.checkpoint.files import load_sharded_tensors
+from trainer.checkpoint.files import load_tensors
 from trainer.launch.local import free_port, launch_local, start_workers
 from trainer.launch.prepare import prepare_run
 
@@ -60,9 +60,9 @@ def test_8bit_states_and_lora_resume_exactly_under_fsdp(corpus_dir: Path,
         assert logged_losses(run(name, strategy)) == straight, name
     lora = tmp_path / "lora" / "checkpoint-00000004"
     adapter = "blocks.0.attn.qkv.lora_A.default.weight"
-    assert load_sharded_tensors(lora, {adapter: torch.empty(4, 64)})[adapter].abs().sum() > 0
+    assert load_tensors(lora, {adapter: torch.empty(4, 64)})[adapter].abs().sum() > 0
     with pytest.raises(BaseException) as missing:  # DCP: a CheckpointException, per rank
-        load_sharded_tensors(lora, {"blocks.0.attn.qkv.base_layer.weight":
+        load_tensors(lora, {"blocks.0.attn.qkv.base_layer.weight":
                                     torch.empty(192, 64)})
     assert "Missing key in checkpoint state_dict: model.blocks.0.attn.qkv.base_layer" in \
         repr(getattr(missing.value, "failures", missing.value))
@@ -130,7 +130,7 @@ def test_a_hf_lora_run_exports_adapters_and_a_merged_model_with_its_logits(
     cfg = load_config(run_dir / "config.yaml")
     trained = build_model(model_factory(cfg.model), MemoryTransforms(), seed=cfg.run.seed)
     adapters = {n: torch.empty_like(t) for n, t in trained.state_dict().items() if ".lora_" in n}
-    trained.load_state_dict(load_sharded_tensors(run_dir / "checkpoint-00000008", adapters),
+    trained.load_state_dict(load_tensors(run_dir / "checkpoint-00000008", adapters),
                             strict=False)
     tokens_BT = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     auto = transformers.AutoModelForCausalLM

@@ -55,27 +55,27 @@ def test_bad_values_name_the_field(overrides: list[str], expected: str) -> None:
     ("parallel.fsdp.offload=cpu", "parallel.fsdp.offload 'cpu'"),
 ])
 def test_an_fsdp_setting_under_ddp_is_refused_in_one_line(setting: str, shown: str) -> None:
-    from trainer.config import check_fsdp_settings
+    from trainer.config import check_way_settings
 
     cfg = load_config(None, ["parallel.strategy=ddp", "memory.precision=bf16", setting])
     with pytest.raises(ConfigError, match=f"{shown} with parallel.strategy 'ddp': ") as refused:
-        check_fsdp_settings(cfg)
+        check_way_settings(cfg)
     assert "\n" not in str(refused.value)
     # auto may resolve to FSDP; fsdp takes it
     for strategy in ("auto", "fsdp"):
-        check_fsdp_settings(load_config(None, [f"parallel.strategy={strategy}",
+        check_way_settings(load_config(None, [f"parallel.strategy={strategy}",
                                                "memory.precision=bf16", setting]))
     # a run's saved config (every field written out) still loads, for an export
     assert Config.model_validate(cfg.model_dump(mode="json")) == cfg
 
 
 def test_fsdp_defaults_under_ddp_are_taken_as_a_saved_config_writes_them() -> None:
-    from trainer.config import check_fsdp_settings
+    from trainer.config import check_way_settings
 
     cfg = load_config(None, ["parallel.strategy=ddp", "parallel.fsdp.offload=none"])
     saved = Config.model_validate(cfg.model_dump(mode="json"))
     assert saved == cfg
-    check_fsdp_settings(saved)
+    check_way_settings(saved)
 
 
 def test_impossible_batch_arithmetic_is_refused() -> None:

@@ -93,13 +93,13 @@ def test_a_chat_dataset_fine_tunes_a_pretrained_model_and_exports(tmp_path: Path
         moved = (tuned(input_ids=ids).logits - start(input_ids=ids).logits).abs().max()
     assert moved > 1e-3  # eight steps moved the pretrained weights
 
-    from trainer.checkpoint.files import complete_checkpoints, load_sharded_tensors
+    from trainer.checkpoint.files import complete_checkpoints, load_tensors
     from trainer.models.hf import HFCausalLM
 
     wrapped = HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(model))
     [(step, checkpoint)] = complete_checkpoints(tmp_path / "chat")[-1:]
     assert step == 8
-    state = load_sharded_tensors(checkpoint, {name: torch.empty_like(t)
+    state = load_tensors(checkpoint, {name: torch.empty_like(t)
                                               for name, t in wrapped.state_dict().items()})
     wrapped.load_state_dict(state)
     with torch.no_grad():
@@ -158,7 +158,7 @@ def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path:
 
     from safetensors.torch import load_file
 
-    from trainer.checkpoint.files import complete_checkpoints, load_sharded_tensors
+    from trainer.checkpoint.files import complete_checkpoints, load_tensors
 
     model = pretrained_llama(tmp_path / "llama")
     bare = tmp_path / "bare"
@@ -174,7 +174,7 @@ def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path:
               f"train.init_from=hf:{model}", "train.steps=1", "train.lr=1e-12",
               f"parallel.strategy={strategy}", f"run.name={strategy}")
         [(_, checkpoint)] = complete_checkpoints(tmp_path / strategy)
-        got = load_sharded_tensors(checkpoint, {f"hf.{name}": torch.empty_like(t)
+        got = load_tensors(checkpoint, {f"hf.{name}": torch.empty_like(t)
                                                 for name, t in expected.items()})
         for name, tensor in expected.items():
             torch.testing.assert_close(got[f"hf.{name}"], tensor, rtol=0, atol=1e-6,

@@ -238,7 +238,7 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     from trainer.checkpoint.files import (
         complete_checkpoints,
         load_checkpoint,
-        load_sharded_tensors,
+        load_tensors,
     )
 
     CONFIGS["llama"]().save_pretrained(tmp_path / "llama")
@@ -270,12 +270,12 @@ def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
     assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.vocab_size == 280
     assert export_hf(tmp_path / "fsdp", tmp_path / "out-fsdp").tokenizer
     assert (tmp_path / "out-fsdp" / "model.safetensors").is_file()
-    assert load_checkpoint(complete_checkpoints(tmp_path / "fsdp")[-1][1])["sharded"]
+    assert load_checkpoint(complete_checkpoints(tmp_path / "fsdp")[-1][1])["dcp"]
 
     tokens = torch.randint(0, 256, (2, 32))
     [(_, checkpoint)] = complete_checkpoints(tmp_path / "ddp")[-1:]
     trained = build(f"hf:{tmp_path / 'llama'}")
-    trained.load_state_dict(load_sharded_tensors(checkpoint, {
+    trained.load_state_dict(load_tensors(checkpoint, {
         name: torch.empty_like(t) for name, t in trained.state_dict().items()}))
     with torch.no_grad():
         expected = trained(tokens)

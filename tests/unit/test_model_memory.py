@@ -189,7 +189,7 @@ def test_a_checkpoint_of_another_model_is_one_line_on_resume_and_on_init_from(
     weights alone (``train.init_from``) each raise one line naming the checkpoint and the
     tensor that does not fit, not DCP's exception."""
     from trainer.checkpoint.files import (
-        load_sharded,
+        load_states,
         load_weights,
         model_and_optimizer_states,
         write_states,
@@ -197,9 +197,9 @@ def test_a_checkpoint_of_another_model_is_one_line_on_resume_and_on_init_from(
 
     small = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2))
     wide = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2))
-    write_states(tmp_path, {"step": 1, "sharded": True},
+    write_states(tmp_path, {"step": 1, "dcp": True},
                  model_and_optimizer_states(small, torch.optim.AdamW(small.parameters())))
-    for load in (lambda: load_sharded(tmp_path, wide, torch.optim.AdamW(wide.parameters())),
+    for load in (lambda: load_states(tmp_path, wide, torch.optim.AdamW(wide.parameters())),
                  lambda: load_weights(tmp_path, wide)):
         with pytest.raises(CheckpointError) as refused:
             load()

@@ -100,7 +100,7 @@ def test_a_new_run_starts_from_another_runs_weights(corpus_dir: Path, tmp_path: 
     """``train.init_from``: run A's latest whole checkpoint's weights, at step 0 of run B (its
     optimizer, schedule and data from their start); a path without a checkpoint, or a model
     the weights do not fit, is one line."""
-    from trainer.checkpoint.files import CheckpointReadError, load_sharded_tensors
+    from trainer.checkpoint.files import CheckpointReadError, load_tensors
 
     common = ("parallel.launcher=local", "parallel.workers=1", "train.eval_every=0",
               "train.checkpoint_every=2")
@@ -118,8 +118,8 @@ def test_a_new_run_starts_from_another_runs_weights(corpus_dir: Path, tmp_path: 
     names = {k.removeprefix("model."): torch.empty(v.size)  # type: ignore[union-attr]
              for k, v in _metadata(source / "checkpoint-00000002").items()
              if k.startswith("model.")}
-    started = load_sharded_tensors(source / "checkpoint-00000002", dict(names))
-    after = load_sharded_tensors(target / "checkpoint-00000001",
+    started = load_tensors(source / "checkpoint-00000002", dict(names))
+    after = load_tensors(target / "checkpoint-00000001",
                                  {k: torch.empty_like(v) for k, v in names.items()})
     assert all(torch.allclose(after[k], started[k], atol=1e-8) for k in names)
     cfg, wrong = prepare_run(tiny_config(corpus_dir, tmp_path, *common, "train.steps=1",

@@ -14,7 +14,7 @@ import torch
 
 from datapipe.loader import BatchLoader
 from tests.conftest import REPO, tiny_config, tiny_train_command
-from trainer.checkpoint.files import STATE_FILE, load_checkpoint, load_sharded_tensors
+from trainer.checkpoint.files import STATE_FILE, load_checkpoint, load_tensors
 from trainer.compat import cpu_capability
 from trainer.config import Config
 from trainer.launch.local import launch_local
@@ -137,7 +137,7 @@ def test_train_is_a_plain_loop_bit_for_bit(precision: str, corpus_dir: Path, tmp
         [(loss.hex(), norm.hex()) for loss, norm in expected]
     final = max(run_dir.rglob(STATE_FILE), key=lambda path: load_checkpoint(path.parent)["step"])
     assert load_checkpoint(final.parent)["step"] == 8
-    saved = load_sharded_tensors(final.parent, {
+    saved = load_tensors(final.parent, {
         name.replace("_checkpoint_wrapped_module.", ""): torch.empty_like(tensor)
         for name, tensor in weights.items()})
     assert all(torch.equal(saved[name.replace("_checkpoint_wrapped_module.", "")], tensor)

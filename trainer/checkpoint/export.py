@@ -30,7 +30,7 @@ from trainer.checkpoint.files import (
     CheckpointReadError,
     latest_whole,
     load_checkpoint,
-    load_sharded_tensors,
+    load_tensors,
     published_checkpoints,
     verified,
 )
@@ -139,7 +139,7 @@ def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
     model = build_whole(cfg.model, cfg.train.init_from, MemoryTransforms(), seed=cfg.run.seed)
     assert isinstance(model, HFCausalLM), type(model)
     adapters = trainable_state_dict(model)
-    loaded = load_sharded_tensors(directory, {
+    loaded = load_tensors(directory, {
         name: torch.empty_like(tensor) for name, tensor in adapters.items()})
     model.load_state_dict(loaded, strict=False)
     settings = lora_of(model)
@@ -234,7 +234,7 @@ def write_safetensors_from_dcp(directory: Path, model: HFCausalLM, out: Path,
     for index, group in enumerate(groups, start=1):
         file = "model.safetensors" if len(groups) == 1 else \
             f"model-{index:05d}-of-{len(groups):05d}.safetensors"
-        tensors = load_sharded_tensors(directory, {
+        tensors = load_tensors(directory, {
             "hf." + name: torch.empty(meta.shape, dtype=meta.dtype) for name, meta in group})
         save_file({name.removeprefix("hf."): t.contiguous() for name, t in tensors.items()},
                   str(out / file), metadata={"format": "pt"})

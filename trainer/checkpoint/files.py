@@ -208,7 +208,7 @@ def load_checkpoint(directory: Path) -> dict[str, Any]:
     return state
 
 
-def load_sharded_tensors(directory: Path, tensors: dict[str, torch.Tensor]
+def load_tensors(directory: Path, tensors: dict[str, torch.Tensor]
                          ) -> dict[str, torch.Tensor]:
     """Some of the model's tensors from DCP files written by ``write_states``, by the names of
     its state dict, into ``tensors`` (sized to match; one process: export). Only the bytes of
@@ -228,7 +228,7 @@ def read_model_weights(directory: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    return load_sharded_tensors(directory, {
+    return load_tensors(directory, {
         name.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
         for name, meta in saved.items()
         if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)})
@@ -253,7 +253,7 @@ def load_weights(directory: Path, model: nn.Module) -> None:
     set_model_state_dict(model, model_state, options=options)
 
 
-def load_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_states(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load model and optimizer state written by ``write_states`` at any world size (a
     collective): each rank reads the parts of the files that its shards cover.
     CheckpointReadError naming the checkpoint when they do not fit the model."""

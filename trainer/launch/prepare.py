@@ -31,7 +31,7 @@ from trainer.checkpoint.integrity import local_problem
 from trainer.checkpoint.lora_base import base_changes, lora_base_source
 from trainer.checkpoint.publish import fetch_latest
 from trainer.checkpoint.store import RemoteRun, default_work_dir
-from trainer.config import Config, ConfigError, check_fsdp_settings
+from trainer.config import Config, ConfigError, check_way_settings
 from trainer.errors import first_line
 from trainer.launch.resume import check_resume
 from trainer.models.hf import PREFIX, config_vocab_size, has_weights
@@ -103,15 +103,15 @@ def prepare_run(cfg: Config, allow_changes: bool = False, fresh: bool = False
 
 
 def _planned(cfg: Config) -> Config:
-    """``cfg`` with its ``auto`` choices resolved (``resolve_auto``), an NF4 base's split over
-    FSDP's ranks checked before planning where the strategy is set, after it where ``auto``
-    chose it."""
-    from trainer.parallel.fsdp import check_nf4_shards
+    """``cfg`` with its ``auto`` choices resolved (``resolve_auto``), the model's split over the
+    ranks checked (``check_splits``) before planning where the way is set, after it where
+    ``auto`` chose it."""
+    from trainer.parallel.choice import check_splits
 
-    checked = check_nf4_shards(cfg)
+    checked = check_splits(cfg)
     cfg = resolve_auto(cfg)
     if not checked:
-        check_nf4_shards(cfg)
+        check_splits(cfg)
     return cfg
 
 
@@ -336,7 +336,7 @@ def check_strategies(cfg: Config) -> None:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(f"{field} needs the {package} package: pip install "
                               "'memtrain[strategies]'")
-    check_fsdp_settings(cfg)
+    check_way_settings(cfg)
     check_weight_precision(cfg)
 
 

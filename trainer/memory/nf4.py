@@ -69,7 +69,7 @@ def to_nf4(weight: torch.Tensor) -> Any:
     weight = weight.detach().to(torch.bfloat16)
     if weight.device.type == "meta" or is_fake(weight):
         return _torchao().to_nf4(weight, BLOCK, SCALER_BLOCK)
-    return quantize_rows(weight, sharded=False)
+    return quantize_rows(weight, split=False)
 
 
 def is_nf4(tensor: Any) -> bool:
@@ -101,17 +101,18 @@ def _levels(device: torch.device) -> torch.Tensor:
                              SCALER_BLOCK).nf4
 
 
-def quantize_rows(rows: torch.Tensor, sharded: bool) -> Any:
+def quantize_rows(rows: torch.Tensor, split: bool) -> Any:
     """``rows`` (bf16, a multiple of ``GRAIN`` weights) as an ``NF4Tensor`` equal to torchao's
     ``to_nf4(rows)``, coded ``_SLICE`` weights at a time (a block's codes depend on its own
-    weights alone); where they are this rank's shard (``sharded``), with the whole weight's
+    weights alone); where they are this rank's part of a weight ``split`` over the ranks, with
+    the whole weight's
     scale mean, agreed over the process group."""
     torchao = _torchao()
     NF4Tensor = torchao.NF4Tensor  # noqa: N806 - torchao's class
     flat = rows.detach().to(torch.bfloat16).flatten()
     levels = _levels(flat.device)
     absmax = flat.view(-1, BLOCK).abs().amax(dim=1)
-    if sharded:
+    if split:
         import torch.distributed as dist
 
         total = torch.stack([absmax.float().sum(),
@@ -136,25 +137,25 @@ def fill_nf4(target: torch.Tensor, read: Callable[[slice | None], torch.Tensor],
     parameter or a DTensor whose shard is one: its rows under FSDP, all of it otherwise.
     ``read(rows)`` gives those rows of the whole weight (``None``: all of it). Returns the whole
     weight's quantization error, ||dequantized - weight|| / ||weight|| (summed over the ranks)."""
-    sharded = hasattr(target, "to_local")
+    split = hasattr(target, "to_local")  # a DTensor: this rank holds some of the rows
     # The DTensor's own shard object, whose attributes FSDP's all-gather reads (``to_local``
     # gives a view); an NF4 parameter is its NF4Tensor itself.
     local: Any = getattr(target, "_local_tensor", target)
     rows = None
-    if sharded:
+    if split:
         import torch.distributed as dist
 
         rows = shard_rows(shape[0], dist.get_rank(), dist.get_world_size())
     with torch.no_grad():
         value = read(rows).to(device=local.quantized_data.device, dtype=torch.bfloat16)
-        nf4 = quantize_rows(value, sharded)
+        nf4 = quantize_rows(value, split)
         for name in _ALLOCATED:
             getattr(local, name).copy_(getattr(nf4, name))
         # ``empty_like`` (``to_empty``) allocates only the three above and leaves the mean and
         # the 16 levels where they were (on meta, after a meta build)
         local.scaler_mean, local.nf4 = nf4.scaler_mean, nf4.nf4
         squares = _squares(value, nf4)
-    if sharded:
+    if split:
         import torch.distributed as dist
 
         dist.all_reduce(squares)

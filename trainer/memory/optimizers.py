@@ -21,7 +21,8 @@ state and hyperparameters, does the steps. Where the gradient is complete:
 - one process, and FSDP2, after its reduce-scatter: the parameter's post-accumulate-grad hook
   (FSDP2 runs the sharded parameter's hooks itself);
 - DDP: after the all-reduce of the gradient's bucket, in a communication hook that then steps
-  the bucket's parameters (``attach_ddp``; DDP's own hook for this needs a CUDA stream).
+  the bucket's parameters (``trainer.parallel.ddp.step_in_comm_hook``; DDP's own hook for this
+  needs a CUDA stream).
 The global gradient norm is summed from each gradient before its step (for the log); clipping by
 it is impossible (the norm exists only once every parameter has stepped), so a non-zero
 ``train.grad_clip`` is refused, as are gradient accumulation, fp16's GradScaler and OOM retries.
@@ -235,8 +236,8 @@ class BackwardSteps:
     """Steps each parameter of ``optimizer`` in backward (the module docstring says where).
 
     ``comm_hook``: the model will be wrapped in DDP, whose communication hook then steps each
-    bucket's parameters (``attach_ddp``). ``norm_over_ranks``: each rank steps its own shards
-    (FSDP2), so the norm's squares are summed over ranks at the end.
+    bucket's parameters (``trainer.parallel.ddp.step_in_comm_hook``). ``norm_over_ranks``: each
+    rank steps its own shards (FSDP2), so the norm's squares are summed over ranks at the end.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm_hook: bool = False,
@@ -258,7 +259,7 @@ class BackwardSteps:
                 self.singles.append((single, index))
                 stepper = _Stepper(self, single)
                 self.steppers[id(param)] = stepper
-                if not comm_hook:  # DDP's communication hook steps (``attach_ddp``)
+                if not comm_hook:  # DDP's communication hook steps (``step_in_comm_hook``)
                     param.register_post_accumulate_grad_hook(stepper.step_param)
         _BACKWARD_STEPS[optimizer] = self
         self.begin()
@@ -297,30 +298,6 @@ class BackwardSteps:
         if self.norm_over_ranks and dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
         return total.sqrt()
-
-    def attach_ddp(self, model: Any) -> None:
-        """Under DDP: step each parameter in DDP's communication hook, once its bucket is
-        all-reduced, and have DDP leave the gradients unset (its own optimizer-in-backward
-        mode, whose hook needs a CUDA stream; this one runs on gloo too)."""
-        model.register_comm_hook(self, _all_reduce_then_step)
-        model.reducer._set_optimizer_in_backward()
-
-
-def _all_reduce_then_step(steps, bucket):  # type: ignore[no-untyped-def]
-    """DDP's communication hook under ``BackwardSteps``: the bucket's mean over ranks (as DDP's
-    default hook computes it), then each of its parameters' steps. (Unannotated: DDP accepts
-    only the real ``GradBucket`` class as the annotation, not a postponed one.)"""
-    buffer = bucket.buffer()
-    buffer.div_(dist.get_world_size())
-    future = dist.all_reduce(buffer, async_op=True).get_future()
-
-    def step(done: Any) -> torch.Tensor:
-        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            param.grad = grad
-            steps.steppers[id(param)].step()
-        return done.value()[0]
-
-    return future.then(step)
 
 
 class _Stepper:

@@ -108,13 +108,13 @@ class HFCausalLM(nn.Module):
         return int(self.hf.config.vocab_size)
 
     @property
-    def fsdp_input_unit(self) -> nn.Module | None:
+    def input_unit(self) -> nn.Module | None:
         """The input embedding, which FSDP shards as a unit of its own; None where the output
         layer shares its weight (then both stay in the root)."""
         return None if self._tied() else self.hf.get_input_embeddings()
 
     @property
-    def fsdp_loss_unit(self) -> nn.Module | None:
+    def loss_unit(self) -> nn.Module | None:
         """The output layer, where FSDP may shard it as a unit of its own: the loss reads its
         weight in its ``summed_loss`` method (``_summed_loss``), which FSDP then runs as it runs
         a forward (``register_fsdp_forward_method``), or, the layer frozen, replaces with a loss

@@ -1,5 +1,6 @@
 """Which way of splitting the work a run takes (``parallelism_for``), or an already built model
-was given (``parallelism_of``), and whether it runs fp16 (``runs_fp16``).
+was given (``parallelism_of``), whether it runs fp16 (``runs_fp16``), and whether the model
+splits over the ranks as asked (``check_splits``, before any worker starts).
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.parallel.ddp import DataParallel, is_ddp
-from trainer.parallel.fsdp import FsdpSettings, ShardedDataParallel, is_sharded
+from trainer.parallel.fsdp import FsdpSettings, ShardedDataParallel, check_splits, is_sharded
 from trainer.parallel.mesh import Mesh
 from trainer.parallel.strategy import OneProcess, Parallelism
 
 if TYPE_CHECKING:
     from trainer.config import Config
+
+__all__ = ["check_splits", "parallelism_for", "parallelism_of", "runs_fp16"]
 
 
 def runs_fp16(cfg: Config) -> bool:

@@ -8,7 +8,7 @@ an out-of-memory step first (``memory.oom_recovery``), every micro-batch runs un
 ``no_sync()`` and the gradients are averaged after the agreement (``all_reduce_gradients``:
 DDP's own reduction is inside backward, where a rank that ran out would leave the others
 waiting). Under ``memory.optimizer_in_backward`` each bucket's parameters step in DDP's
-communication hook, once the bucket is reduced (``BackwardSteps.attach_ddp``).
+communication hook, once the bucket is reduced (``step_in_comm_hook``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class DataParallel(Parallelism, DeferredReduction):
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         backward_steps = BackwardSteps.of(optimizer)
         if backward_steps is not None:  # each parameter steps once its bucket is reduced
-            backward_steps.attach_ddp(wrapped)
+            step_in_comm_hook(wrapped, backward_steps)
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -103,3 +103,28 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
             grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
             offset += grad.numel()
     return sum(1 for b in buckets if b)
+
+
+def step_in_comm_hook(model: DDP, steps: BackwardSteps) -> None:
+    """Under ``memory.optimizer_in_backward``: step each parameter in DDP's communication hook,
+    once its bucket is all-reduced, and have DDP leave the gradients unset (its own
+    optimizer-in-backward mode, whose hook needs a CUDA stream; this one runs on gloo too)."""
+    model.register_comm_hook(steps, _all_reduce_then_step)
+    model.reducer._set_optimizer_in_backward()
+
+
+def _all_reduce_then_step(steps, bucket):  # type: ignore[no-untyped-def]
+    """DDP's communication hook under ``BackwardSteps``: the bucket's mean over ranks (as DDP's
+    default hook computes it), then each of its parameters' steps. (Unannotated: DDP accepts
+    only the real ``GradBucket`` class as the annotation, not a postponed one.)"""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    future = dist.all_reduce(buffer, async_op=True).get_future()
+
+    def step(done: Any) -> torch.Tensor:
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            param.grad = grad
+            steps.steppers[id(param)].step()
+        return done.value()[0]
+
+    return future.then(step)

@@ -2,8 +2,8 @@
 ``ShardedDataParallel``, the ``Parallelism`` of ``parallel.strategy: fsdp`` over several
 ranks.
 
-FSDP shards every block of ``model.blocks``, the modules a model names as ``fsdp_input_unit`` and
-``fsdp_loss_unit`` (a Hugging Face model's untied input embedding and output layer), and then
+FSDP shards every block of ``model.blocks``, the modules a model names as ``input_unit`` and
+``loss_unit`` (a Hugging Face model's untied input embedding and output layer), and then
 the root module, so parameters, gradients and optimizer state are split across ranks (each
 holds 1/world of them) and a block's parameters are all-gathered only while it runs. Its
 checkpoints are DCP files (``trainer.checkpoint.files``), which reshard on load: one worker is
@@ -140,8 +140,8 @@ def _fsdp_kwargs(settings: FsdpSettings, device: torch.device) -> dict:
 
 def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
                 device: torch.device | None = None) -> nn.Module:
-    """``fully_shard`` each block of ``model.blocks``, ``model.fsdp_input_unit`` and
-    ``model.fsdp_loss_unit`` where the model names them, then the root; returns the model. The
+    """``fully_shard`` each block of ``model.blocks``, ``model.input_unit`` and
+    ``model.loss_unit`` where the model names them, then the root; returns the model. The
     root keeps its parameters gathered after forward (backward needs them first)."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
@@ -163,7 +163,7 @@ def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
     world = dist.get_world_size() if dist.is_initialized() else 1
     param_dtype = _DTYPES[settings.param_dtype] if settings.mixed_precision else None
     unmixed = {key: value for key, value in kwargs.items() if key != "mp_policy"}
-    input_unit = getattr(model, "fsdp_input_unit", None)
+    input_unit = getattr(model, "input_unit", None)
     if input_unit is not None:
         split = splits_the_vocabulary(input_unit, world, offloaded, LOOKUP_ROUND_TOKENS)
         fully_shard(input_unit, **(unmixed if split else kwargs))
@@ -172,7 +172,7 @@ def shard_model(model: nn.Module, settings: FsdpSettings = FsdpSettings(),
             setattr(model, "input_lookup", lookup)  # noqa: B010 - any model class
         else:
             input_unit.register_forward_pre_hook(_gather_before_forward, prepend=True)
-    loss_unit = getattr(model, "fsdp_loss_unit", None)
+    loss_unit = getattr(model, "loss_unit", None)
     if loss_unit is not None:
         split = splits_the_vocabulary(loss_unit, world, offloaded,
                                       getattr(model, "loss_chunk_tokens", 0))
@@ -289,11 +289,12 @@ class ShardedDataParallel(Parallelism, AppliesPrecision):
         return line if mesh is None else f"{line}; {mesh}"
 
 
-def check_nf4_shards(cfg: Config) -> bool:
-    """An NF4 base under FSDP: every layer one process quantizes must split into whole NF4
-    blocks on every world size the run may take, else one line naming the layer, before any
-    worker starts (the model's shapes, on the meta device: nothing is allocated or read).
-    Returns whether the split was checked (False: no NF4 base, or not FSDP, or not yet)."""
+def check_splits(cfg: Config) -> bool:
+    """``cfg``'s model checked to split over FSDP's ranks as the run needs, before any worker
+    starts: under an NF4 base, every layer one process quantizes must split into whole NF4
+    blocks on every world size the run may take, else one line naming the layer (the model's
+    shapes, on the meta device: nothing is allocated or read). Returns whether the split was
+    checked (False: no NF4 base, or not FSDP, or not yet)."""
     lora, parallel = cfg.model.lora, cfg.parallel
     if lora is None or lora.base_dtype != "nf4" or parallel.strategy != "fsdp":
         return False
