@@ -38,10 +38,9 @@ from trainer.memory.lora import (
     initial_adapter,
     is_adapter,
     lora_of,
-    nf4_layers,
-    quantize_base,
 )
 from trainer.memory.loss import set_loss_chunking
+from trainer.memory.nf4 import nf4_layers, quantize_base
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.offload import install as install_offload
 from trainer.memory.tiled_mlp import tile_mlps
