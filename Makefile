@@ -26,7 +26,7 @@ VOCAB_SIZE ?=
 TOKENIZER ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock image image-check data demo test lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data bench-qlora bench-qlora-largest bench-long \
+.PHONY: help setup lock image image-check data demo test test-unit lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data bench-qlora bench-qlora-largest bench-long \
 	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints bench-uploads bench-elastic chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
@@ -86,6 +86,9 @@ demo: setup data ## Train the demo GPT: 2 Ray Train workers, activation ckpt + a
 test: setup ## Run every test: unit, distributed (gloo, Ray), e2e (a real Prometheus)
 	bash scripts/install-prometheus.sh
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+test-unit: setup ## The inner loop: the unit tests that take under seconds each (not `slow`), in minutes
+	$(BIN)/pytest -n $(PYTEST_WORKERS) -m "unit and not slow" $(PYTEST_ARGS)
 
 dashboards: setup ## Regenerate monitoring/grafana/dashboards/*.json from monitoring/dashboards.py
 	$(BIN)/memtrain dashboards

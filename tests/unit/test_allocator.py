@@ -35,6 +35,7 @@ def _steps(mode: str, **env: str) -> tuple[bool, list[int], list[int]]:
     return kept, faults, rss
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
 def test_a_steps_large_tensors_reuse_the_last_steps_pages() -> None:
     """Kept: after a few steps no page faults at all, and resident memory level; by default
@@ -74,6 +75,7 @@ print(json.dumps([returned, kept, held]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
 def test_under_fsdp_freed_transients_go_back_to_the_system() -> None:
     """At the fixed 128 KiB threshold a freed 12 MiB tensor is unmapped at once: nothing of the

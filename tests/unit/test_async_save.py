@@ -18,6 +18,7 @@ from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
 
+@pytest.mark.slow
 def test_staged_copies_share_nothing_with_what_the_next_step_changes() -> None:
     """Plain tensors and torchao's 8-bit AdamW states (which implement neither ``clone`` nor
     ``new_empty``), changed in place after the staging as a step changes them."""
@@ -50,6 +51,7 @@ def _run(corpus_dir: Path, tmp_path: Path, name: str, *overrides: str,
     return launch_local(cfg, run_dir, until_step=until), run_dir
 
 
+@pytest.mark.slow
 def test_async_saves_write_what_sync_saves_do_and_resume_exactly(
         corpus_dir: Path, tmp_path: Path) -> None:
     """2 DDP workers, a checkpoint every 2 steps on the save thread: the losses of a
@@ -67,6 +69,7 @@ def test_async_saves_write_what_sync_saves_do_and_resume_exactly(
         assert (async_dir / last / name).read_bytes() == (sync_dir / last / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_a_crash_in_the_middle_of_an_async_save_leaves_the_previous_checkpoint(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 killed in step 4's save, its files written and not published: the run fails

@@ -136,6 +136,7 @@ def test_a_file_without_read_permission_is_named(tmp_path: Path) -> None:
         BatchLoader(path, "x", rank=0, world_size=1, batch_size=5, seed=0)
 
 
+@pytest.mark.slow
 def test_training_on_a_bad_shard_is_one_line_exit_2(tmp_path: Path, corpus_dir: Path) -> None:
     import shutil
 

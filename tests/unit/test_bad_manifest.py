@@ -143,6 +143,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_verify_refuses_in_one_line_with_exit_2(name: str, tmp_path: Path) -> None:
     path = broken(name, tmp_path)

@@ -15,6 +15,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.unit
 
 
+@pytest.mark.slow
 def test_the_loader_bench_runs_and_reports_ratios(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bench.loader", "--out", str(tmp_path),
                           "--rows", "4096", "--seq-len", "64", "--batch-size", "64",
@@ -29,6 +30,7 @@ def test_the_loader_bench_runs_and_reports_ratios(tmp_path: Path) -> None:
     assert all(ratio > 0 for ratio in report["ratios"].values())
 
 
+@pytest.mark.slow
 def test_the_plan_bench_runs_and_ranks_its_grid(tmp_path: Path) -> None:
     """`make bench-plan` on one small shape: every row predicted and measured, and the
     figures its targets are judged on."""
@@ -71,6 +73,7 @@ def test_the_summary_table_marks_missed_targets() -> None:
     assert "memtrain 1 round, 1.0 MB; naive 4 rounds, 4.0 MB | 1 vs k | yes |" in text
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("hf")
 def test_the_hf_bench_runs_and_the_chunked_loss_holds_less(tmp_path: Path) -> None:
     """A small vocabulary and sequence: the full logits still outweigh one chunk's."""
@@ -85,6 +88,7 @@ def test_the_hf_bench_runs_and_the_chunked_loss_holds_less(tmp_path: Path) -> No
     assert report["tokens_per_second"]["memtrain"] > 0
 
 
+@pytest.mark.slow
 def test_the_fsdp_bench_runs_and_the_meta_build_holds_less(tmp_path: Path) -> None:
     """One small size (2 layers) on 2 gloo ranks, trained plainly and lean (bf16 weights,
     4-bit states in backward): the meta build's worst rank holds less than the host build's
@@ -104,6 +108,7 @@ def test_the_fsdp_bench_runs_and_the_meta_build_holds_less(tmp_path: Path) -> No
     assert "lean: largest that builds and trains one step:" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("hf")
 def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut(
         tmp_path: Path) -> None:
@@ -137,6 +142,7 @@ def test_the_strategies_bench_runs_each_row_and_the_strategies_cut_what_they_cut
     assert all(row["predicted_peak_bytes"] > 0 for row in rows.values())
 
 
+@pytest.mark.slow
 def test_the_checkpoints_bench_times_both_checks(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bench.checkpoints", "--out", str(tmp_path),
                           "--gib", "0.0625", "--steps", "0"], capture_output=True, text=True,
@@ -152,6 +158,7 @@ def test_the_checkpoints_bench_times_both_checks(tmp_path: Path) -> None:
     assert all(report[name]["dcp_files"] >= 1 for name in ("demo", "sized"))
 
 
+@pytest.mark.slow
 def test_the_uploads_bench_publishes_the_checkpoint_both_ways(tmp_path: Path) -> None:
     """Through moto and the slow proxy: each upload leaves the checkpoint whole on the store
     (the bench checks it), one file at a time and in parallel."""

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_loop_loader_and_cli_do_not_import_ray() -> None:
     code = ("import sys, trainer.loop, trainer.cli, trainer.launch.local, datapipe.loader, "
             "monitoring; print('ray' in sys.modules)")
@@ -32,6 +33,7 @@ def test_the_cli_starts_without_the_training_packages() -> None:
     assert "--address" in out.stdout
 
 
+@pytest.mark.slow
 def test_datapipe_does_not_import_trainer() -> None:
     code = "import sys, datapipe.loader, datapipe.corpus; print('trainer' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

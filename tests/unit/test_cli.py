@@ -109,6 +109,7 @@ def test_the_old_name_of_activation_checkpointing_every_is_refused_naming_the_ne
         assert checkpointed_blocks(model) == [0, 3]  # the default, 2, gives [0, 2, 4]
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback() -> None:
     result = memtrain("--debug", "train", "-c", "nope.yaml")
     assert result.returncode != 0
@@ -122,6 +123,7 @@ def test_help_lists_the_commands() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.slow
 def test_plan_reports_every_precision_and_checkpointing_choice() -> None:
     """Peaks and predicted tokens/s per row, ``auto``'s row marked, and ``--measure`` running
     the fastest predicted plans on this CPU beside their predictions, on this CPU's real
@@ -174,6 +176,7 @@ def test_plan_rejects_a_bad_device_memory(capsys: pytest.CaptureFixture[str]) ->
     assert "--device-memory 'lots'" in result.stderr
 
 
+@pytest.mark.slow
 def test_plan_divides_the_global_batch_over_the_sequence_groups(
         capsys: pytest.CaptureFixture[str]) -> None:
     """4 workers in sequence groups of 2 are 2 data ranks: a global batch of 2 is one row
@@ -199,6 +202,7 @@ def test_plan_refuses_bf16_weights_where_auto_gives_fp32(
     assert "model.dtype 'bf16': memory.precision auto resolves to fp32 here" in result.stderr
 
 
+@pytest.mark.slow
 def test_plan_keeps_bf16_weights_and_the_step_in_backward_to_what_train_runs(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path) -> None:
@@ -227,6 +231,7 @@ def test_plan_keeps_bf16_weights_and_the_step_in_backward_to_what_train_runs(
     assert "<- auto" not in best and "fp32" not in best
 
 
+@pytest.mark.slow
 def test_plan_with_the_micro_batch_auto_searches_it_and_names_bad_sizes(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path) -> None:
@@ -251,6 +256,7 @@ def test_plan_with_the_micro_batch_auto_searches_it_and_names_bad_sizes(
     assert "train.global_batch_size (31) must be a multiple of the workers (2)" in result.stderr
 
 
+@pytest.mark.slow
 def test_plan_calibrate_measures_this_cpu_again(capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:

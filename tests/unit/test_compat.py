@@ -208,6 +208,7 @@ print(cpu_peak_bytes(noisy) > 0)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["quiet", "debug"])
 def test_the_profilers_native_log_lines_are_held_back(mode: str) -> None:
     """torch's profiler logs ``USDT:... profiler_start`` to stderr from C++ at every window:
@@ -239,6 +240,7 @@ def test_ray_trains_torch_backend_is_what_memtrain_subclasses() -> None:
     assert list(inspect_.signature(address_and_port).parameters) == []
 
 
+@pytest.mark.slow
 def test_transformers_names_checkpoint_tensors_as_memtrain_reads_them() -> None:
     """The renames ``from_pretrained`` applies (GPT-NeoX's ``embed_out`` is ``lm_head``) and
     the base model's prefix added to a file saved from the base model (GPT-2's ``h.0``)."""

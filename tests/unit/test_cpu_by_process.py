@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 # A child that spends 2 s of CPU, then exits 3. (What a process spends after the last sample,
@@ -14,6 +16,7 @@ BURN = ("import sys, time\nstart = time.process_time()\n"
         "while time.process_time() - start < 2:\n    pass\nsys.exit(3)\n")
 
 
+@pytest.mark.slow
 def test_a_commands_cpu_seconds_are_counted_and_its_exit_code_kept() -> None:
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "cpu_by_process.py"), "--",
                           sys.executable, "-c", BURN], capture_output=True, text=True,

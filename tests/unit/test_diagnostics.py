@@ -33,11 +33,13 @@ def _eval_loop(detach: bool) -> list[str]:
     return guard.findings()
 
 
+@pytest.mark.slow
 def test_leak_guard_flags_a_loss_summed_without_detach() -> None:
     findings = _eval_loop(detach=False)
     assert any(f.startswith("resident_bytes grew") for f in findings), findings
 
 
+@pytest.mark.slow
 def test_leak_guard_passes_the_same_loop_with_detach() -> None:
     assert _eval_loop(detach=True) == []
 
@@ -101,6 +103,7 @@ def test_a_failing_diagnostic_warns_once_and_turns_off(caplog: pytest.LogCapture
     assert diagnostics.run("the profiler", lambda: 7) == 7  # the others stay on
 
 
+@pytest.mark.slow
 def test_the_real_loop_keeps_memory_flat(corpus_dir: Path, tmp_path: Path,
                                          dead_proxy: object) -> None:
     """The real loop with the leak guard every 2 steps, a dead weak proxy in the process."""

@@ -53,6 +53,7 @@ def train(tmp_path: Path, model: Path, data: Path, *changes: str) -> subprocess.
                     "local", "--workers", "2", *set_args(overrides))
 
 
+@pytest.mark.slow
 def test_a_chat_dataset_fine_tunes_a_pretrained_model_and_exports(tmp_path: Path) -> None:
     import transformers
 
@@ -149,6 +150,7 @@ def test_masked_tokens_of_a_written_row_carry_no_gradient(tmp_path: Path) -> Non
         torch.testing.assert_close(grad_changed, grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path: Path) -> None:
     """``train.init_from: hf:DIR`` into a model built from a config alone: after a step at a
     vanishing learning rate the checkpoint holds DIR's safetensors, under DDP (read whole) and

@@ -19,6 +19,7 @@ PRELUDE = ("import sys, runpy\n"
            "runpy.run_module('bench.gpu_check', run_name='__main__')\n")
 
 
+@pytest.mark.slow
 def test_dry_mode_runs_every_section_without_the_cluster_dependencies(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", PRELUDE, str(tmp_path)], cwd=REPO,
                             capture_output=True, text=True, timeout=300,

@@ -187,6 +187,7 @@ def test_the_planner_probes_a_hf_model(precision: str, tmp_path: Path) -> None:
     assert profile.loss_shape.vocab_size == 300
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_a_fake_probe_of_a_grouped_query_llama_saves_what_a_real_forward_does(
         packed: bool, tmp_path: Path) -> None:
@@ -226,6 +227,7 @@ def test_a_decoder_layer_is_measured_with_its_own_arguments(tmp_path: Path) -> N
     assert profile.emulation_workspace_per_sample_bytes >= 0
 
 
+@pytest.mark.slow
 def test_a_hf_model_trains_and_exports_back_to_its_own_format(corpus_dir: Path,
                                                                tmp_path: Path) -> None:
     """``memtrain train`` of ``hf:<dir>`` (local launcher) with selective checkpointing and the
@@ -322,6 +324,7 @@ def test_a_dataset_with_more_tokens_than_the_model_embeds_is_refused(corpus_dir:
                                 "parallel.launcher=local", "parallel.workers=1"))
 
 
+@pytest.mark.slow
 def test_model_vocab_size_is_not_an_hf_models_vocabulary(corpus_dir: Path, tmp_path: Path) -> None:
     """``model.vocab_size`` sizes memtrain's GPT: an ``hf:`` model with a smaller vocabulary
     than it trains on data its own vocabulary holds (256 byte tokens into 300), and a setting
@@ -367,6 +370,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
+@pytest.mark.slow
 def test_the_launcher_plans_an_hf_model_without_reading_its_weights(corpus_dir: Path,
                                                                      tmp_path: Path) -> None:
     """``prepare_run`` (the launcher; on a cluster the driver, on the head node) resolves
@@ -394,6 +398,7 @@ def test_the_launcher_plans_an_hf_model_without_reading_its_weights(corpus_dir: 
     assert peaks["weights"] - peaks["shapes"] < weight_bytes // 4, (peaks, weight_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_default_lora_targets_are_pefts_all_linear(family: str, tmp_path: Path) -> None:
     """Every family's default targets are the layers PEFT's ``all-linear`` adapts (GPT-2's

@@ -125,6 +125,7 @@ def test_packed_documents_masks_are_in_the_predicted_peak(mode: str) -> None:
     assert predicted(True) - predicted(False) >= micro * cfg.seq_len ** 2  # the mask at least
 
 
+@pytest.mark.slow
 def test_predicted_step_peak_holds_for_a_compiled_model() -> None:
     """``train.compile`` compiles each block (inductor on CPU here): its graphs may save other
     tensors than eager autograd does, so the planner, which probes the eager model, is checked
@@ -146,6 +147,7 @@ def test_predicted_step_peak_holds_for_a_compiled_model() -> None:
     assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.08), row
 
 
+@pytest.mark.slow
 def test_onednns_bf16_emulation_is_exercised_on_every_avx512_cpu() -> None:
     """The bf16 step-peak cases again, in a process whose oneDNN is capped at AVX512_CORE: a CPU
     with native bf16 then runs oneDNN's emulated kernels, and the planner must know it
@@ -282,6 +284,7 @@ def test_choose_plan_with_a_fixed_micro_batch_picks_the_mode() -> None:
         == ("full", 8, 1)
 
 
+@pytest.mark.slow
 def test_auto_config_resolves_before_launch_and_says_so_on_the_console(corpus_dir,
                                                                      tmp_path) -> None:
     """``memtrain train`` as a user runs it: micro-batch, checkpointing and precision by
@@ -329,6 +332,7 @@ def test_auto_config_resolves_before_launch_and_says_so_on_the_console(corpus_di
     assert loader < lines.index(line)
 
 
+@pytest.mark.slow
 def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, caplog) -> None:
     """On CUDA, ``train.compile: auto`` is decided with the plan: each way's fastest plan,
     compiled (the element-wise work fused, ``GPU_COMPILED_SHARE``) against eager, in numbers;
@@ -367,6 +371,7 @@ def test_auto_on_a_gpu_weighs_compile_and_plans_compiled(corpus_dir, tmp_path, c
     assert not any("train.compile" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_plan_measure_trains_the_configured_optimizer(corpus_dir, tmp_path, monkeypatch
                                                        ) -> None:
     """``plan --measure`` runs each plan with the run's own optimizer (8-bit moments stepping
@@ -457,6 +462,7 @@ def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None
     assert row.predicted_peak_bytes - native_row.predicted_peak_bytes == 4 * measured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_chunk_tokens", [256, 0])
 @pytest.mark.parametrize("precision, mode", [("fp32", "none"), ("bf16", "none"),
                                              ("bf16", "selective"), ("fp32", "full")])
@@ -478,6 +484,7 @@ def test_a_fake_tensor_probe_saves_the_real_probes_bytes_exactly(
     assert fake.per_sample_bytes > 0 and (fake.loss_shape is not None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base_dtype", ["fp32", "bf16"])
 def test_a_lora_model_is_probed_on_fake_tensors_as_on_real_ones(
         base_dtype: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -503,6 +510,7 @@ def test_a_lora_model_is_probed_on_fake_tensors_as_on_real_ones(
     assert dataclasses.replace(fake, work=None) == probe(False)
 
 
+@pytest.mark.slow
 def test_a_model_that_reads_values_is_probed_for_real(caplog: pytest.LogCaptureFixture) -> None:
     """Fake tensors have no values: a forward that reads one (``.item()``) cannot run on them,
     so the planner says so in one log line and probes with real tensors."""
@@ -546,6 +554,7 @@ def test_bf16_norm_inputs_are_on_only_when_their_bytes_buy_something(
     assert chosen is on and why in reason, reason
 
 
+@pytest.mark.slow
 def test_bf16_norm_inputs_auto_resolves_before_launch(corpus_dir, tmp_path, caplog) -> None:
     """``auto`` on the real planner (fake probes) against device budgets on either side of
     what the copies save: off when the configured micro-batch fits without them, on when it

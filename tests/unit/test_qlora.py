@@ -106,6 +106,7 @@ def test_an_nf4_layer_computes_as_torchaos_linear_nf4_in_a_third_of_its_bytes() 
                                                                    rel=0.15)
 
 
+@pytest.mark.slow
 def test_a_layer_nf4_blocks_do_not_divide_stays_bf16_named_once_a_run(
         corpus_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A weight must fill NF4's blocks (64 values) and its scales' blocks (256 scales): at
@@ -160,6 +161,7 @@ def test_nf4_is_refused_in_one_line_where_it_cannot_run(corpus_dir: Path, tmp_pa
                     *overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("workers", "strategy"), [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
 def test_qlora_trains_and_resumes_exactly(corpus_dir: Path, tmp_path: Path, workers: int,
                                           strategy: str) -> None:
@@ -193,6 +195,7 @@ def _assert_resumes_exactly(corpus_dir: Path, tmp_path: Path, workers: int,
     assert len(straight) == 4 and straight[-1] < straight[0]
 
 
+@pytest.mark.slow
 def test_merged_export_is_peft_merge_over_the_same_dequantized_base(tmp_path: Path) -> None:
     """Three QLoRA steps of a tiny Llama, exported with ``--merge``: its logits equal PEFT's
     ``merge_and_unload`` of the adapter export over the pretrained base whose linear weights
@@ -367,6 +370,7 @@ def test_auto_weighs_sharding_an_nf4_base(corpus_dir: Path, tmp_path: Path) -> N
     ("32MiB", "; model.lora.base_dtype nf4 (QLoRA) would fit, at a predicted peak of "),
     ("8MiB", "; nor with model.lora.base_dtype nf4 (QLoRA); "),
 ])
+@pytest.mark.slow
 def test_when_nothing_fits_auto_says_whether_an_nf4_base_would(budget: str, said: str) -> None:
     """``auto`` never switches a base to NF4 itself (it changes the arithmetic), but where
     nothing fits a LoRA config its refusal says whether ``base_dtype: nf4`` would (planned for
@@ -411,6 +415,7 @@ def test_a_low_bit_base_keeps_its_tied_embedding_and_its_layout_at_every_world_s
         quantize_base(shapes, parts=2)
 
 
+@pytest.mark.slow
 def test_an_hf_llamas_qlora_resumes_exactly_under_fsdp(corpus_dir: Path, tmp_path: Path) -> None:
     """An ``hf:`` Llama read from its safetensors, QLoRA on 2 FSDP ranks (each quantizing its
     rows as it reads them): four steps straight against two, then two more from the checkpoint,

@@ -12,6 +12,7 @@ from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
 
+@pytest.mark.slow
 def test_report_png_has_the_size_and_content_of_three_plots(corpus_dir: Path,
                                                              tmp_path: Path) -> None:
     cfg, run_dir = prepare_run(tiny_config(

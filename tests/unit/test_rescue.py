@@ -68,6 +68,7 @@ def test_the_step_in_backward_takes_the_batch_of_a_data_rank_under_sequence_para
     ("60MiB", "memory.optimizer_in_backward true, memory.activation_offload all"),
     ("56MiB", "memory.optimizer_states 8bit"),  # neither is enough: 8-bit states alone are
 ])
+@pytest.mark.slow
 def test_a_budget_that_fits_nothing_as_configured_gets_the_first_tier_that_fits(
         budget: str, added: str, caplog: pytest.LogCaptureFixture) -> None:
     cfg = _cfg(f"memory.device_memory={budget}")
@@ -87,6 +88,7 @@ def test_a_budget_that_fits_nothing_as_configured_gets_the_first_tier_that_fits(
         assert chosen.train.micro_batch_size == 4
 
 
+@pytest.mark.slow
 def test_nothing_fitting_even_with_every_strategy_names_what_was_tried() -> None:
     with pytest.raises(ConfigError, match=r"^nothing fits 30\.0 MiB per device .*; nor with "
                                           r"memory\.activation_offload all, memory\.optimizer_"
@@ -96,6 +98,7 @@ def test_nothing_fitting_even_with_every_strategy_names_what_was_tried() -> None
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_with_the_strategy_auto_too_they_are_added_to_the_sharding_holding_least(
         caplog: pytest.LogCaptureFixture) -> None:
     """No sharding candidate fits 20 MiB as configured: FSDP (the one holding least) is kept, and

@@ -43,6 +43,7 @@ def _profile(seq_len: int, sequence: int = 1, packed: bool = False,
                                "fp32", packed=packed, sequence=sequence, work=True)
 
 
+@pytest.mark.slow
 def test_a_rank_of_a_split_is_probed_with_its_tokens_and_attention_over_whole_rows() -> None:
     """Each rank holds 128 of a row's 256 tokens: its all-to-alls take in queries, keys, values
     and attention's output, 128 x 64 fp32 values each, a layer; under packed rows its saved
@@ -87,6 +88,7 @@ def test_a_split_plan_counts_its_all_to_alls_bytes_and_time(checkpointing: str) 
         row.all_to_all_bytes / speed.step_device.allreduce_bytes_per_s)
 
 
+@pytest.mark.slow
 def test_memtrain_plan_shows_a_row_per_sequence_degree() -> None:
     """Each degree the 4 workers allow, with its data ranks, a rank's tokens of a row, its
     fastest fitting plan's peak and all-to-all bytes; a degree the heads do not divide into
@@ -112,6 +114,7 @@ def test_memtrain_plan_shows_a_row_per_sequence_degree() -> None:
               "peak of 9.8 MiB per rank; "),  # its fastest fitting plan, selective
     ("8MiB", "; nor with parallel.sequence 2 or 4; "),
 ])
+@pytest.mark.slow
 def test_when_a_row_fits_no_rank_auto_says_which_sequence_split_would(budget: str,
                                                                       said: str) -> None:
     """``auto`` never splits rows itself (the config names the degree), but its refusal says
@@ -121,6 +124,7 @@ def test_when_a_row_fits_no_rank_auto_says_which_sequence_split_would(budget: st
     assert said in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_with_the_strategy_auto_the_refusal_names_the_split_under_the_sharding_holding_least(
         ) -> None:
     """No sharding candidate fits 16 MiB and auto may add no memory strategy: the refusal

@@ -13,6 +13,7 @@ from bench.soak import soak
 pytestmark = pytest.mark.unit
 
 
+@pytest.mark.slow
 def test_a_short_soak_stays_flat(tmp_path: Path) -> None:
     report = soak(steps=600, every=50, warmup_share=0.25, work=tmp_path)
     assert len(report["samples"]) >= 10

@@ -266,6 +266,7 @@ def test_this_cpus_calibration_ranks_the_kernels_it_has() -> None:
 DEEP = GPTConfig(seq_len=256, n_layer=8, n_head=2, n_embd=128, vocab_size=256)
 
 
+@pytest.mark.slow
 def test_auto_takes_no_checkpointing_at_a_smaller_micro_batch_when_it_is_faster() -> None:
     """The case the old rule got wrong: where no checkpointing fits micro-batch 2 only, the
     old rule took full checkpointing at 16 (the least recomputation with a micro-batch of at
@@ -390,6 +391,7 @@ def _assert_same(got: Work, want: Work, *where: object) -> None:
         assert got_kinds[key][1] == pytest.approx(amount, rel=1e-9, abs=1e-6), (*where, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_loss_is_counted_in_whole_chunks_of_any_size(precision: str) -> None:
     """The loss's chunks are whole, so its operators are not linear in the batch: the step's
@@ -417,6 +419,7 @@ def test_the_loss_is_counted_in_whole_chunks_of_any_size(precision: str) -> None
     assert matmuls == _by_kind(work.forward_backward(5, 320))[f"matmul:{precision}"][0] + 6 * 3
 
 
+@pytest.mark.slow
 def test_auto_chooses_the_loss_chunk_with_the_plan() -> None:
     """Larger chunks are fewer operators and weight-gradient sums, and more logits at once:
     with room, the planner takes the chunk predicted fastest (which of the larger ones depends

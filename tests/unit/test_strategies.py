@@ -73,6 +73,7 @@ def test_the_step_in_backward_is_adamw_after_backward_to_the_bit() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_low_bit_states_train_as_fp32_adamw_does_in_the_bytes_the_planner_counts() -> None:
     """A convergence check: 50 steps memorising 8 fixed sequences. fp32 AdamW takes the loss
     from ln(256) to under a hundredth of it; bf16, 8-bit and 4-bit moments must take away at
@@ -134,6 +135,7 @@ STRATEGY_PEAKS = [  # (checkpointing, offload, states, in backward)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac, offload, states, in_backward", STRATEGY_PEAKS)
 def test_the_planner_predicts_each_strategys_step_peak(ac: str, offload: str, states: str,
                                                        in_backward: bool) -> None:
@@ -158,6 +160,7 @@ def test_the_planner_predicts_each_strategys_step_peak(ac: str, offload: str, st
         assert row.host_bytes == profile.host_bytes(4) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("states", ["8bit", "4bit"])
 def test_the_planner_predicts_a_bf16_weights_step_peak(states: str) -> None:
     """``model.dtype: bf16`` with the step in backward and full checkpointing (the bench's
@@ -227,6 +230,7 @@ def test_lora_refuses_the_output_layer_and_a_target_that_matches_nothing() -> No
     ("memory.activation_offload=checkpointed",),
     ("model.lora.rank=4",),
 ], ids=["8bit", "bf16", "in-backward", "offload", "lora"])
+@pytest.mark.slow
 def test_each_strategy_resumes_exactly(overrides: tuple[str, ...], corpus_dir: Path,
                                        tmp_path: Path) -> None:
     """8 steps straight, and 4, a stop and 4 more: the same losses to the bit (the moments'

@@ -64,6 +64,7 @@ def test_a_ddp_candidate_drops_the_fsdp_settings_and_validates_again() -> None:
     ("52MiB", "parallel.strategy fsdp (reshard_after_forward true, offload none)"),
     ("36MiB", "parallel.strategy fsdp (reshard_after_forward true, offload cpu)"),
 ])
+@pytest.mark.slow
 def test_auto_takes_ddp_then_fsdp_then_offload_as_memory_shrinks(
         budget: str, chosen: str, caplog: pytest.LogCaptureFixture) -> None:
     """DDP needs about 69 MiB a GPU here, FSDP on 4 ranks 39, with offload 33 (90% headroom):
@@ -78,6 +79,7 @@ def test_auto_takes_ddp_then_fsdp_then_offload_as_memory_shrinks(
     assert "does not fit" in line or chosen.endswith("ddp")
 
 
+@pytest.mark.slow
 def test_nothing_fitting_under_any_candidate_is_one_line() -> None:
     cfg = _cfg("parallel.strategy=auto", "parallel.fsdp.offload=auto",
                "memory.device_memory=24MiB")

@@ -259,6 +259,7 @@ def test_the_config_takes_k_from_1_to_the_sequence() -> None:
         load_config(None, ["memory.tiled_mlp=33", "model.seq_len=32"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "precision", "share_bytes"), [
     # the (B, T, 4C) tensors the GPT's MLP saves: fc's output (for GELU), GELU's (for proj)
     ("gpt", "fp32", 2 * 4 * 32 * 4), ("gpt", "bf16", 2 * 4 * 32 * 2),
@@ -305,6 +306,7 @@ def test_the_mlps_peak_through_forward_and_backward_falls_with_the_tiles() -> No
     assert peaks[0] - peaks[1] >= 0.9 * intermediate, (peaks, intermediate)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_the_planner_holds_a_tiled_llamas_backward(tmp_path: Path, checkpointing: str) -> None:
     """The planner's step peak of an ``hf:`` Llama with 4 MLP tiles (1,024 tokens, width 128,

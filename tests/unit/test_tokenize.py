@@ -238,6 +238,7 @@ def test_tokenizer_training_refuses_bad_input(texts: Path, tmp_path: Path) -> No
     assert not (tmp_path / "t.json").exists()
 
 
+@pytest.mark.slow
 def test_from_text_files_to_training_with_no_network(tmp_path: Path) -> None:
     """The README's path for your own corpus: train a tokenizer, write train and val shards,
     inspect them, train a small GPT on them; a model vocabulary smaller than the dataset's is

@@ -48,6 +48,7 @@ AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
 ELSEWHERE_RTOL = {"fp32": 1e-5, "bf16": 1e-3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_twenty_steps_give_the_recorded_losses(precision: str, corpus_dir: Path,
                                                tmp_path: Path) -> None:
@@ -117,6 +118,7 @@ def reference_run(cfg: Config) -> tuple[list[tuple[float, float]], dict[str, tor
     return records, model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_train_is_a_plain_loop_bit_for_bit(precision: str, corpus_dir: Path, tmp_path: Path,
                                            one_thread) -> None:
