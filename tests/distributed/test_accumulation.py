@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.gloo import on_ranks
 from trainer.batches import TokenBatch
-from trainer.launch.local import free_port, start_workers
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
 from trainer.memory.precision import precision_policy
 from trainer.models.gpt import GPT, GPTConfig
@@ -84,23 +83,18 @@ def _one_step(rank: int, world_size: int, micro_batch: int, oom_agreement: bool,
     return {k: v.detach().clone() for k, v in unwrapped.state_dict().items()}, calls["n"]
 
 
-def _worker(rank: int, world_size: int, port: int, micro_batch: int, oom_agreement: bool,
-            steps: int, out: str, masked: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        params, calls = _one_step(rank, world_size, micro_batch, oom_agreement, steps, masked)
-        if rank == 0:
-            torch.save({"params": params, "calls": calls}, out)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, micro_batch: int, oom_agreement: bool, steps: int, out: str,
+            masked: bool) -> None:
+    params, calls = _one_step(rank, dist.get_world_size(), micro_batch, oom_agreement, steps,
+                              masked)
+    if rank == 0:
+        torch.save({"params": params, "calls": calls}, out)
 
 
 def _run_two_ranks(tmp_path: Path, micro_batch: int, oom_agreement: bool, steps: int = 1,
                    masked: bool = False):
     out = tmp_path / f"result-{micro_batch}-{oom_agreement}-{steps}-{masked}.pt"
-    start_workers(_worker, (2, free_port(), micro_batch, oom_agreement, steps, str(out),
-                            masked), 2)
+    on_ranks(_worker, 2, micro_batch, oom_agreement, steps, str(out), masked)
     result = torch.load(out, weights_only=True)
     return result["params"], result["calls"]
 

@@ -4,7 +4,6 @@ and sharded checkpoints that resume."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from functools import partial
 from pathlib import Path
@@ -12,12 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.conftest import logged_losses, tiny_config
 from tests.distributed.shards import local_parameter_bytes
+from tests.gloo import on_ranks
 from trainer.config import ConfigError, load_config
-from trainer.launch.local import free_port, launch_local, start_workers
+from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, to_bf16
@@ -62,23 +61,18 @@ def test_fsdp_and_ddp_losses_agree_and_sharded_checkpoints_reshard_across_world_
     assert logged_losses(fsdp_dir) == pytest.approx(logged_losses(runs["ddp"]), rel=1e-4)
 
 
-def _count_bytes(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(seq_len=32, n_layer=4, n_head=2, n_embd=64))
-        full = local_parameter_bytes(model)
-        shard_model(model)
-        if rank == 0:
-            torch.save({"full": full, "sharded": local_parameter_bytes(model)}, out)
-    finally:
-        dist.destroy_process_group()
+def _count_bytes(rank: int, out: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=32, n_layer=4, n_head=2, n_embd=64))
+    full = local_parameter_bytes(model)
+    shard_model(model)
+    if rank == 0:
+        torch.save({"full": full, "sharded": local_parameter_bytes(model)}, out)
 
 
 def test_parameter_bytes_per_rank_halve_at_world_size_2(tmp_path: Path) -> None:
     out = tmp_path / "bytes.pt"
-    start_workers(_count_bytes, (free_port(), str(out)), 2)
+    on_ranks(_count_bytes, 2, str(out))
     result = torch.load(out, weights_only=True)
     assert result["sharded"] == pytest.approx(result["full"] / 2, rel=0.01)
 
@@ -242,30 +236,24 @@ def _wide(settings: FsdpSettings) -> torch.nn.Module:
     return to_bf16(GPT(_WIDE)) if settings.weight_dtype == "bf16" else GPT(_WIDE)
 
 
-def _step_peak(rank: int, port: int, case: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        precision, settings = _PLANNED[case]
-        model = shard_model(_wide(settings), settings)
-        optimizer = build_optimizer(model, 1e-4, weight_decay=0.01, betas=(0.9, 0.999),
-                                    states="bf16") if settings.weight_dtype == "bf16" \
-            else torch.optim.AdamW(model.parameters(), lr=1e-4)
-        policy = settings.step_policy(precision_policy(precision, torch.device("cpu"),
-                                                       warn=False))  # as the loop runs it
-        scaler = policy.grad_scaler(torch.device("cpu"))
-        tokens = torch.randint(0, _WIDE.vocab_size, (2, _WIDE.seq_len + 1))
-        create_optimizer_state(optimizer)  # the first measured step also runs FSDP's lazy init
-        peak = min(step_peak_bytes(model, optimizer, scaler, tokens, policy) for _ in range(3))
-        # torch's tracker is a dispatch mode, under which torchao's compiled step cannot run
-        tracked = None if settings.weight_dtype == "bf16" else \
-            _tracked_peak(model, optimizer, scaler, tokens, policy)
-        if rank == 0:
-            torch.save({"peak": peak, "tracked": tracked}, out)
-    finally:
-        dist.destroy_process_group()
+def _step_peak(rank: int, case: str, out: str) -> None:
+    torch.manual_seed(0)
+    precision, settings = _PLANNED[case]
+    model = shard_model(_wide(settings), settings)
+    optimizer = build_optimizer(model, 1e-4, weight_decay=0.01, betas=(0.9, 0.999),
+                                states="bf16") if settings.weight_dtype == "bf16" \
+        else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    policy = settings.step_policy(precision_policy(precision, torch.device("cpu"),
+                                                   warn=False))  # as the loop runs it
+    scaler = policy.grad_scaler(torch.device("cpu"))
+    tokens = torch.randint(0, _WIDE.vocab_size, (2, _WIDE.seq_len + 1))
+    create_optimizer_state(optimizer)  # the first measured step also runs FSDP's lazy init
+    peak = min(step_peak_bytes(model, optimizer, scaler, tokens, policy) for _ in range(3))
+    # torch's tracker is a dispatch mode, under which torchao's compiled step cannot run
+    tracked = None if settings.weight_dtype == "bf16" else \
+        _tracked_peak(model, optimizer, scaler, tokens, policy)
+    if rank == 0:
+        torch.save({"peak": peak, "tracked": tracked}, out)
 
 
 @pytest.mark.parametrize("case", list(_PLANNED))
@@ -284,7 +272,7 @@ def test_planner_predicts_an_fsdp_rank_peak(tmp_path: Path, case: str) -> None:
     together, at most their sum (they peak at different moments) and at least the larger.
     """
     out = tmp_path / "peak.pt"
-    start_workers(_step_peak, (free_port(), case, str(out)), 2)
+    on_ranks(_step_peak, 2, case, str(out))
     result = torch.load(out, weights_only=True)
     measured = result["peak"]
     precision, settings = _PLANNED[case]

@@ -4,7 +4,6 @@ starts from), and an ``hf:`` directory's safetensors load per rank."""
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from monitoring.memory import PeakResident
 from tests.distributed.shards import local_parameter_bytes
-from trainer.launch.local import free_port, start_workers
+from tests.gloo import on_ranks
 from trainer.memory.precision import precision_policy
 from trainer.models.build import Bf16Weights, MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
@@ -36,53 +35,47 @@ def _full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, t in model.state_dict().items()}
 
 
-def _build(rank: int, port: int, world_size: int, path: str, out: str) -> None:
+def _build(rank: int, path: str, out: str) -> None:
     """Build ``_BIG`` sharded on ``path`` ("meta": today's; "host": whole, then sharded), with
     the resident memory it took on this rank; "meta" then trains a step and compares weights."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        factory, transforms = partial(GPT, _BIG), MemoryTransforms(activation_checkpointing="full")
-        # The baseline is a process that has built and sharded a model once: the code pages
-        # of the first build (FSDP, DTensor, the dispatch mode) are not the model's bytes.
-        build_sharded(partial(GPT, _TINY), transforms, torch.device("cpu"), 5, FsdpSettings())
-        with PeakResident().watch() as build:
-            if path == "meta":
-                model = build_sharded(factory, transforms, torch.device("cpu"), 5,
-                                      FsdpSettings(), model_name="gpt")
-            else:
-                model = shard_model(build_model(factory, transforms, torch.device("cpu"), 5))
-        result = {"peak": build.peak, "shard": local_parameter_bytes(model)}
+    factory, transforms = partial(GPT, _BIG), MemoryTransforms(activation_checkpointing="full")
+    # The baseline is a process that has built and sharded a model once: the code pages
+    # of the first build (FSDP, DTensor, the dispatch mode) are not the model's bytes.
+    build_sharded(partial(GPT, _TINY), transforms, torch.device("cpu"), 5, FsdpSettings())
+    with PeakResident().watch() as build:
         if path == "meta":
-            del model
-            with PeakResident().watch() as build_bf16:  # model.dtype bf16: its fp32 values
-                lean = build_sharded(Bf16Weights(partial(GPT, _BIG)), transforms,  # as made
-                                     torch.device("cpu"), 5,
-                                     FsdpSettings("bf16", weight_dtype="bf16"), model_name="gpt")
-            result["peak_bf16"] = build_bf16.peak
-            del lean
-            model = build_sharded(factory, transforms, torch.device("cpu"), 5, FsdpSettings(),
-                                  model_name="gpt")
-            host = _full_weights(build_model(factory, MemoryTransforms(), seed=5))
-            result["same"] = all(torch.equal(t, host[name])
-                                 for name, t in _full_weights(model).items())
-            del host  # (the gathered copies went with the comparison)
-            result["steps"] = _step_peaks(model)
-            # model.dtype bf16: the meta build's shards are the host build's weights, rounded
-            bf16 = _full_weights(build_sharded(Bf16Weights(partial(GPT, _TINY)), transforms,
-                                               torch.device("cpu"), 5,
-                                               FsdpSettings("bf16", weight_dtype="bf16"),
-                                               model_name="gpt"))
-            rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in
-                       _full_weights(build_model(partial(GPT, _TINY), transforms,
-                                                 seed=5)).items()}
-            result["same_bf16"] = bf16.keys() == rounded.keys() and all(
-                t.dtype == torch.bfloat16 and torch.equal(t, rounded[k]) for k, t in bf16.items()
-                if t.is_floating_point())
-        torch.save(result, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+            model = build_sharded(factory, transforms, torch.device("cpu"), 5,
+                                  FsdpSettings(), model_name="gpt")
+        else:
+            model = shard_model(build_model(factory, transforms, torch.device("cpu"), 5))
+    result = {"peak": build.peak, "shard": local_parameter_bytes(model)}
+    if path == "meta":
+        del model
+        with PeakResident().watch() as build_bf16:  # model.dtype bf16: its fp32 values
+            lean = build_sharded(Bf16Weights(partial(GPT, _BIG)), transforms,  # as made
+                                 torch.device("cpu"), 5,
+                                 FsdpSettings("bf16", weight_dtype="bf16"), model_name="gpt")
+        result["peak_bf16"] = build_bf16.peak
+        del lean
+        model = build_sharded(factory, transforms, torch.device("cpu"), 5, FsdpSettings(),
+                              model_name="gpt")
+        host = _full_weights(build_model(factory, MemoryTransforms(), seed=5))
+        result["same"] = all(torch.equal(t, host[name])
+                             for name, t in _full_weights(model).items())
+        del host  # (the gathered copies went with the comparison)
+        result["steps"] = _step_peaks(model)
+        # model.dtype bf16: the meta build's shards are the host build's weights, rounded
+        bf16 = _full_weights(build_sharded(Bf16Weights(partial(GPT, _TINY)), transforms,
+                                           torch.device("cpu"), 5,
+                                           FsdpSettings("bf16", weight_dtype="bf16"),
+                                           model_name="gpt"))
+        rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in
+                   _full_weights(build_model(partial(GPT, _TINY), transforms,
+                                             seed=5)).items()}
+        result["same_bf16"] = bf16.keys() == rounded.keys() and all(
+            t.dtype == torch.bfloat16 and torch.equal(t, rounded[k]) for k, t in bf16.items()
+            if t.is_floating_point())
+    torch.save(result, f"{out}.{rank}")
 
 
 def _step_peaks(model: torch.nn.Module) -> list[int]:
@@ -107,7 +100,7 @@ def _planned_peak(world_size: int) -> int:
 
 def _results(tmp_path: Path, world_size: int, path: str) -> list[dict]:
     out = tmp_path / path
-    start_workers(_build, (free_port(), world_size, path, str(out)), world_size)
+    on_ranks(_build, world_size, path, str(out))
     return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world_size)]
 
 
@@ -161,38 +154,32 @@ def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return state
 
 
-def _phase(rank: int, port: int, world_size: int, load: str, save: str, out: str) -> None:
+def _phase(rank: int, load: str, save: str, out: str) -> None:
     """Build on meta, load ``load`` (a DCP checkpoint; "": none), train a step on data of its
     own (every world size draws the same global batch), save to ``save``; rank 0 records the
     whole state it loaded and the one it saved."""
     from trainer.checkpoint.files import load_states, model_and_optimizer_states, write_states
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        model = build_sharded(partial(GPT, _TINY), MemoryTransforms(), torch.device("cpu"), 1,
-                              FsdpSettings(), model_name="gpt")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loaded = None
-        if load:
-            for p in model.parameters():  # AdamW's state exists before DCP loads into it
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            load_states(Path(load), model, optimizer)
-            loaded = _full_state(model, optimizer)
-        batch = torch.randint(0, _TINY.vocab_size, (4, _TINY.seq_len + 1),
-                              generator=torch.Generator().manual_seed(len(load)))
-        rows = batch.chunk(world_size)[rank]
-        (model(rows[:, :-1], rows[:, 1:]) / batch[:, 1:].numel()).backward()
+    model = build_sharded(partial(GPT, _TINY), MemoryTransforms(), torch.device("cpu"), 1,
+                          FsdpSettings(), model_name="gpt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loaded = None
+    if load:
+        for p in model.parameters():  # AdamW's state exists before DCP loads into it
+            p.grad = torch.zeros_like(p)
         optimizer.step()
-        write_states(Path(save), None, model_and_optimizer_states(model, optimizer))
-        saved = _full_state(model, optimizer)
-        if rank == 0:
-            torch.save({"loaded": loaded, "saved": saved}, out)
-    finally:
-        dist.destroy_process_group()
+        optimizer.zero_grad(set_to_none=True)
+        load_states(Path(load), model, optimizer)
+        loaded = _full_state(model, optimizer)
+    batch = torch.randint(0, _TINY.vocab_size, (4, _TINY.seq_len + 1),
+                          generator=torch.Generator().manual_seed(len(load)))
+    rows = batch.chunk(dist.get_world_size())[rank]
+    (model(rows[:, :-1], rows[:, 1:]) / batch[:, 1:].numel()).backward()
+    optimizer.step()
+    write_states(Path(save), None, model_and_optimizer_states(model, optimizer))
+    saved = _full_state(model, optimizer)
+    if rank == 0:
+        torch.save({"loaded": loaded, "saved": saved}, out)
 
 
 def test_a_sharded_run_resumes_on_4_then_2_then_4_ranks(tmp_path: Path) -> None:
@@ -201,7 +188,7 @@ def test_a_sharded_run_resumes_on_4_then_2_then_4_ranks(tmp_path: Path) -> None:
     previous = ""
     for step, world_size in enumerate((4, 2, 4)):
         save, out = str(tmp_path / f"checkpoint-{step}"), str(tmp_path / f"state-{step}.pt")
-        start_workers(_phase, (free_port(), world_size, previous, save, out), world_size)
+        on_ranks(_phase, world_size, previous, save, out)
         state = torch.load(out, weights_only=True)
         if previous:
             saved = tmp_path / f"state-{step - 1}.pt"

@@ -6,17 +6,15 @@ a model that cannot be built on meta is built on the host, with one line saying 
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tests.gloo import on_ranks
 from trainer.config import load_config
-from trainer.launch.local import free_port, start_workers
 from trainer.models.build import MemoryTransforms, build_model, model_factory
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.models.hf import weights_of
@@ -36,38 +34,28 @@ SETTINGS = {
 }
 
 
-def _init(rank: int, port: int, world_size: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    torch.set_num_threads(1)
-
-
-def _three_steps(rank: int, port: int, out: str) -> None:
+def _three_steps(rank: int, out: str) -> None:
     """Three AdamW steps of the same data under every setting; each rank's losses and its
     first shard after them."""
-    _init(rank, port, 4)
-    try:
-        results = {}
-        for name, settings in SETTINGS.items():
-            model = build_sharded(partial(GPT, _GPT), MemoryTransforms(), torch.device("cpu"), 3,
-                                  settings, model_name="gpt")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            generator = torch.Generator().manual_seed(rank)
-            losses = []
-            for _ in range(3):
-                tokens = torch.randint(0, _GPT.vocab_size, (2, _GPT.seq_len + 1),
-                                       generator=generator)
-                loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-            first = next(model.parameters())
-            results[name] = {"losses": losses, "shard": first.to_local().detach().float().clone(),
-                             "dtype": str(first.dtype), "device": str(first.device)}
-        torch.save(results, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for name, settings in SETTINGS.items():
+        model = build_sharded(partial(GPT, _GPT), MemoryTransforms(), torch.device("cpu"), 3,
+                              settings, model_name="gpt")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(3):
+            tokens = torch.randint(0, _GPT.vocab_size, (2, _GPT.seq_len + 1),
+                                   generator=generator)
+            loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        first = next(model.parameters())
+        results[name] = {"losses": losses, "shard": first.to_local().detach().float().clone(),
+                         "dtype": str(first.dtype), "device": str(first.device)}
+    torch.save(results, f"{out}.{rank}")
 
 
 def test_each_fsdp_setting_trains_the_same_step(tmp_path: Path) -> None:
@@ -77,7 +65,7 @@ def test_each_fsdp_setting_trains_the_same_step(tmp_path: Path) -> None:
     loss of a 4-block model goes through a few dozen roundings whose errors mostly cancel; a 2%
     bound on each loss is 30x what was seen (under 0.07%)."""
     out = tmp_path / "steps"
-    start_workers(_three_steps, (free_port(), str(out)), 4)
+    on_ranks(_three_steps, 4, str(out))
     for rank in range(4):
         results = torch.load(f"{out}.{rank}", weights_only=True)
         default = results["default"]
@@ -90,20 +78,16 @@ def test_each_fsdp_setting_trains_the_same_step(tmp_path: Path) -> None:
             assert results[name]["losses"] != default["losses"]  # it did compute in bf16
 
 
-def _pretrained_logits(rank: int, port: int, directory: str, out: str) -> None:
-    _init(rank, port, 2)
-    try:
-        cfg = load_config(None, [f"model.name=hf:{directory}", "model.seq_len=16",
-                                 "model.vocab_size=128"])
-        model = build_sharded(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
-                              torch.device("cpu"), 0, FsdpSettings(), model_name=cfg.model.name,
-                              weights=weights_of(cfg.model.name))
-        tokens = torch.arange(32).reshape(2, 16) % 128
-        with torch.no_grad():
-            logits = model(tokens)
-        torch.save(logits, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _pretrained_logits(rank: int, directory: str, out: str) -> None:
+    cfg = load_config(None, [f"model.name=hf:{directory}", "model.seq_len=16",
+                             "model.vocab_size=128"])
+    model = build_sharded(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
+                          torch.device("cpu"), 0, FsdpSettings(), model_name=cfg.model.name,
+                          weights=weights_of(cfg.model.name))
+    tokens = torch.arange(32).reshape(2, 16) % 128
+    with torch.no_grad():
+        logits = model(tokens)
+    torch.save(logits, f"{out}.{rank}")
 
 
 @pytest.mark.xdist_group("hf")
@@ -118,7 +102,7 @@ def test_pretrained_safetensors_load_shard_by_shard(tmp_path: Path) -> None:
     torch.manual_seed(123)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
     out = tmp_path / "logits"
-    start_workers(_pretrained_logits, (free_port(), str(tmp_path / "llama"), str(out)), 2)
+    on_ranks(_pretrained_logits, 2, str(tmp_path / "llama"), str(out))
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
     with torch.no_grad():
         want = pretrained(input_ids=torch.arange(32).reshape(2, 16) % 128).logits
@@ -150,27 +134,23 @@ def reads_values(**_fields: object) -> ReadsValues:
 ENTRY_POINT = "tests.distributed.test_fsdp_settings:reads_values"
 
 
-def _falls_back(rank: int, port: int, out: str) -> None:
-    _init(rank, port, 2)
-    try:
-        records: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("trainer.models.build").addHandler(handler)
-        factory = partial(create_model, ENTRY_POINT)
-        model = build_sharded(factory, MemoryTransforms(), torch.device("cpu"), 9,
-                              FsdpSettings(), model_name=ENTRY_POINT)
-        want = build_model(factory, MemoryTransforms(), seed=9).state_dict()
-        same = all(torch.equal(t.full_tensor(), want[name])
-                   for name, t in model.state_dict().items())
-        torch.save({"records": records, "same": same}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _falls_back(rank: int, out: str) -> None:
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainer.models.build").addHandler(handler)
+    factory = partial(create_model, ENTRY_POINT)
+    model = build_sharded(factory, MemoryTransforms(), torch.device("cpu"), 9,
+                          FsdpSettings(), model_name=ENTRY_POINT)
+    want = build_model(factory, MemoryTransforms(), seed=9).state_dict()
+    same = all(torch.equal(t.full_tensor(), want[name])
+               for name, t in model.state_dict().items())
+    torch.save({"records": records, "same": same}, f"{out}.{rank}")
 
 
 def test_a_model_that_cannot_be_built_on_meta_is_built_on_the_host(tmp_path: Path) -> None:
     out = tmp_path / "fallback"
-    start_workers(_falls_back, (free_port(), str(out)), 2)
+    on_ranks(_falls_back, 2, str(out))
     result = torch.load(f"{out}.0", weights_only=True)
     assert result["same"]
     [line] = result["records"]

@@ -7,13 +7,11 @@ line naming the tensor, not cut to fit."""
 from __future__ import annotations
 
 import json
-import os
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("hf")]
 
@@ -61,7 +59,7 @@ def _save(tmp_path: Path) -> dict[str, Path]:
     return directories
 
 
-def _load_sharded(rank: int, port: int, directories: dict[str, str], tokens: torch.Tensor,
+def _load_sharded(rank: int, directories: dict[str, str], tokens: torch.Tensor,
                   out: str) -> None:
     """Every family built sharded on the meta device and filled from its files, then run."""
     from trainer.models.build import MemoryTransforms
@@ -69,26 +67,20 @@ def _load_sharded(rank: int, port: int, directories: dict[str, str], tokens: tor
     from trainer.models.registry import create_model
     from trainer.parallel.fsdp import FsdpSettings, build_sharded
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        results: dict[str, object] = {}
-        for name, directory in directories.items():
-            spec = f"hf:{directory}"
-            try:
-                model = build_sharded(partial(create_model, spec, load_weights=False, **_FIELDS),
-                                      MemoryTransforms(), torch.device("cpu"), seed=3,
-                                      settings=FsdpSettings(), model_name=spec,
-                                      weights=weights_of(spec))
-                with torch.no_grad():
-                    results[name] = model(tokens)
-            except ValueError as err:
-                results[name] = str(err)
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
+    results: dict[str, object] = {}
+    for name, directory in directories.items():
+        spec = f"hf:{directory}"
+        try:
+            model = build_sharded(partial(create_model, spec, load_weights=False, **_FIELDS),
+                                  MemoryTransforms(), torch.device("cpu"), seed=3,
+                                  settings=FsdpSettings(), model_name=spec,
+                                  weights=weights_of(spec))
+            with torch.no_grad():
+                results[name] = model(tokens)
+        except ValueError as err:
+            results[name] = str(err)
+    if rank == 0:
+        torch.save(results, out)
 
 
 def _from_pretrained(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -102,7 +94,7 @@ def _from_pretrained(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
 def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from trainer.launch.local import free_port, start_workers
+    from tests.gloo import on_ranks
 
     directories = _save(tmp_path)
     # A file whose embedding has more rows than its config's vocabulary (a resized tokenizer):
@@ -131,11 +123,9 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
     save_file(tensors, conflict / "model.safetensors", metadata={"format": "pt"})
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = tmp_path / "results.pt"
-    start_workers(_load_sharded, (free_port(), {name: str(d) for name, d in
-                                                {**directories, "llama-wide": wide,
-                                                 "foreign": foreign,
-                                                 "conflict": conflict}.items()},
-                                  tokens, str(out)), 2)
+    on_ranks(_load_sharded, 2, {name: str(d) for name, d in
+                                {**directories, "llama-wide": wide, "foreign": foreign,
+                                 "conflict": conflict}.items()}, tokens, str(out))
     results = torch.load(out, weights_only=True)
     for name, directory in directories.items():
         assert isinstance(results[name], torch.Tensor), f"{name}: {results[name]}"

@@ -4,15 +4,13 @@ code; no rank holds the base in more than its NF4 shard and a layer in flight.""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from monitoring.memory import PeakResident
-from trainer.launch.local import free_port, start_workers
+from tests.gloo import on_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("hf")]
 
@@ -26,33 +24,27 @@ def _model(n_embd: int, n_layer: int):  # noqa: ANN202
                        n_embd=n_embd, lora=LoraConfig(rank=4, base_dtype="nf4"))
 
 
-def _build(rank: int, port: int, world_size: int, out: str) -> None:
+def _build(rank: int, out: str) -> None:
     from trainer.memory.allocator import return_freed_host_memory
     from trainer.memory.nf4 import is_nf4
     from trainer.models.build import MemoryTransforms, model_factory
     from trainer.parallel.fsdp import FsdpSettings, build_sharded
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        return_freed_host_memory()  # as an FSDP worker does (``settle_host_memory``)
-        settings, cpu = FsdpSettings("bf16", "fp32"), torch.device("cpu")
+    return_freed_host_memory()  # as an FSDP worker does (``settle_host_memory``)
+    settings, cpu = FsdpSettings("bf16", "fp32"), torch.device("cpu")
 
-        def build(config):  # noqa: ANN001, ANN202
-            return build_sharded(model_factory(config, load_weights=False),
-                                 MemoryTransforms(), cpu, 3, settings, model_name="gpt")
+    def build(config):  # noqa: ANN001, ANN202
+        return build_sharded(model_factory(config, load_weights=False),
+                             MemoryTransforms(), cpu, 3, settings, model_name="gpt")
 
-        build(_model(256, 1))  # the code pages of a first build are not the model's bytes
-        big = _model(1024, 4)
-        with PeakResident().watch() as built:
-            model = build(big)
-        shards = {name: {k: getattr(p._local_tensor, k) for k in (*_INNER, "scaler_mean")}
-                  for name, p in model.named_parameters() if is_nf4(p)}
-        result = {"peak": built.peak, "shards": shards, "errors": model.nf4_errors}
-        torch.save(result, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    build(_model(256, 1))  # the code pages of a first build are not the model's bytes
+    big = _model(1024, 4)
+    with PeakResident().watch() as built:
+        model = build(big)
+    shards = {name: {k: getattr(p._local_tensor, k) for k in (*_INNER, "scaler_mean")}
+              for name, p in model.named_parameters() if is_nf4(p)}
+    result = {"peak": built.peak, "shards": shards, "errors": model.nf4_errors}
+    torch.save(result, f"{out}.{rank}")
 
 
 def test_each_rank_quantizes_its_rows_into_the_base_one_process_quantizes(
@@ -70,7 +62,7 @@ def test_each_rank_quantizes_its_rows_into_the_base_one_process_quantizes(
 
     out = tmp_path / "shards"
     world = 2
-    start_workers(_build, (free_port(), world, str(out)), world)
+    on_ranks(_build, world, str(out))
     results = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world)]
 
     torch.manual_seed(3)

@@ -9,7 +9,6 @@ the micro-batch leaves the weights exactly as a run that never ran out does.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
+from tests.gloo import on_ranks
 from trainer.batches import TokenBatch
-from trainer.launch.local import free_port, start_workers
 from trainer.memory.precision import PrecisionPolicy
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.oom import OOMAgreement, StepOutOfMemory
@@ -99,28 +97,19 @@ def _trained(mesh: Mesh, packed: bool, faults: bool) -> dict[str, Any]:
             "weights": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # an unmatched collective fails in 30 s rather than hanging the suite: the default group's
-    # timeout, and the sequence groups' (``dist.new_group`` takes torch's default, not the
-    # default group's)
-    distributed_c10d.default_pg_timeout = timedelta(seconds=30)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
-    try:
-        torch.set_num_threads(1)
-        mesh = Mesh.of(WORLD, rank, sequence=SEQUENCE)
-        result = {packed: {"clean": _trained(mesh, packed, faults=False),
-                           "faulty": _trained(mesh, packed, faults=True)}
-                  for packed in (False, True)}
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out: str) -> None:
+    mesh = Mesh.of(WORLD, rank, sequence=SEQUENCE)
+    result = {packed: {"clean": _trained(mesh, packed, faults=False),
+                       "faulty": _trained(mesh, packed, faults=True)}
+              for packed in (False, True)}
+    torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[bool, Any]]:
     out = tmp_path_factory.mktemp("sequence-oom")
-    start_workers(_worker, (free_port(), str(out)), WORLD)
+    # an unmatched all-to-all fails in 30 s, in the default group and the sequence groups
+    on_ranks(_worker, WORLD, str(out), timeout=timedelta(seconds=30))
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
 
 

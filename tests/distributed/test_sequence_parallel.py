@@ -17,7 +17,6 @@ dropped) gives differences of 0.8 to 2 of it, in exactly the cases it concerns.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.gloo import on_ranks
 from trainer.batches import IGNORE_INDEX, TokenBatch
-from trainer.launch.local import PRELOAD, free_port, start_workers
+from trainer.launch.local import PRELOAD
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.sequence import (
     apply_sequence_parallel,
@@ -145,23 +145,17 @@ def _refusals(size: int, group: Any) -> dict[str, str]:
     return said
 
 
-def _worker(rank: int, port: int, size: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    try:
-        torch.set_num_threads(1)
-        group = dist.new_group(list(range(size)))
-        result: dict[str, Any] = {"all_to_all": _all_to_all(rank, size, group),
-                                  "refusals": _refusals(size, group)}
-        for name, packed in CASES:
-            model = _model(name, Path(out) / f"{name}.pt")
-            apply_sequence_parallel(model, group)
-            rows = row_slice(_batch(packed), rank, size)
-            result[name, packed] = _step(model, rows.inputs, rows.targets, rows.position_ids,
-                                         group)
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out: str) -> None:
+    size = dist.get_world_size()
+    group = dist.new_group(list(range(size)))
+    result: dict[str, Any] = {"all_to_all": _all_to_all(rank, size, group),
+                              "refusals": _refusals(size, group)}
+    for name, packed in CASES:
+        model = _model(name, Path(out) / f"{name}.pt")
+        apply_sequence_parallel(model, group)
+        rows = row_slice(_batch(packed), rank, size)
+        result[name, packed] = _step(model, rows.inputs, rows.targets, rows.position_ids, group)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +182,8 @@ def unsplit(weights: Path) -> dict[Any, dict[str, Any]]:
 def split(request: pytest.FixtureRequest, weights: Path) -> list[dict[Any, Any]]:
     """Each rank's results with the rows split over ``request.param`` gloo ranks."""
     size = request.param
-    start_workers(_worker, (free_port(), size, str(weights)), size,
-                  modules=(*PRELOAD, "transformers.models.llama.modeling_llama"))
+    on_ranks(_worker, size, str(weights),
+             modules=(*PRELOAD, "transformers.models.llama.modeling_llama"))
     return [torch.load(weights / f"rank{rank}.pt", weights_only=True) for rank in range(size)]
 
 

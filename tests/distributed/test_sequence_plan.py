@@ -16,16 +16,14 @@ the test's docstring.
 
 from __future__ import annotations
 
-import os
 import statistics
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from trainer.launch.local import free_port, start_workers
+from tests.gloo import on_ranks
 from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
@@ -45,27 +43,21 @@ def _transforms(checkpointing: str) -> MemoryTransforms:
     return MemoryTransforms(activation_checkpointing=checkpointing, bf16_norm_inputs=False)
 
 
-def _step_peak(rank: int, port: int, packed: bool, checkpointing: str, out: str) -> None:
+def _step_peak(rank: int, packed: bool, checkpointing: str, out: str) -> None:
     """Five steps' allocator peaks on this rank."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        parallel = DataParallel(Mesh.of(2, rank, sequence=2))
-        model = build_model(partial(GPT, _CFG), _transforms(checkpointing), seed=0)
-        parallel.split_sequences(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model = parallel.wrap(model, optimizer)
-        policy = precision_policy("fp32", torch.device("cpu"), warn=False)
-        scaler = policy.grad_scaler(torch.device("cpu"))
-        torch.manual_seed(1)  # the same rows on both ranks: each trains its half of them
-        batch = probe_batch(_BATCH, _CFG.seq_len, _CFG.vocab_size, torch.device("cpu"), packed)
-        create_optimizer_state(optimizer)
-        peaks = [step_peak_bytes(model, optimizer, scaler, batch, policy, parallel=parallel)
-                 for _ in range(5)]
-        torch.save(peaks, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    parallel = DataParallel(Mesh.of(2, rank, sequence=2))
+    model = build_model(partial(GPT, _CFG), _transforms(checkpointing), seed=0)
+    parallel.split_sequences(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = parallel.wrap(model, optimizer)
+    policy = precision_policy("fp32", torch.device("cpu"), warn=False)
+    scaler = policy.grad_scaler(torch.device("cpu"))
+    torch.manual_seed(1)  # the same rows on both ranks: each trains its half of them
+    batch = probe_batch(_BATCH, _CFG.seq_len, _CFG.vocab_size, torch.device("cpu"), packed)
+    create_optimizer_state(optimizer)
+    peaks = [step_peak_bytes(model, optimizer, scaler, batch, policy, parallel=parallel)
+             for _ in range(5)]
+    torch.save(peaks, f"{out}.{rank}")
 
 
 def _planned(packed: bool, checkpointing: str, sequence: int) -> int:
@@ -90,7 +82,7 @@ def test_planner_predicts_a_sequence_parallel_rank_peak(tmp_path: Path, packed: 
     buffers, or no buffer, moves the prediction by 0.125 MiB either way: within the steps'
     spread, so the buffers are counted for the reason they exist (``plan_row``)."""
     out = tmp_path / "peak"
-    start_workers(_step_peak, (free_port(), packed, checkpointing, str(out)), 2)
+    on_ranks(_step_peak, 2, packed, checkpointing, str(out))
     measured = statistics.median(peak for rank in (0, 1)
                                  for peak in torch.load(f"{out}.{rank}", weights_only=True))
     planned, whole = _planned(packed, checkpointing, 2), _planned(packed, checkpointing, 1)

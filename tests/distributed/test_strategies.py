@@ -7,16 +7,15 @@ model's LoRA run exports a PEFT adapter directory and a merged model that give i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.conftest import logged_losses, tiny_config
+from tests.gloo import on_ranks
 from trainer.checkpoint.files import load_tensors
-from trainer.launch.local import free_port, launch_local, start_workers
+from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
 pytestmark = pytest.mark.distributed
@@ -146,7 +145,7 @@ def test_a_hf_lora_run_exports_adapters_and_a_merged_model_with_its_logits(
     torch.testing.assert_close(merged_logits, expected, rtol=1e-4, atol=1e-4)
 
 
-def _low_bit_steps(rank: int, port: int, world_size: int, states: str) -> None:
+def _low_bit_steps(rank: int, states: str) -> None:
     """Two AdamW steps with ``states`` moments on a linear layer's weight as FSDP2's DTensor
     shards (as an FSDP run's optimizer sees them), and on another's as a plain tensor (one
     process's and DDP's)."""
@@ -154,25 +153,19 @@ def _low_bit_steps(rank: int, port: int, world_size: int, states: str) -> None:
 
     from trainer.memory.optimizers import make_adamw
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        for sharded in (True, False):
-            model = torch.nn.Linear(256, 512, bias=False)  # 64 blocks of 256 a rank
-            if sharded:
-                fully_shard(model)
-            optimizer = make_adamw([{"params": list(model.parameters())}], 1e-3,
-                                   (0.9, 0.95), states)
-            for _ in range(2):
-                model(torch.randn(4, 256)).square().mean().backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            weight = model.weight.detach()
-            assert bool(torch.isfinite(weight.full_tensor() if sharded else weight).all())
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    for sharded in (True, False):
+        model = torch.nn.Linear(256, 512, bias=False)  # 64 blocks of 256 a rank
+        if sharded:
+            fully_shard(model)
+        optimizer = make_adamw([{"params": list(model.parameters())}], 1e-3,
+                               (0.9, 0.95), states)
+        for _ in range(2):
+            model(torch.randn(4, 256)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        weight = model.weight.detach()
+        assert bool(torch.isfinite(weight.full_tensor() if sharded else weight).all())
 
 
 def test_both_low_bit_state_formats_step_from_one_inductor_cache(
@@ -182,4 +175,4 @@ def test_both_low_bit_state_formats_step_from_one_inductor_cache(
     one cache directory (the test's own), on FSDP's shards and on plain tensors."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     for states in ("8bit", "4bit", "8bit"):
-        start_workers(_low_bit_steps, (free_port(), 1, states), 1)
+        on_ranks(_low_bit_steps, 1, states)

@@ -4,14 +4,12 @@ those of one process without tiles (tests/unit/test_tiled_mlp.py derives the tol
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from trainer.launch.local import free_port, start_workers
+from tests.gloo import on_ranks
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.fsdp import FsdpSettings, build_sharded
@@ -32,30 +30,24 @@ def _loss_and_grads(model: torch.nn.Module, tokens_BT: torch.Tensor
     return loss.detach(), grads
 
 
-def _compare(rank: int, port: int, world_size: int) -> None:
+def _compare(rank: int) -> None:
     """Both ranks train the same batch (FSDP averages their gradients), tiled, with and
     without checkpointing, against this process's untiled model."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        tokens = torch.randint(0, _GPT.vocab_size, (2, _GPT.seq_len + 1),
-                               generator=torch.Generator().manual_seed(5))
-        want_loss, want = _loss_and_grads(
-            build_model(partial(GPT, _GPT), MemoryTransforms(), seed=3), tokens)
-        rtol = 2 * _GPT.seq_len * U_FP32
-        for ac in ("none", "full"):
-            model = build_sharded(partial(GPT, _GPT), MemoryTransforms(ac, tiled_mlp=4),
-                                  torch.device("cpu"), 3, FsdpSettings(), model_name="gpt")
-            loss, grads = _loss_and_grads(model, tokens)
-            assert (loss - want_loss).abs() <= rtol * want_loss.abs(), (ac, loss, want_loss)
-            assert grads.keys() == want.keys()
-            for name, grad in grads.items():
-                assert (grad - want[name]).abs().max() <= rtol * want[name].abs().max(), \
-                    (rank, ac, name)
-    finally:
-        dist.destroy_process_group()
+    tokens = torch.randint(0, _GPT.vocab_size, (2, _GPT.seq_len + 1),
+                           generator=torch.Generator().manual_seed(5))
+    want_loss, want = _loss_and_grads(
+        build_model(partial(GPT, _GPT), MemoryTransforms(), seed=3), tokens)
+    rtol = 2 * _GPT.seq_len * U_FP32
+    for ac in ("none", "full"):
+        model = build_sharded(partial(GPT, _GPT), MemoryTransforms(ac, tiled_mlp=4),
+                              torch.device("cpu"), 3, FsdpSettings(), model_name="gpt")
+        loss, grads = _loss_and_grads(model, tokens)
+        assert (loss - want_loss).abs() <= rtol * want_loss.abs(), (ac, loss, want_loss)
+        assert grads.keys() == want.keys()
+        for name, grad in grads.items():
+            assert (grad - want[name]).abs().max() <= rtol * want[name].abs().max(), \
+                (rank, ac, name)
 
 
 def test_fsdp_shards_train_the_tiled_mlp_as_one_process_trains_the_untiled_one() -> None:
-    start_workers(_compare, (free_port(), 2), 2)
+    on_ranks(_compare, 2)

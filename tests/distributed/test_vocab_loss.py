@@ -5,7 +5,6 @@ and bf16; the same rows, bit for bit."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.launch.local import free_port, start_workers
+from tests.gloo import on_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -60,19 +59,13 @@ def _case(rank: int, chunk: int, autocast: torch.dtype | None,
     return results
 
 
-def _worker(rank: int, port: int, world: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        torch.save([_case(rank, *case) for case in CASES], Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out: str) -> None:
+    torch.save([_case(rank, *case) for case in CASES], Path(out) / f"rank{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_split_loss_is_the_whole_output_layers_loss(tmp_path: Path, world: int) -> None:
-    start_workers(_worker, (free_port(), world, str(tmp_path)), world)
+    on_ranks(_worker, world, str(tmp_path))
     for rank in range(world):
         ranks: list[dict[str, Any]] = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for (chunk, autocast, param_dtype), r in zip(CASES, ranks, strict=True):
@@ -127,37 +120,31 @@ def _sharded_steps(corpus: str, base: str, out: str, precision: str,
             "lookup": model.input_lookup is not None, "model": model}
 
 
-def _lora_worker(rank: int, port: int, corpus: str, base: str, out: str) -> None:
+def _lora_worker(rank: int, corpus: str, base: str, out: str) -> None:
     from tests.conftest import tiny_config
     from trainer.models.hf import HFCausalLM
     from trainer.parallel.strategy import OneProcess
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        tokens = [[torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(
-            10 * r + i)) for i in range(2)] for r in range(2)]
-        runs = {precision: _sharded_steps(corpus, base, out, precision, tokens)
-                for precision in ("fp32", "bf16")}
-        cfg = tiny_config(Path(corpus), Path(out), f"model.name=hf:{base}", "model.lora.rank=4",
-                          "memory.activation_checkpointing=none", "memory.loss_chunk_tokens=8")
-        whole = OneProcess().build(cfg, torch.device("cpu"), lambda m: None)
-        assert isinstance(whole, HFCausalLM) and whole.input_lookup is None
-        with torch.no_grad():  # the sharded build's values (its adapters are seeded apart)
-            for name, param in whole.named_parameters():
-                param.copy_(runs["fp32"]["model"].get_parameter(name).full_tensor())
-        # FSDP averages the ranks' gradients: the whole model's, of the two ranks' losses
-        losses = [[whole(t[:, :-1], t[:, 1:]) for t in rank_tokens] for rank_tokens in tokens]
-        (sum(sum(rank_losses) for rank_losses in losses) / 2).backward()
-        for run in runs.values():
-            del run["model"]
-        torch.save({"runs": runs, "expected": [loss.detach() for loss in losses[rank]],
-                    "expected_grads": {n: p.grad for n, p in whole.named_parameters()
-                                       if p.grad is not None}},
-                   Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    tokens = [[torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(
+        10 * r + i)) for i in range(2)] for r in range(2)]
+    runs = {precision: _sharded_steps(corpus, base, out, precision, tokens)
+            for precision in ("fp32", "bf16")}
+    cfg = tiny_config(Path(corpus), Path(out), f"model.name=hf:{base}", "model.lora.rank=4",
+                      "memory.activation_checkpointing=none", "memory.loss_chunk_tokens=8")
+    whole = OneProcess().build(cfg, torch.device("cpu"), lambda m: None)
+    assert isinstance(whole, HFCausalLM) and whole.input_lookup is None
+    with torch.no_grad():  # the sharded build's values (its adapters are seeded apart)
+        for name, param in whole.named_parameters():
+            param.copy_(runs["fp32"]["model"].get_parameter(name).full_tensor())
+    # FSDP averages the ranks' gradients: the whole model's, of the two ranks' losses
+    losses = [[whole(t[:, :-1], t[:, 1:]) for t in rank_tokens] for rank_tokens in tokens]
+    (sum(sum(rank_losses) for rank_losses in losses) / 2).backward()
+    for run in runs.values():
+        del run["model"]
+    torch.save({"runs": runs, "expected": [loss.detach() for loss in losses[rank]],
+                "expected_grads": {n: p.grad for n, p in whole.named_parameters()
+                                   if p.grad is not None}},
+               Path(out) / f"rank{rank}.pt")
 
 
 @pytest.mark.xdist_group("hf")
@@ -174,8 +161,7 @@ def test_under_fsdp_a_frozen_embedding_and_output_layer_are_never_gathered(
         vocab_size=VOCAB * 20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )).save_pretrained(tmp_path / "llama")
-    start_workers(_lora_worker, (free_port(), str(corpus_dir), str(tmp_path / "llama"),
-                                 str(tmp_path)), 2)
+    on_ranks(_lora_worker, 2, str(corpus_dir), str(tmp_path / "llama"), str(tmp_path))
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         expected = r["expected_grads"]

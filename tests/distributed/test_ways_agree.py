@@ -6,7 +6,6 @@ same values at one process, under DDP and under FSDP at 2 and 4 ranks (memtrain'
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import logged_losses, tiny_config
+from tests.gloo import on_ranks
 from trainer.config import load_config
-from trainer.launch.local import free_port, launch_local, start_workers
+from trainer.launch.local import launch_local
 from trainer.launch.prepare import prepare_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("hf")]
@@ -62,18 +62,11 @@ def _adapters(models: list[str], strategies: list[str]) -> dict[str, dict[str, t
     return out
 
 
-def _build_on_ranks(rank: int, port: int, world_size: int, models: list[str],
-                    out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        strategies = ["ddp", "fsdp"] if world_size == 2 else ["fsdp"]
-        adapters = _adapters(models, strategies)
-        if rank == 0:
-            torch.save(adapters, out)
-    finally:
-        dist.destroy_process_group()
+def _build_on_ranks(rank: int, models: list[str], out: str) -> None:
+    strategies = ["ddp", "fsdp"] if dist.get_world_size() == 2 else ["fsdp"]
+    adapters = _adapters(models, strategies)
+    if rank == 0:
+        torch.save(adapters, out)
 
 
 def test_lora_adapters_start_the_same_at_1_2_and_4_ranks_under_ddp_and_fsdp(
@@ -83,7 +76,7 @@ def test_lora_adapters_start_the_same_at_1_2_and_4_ranks_under_ddp_and_fsdp(
     builds = {}
     for world_size in (2, 4):
         out = tmp_path / f"adapters-{world_size}.pt"
-        start_workers(_build_on_ranks, (free_port(), world_size, models, str(out)), world_size)
+        on_ranks(_build_on_ranks, world_size, models, str(out))
         builds |= {f"{key} x{world_size}": value
                    for key, value in torch.load(out, weights_only=True).items()}
     assert len(builds) == 6

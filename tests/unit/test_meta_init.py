@@ -116,8 +116,7 @@ def test_weights_made_outside_the_record_are_built_on_the_host(
     sharded build takes the host build's values (one warning) instead of uninitialised memory."""
     import logging
 
-    import torch.distributed as dist
-
+    from tests.gloo import one_rank_group
     from trainer.models.build import MemoryTransforms
     from trainer.parallel.fsdp import FsdpSettings, build_sharded
 
@@ -127,15 +126,11 @@ def test_weights_made_outside_the_record_are_built_on_the_host(
     gpt, recording = meta_init.record(partial(GPT, GPTConfig(vocab_size=16, seq_len=4,
                                                              n_layer=1, n_head=1, n_embd=8)))
     assert meta_init.unrecorded(recording, dict(meta_init.module_tensors(gpt))) == []
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         with caplog.at_level(logging.WARNING, logger="trainer.parallel.fsdp"):
             model = build_sharded(_FromNumpy, MemoryTransforms(), torch.device("cpu"), 0,
                                   FsdpSettings(), model_name="tests:from_numpy")
         weights = {name: p.full_tensor() for name, p in model.named_parameters()}
-    finally:
-        dist.destroy_process_group()
     assert "made without a tensor operation the meta device records" in caplog.text
     assert torch.equal(weights["table"], torch.arange(12.0).reshape(3, 4))
     assert torch.equal(weights["blocks.0.weight"], torch.full((4, 4), 2.0))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.conftest import tiny_config
+from tests.gloo import one_rank_group
 from trainer.memory.optimizers import InBackward
 from trainer.parallel.choice import parallelism_for, parallelism_of, runs_fp16
 from trainer.parallel.ddp import DataParallel
@@ -54,9 +54,7 @@ def test_a_built_model_is_stepped_as_it_is_wrapped(tmp_path: Path) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         plain = torch.nn.Linear(4, 4)
         assert type(parallelism_of(plain)) is OneProcess
         wrapped = DDP(torch.nn.Linear(4, 4))
@@ -64,8 +62,6 @@ def test_a_built_model_is_stepped_as_it_is_wrapped(tmp_path: Path) -> None:
         assert type(ddp) is DataParallel and ddp.unwrap(wrapped) is wrapped.module
         assert type(parallelism_of(fully_shard(torch.nn.Linear(4, 4)))) is \
             ShardedDataParallel
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_way_that_leaves_out_what_every_way_answers_cannot_be_made() -> None:

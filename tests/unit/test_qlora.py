@@ -284,21 +284,16 @@ def test_ddp_wraps_an_nf4_base_without_quantizing_it_again(tmp_path: Path) -> No
     """DDP's first broadcast would copy each NF4 weight through its dequantized values and
     quantize it again (another base than one process trains); the NF4 base is left out of
     it, as every rank builds it alike."""
-    import torch.distributed as dist
-
+    from tests.gloo import one_rank_group
     from trainer.parallel.ddp import DataParallel
     from trainer.parallel.mesh import Mesh
 
     model = _nf4_gpt()
     before = {name: p.get_original_weight().clone() for name, p in model.named_parameters()
               if hasattr(p, "get_original_weight")}
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         wrapped = DataParallel(Mesh()).wrap(model, torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad]))
-    finally:
-        dist.destroy_process_group()
     after = dict(wrapped.module.named_parameters())
     assert len(before) == 8
     for name, weight in before.items():

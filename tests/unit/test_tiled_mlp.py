@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tests.gloo import one_rank_group
 from trainer.config import ConfigError, LoraConfig, ModelConfig, load_config
 from trainer.memory.precision import precision_policy
 from trainer.memory.tiled_mlp import TiledMLPMixin, block_mlps, tile_mlps, tile_sizes
@@ -219,17 +219,13 @@ def test_fsdp_recomputes_the_tiles_with_the_gathered_parameters(tmp_path: Path) 
 
     tokens = _tokens(_GPT.vocab_size)
     want = _loss_and_grads(build_model(partial(GPT, _GPT), MemoryTransforms(), seed=3), tokens)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         for ac in ("none", "full"):
             model = build_sharded(partial(GPT, _GPT), MemoryTransforms(ac, tiled_mlp=4),
                                   torch.device("cpu"), 3, FsdpSettings(), model_name="gpt")
             got = _loss_and_grads(model, tokens)
             assert type(model.blocks[0].mlp.fc.weight).__name__ == "DTensor"  # resharded
             _assert_close(got, want, _BATCH * _GPT.seq_len * U_FP32)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_model_without_an_mlp_it_knows_is_refused_in_one_line(tmp_path: Path) -> None:
