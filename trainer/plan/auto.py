@@ -48,15 +48,11 @@ from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Decision, Probe, Request, choose
 from trainer.plan.devices import named_gpu_speed
-from trainer.plan.peak import (
-    AC_MODES,
-    ActivationProfile,
-    StaticBytes,
-    profile_all,
-    static_bytes,
-)
+from trainer.plan.probe import AC_MODES, profile_all
+from trainer.plan.profile import ActivationProfile
 from trainer.plan.rescue import rescue, rescue_tiers, tried_in_words
 from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader
+from trainer.plan.static import StaticBytes, static_bytes
 
 log = logging.getLogger("memtrain")
 
