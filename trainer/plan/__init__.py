@@ -10,7 +10,8 @@ splitting the work and the step, and below the loop and the launchers. One conce
   device, are resolved there by the functions the planner asks);
 - ``candidates``: the plans that fit, fastest first, and the rules that pick among them (pure
   functions, no config: ``make gpu-check`` runs them without pydantic);
-- ``rescue``: what ``auto`` adds when nothing fits with the strategies a config has;
+- ``rescue``: what ``auto`` adds when nothing fits with the strategies a config has, and what
+  it names in its refusal instead;
 - ``table``: what ``memtrain plan`` prints;
 - ``measure``: plans run for real, to hold the predictions against (``memtrain plan
   --measure``, ``make bench-plan``).
