@@ -49,7 +49,9 @@ from trainer.parallel.fsdp import (
     build_sharded,
     shard_model,
 )
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 LAYERS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)

@@ -81,8 +81,10 @@ from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Request, choose, feasible_plans
 from trainer.plan.devices import DeviceSpeed, named_gpu_speed
 from trainer.plan.measure import spearman
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
 from trainer.plan.speed import SpeedModel
+from trainer.plan.static import static_bytes
 from trainer.step import StepResult, step_peak_bytes, train_step
 from trainer.telemetry.diagnostics import cpu_peak_bytes
 

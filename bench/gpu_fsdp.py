@@ -29,7 +29,9 @@ from trainer.models.gpt import GPT, GPTConfig
 from trainer.optim import build_optimizer
 from trainer.parallel.fsdp import FsdpSettings, build_sharded
 from trainer.parallel.rendezvous import backend_for
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 from trainer.step import step_peak_bytes, train_step
 
 CASES = {

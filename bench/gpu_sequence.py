@@ -32,7 +32,9 @@ from trainer.optim import build_optimizer
 from trainer.parallel.ddp import DataParallel
 from trainer.parallel.mesh import Mesh
 from trainer.parallel.rendezvous import backend_for, free_port
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 
 RANKS = 2
 # name: the MLP's sequence tiles (``memory.tiled_mlp``)

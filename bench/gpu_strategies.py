@@ -24,7 +24,9 @@ from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model, to_bf16
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.optim import build_optimizer
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 from trainer.step import create_optimizer_state
 
 # (name, activation offload, AdamW states, step in backward, LoRA's base dtype (None: no

@@ -243,7 +243,7 @@ def allocator_rank(rank: int, port: int, cfg_json: str, out: str) -> None:
     from trainer.memory.precision import precision_policy
     from trainer.optim import build_optimizer
     from trainer.parallel.choice import parallelism_for
-    from trainer.plan.peak import probe_batch
+    from trainer.plan.probe import probe_batch
     from trainer.step import create_optimizer_state, step_held, step_peak_bytes, train_step
     from trainer.telemetry.diagnostics import held_bytes
 

@@ -3,7 +3,7 @@
 For the GPT at two sizes, every combination of precision (fp32, bf16) and activation
 checkpointing (none, selective, full) is measured against fp32 without checkpointing:
 - saved-activation bytes of one training forward, counted with ``saved_tensors_hooks`` at the
-  benchmark micro-batch (``trainer.plan.peak.measure_saved_bytes``);
+  benchmark micro-batch (``trainer.plan.probe.measure_saved_bytes``);
 - the planner's prediction for the same micro-batch, from probes at micro-batch 1 and 2;
 - the median step time of the trainer's own ``train_step`` (forward, backward, AdamW);
 - the peak of one more step as the CPU allocator recorded it (``trainer.telemetry.diagnostics.
@@ -31,7 +31,9 @@ from bench.results import describe_cpu, result_path, write_json
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.plan.measure import measure_plan
-from trainer.plan.peak import measure_saved_bytes, plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import measure_saved_bytes, profile_activations
+from trainer.plan.static import static_bytes
 
 SIZES = {
     "gpt-small (4x128, seq 256)": GPTConfig(seq_len=256, n_layer=4, n_head=4, n_embd=128),

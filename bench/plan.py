@@ -47,8 +47,10 @@ from trainer.models.gpt import GPT, GPTConfig
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Request, choose
 from trainer.plan.measure import PlanRun, spearman
-from trainer.plan.peak import AC_MODES, PlanRow, plan_row, profile_all, static_bytes
+from trainer.plan.peak import PlanRow, plan_row
+from trainer.plan.probe import AC_MODES, profile_all
 from trainer.plan.speed import SpeedModel
+from trainer.plan.static import static_bytes
 
 PRECISIONS = ("fp32", "bf16")
 TARGETS = {"spearman": 0.9, "auto_over_best": 0.95, "planning_seconds": 30.0}

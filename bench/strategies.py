@@ -47,7 +47,9 @@ from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.hf import build_hf_model
 from trainer.optim import build_optimizer
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 

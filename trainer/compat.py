@@ -87,7 +87,7 @@ def cpu_bf16_support(environ: dict[str, str] | os._Environ[str] = os.environ) ->
     - ``emulated``: no oneDNN bf16 at all (for example AVX2 only); ATen's fallback kernels
       convert around fp32 arithmetic.
     The two emulated kinds are about 2-3x slower than fp32 and allocate temporaries the native
-    path does not (``trainer.plan.peak`` measures them).
+    path does not (``trainer.plan.emulation`` measures them).
     """
     import torch
 

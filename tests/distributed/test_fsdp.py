@@ -23,7 +23,9 @@ from trainer.models.build import MemoryTransforms, to_bf16
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.optim import build_optimizer
 from trainer.parallel.fsdp import FsdpSettings, shard_model
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 from trainer.telemetry.worker_errors import WorkerError
 

@@ -18,7 +18,9 @@ from trainer.memory.precision import precision_policy
 from trainer.models.build import Bf16Weights, MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.fsdp import FsdpSettings, build_sharded, shard_model
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes
 
 pytestmark = pytest.mark.distributed

@@ -29,7 +29,9 @@ from trainer.models.build import MemoryTransforms, build_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.ddp import DataParallel
 from trainer.parallel.mesh import Mesh
-from trainer.plan.peak import plan_row, probe_batch, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import probe_batch, profile_activations
+from trainer.plan.static import static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes
 
 pytestmark = pytest.mark.distributed

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from trainer.plan.candidates import HEADROOM, MIN_MICRO_BATCH, feasible_plans
-from trainer.plan.peak import ActivationProfile, PlanRow, StaticBytes
+from trainer.plan.peak import PlanRow
+from trainer.plan.profile import ActivationProfile
 from trainer.plan.speed import SpeedModel
+from trainer.plan.static import StaticBytes
 
 
 def choose_plan(static: StaticBytes, profiles: list[ActivationProfile], global_batch_size: int,

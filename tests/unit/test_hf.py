@@ -24,7 +24,7 @@ from trainer.memory.loss import auto_loss_chunk_tokens
 from trainer.models.build import MemoryTransforms, build_model, checkpointed_blocks
 from trainer.models.hf import HFCausalLM
 from trainer.models.registry import create_model
-from trainer.plan.peak import profile_activations
+from trainer.plan.probe import profile_activations
 
 
 # One test process imports transformers (several seconds of CPU), not both.
@@ -210,7 +210,7 @@ def test_a_decoder_layer_is_measured_with_its_own_arguments(tmp_path: Path) -> N
     rotary embeddings and position ids its model passed it, which the probe records (by shape:
     it may run on fake tensors). On every CPU kind the call runs; on one without native bf16
     the planner takes it before any bf16 run."""
-    from trainer.plan.peak import BlockCall, emulated_bf16_workspace
+    from trainer.plan.emulation import BlockCall, emulated_bf16_workspace
 
     CONFIGS["llama"]().save_pretrained(tmp_path)
     model = build(f"hf:{tmp_path}")

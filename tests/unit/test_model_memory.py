@@ -49,7 +49,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode: str) -
 
 
 def test_bf16_norm_inputs_save_bytes_and_keep_the_numerics() -> None:
-    from trainer.plan.peak import measure_saved_bytes
+    from trainer.plan.probe import measure_saved_bytes
 
     torch.manual_seed(0)
     # bench/memory.py's small GPT at its micro-batch (the bf16 weight copies autocast saves are

@@ -16,16 +16,12 @@ from trainer.models.build import MemoryTransforms, build_model, compile_model
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.candidates import choose_norm_inputs, feasible_plans
-from trainer.plan.peak import (
-    ActivationProfile,
-    PlanRow,
-    StaticBytes,
-    measure_saved_bytes,
-    plan_row,
-    probe_batch,
-    profile_activations,
-    static_bytes,
-)
+from trainer.plan.peak import PlanRow, plan_row
+from trainer.plan.probe import measure_saved_bytes, probe_batch, profile_activations
+from trainer.plan.profile import ActivationProfile
+from trainer.plan.static import ParameterBytes, StaticBytes, static_bytes
+from trainer.plan.terms.blocks import BlockBackward
+from trainer.plan.terms.checkpointing import Recompute
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 CFG = GPTConfig(seq_len=64, n_layer=4, n_head=2, n_embd=64)
@@ -253,8 +249,10 @@ def test_probes_leave_no_tensors_behind() -> None:
 
 def _profile(mode: str, per_sample: int, recompute: float) -> ActivationProfile:
     # The output head's gradients are all the gradients here (the "model" has no blocks).
-    return ActivationProfile("bf16", mode, per_sample, 0, 0, recompute, seq_len=64,
-                             outside_blocks_grad_bytes=100)
+    return ActivationProfile(precision="bf16", activation_checkpointing=mode,
+                             per_sample_bytes=per_sample, fixed_bytes=0, seq_len=64,
+                             recompute=Recompute(fraction=recompute),
+                             parameters=ParameterBytes(outside_blocks_grad_bytes=100))
 
 
 def test_choose_plan_prefers_least_recompute_with_a_useful_micro_batch() -> None:
@@ -426,17 +424,17 @@ class _ConvertingBlock(torch.nn.Module):
 
 
 def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None:
-    from trainer.plan import peak as planner
+    from trainer.plan import emulation, probe
 
     block = _ConvertingBlock(32)
-    measured = planner.emulated_bf16_workspace(block, (16, 32))
+    measured = emulation.emulated_bf16_workspace(block, (16, 32))
     # The buffer (64 B an element of the input) less what this CPU's fp32 kernels take for the
     # same layer: at most a copy of the input. The bf16 kernels' own workspace (native,
     # oneDNN-emulated and ATen-emulated kernels all differ; a native one's is up to 14 KB here,
     # not always the same) is below the buffer, and the largest workspace of a call counts.
     buffer = 16 * 32 * 64
     assert buffer - 16 * 32 * 4 <= measured <= buffer, measured
-    assert measured == planner.emulated_bf16_workspace(block, (16, 32))  # deterministic
+    assert measured == emulation.emulated_bf16_workspace(block, (16, 32))  # deterministic
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -449,7 +447,7 @@ def test_the_emulated_bf16_workspace_is_measured_per_sample(monkeypatch) -> None
             return self.head(self.blocks[0](self.emb(idx_BT)))
 
     def profile(kind: str, precision: str = "bf16", target: str = "cpu") -> ActivationProfile:
-        monkeypatch.setattr(planner, "cpu_bf16_support", lambda: kind)
+        monkeypatch.setattr(probe, "cpu_bf16_support", lambda: kind)
         return profile_activations(Model, plain("none"), 16, 256, precision, target=target)
 
     assert profile("native").emulation_workspace_per_sample_bytes == 0
@@ -601,9 +599,11 @@ def test_fsdp_settings_move_bytes_between_device_and_host() -> None:
     1,000 B and a 400 B root: CPU offload moves the shards, gradients and AdamW state to the host
     column (and the optimizer step off the device); bf16 parameters halve what is gathered;
     blocks kept after forward add the blocks not already in flight."""
-    profile = ActivationProfile("bf16", "none", 100, 0, 0, 0.0, seq_len=64,
-                                outside_blocks_grad_bytes=400, outside_blocks_param_bytes=400,
-                                block_param_bytes=1000)
+    profile = ActivationProfile(
+        precision="bf16", activation_checkpointing="none", per_sample_bytes=100, fixed_bytes=0,
+        seq_len=64, parameters=ParameterBytes(outside_blocks_grad_bytes=400,
+                                              outside_blocks_param_bytes=400,
+                                              block_param_bytes=1000))
 
     def row(settings: FsdpSettings) -> PlanRow:
         static = StaticBytes(params=1200, grads=1200, optimizer=2400, world_size=2, sharded=True,
@@ -622,7 +622,8 @@ def test_fsdp_settings_move_bytes_between_device_and_host() -> None:
         < kept.predicted_peak_bytes
     # fp32 rows of a run whose parameters follow the precision ("auto") stay fp32.
     fp32 = dataclasses.replace(profile, precision="fp32")
-    static = StaticBytes(1200, 1200, 2400, 2, True, FsdpSettings(param_dtype="bf16"), 8400)
+    static = StaticBytes(params=1200, grads=1200, optimizer=2400, world_size=2, sharded=True,
+                         fsdp=FsdpSettings(param_dtype="bf16"), full_param_bytes=8400)
     assert plan_row(static, fp32, 1, 1) == plan_row(dataclasses.replace(
         static, fsdp=FsdpSettings()), fp32, 1, 1)
 
@@ -636,10 +637,13 @@ def test_the_losss_saved_weight_gradient_is_counted_once_at_the_start_of_backwar
 
     def start_of_backward(weight_trains: bool) -> PlanRow:
         shape = ChunkedLossShape(vocab, width, 64, 4, 4, 4, weight_trains=weight_trains)
-        profile = ActivationProfile("fp32", "none", 5 * 10**6, weight_grad, 10**7, 0.0,
-                                    loss_shape=shape, seq_len=64,
-                                    outside_blocks_grad_bytes=weight_grad)
-        return plan_row(StaticBytes(10**6, 10**6, 2 * 10**6), profile, 1, 1)
+        profile = ActivationProfile(
+            precision="fp32", activation_checkpointing="none", per_sample_bytes=5 * 10**6,
+            fixed_bytes=weight_grad, loss_shape=shape, seq_len=64,
+            block=BlockBackward(largest_tensor_per_sample_bytes=10**7),
+            parameters=ParameterBytes(outside_blocks_grad_bytes=weight_grad))
+        return plan_row(StaticBytes(params=10**6, grads=10**6, optimizer=2 * 10**6), profile,
+                        1, 1)
 
     trained, frozen = start_of_backward(True), start_of_backward(False)
     assert trained.peak_moment == frozen.peak_moment == "backward start"
@@ -649,13 +653,14 @@ def test_the_losss_saved_weight_gradient_is_counted_once_at_the_start_of_backwar
 def test_the_step_in_backward_holds_one_gradient_in_one_process_and_a_block_under_ddp() -> None:
     """At the end of backward with the step in backward, one process holds only the gradient of
     the parameter stepping now; DDP's buckets (and FSDP's reduce-scatter) a block's at once."""
-    profile = ActivationProfile("fp32", "none", 0, 0, 0, 0.0, seq_len=64,
-                                first_block_per_sample_bytes=10**7, block_param_bytes=9000,
-                                largest_block_param_bytes=3000)
+    profile = ActivationProfile(
+        precision="fp32", activation_checkpointing="none", per_sample_bytes=0, fixed_bytes=0,
+        seq_len=64, block=BlockBackward(first_block_per_sample_bytes=10**7),
+        parameters=ParameterBytes(block_param_bytes=9000, largest_block_param_bytes=3000))
 
     def end_of_backward(bucketed: bool) -> PlanRow:
-        static = StaticBytes(10**5, 10**5, 2 * 10**5, in_backward=True, largest_grad=3000,
-                             bucketed=bucketed)
+        static = StaticBytes(params=10**5, grads=10**5, optimizer=2 * 10**5, in_backward=True,
+                             largest_grad=3000, bucketed=bucketed)
         return plan_row(static, profile, 1, 1)
 
     one, ddp = end_of_backward(False), end_of_backward(True)

@@ -37,7 +37,7 @@ def test_an_nf4_base_holds_4_bit_codes_and_computes_as_its_dequantized_weights()
     from torchao.quantization import NF4Tensor
 
     from trainer.memory.nf4 import dequantize_base
-    from trainer.plan.peak import static_bytes
+    from trainer.plan.static import static_bytes
 
     model = _nf4_gpt()
     weights = {name: p for name, p in model.named_parameters() if name.endswith(
@@ -74,7 +74,7 @@ def test_an_nf4_layer_computes_as_torchaos_linear_nf4_in_a_third_of_its_bytes() 
     fp32 input's dtype and autocast casts that copy again), and the planner's count of it
     within 15%."""
     from trainer.memory.nf4 import Nf4Linear, dequantize, to_nf4
-    from trainer.plan.peak import nf4_dequantized_bytes
+    from trainer.plan.terms.nf4 import nf4_dequantized_bytes
     from trainer.telemetry.diagnostics import cpu_peak_bytes
 
     torch.manual_seed(0)

@@ -16,8 +16,11 @@ from trainer.models.build import MemoryTransforms
 from trainer.models.gpt import GPT, GPTConfig
 from trainer.plan.auto import decide, resolve_auto, speed_model
 from trainer.plan.devices import gpu_speed
-from trainer.plan.peak import ActivationProfile, plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.profile import ActivationProfile
 from trainer.plan.speed import SpeedModel, all_to_all_seconds
+from trainer.plan.static import static_bytes
 from trainer.plan.table import sequence_table
 
 _GPT = GPTConfig(vocab_size=256, seq_len=256, n_layer=2, n_head=4, n_embd=64)
@@ -51,14 +54,14 @@ def test_a_rank_of_a_split_is_probed_with_its_tokens_and_attention_over_whole_ro
     a probe of 128-token rows alone misses (measured: 33% of its saved bytes packed, 5%
     plain)."""
     split = _profile(256, sequence=2)
-    assert split.seq_len == 128 and split.sequence == 2
+    assert split.seq_len == 128 and split.all_to_alls.ranks == 2
     one_input = 128 * 64 * 4
-    assert split.all_to_all_largest_per_sample_bytes == one_input
-    assert split.all_to_all_per_sample_bytes == _GPT.n_layer * 4 * one_input
+    assert split.all_to_alls.largest_per_sample_bytes == one_input
+    assert split.all_to_alls.per_sample_bytes == _GPT.n_layer * 4 * one_input
     packed, per_token = _profile(256, 2, packed=True), _profile(128, packed=True)
     whole_mask_growth = 256 * 256 - 128 * 128  # bool, a sample
     assert packed.per_sample_bytes >= per_token.per_sample_bytes + whole_mask_growth
-    assert _profile(128).all_to_all_per_sample_bytes == 0
+    assert _profile(128).all_to_alls.per_sample_bytes == 0
     with pytest.raises(ValueError, match="^model.n_head 4 is not divisible by the "
                                          "sequence-parallel size 8$"):
         _profile(256, sequence=8)
@@ -78,10 +81,10 @@ def test_a_split_plan_counts_its_all_to_alls_bytes_and_time(checkpointing: str) 
     static = static_bytes(GPT(_GPT), "ddp", 2)
     row = plan_row(static, profile, 2, 3, speed)
     passes = 3 if checkpointing == "full" else 2
-    forward = profile.all_to_all_per_sample_bytes * 2  # micro-batch 2
+    forward = profile.all_to_alls.per_sample_bytes * 2  # micro-batch 2
     assert row.all_to_all_bytes == 3 * passes * forward // 2  # accumulation 3
-    unsplit = plan_row(static, dataclasses.replace(profile, all_to_all_per_sample_bytes=0), 2,
-                       3, speed)
+    unsplit = plan_row(static, dataclasses.replace(profile, all_to_alls=dataclasses.replace(
+        profile.all_to_alls, per_sample_bytes=0)), 2, 3, speed)
     assert row.step_seconds - unsplit.step_seconds == pytest.approx(
         3 * all_to_all_seconds(forward, 2, speed.step_device, passes - 2))
     assert row.step_seconds - unsplit.step_seconds == pytest.approx(

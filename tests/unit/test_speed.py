@@ -21,7 +21,8 @@ from trainer.plan import calibrate as calibration
 from trainer.plan import measure as plan_measure
 from trainer.plan import work as plan_work
 from trainer.plan.devices import DeviceSpeed, gpu_speed
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
 from trainer.plan.speed import (
     LoaderCost,
     SpeedModel,
@@ -29,6 +30,7 @@ from trainer.plan.speed import (
     measure_loader,
     step_time,
 )
+from trainer.plan.static import static_bytes
 from trainer.plan.work import StepWork, Work, record_work
 
 CFG = GPTConfig(seq_len=64, n_layer=2, n_head=2, n_embd=32, vocab_size=256)

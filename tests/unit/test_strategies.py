@@ -34,7 +34,9 @@ from trainer.memory.precision import precision_policy
 from trainer.models.build import MemoryTransforms, build_model, to_bf16
 from trainer.models.registry import gpt
 from trainer.optim import build_optimizer
-from trainer.plan.peak import plan_row, profile_activations, static_bytes
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import profile_activations
+from trainer.plan.static import static_bytes
 from trainer.step import create_optimizer_state, step_peak_bytes, train_step
 
 pytestmark = pytest.mark.unit
@@ -120,7 +122,7 @@ def test_offload_keeps_the_gradients_and_moves_what_the_planner_counts(ac: str,
             continue
         assert hooks is not None
         profile = profile_activations(SMALL, transforms, 32, 256, "fp32")
-        assert hooks.bytes_this_forward == profile.host_bytes(4) > 0
+        assert hooks.bytes_this_forward == profile.offload.host_bytes(4) > 0
         if mode == "checkpointed":  # two blocks' inputs: 4 x 32 x 64 fp32 each
             assert hooks.bytes_this_forward == 2 * 4 * 32 * 64 * 4
     for a, b in zip(grads["none"], grads[mode], strict=True):
@@ -157,7 +159,7 @@ def test_the_planner_predicts_each_strategys_step_peak(ac: str, offload: str, st
                                 step_device="cpu"), profile, 4, 1)
     assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.05)
     if offload != "none":
-        assert row.host_bytes == profile.host_bytes(4) > 0
+        assert row.host_bytes == profile.offload.host_bytes(4) > 0
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ from trainer.memory.precision import precision_policy
 from trainer.memory.tiled_mlp import TiledMLPMixin, block_mlps, tile_mlps, tile_sizes
 from trainer.models.build import MemoryTransforms, build_model, model_factory
 from trainer.models.gpt import GPT, MLP, GPTConfig
-from trainer.plan.peak import profile_activations
+from trainer.plan.probe import profile_activations
 from trainer.telemetry.diagnostics import cpu_peak_bytes
 
 pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("hf")]
@@ -309,11 +309,12 @@ def test_the_planner_holds_a_tiled_llamas_backward(tmp_path: Path, checkpointing
     MLP 344, fp32) against the CPU allocator's record of a real step, within 8% (the planner's
     tolerance in tests/unit/test_planner.py): its backward counts the tile recomputed with its
     gradients, the MLP input's whole gradient and the MLP's summed parameter gradients
-    (``trainer.plan.peak._tile_bytes``): +3.6% (none) and +4.2% (full) here, and 8.4% and 11.7%
+    (``trainer.plan.probe._tile_bytes``): +3.6% (none) and +4.2% (full) here, and 8.4% and 11.7%
     under without them."""
     import transformers
 
-    from trainer.plan.peak import plan_row, static_bytes
+    from trainer.plan.peak import plan_row
+    from trainer.plan.static import static_bytes
     from trainer.step import create_optimizer_state, step_peak_bytes
 
     transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344,
@@ -332,6 +333,6 @@ def test_the_planner_holds_a_tiled_llamas_backward(tmp_path: Path, checkpointing
     measured = step_peak_bytes(model, optimizer, policy.grad_scaler(torch.device("cpu")), tokens,
                                policy)
     profile = profile_activations(factory, transforms, config.seq_len, 512, "fp32")
-    assert profile.mlp_tile_per_sample_bytes > 0 and profile.mlp_tile_fixed_bytes > 0
+    assert profile.block.mlp_tile.per_sample_bytes > 0 and profile.block.mlp_tile.fixed_bytes > 0
     row = plan_row(static_bytes(model), profile, 2, 1)
     assert row.predicted_peak_bytes == pytest.approx(measured, rel=0.08), row

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -48,15 +48,17 @@ from trainer.parallel.fsdp import FsdpSettings
 from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import Decision, Probe, Request, choose
 from trainer.plan.devices import named_gpu_speed
-from trainer.plan.peak import (
-    AC_MODES,
-    ActivationProfile,
-    StaticBytes,
-    profile_all,
-    static_bytes,
+from trainer.plan.probe import AC_MODES, profile_all
+from trainer.plan.profile import ActivationProfile
+from trainer.plan.rescue import (
+    nf4_would_fit,
+    rescue,
+    rescue_tiers,
+    sequence_would_fit,
+    tried_in_words,
 )
-from trainer.plan.rescue import rescue, rescue_tiers, tried_in_words
 from trainer.plan.speed import LoaderCost, SpeedModel, measure_loader
+from trainer.plan.static import StaticBytes, static_bytes
 
 log = logging.getLogger("memtrain")
 
@@ -295,8 +297,8 @@ def rescued(cfg: Config, request: Request, budget: int, speed: SpeedModel
         also = f"; nor with {tried_in_words(tried)}" if tried else ""
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device with "
                           f"precision {' or '.join(request.precisions)} "
-                          f"(memory.device_memory){also}{_with_nf4(cfg, plan_candidate)}"
-                          f"{_with_sequence(cfg, plan_candidate)}; try "
+                          f"(memory.device_memory){also}{nf4_would_fit(cfg, plan_candidate)}"
+                          f"{sequence_would_fit(cfg, plan_candidate)}; try "
                           f"{'more workers' if cfg.parallel.strategy == 'fsdp' else 'FSDP'}, a "
                           "shorter sequence or a smaller model")
     plan = found.decision.plan
@@ -332,7 +334,6 @@ def resolved(cfg: Config, decision: Decision | None, norm: bool | str,
         train["compile"] = decision.compile
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=train),
                                   "memory": cfg.memory.model_copy(update=memory)})
-
 
 
 def _with(cfg: Config, strategy: str, **fsdp: Any) -> Config:
@@ -381,55 +382,6 @@ def describe(cfg: Config) -> str:
             f"{str(fsdp.reshard_after_forward).lower()}, offload {fsdp.offload})")
 
 
-def _with_nf4(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Decision]]
-              ) -> str:
-    """For a LoRA config whose base is not NF4 and that may run in bf16: whether
-    ``model.lora.base_dtype: nf4`` would fit, as configured otherwise. ``auto`` never switches a
-    base to NF4 itself (it changes the model's arithmetic); the refusal says so instead."""
-    lora = cfg.model.lora
-    if lora is None or lora.base_dtype == "nf4" or cfg.memory.precision in ("fp32", "fp16"):
-        return ""
-    candidate = cfg.model_copy(update={"model": cfg.model.model_copy(
-        update={"lora": lora.model_copy(update={"base_dtype": "nf4"})})})
-    _, decision = plan_candidate(candidate)
-    if decision.plan is None:
-        return "; nor with model.lora.base_dtype nf4 (QLoRA)"
-    return (f"; model.lora.base_dtype nf4 (QLoRA) would fit, at a predicted peak of "
-            f"{format_bytes(decision.plan.predicted_peak_bytes)}")
-
-
-def sequence_candidates(cfg: Config) -> list[int]:
-    """The ``parallel.sequence`` degrees above ``cfg``'s that its workers and ``seq_len``
-    divide into (the model's heads are checked where it is split), smallest first."""
-    workers, seq_len = cfg.parallel.workers, cfg.model.seq_len
-    return [size for size in range(cfg.parallel.sequence + 1, workers + 1)
-            if workers % size == 0 and seq_len % size == 0
-            and cfg.train.global_batch_size % (workers // size) == 0]
-
-
-def _with_sequence(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Decision]],
-                   under: str = "") -> str:
-    """Whether a higher ``parallel.sequence`` (each row split over more ranks) would fit, as
-    configured otherwise (``under``: the strategy it was planned under, in words): the smallest
-    that fits, or those tried. ``auto`` never splits rows itself: the degree changes which
-    ranks share a row, so the config names it."""
-    tried = []
-    for size in sequence_candidates(cfg):
-        candidate = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
-            update={"sequence": size})})
-        try:
-            _, decision = plan_candidate(candidate)
-        except ValueError as err:  # heads that do not divide among the ranks
-            log.info("auto: parallel.sequence %d not planned: %s", size, err)
-            continue
-        tried.append(str(size))
-        if decision.plan is not None:
-            return (f"; parallel.sequence {size} (each row split over {size} ranks) would "
-                    f"fit{under}, at a predicted peak of "
-                    f"{format_bytes(decision.plan.predicted_peak_bytes)} per rank")
-    return f"; nor with parallel.sequence {' or '.join(tried)}{under}" if tried else ""
-
-
 def decide_sharding(cfg: Config) -> Config:
     """``cfg`` with its strategy and FSDP settings concrete: the first tier (``_tier``) with a
     fitting candidate, and in it the candidate whose fastest fitting plan predicts the most
@@ -473,7 +425,7 @@ def decide_sharding(cfg: Config) -> Config:
             wanted = request_from(candidate, budget)
             return wanted, choose(wanted, config_probe(candidate, wanted.ac_modes), speed)
 
-        split = _with_sequence(least, plan_candidate, f" under {describe(least)}")
+        split = sequence_would_fit(least, plan_candidate, f" under {describe(least)}")
         raise ConfigError(f"nothing fits {format_bytes(budget)} per device under "
                           + " or ".join(describe(c) for c, _ in decisions)
                           + f" (memory.device_memory){split}; try more workers, a shorter "

@@ -1,8 +1,8 @@
 """The plans ``auto`` chooses between, and the rules that choose among them.
 
-Pure functions over the planner's figures (``trainer.plan.peak``: static bytes, activation
-profiles, ``plan_row``) and its time model (``trainer.plan.speed``): which (precision,
-checkpointing, micro-batch, loss chunk) keep the global batch and fit the device, fastest first
+Pure functions over the planner's figures (static bytes, activation profiles, ``plan_row``)
+and its time model (``trainer.plan.speed``): which (precision, checkpointing, micro-batch, loss
+chunk) keep the global batch and fit the device, fastest first
 (``feasible_plans``); whether bf16 norm inputs pay (``choose_norm_inputs``); and ``auto``'s one
 decision over a request's precisions, norm inputs and compile (``choose``). No config here:
 ``trainer.plan.auto`` reads a config into a ``Request``, and ``make gpu-check`` calls
@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 from trainer.global_batch import micro_batch_candidates, per_rank_batch
 from trainer.memory.loss import MIN_AUTO_LOSS_CHUNK_TOKENS, ChunkedLossShape
-from trainer.plan.peak import ActivationProfile, PlanRow, StaticBytes, plan_row
+from trainer.plan.peak import PlanRow, plan_row
+from trainer.plan.profile import ActivationProfile
 from trainer.plan.speed import SpeedModel
+from trainer.plan.static import StaticBytes
 
 # The smallest micro-batch ``auto`` calls useful: below it, a plan with more recomputation (or
 # bf16 norm copies) that reaches it is preferred.

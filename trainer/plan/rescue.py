@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from monitoring.units import format_bytes
 from trainer.config import Config, strategy_combinations
 from trainer.global_batch import per_rank_batch
 from trainer.memory.optimizers import MissingExtraError, torchao_optim
@@ -144,3 +145,53 @@ def rescue(cfg: Config, plan: Callable[[Config], tuple[Request, Decision]]
             return max(fitting, key=lambda r: r.decision.plan.tokens_per_s  # type: ignore
                        ), tried
     return None, tried
+
+
+def nf4_would_fit(cfg: Config, plan_candidate: Callable[[Config], tuple[Request, Decision]]
+                  ) -> str:
+    """For a LoRA config whose base is not NF4 and that may run in bf16: whether
+    ``model.lora.base_dtype: nf4`` would fit, as configured otherwise. ``auto`` never switches a
+    base to NF4 itself (it changes the model's arithmetic); the refusal says so instead."""
+    lora = cfg.model.lora
+    if lora is None or lora.base_dtype == "nf4" or cfg.memory.precision in ("fp32", "fp16"):
+        return ""
+    candidate = cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"lora": lora.model_copy(update={"base_dtype": "nf4"})})})
+    _, decision = plan_candidate(candidate)
+    if decision.plan is None:
+        return "; nor with model.lora.base_dtype nf4 (QLoRA)"
+    return (f"; model.lora.base_dtype nf4 (QLoRA) would fit, at a predicted peak of "
+            f"{format_bytes(decision.plan.predicted_peak_bytes)}")
+
+
+def sequence_candidates(cfg: Config) -> list[int]:
+    """The ``parallel.sequence`` degrees above ``cfg``'s that its workers and ``seq_len``
+    divide into (the model's heads are checked where it is split), smallest first."""
+    workers, seq_len = cfg.parallel.workers, cfg.model.seq_len
+    return [size for size in range(cfg.parallel.sequence + 1, workers + 1)
+            if workers % size == 0 and seq_len % size == 0
+            and cfg.train.global_batch_size % (workers // size) == 0]
+
+
+def sequence_would_fit(cfg: Config,
+                       plan_candidate: Callable[[Config], tuple[Request, Decision]],
+                       under: str = "") -> str:
+    """Whether a higher ``parallel.sequence`` (each row split over more ranks) would fit, as
+    configured otherwise (``under``: the strategy it was planned under, in words): the smallest
+    that fits, or those tried. ``auto`` never splits rows itself: the degree changes which
+    ranks share a row, so the config names it."""
+    tried = []
+    for size in sequence_candidates(cfg):
+        candidate = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+            update={"sequence": size})})
+        try:
+            _, decision = plan_candidate(candidate)
+        except ValueError as err:  # heads that do not divide among the ranks
+            log.info("auto: parallel.sequence %d not planned: %s", size, err)
+            continue
+        tried.append(str(size))
+        if decision.plan is not None:
+            return (f"; parallel.sequence {size} (each row split over {size} ranks) would "
+                    f"fit{under}, at a predicted peak of "
+                    f"{format_bytes(decision.plan.predicted_peak_bytes)} per rank")
+    return f"; nor with parallel.sequence {' or '.join(tried)}{under}" if tried else ""

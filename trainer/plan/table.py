@@ -36,7 +36,8 @@ from trainer.plan.calibrate import cpu_speed
 from trainer.plan.candidates import HEADROOM, choose, feasible_plans
 from trainer.plan.devices import GPU_COMPILED_SHARE
 from trainer.plan.measure import measure_plan
-from trainer.plan.peak import AC_MODES, plan_row
+from trainer.plan.peak import plan_row
+from trainer.plan.probe import AC_MODES
 from trainer.plan.speed import SpeedModel
 
 
