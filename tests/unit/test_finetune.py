@@ -154,8 +154,9 @@ def test_masked_tokens_of_a_written_row_carry_no_gradient(tmp_path: Path) -> Non
 def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path: Path) -> None:
     """``train.init_from: hf:DIR`` into a model built from a config alone: after a step at a
     vanishing learning rate the checkpoint holds DIR's safetensors, under DDP (read whole) and
-    FSDP (each rank its rows); a directory without weights, or a model they do not fit, is one
-    line before or as the run starts."""
+    FSDP (each rank its rows), with activation checkpointing's wrappers around the blocks (the
+    weights are read before the wrappers rename their modules); a directory without weights, or
+    a model they do not fit, is one line before or as the run starts."""
     import shutil
 
     from safetensors.torch import load_file
@@ -174,7 +175,8 @@ def test_init_from_a_hf_directory_loads_its_weights_under_ddp_and_fsdp(tmp_path:
     for strategy in ("ddp", "fsdp"):
         train(tmp_path, model, tmp_path / "data", f"model.name=hf:{bare}",
               f"train.init_from=hf:{model}", "train.steps=1", "train.lr=1e-12",
-              f"parallel.strategy={strategy}", f"run.name={strategy}")
+              f"parallel.strategy={strategy}", f"run.name={strategy}",
+              "memory.activation_checkpointing=full")
         [(_, checkpoint)] = complete_checkpoints(tmp_path / strategy)
         got = load_tensors(checkpoint, {f"hf.{name}": torch.empty_like(t)
                                                 for name, t in expected.items()})

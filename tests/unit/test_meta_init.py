@@ -189,9 +189,9 @@ class _Views(nn.Module):
 def test_one_process_meta_build_ties_the_same_view_only() -> None:
     """After ``to_empty`` the one-process build ties again what the model tied (the same view
     of a storage), and keeps different views of one storage apart, each with its own values."""
-    from trainer.models.build import MemoryTransforms, build_on_meta
+    from trainer.models.build import OnMeta
 
-    model = build_on_meta(_Views, MemoryTransforms(), torch.device("cpu"), 4)
+    model = OnMeta.start(_Views, torch.device("cpu"), 4).finish()
     host = _host(_Views, 4)
     _assert_same(dict(meta_init.module_tensors(model)), host)
     assert model.head.weight is model.wte.weight

@@ -114,8 +114,8 @@ class Nf4Base:
     """A LoRA model factory whose frozen base stores its blocks' linear weights in NF4
     (``model.lora.base_dtype: nf4``): ``factory`` builds the model with a bf16 base, which is
     then quantized (``quantize_base``; ``parts``: FSDP's ranks, whose row shards must each fill
-    NF4's blocks). ``build_on_meta`` records ``factory`` alone on meta and quantizes each weight
-    as it is filled, so that the bf16 base is never held whole."""
+    NF4's blocks). ``OnMeta.start`` records ``factory`` alone on meta and ``finish`` quantizes
+    each weight as it is filled, so that the bf16 base is never held whole."""
 
     factory: ModelFactory
     parts: int = 1
@@ -314,15 +314,6 @@ def build_whole(model: ModelConfig, init_from: str | None, transforms: MemoryTra
     """The whole model ``model`` names, with ``transforms``, made as one process makes it
     (``start_model``): how export builds a LoRA run's base."""
     started = start_model(model, init_from, device or torch.device("cpu"), seed)
-    apply_transforms(started.model, transforms)
-    return started.finish()
-
-
-def build_on_meta(factory: ModelFactory, transforms: MemoryTransforms, device: torch.device,
-                  seed: int | None, *, model_name: str = "",
-                  weights: SafetensorsRows | None = None) -> nn.Module:
-    """``factory``'s model made on meta, transformed, then filled (``OnMeta``)."""
-    started = OnMeta.start(factory, device, seed, model_name=model_name, weights=weights)
     apply_transforms(started.model, transforms)
     return started.finish()
 

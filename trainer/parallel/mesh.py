@@ -16,10 +16,11 @@ split: the sequence ranks' gradients are of different tokens of the same rows, a
 is the rows' gradient.
 
 Why the loss needs nothing more under the split: each rank divides its slice's summed loss by
-the global batch's trained tokens (``trainer.step.step_tokens``; a slice may train none), and
-the reduction sums over all ``W`` ranks, so the gradient is that of the mean over the global
-batch, as at ``W / N`` ranks on whole rows. The all-to-alls' backward carries each rank's
-gradient to the ranks that hold the heads it attended with.
+its slice's trained targets where every target is trained, and by the global count over ``W``
+where a mask or packing leaves some out (``trainer.step.step_tokens`` over ``local_rows``; a
+slice may train none); the reduction averages over all ``W`` ranks, so the gradient is that of
+the mean over the global batch, as at ``W / N`` ranks on whole rows. The all-to-alls' backward
+carries each rank's gradient to the ranks that hold the heads it attended with.
 """
 
 from __future__ import annotations
