@@ -41,7 +41,7 @@ from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
 from trainer.models.hf import PREFIX as HF_PREFIX
 from trainer.optim import resume_schedule
-from trainer.parallel.strategy import Parallelism
+from trainer.parallel.strategy import OneProcess, Parallelism
 from trainer.tensors import local_tensor
 
 
@@ -59,7 +59,7 @@ class TrainState:
     lora_base: dict[str, Any] | None = None
 
     # How the model is split over ranks (``trainer.parallel``): one process unless given.
-    parallel: Parallelism = field(default_factory=Parallelism)
+    parallel: Parallelism = field(default_factory=OneProcess)
 
     @property
     def unwrapped(self) -> nn.Module:
