@@ -220,12 +220,8 @@ def start_model(model: ModelConfig, init_from: str | None, device: torch.device,
     init_hf = init_from if (init_from or "").startswith(HF_PREFIX) else None
     lean_base = model.lora is not None and model.lora.base_dtype != "fp32"
     if placement.shards or lean_base:
-        factory = model_factory(model, load_weights=False)
-        if isinstance(factory, Nf4Base):
-            factory = dataclasses.replace(factory, parts=placement.parts)
-        return OnMeta.start(factory, device, seed, model_name=model.name,
-                            weights=weights_of(init_hf or model.name),
-                            on_host=placement.on_host, tie=not placement.shards)
+        return OnMeta.placed(model_factory(model, load_weights=False), device, seed, placement,
+                             model_name=model.name, weights=weights_of(init_hf or model.name))
     built = made(model_factory(model, load_weights=init_hf is None), device, seed)
     if init_hf is not None:
         load_hf_weights(built, weights_of(init_hf))
@@ -283,6 +279,17 @@ class OnMeta:
                 nf4.quantize(model)  # NF4 placeholders, filled by ``finish``
         return cls(model, recording, tensors, getattr(model, "hf", None), device, seed,
                    weights, nf4, on_host, tie)
+
+    @classmethod
+    def placed(cls, factory: ModelFactory, device: torch.device, seed: int | None,
+               placement: Placement, *, model_name: str = "",
+               weights: SafetensorsRows | None = None) -> OnMeta:
+        """``start`` as ``placement`` asks: an NF4 base quantized for its ``parts``, the
+        tensors on the host where ``on_host``, tied again unless the way shards."""
+        if isinstance(factory, Nf4Base):
+            factory = dataclasses.replace(factory, parts=placement.parts)
+        return cls.start(factory, device, seed, model_name=model_name, weights=weights,
+                         on_host=placement.on_host, tie=not placement.shards)
 
     def finish(self) -> nn.Module:
         model, tensors, host = self.model, self.tensors, torch.device("cpu")

@@ -46,7 +46,6 @@ from trainer.memory.optimizers import InBackward
 from trainer.models.build import (
     MemoryTransforms,
     ModelFactory,
-    Nf4Base,
     OnMeta,
     Placement,
     apply_transforms,
@@ -114,6 +113,12 @@ class FsdpSettings:
         if self.param_dtype == "fp32":
             return policy
         return dataclasses.replace(policy, autocast_dtype=None)
+
+    def placement(self, world_size: int) -> Placement:
+        """Where the model is made under these settings over ``world_size`` ranks: on meta,
+        sharded, an NF4 base split into ``world_size`` parts, the shards on the host under CPU
+        offload."""
+        return Placement(shards=True, parts=world_size, on_host=self.offload == "cpu")
 
     @property
     def mixed_precision(self) -> bool:
@@ -227,10 +232,8 @@ def build_sharded(factory: ModelFactory, transforms: MemoryTransforms, device: t
     filled with the seeded host build's values or ``weights``' rows. An NF4 base is quantized
     shard by shard."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if isinstance(factory, Nf4Base):
-        factory = dataclasses.replace(factory, parts=world)
-    started = OnMeta.start(factory, device, seed, model_name=model_name, weights=weights,
-                           on_host=settings.offload == "cpu", tie=False)
+    started = OnMeta.placed(factory, device, seed, settings.placement(world),
+                            model_name=model_name, weights=weights)
     apply_transforms(started.model, transforms)
     shard_model(started.model, settings, device)
     return started.finish()
@@ -253,8 +256,7 @@ class ShardedDataParallel(Parallelism, AppliesPrecision):
         self.settings = settings or FsdpSettings()
 
     def placement(self) -> Placement:
-        return Placement(shards=True, parts=self.mesh.world_size,
-                         on_host=self.settings.offload == "cpu")
+        return self.settings.placement(self.mesh.world_size)
 
     def shard(self, model: nn.Module, device: torch.device) -> None:
         shard_model(model, self.settings, device)

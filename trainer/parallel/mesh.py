@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-# The mesh's dimensions, outermost first (rank r = ((replicate * shard) + ...) row-major).
+# The mesh's dimensions, outermost first: a rank's coordinates are row-major over their sizes.
 DIMS = ("replicate", "shard", "sequence")
 
 
