@@ -96,6 +96,26 @@ class ModelConfig(_Strict):
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         return self
 
+    def weights_dtype(self) -> tuple[str, str]:
+        """The field that sets the dtype the model's weights are stored in, and its value: a
+        LoRA base's ``base_dtype`` (the adapters stay fp32), else ``dtype``. Anything but fp32
+        computes in bf16 and keeps the host's heap lean."""
+        if self.lora is not None:
+            return "model.lora.base_dtype", self.lora.base_dtype
+        return "model.dtype", self.dtype
+
+    def frozen_base(self) -> bool:
+        """Whether the run trains adapters over a frozen base, which every start reads again
+        (from ``name`` or ``train.init_from``): its checkpoints hold the adapters alone."""
+        return self.lora is not None
+
+    def packages(self) -> list[tuple[str, str]]:
+        """The optional packages the model's settings need, as (setting, package)."""
+        if self.lora is None:
+            return []
+        return [("model.lora", "peft")] + (
+            [("model.lora.base_dtype nf4", "torchao")] if self.lora.base_dtype == "nf4" else [])
+
 
 class DataConfig(_Strict):
     path: str = "data/stdlib/train"  # a dataset directory, or s3://bucket/prefix (pyarrow fs)
@@ -397,6 +417,7 @@ class Config(_Strict):
                              "memory.precision bf16 (or auto), or reduce_dtype fp32")
         # bf16 weights first: with LoRA their refusal is the one whose fix applies
         weight_dtype_combinations(self)
+        frozen_base_combinations(self)
         strategy_combinations(self)
         sequence_combinations(self)
         workers = self.parallel.workers
@@ -475,6 +496,16 @@ def weight_dtype_combinations(cfg: Config) -> None:
         raise ValueError("model.dtype 'bf16' with parallel.fsdp.param_dtype 'fp32': FSDP "
                          "would gather bf16 weights as fp32 copies; set param_dtype bf16 "
                          "(or auto)")
+
+
+def frozen_base_combinations(cfg: Config) -> None:
+    """A LoRA model's frozen base is read from ``train.init_from: hf:DIR`` or ``model.name``:
+    a run's checkpoint as ``init_from`` is refused in one line."""
+    init_from = cfg.train.init_from
+    if cfg.model.lora is not None and init_from is not None and not init_from.startswith("hf:"):
+        raise ValueError("train.init_from with model.lora: a run's checkpoint is not a LoRA "
+                         "model's base; give the base as train.init_from hf:DIR (or model.name "
+                         "hf:DIR)")
 
 
 def strategy_combinations(cfg: Config) -> None:

@@ -34,15 +34,14 @@ from monitoring.run_files import rank_rows
 from monitoring.trackers import Trackers, flatten, open_trackers
 from trainer import faults
 from trainer.batches import DOCUMENT_IDS, LOSS_MASK, TokenBatch, TokenLoader
+from trainer.checkpoint.adapters import base_record
 from trainer.checkpoint.async_save import AsyncSaves
-from trainer.checkpoint.lora_base import lora_base
 from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
 from trainer.memory.allocator import settle_host_memory
-from trainer.memory.lora import lora_of
+from trainer.memory.lora import base_kept_in_bf16, describe_adapters
 from trainer.memory.loss import computes_own_loss, takes_position_ids
-from trainer.memory.nf4 import nf4_kept_in_bf16
 from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.models.build import (
@@ -102,9 +101,8 @@ class Trainer:
         self.batch_plan = BatchPlan(cfg.train.micro_batch(),
                                     cfg.train.accumulation_steps(self.mesh.data_ranks))
         if ctx.device.type == "cpu":
-            lora = cfg.model.lora
             settle_host_memory(self.parallel.steady_transients,
-                               lean=lora is not None and lora.base_dtype != "fp32")
+                               lean=cfg.model.weights_dtype()[1] != "fp32")
         self.policy = step_policy(self.parallel, precision_policy(self.precision.name,
                                                                   ctx.device))
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))
@@ -182,10 +180,8 @@ class Trainer:
             self.policy.grad_scaler(ctx.device, cfg.memory.grad_scaler_init_scale),
             resources.enter_context(build_loader(cfg.data, self.mesh, ctx.device,
                                                  self.batch_plan.micro_batch_size, cfg.run.seed)),
-            # rank 0's checkpoints record a LoRA base's files (hashed once here, if hashes)
-            lora_base=lora_base(cfg.model.name, cfg.train.init_from,
-                                cfg.run.checkpoint_verify == "hashes")
-            if cfg.model.lora is not None and ctx.is_main else None,
+            # rank 0's checkpoints record a frozen base's files (hashed once here, if hashes)
+            records=base_record(cfg) if ctx.is_main else {},
             parallel=self.parallel)
 
     def backward_hooks(self) -> InBackward | None:
@@ -352,7 +348,7 @@ class Trainer:
         strategies = describe_strategies(cfg.memory, state.unwrapped, ctx.device)
         if strategies:
             log.info("memory strategies: %s", "; ".join(strategies))
-        kept = nf4_kept_in_bf16(state.unwrapped)
+        kept = base_kept_in_bf16(state.unwrapped)
         if kept is not None:
             log.warning("%s", kept)
         chunk = getattr(state.unwrapped, "loss_chunk_tokens", 0)
@@ -385,20 +381,7 @@ def describe_masks(columns: list[str], model: torch.nn.Module) -> str:
 def describe_strategies(memory: MemoryConfig, model: torch.nn.Module,
                         device: torch.device) -> list[str]:
     """The log's line on the memory strategies a run has on (none: an empty list)."""
-    said = []
-    lora = lora_of(model)
-    if lora is not None:
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
-        said.append(f"LoRA rank {lora.rank}, alpha {lora.alpha:g}: {trained:,} of {total:,} "
-                    f"parameters train ({trained / total:.2%}), the base frozen in "
-                    f"{lora.base_dtype}")
-        errors: dict[str, float] = getattr(model, "nf4_errors", {})
-        if errors:
-            worst = max(errors, key=errors.__getitem__)
-            said.append(f"NF4 base: {len(errors)} linear layers, quantization error (relative "
-                        f"norm) {sum(errors.values()) / len(errors):.2%} on average, at most "
-                        f"{errors[worst]:.2%} ({worst})")
+    said = describe_adapters(model)
     if any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
         said.append("weights bf16 with no fp32 copy (model.dtype), each update rounded into "
                     "them stochastically")

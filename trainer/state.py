@@ -54,9 +54,9 @@ class TrainState:
     loader: TokenLoader
     step: int = 0
     schedule_change: str | None = None  # what a resume changed in the learning rate, if anything
-    # A LoRA model's base weights, {"source": "hf:DIR", "files": weights_fingerprint}: its
-    # checkpoints hold the adapters alone, so an export rebuilds the base and checks it is this.
-    lora_base: dict[str, Any] | None = None
+    # Entries every checkpoint's state.pt saves as they are: what a run that trains adapters
+    # records of its frozen base (``trainer.checkpoint.adapters.base_record``).
+    records: dict[str, Any] = field(default_factory=dict)
 
     # How the model is split over ranks (``trainer.parallel``): one process unless given.
     parallel: Parallelism = field(default_factory=OneProcess)
@@ -79,9 +79,7 @@ class TrainState:
             "loader": self.loader.state_dict(), "rng": rng_state(), "step": self.step,
             "dcp": True,  # the model and optimizer are in DCP files beside it
         }
-        if self.lora_base is not None:
-            state["lora_base"] = self.lora_base
-        return state
+        return state | self.records
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The inverse of ``state_dict`` (DCP model and optimizer: see ``restore``)."""

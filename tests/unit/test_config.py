@@ -43,6 +43,8 @@ def test_each_component_gets_only_its_slice() -> None:
     (["trainlr"], "expected KEY=VALUE"),
     (["parallel.workers=[4, 2]"], r"parallel.workers: min 4 is above max 2"),
     (["parallel.workers=[1, 2, 3]"], r"parallel.workers: expected N or \[min, max\]"),
+    (["model.lora={}", "train.init_from=runs/base"], "train.init_from with model.lora: a run's "
+     "checkpoint is not a LoRA model's base"),
 ])
 def test_bad_values_name_the_field(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):

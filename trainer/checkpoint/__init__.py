@@ -8,7 +8,7 @@
   directory (an atomic rename) or uploaded to a run store, the store's latest fetched back;
 - ``async_save``: saves on a thread once staged in host memory (``train.checkpoint_async``);
 - ``store``: a run directory on object storage (``run.dir: s3://...``);
-- ``lora_base``: what a LoRA run's checkpoints record of its frozen base;
-- ``export``: ``memtrain export``: a run's weights in the model's own format (PEFT adapters, a
-  merged model).
+- ``adapters``: a LoRA run's checkpoints: what they record of the frozen base, the check at
+  a resume, the export as PEFT adapters or merged;
+- ``export``: ``memtrain export``: a run's weights in the model's own format.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +26,7 @@ from datapipe.manifest import DatasetError, read_manifest
 from datapipe.tokenize import SPECIAL_TOKENS, TOKENIZER_FILE, dataset_tokenizer
 from monitoring.run_files import CONFIG
 from monitoring.units import format_bytes
+from trainer.checkpoint.adapters import export_adapters
 from trainer.checkpoint.files import (
     CheckpointReadError,
     latest_whole,
@@ -34,16 +35,8 @@ from trainer.checkpoint.files import (
     published_checkpoints,
     verified,
 )
-from trainer.checkpoint.lora_base import changed_files, lora_base_source, weights_fingerprint
-from trainer.config import Config, ConfigError, load_config
-from trainer.memory.lora import (
-    lora_of,
-    merge_adapters,
-    peft_adapter_state,
-    peft_config,
-    trainable_state_dict,
-)
-from trainer.models.build import MemoryTransforms, build_model, build_whole, model_factory
+from trainer.config import ConfigError, load_config
+from trainer.models.build import MemoryTransforms, build_model, model_factory
 from trainer.models.hf import PREFIX, HFCausalLM
 from trainer.tensors import storage_key
 
@@ -64,7 +57,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
     """Write checkpoint ``step`` (default: the latest) of ``run_dir`` as a ``save_pretrained``
     directory ``out``, with the dataset's tokenizer where it kept one. A LoRA run
     (``model.lora``): PEFT's adapter directory, or with ``merge`` the model with its adapters
-    folded in (``export_lora``)."""
+    folded in (``trainer.checkpoint.adapters.export_adapters``)."""
     config_path = run_dir / CONFIG
     if not config_path.is_file():
         raise ConfigError(f"{run_dir}: no config.yaml (not a memtrain run directory)")
@@ -85,8 +78,8 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None,
     else:
         directory = verified(checkpoints[step], hashes)
     state = load_checkpoint(directory)
-    if cfg.model.lora is not None:
-        export_lora(cfg, directory, state, out, merge)
+    if cfg.model.frozen_base():
+        export_adapters(cfg, directory, state, out, merge)
     else:
         with torch.device("meta"):  # sizes and names only: no weights in memory
             model = build_model(model_factory(cfg.model, load_weights=False), MemoryTransforms(),
@@ -122,74 +115,6 @@ def _write_tokenizer(dataset: str, out: Path) -> bool:
         config["chat_template"] = metadata["chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return True
-
-
-def export_lora(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
-                merge: bool) -> None:
-    """A LoRA run's checkpoint: the base built as the run built it (the weights of
-    ``train.init_from: hf:DIR``, else of ``model.name``, else its seeded initialisation),
-    checked against what the checkpoint recorded of it, the checkpoint's adapters loaded, then
-    PEFT's adapter directory (``PeftModel.from_pretrained(base, out)``), or with ``merge`` the
-    merged model (``from_pretrained(out)``)."""
-    source = check_lora_base(cfg, state.get("lora_base"))
-    if not merge and source is None:
-        raise ConfigError(f"{cfg.model.name} has no weights of its own (the run's base was its "
-                          "seeded initialisation), so an adapter directory would have nothing "
-                          "to apply to: export with --merge")
-    model = build_whole(cfg.model, cfg.train.init_from, MemoryTransforms(), seed=cfg.run.seed)
-    assert isinstance(model, HFCausalLM), type(model)
-    adapters = trainable_state_dict(model)
-    loaded = load_tensors(directory, {
-        name: torch.empty_like(tensor) for name, tensor in adapters.items()})
-    model.load_state_dict(loaded, strict=False)
-    settings = lora_of(model)
-    assert settings is not None
-    if merge:
-        merge_adapters(model)
-        model.hf.save_pretrained(out)
-        log.info("exported %s: the adapters merged into the base weights", directory.name)
-        return
-    from safetensors.torch import save_file
-
-    assert source is not None
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(peft_adapter_state(model), str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    base = Path(source.removeprefix(PREFIX)).expanduser().resolve()
-    peft_config(settings, model, str(base)).save_pretrained(str(out))
-    log.info("exported %s: the adapters alone (%d tensors), for PeftModel.from_pretrained",
-             directory.name, len(adapters))
-
-
-def check_lora_base(cfg: Config, recorded: dict[str, Any] | None) -> str | None:
-    """The ``hf:`` directory the run's LoRA base takes its weights from (None: its seeded
-    initialisation). ConfigError where the checkpoint recorded another, or where its weight
-    files are missing or not the ones the run trained on (sizes, and SHA-256 where the run
-    recorded them); a checkpoint that recorded nothing (written before checkpoints did) is
-    checked for its files alone, and the log says so."""
-    init_hf = (cfg.train.init_from or "").startswith(PREFIX)
-    field = "train.init_from" if init_hf else "model.name"
-    configured = cfg.train.init_from if init_hf else cfg.model.name
-    source = lora_base_source(cfg.model.name, cfg.train.init_from)
-    if recorded is not None:
-        if recorded["source"] != configured:
-            raise ConfigError(f"{field}: the run's config names the LoRA base {configured}, but "
-                              f"its checkpoint was trained on {recorded['source']}")
-        source = recorded["source"]
-    elif source is not None:
-        log.warning("the checkpoint records no fingerprint of its LoRA base %s: its files "
-                    "are taken as they are now", source)
-    if source is None:
-        return None
-    now, changed = changed_files(recorded["files"], source) if recorded is not None \
-        else (weights_fingerprint(source, hashes=False), [])
-    if not now:
-        raise ConfigError(f"{field} {source}: the LoRA run's base weights are missing (no "
-                          "model.safetensors or its index); export needs the base it trained on")
-    if changed:
-        raise ConfigError(f"{field} {source}: {changed[0]} is not the file the LoRA run trained "
-                          "on (changed since training); export needs the base it trained on")
-    return source
 
 
 def _saved_names(model: HFCausalLM) -> list[tuple[str, torch.Tensor]]:

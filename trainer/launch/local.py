@@ -114,12 +114,10 @@ PRELOAD = (__name__, "torch.distributed.checkpoint", "torch.distributed.checkpoi
 PRELOAD_COMPILE = (*PRELOAD, "trainer.launch.compile_preload")
 
 
-
-
 def preload(cfg: Config) -> tuple[str, ...]:
     """What the fork server imports for ``cfg``'s workers: ``PRELOAD`` (``PRELOAD_COMPILE``
     where they compile) and, for an ``hf:`` model, transformers' model code for its
-    architecture, with PEFT where it trains LoRA adapters. Imported in each worker, those
+    architecture, with PEFT where it trains adapters. Imported in each worker, those
     are about 90 MB of its own memory (transformers' modeling code 70 MB, the architecture's
     module 10, PEFT 8) and 2.5 s of its CPU; imported once by the server, every worker shares
     the server's pages."""
@@ -129,7 +127,7 @@ def preload(cfg: Config) -> tuple[str, ...]:
         # transformers' own layout: models/<model_type>/modeling_<model_type>.py ("-" as "_")
         module = model_type.replace("-", "_")
         names += ("transformers.modeling_utils", f"transformers.models.{module}.modeling_{module}")
-        if cfg.model.lora is not None:
+        if cfg.model.frozen_base():  # its adapters are PEFT's
             names += ("peft",)
     return names
 

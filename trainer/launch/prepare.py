@@ -21,14 +21,13 @@ from datapipe.paths import is_remote
 from monitoring.run_files import CONFIG
 from monitoring.trackers import PACKAGES as TRACKER_PACKAGES
 from trainer.batches import DOCUMENT_IDS, LOSS_MASK
+from trainer.checkpoint.adapters import check_resumed_base
 from trainer.checkpoint.files import (
     checkpoint_step,
     latest_whole,
-    load_checkpoint,
     published_checkpoints,
 )
 from trainer.checkpoint.integrity import local_problem
-from trainer.checkpoint.lora_base import base_changes, lora_base_source
 from trainer.checkpoint.publish import fetch_latest
 from trainer.checkpoint.store import RemoteRun, default_work_dir
 from trainer.config import Config, ConfigError, check_way_settings
@@ -140,10 +139,6 @@ def _init_from(cfg: Config) -> Any:
         raise ConfigError("train.init_from and train.resume_from: give one (weights alone, or "
                           "the whole state)")
     hf_weights = train.init_from is not None and train.init_from.startswith(PREFIX)
-    if train.init_from is not None and not hf_weights and cfg.model.lora is not None:
-        raise ConfigError("train.init_from with model.lora: a run's checkpoint is not a LoRA "
-                          "model's base; give the base as train.init_from hf:DIR (or model.name "
-                          "hf:DIR)")
     update = {key: _whole_checkpoint(cfg, key, value) for key in ("init_from", "resume_from")
               if (value := getattr(train, key)) is not None and not (
                   key == "init_from" and hf_weights)}
@@ -184,50 +179,22 @@ def _check_resume(cfg: Config, run_dir: Path, remote: RemoteRun | None,
                   allow_changes: bool) -> None:
     """A run with checkpoints resumes from its own latest: what changed is said (refused where
     exactness breaks unless ``allow_changes``), and ``train.resume_from`` is refused. A LoRA
-    run resumes on the base its checkpoint trained on (``_check_lora_base``)."""
+    run resumes on the base its checkpoint trained on (``check_resumed_base``)."""
     previous = previous_config(run_dir, remote)
     if previous is None:
         if cfg.train.resume_from is not None:
-            _check_lora_base(cfg, Path(cfg.train.resume_from), allow_changes, own=False)
+            check_resumed_base(cfg, Path(cfg.train.resume_from), allow_changes, own=False)
         return
     if cfg.train.resume_from is not None:
         raise ConfigError(f"train.resume_from: run {cfg.run.name!r} has checkpoints of its "
                           "own, and its latest resumes; to start it from "
                           f"{cfg.train.resume_from} instead, add --fresh")
     check_resume(previous, cfg, allow_changes)
-    if cfg.model.lora is not None:
+    if cfg.model.frozen_base():
         hashes = cfg.run.checkpoint_verify == "hashes"
         latest = latest_whole(published_checkpoints(run_dir), hashes) if remote is None \
             else fetch_latest(remote, run_dir, hashes)
-        _check_lora_base(cfg, latest, allow_changes)
-
-
-def _check_lora_base(cfg: Config, checkpoint: Path | None, allow_changes: bool,
-                     own: bool = True) -> None:
-    """A LoRA checkpoint holds the adapters alone: resumed from ``checkpoint`` (the run's
-    ``own``, else ``train.resume_from``'s), they train on the base the run builds now, which
-    must be the one the checkpoint recorded (its directory, its files' sizes, and their SHA-256
-    where the run hashed them: ``run.checkpoint_verify: hashes``). Another one is refused in
-    one line (exit 2) unless ``allow_changes``, which logs what changed."""
-    if cfg.model.lora is None or checkpoint is None:
-        return
-    recorded = load_checkpoint(checkpoint).get("lora_base")
-    if recorded is None:  # a seeded base, or a checkpoint from before bases were recorded
-        return
-    source = lora_base_source(cfg.model.name, cfg.train.init_from)
-    changes = base_changes(recorded, source)
-    if not changes:
-        return
-    if source != recorded["source"]:  # either field may have named either base
-        field = "the LoRA base (model.name or train.init_from)"
-    else:
-        field = "train.init_from" if source == cfg.train.init_from else "model.name"
-    where = f"{checkpoint.name} of run {cfg.run.name!r}" if own else str(checkpoint)
-    what = f"{field}: {'; '.join(changes)} since {where} trained its LoRA adapters on that base"
-    if not allow_changes:
-        raise ConfigError(f"{what}; resuming would train them on another base: restore it, "
-                          "pass --allow-changes to resume anyway, or --fresh to start anew")
-    log.warning("resuming with %s (allowed: the adapters go on training on this base)", what)
+        check_resumed_base(cfg, latest, allow_changes)
 
 
 def previous_config(run_dir: Path, remote: RemoteRun | None) -> str | None:
@@ -328,10 +295,7 @@ def check_strategies(cfg: Config) -> None:
     precision ``auto`` resolves to here: one line each, before any worker starts."""
     needed = [("memory.optimizer_states " + cfg.memory.optimizer_states, "torchao")
               ] if cfg.memory.optimizer_states != "fp32" else []
-    lora = cfg.model.lora
-    needed += [("model.lora", "peft")] if lora is not None else []
-    needed += [("model.lora.base_dtype nf4", "torchao")] \
-        if lora is not None and lora.base_dtype == "nf4" else []
+    needed += cfg.model.packages()
     for field, package in needed:
         if importlib.util.find_spec(package) is None:
             raise ConfigError(f"{field} needs the {package} package: pip install "
@@ -347,9 +311,8 @@ def check_weight_precision(cfg: Config) -> None:
     from trainer.plan.auto import bf16_weights, planned_precision
 
     if bf16_weights(cfg) and cfg.memory.precision == "auto":
-        field, weights, value = ("model.dtype", "weights", "bf16") \
-            if cfg.model.dtype == "bf16" else ("model.lora.base_dtype", "base weights",
-                                               cfg.model.lora.base_dtype)  # type: ignore[union-attr]
+        field, value = cfg.model.weights_dtype()
+        weights = "base weights" if cfg.model.frozen_base() else "weights"
         if (precision := planned_precision(cfg)) != "bf16":
             raise ConfigError(f"{field} {value!r}: memory.precision auto resolves to "
                               f"{precision} here, and {value} {weights} compute in bf16; set "

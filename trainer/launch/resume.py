@@ -51,9 +51,10 @@ def changed_keys(previous: Mapping[str, Any], current: Mapping[str, Any]
             if before.get(key) != now.get(key) and not key.startswith(NOT_CHANGES)]
 
 
-def breaks_exactness(key: str, lora: bool = False) -> bool:
-    """Whether a change of ``key`` breaks an exact resume (of a LoRA model where ``lora``)."""
-    return (lora and key == "train.init_from") or any(
+def breaks_exactness(key: str, frozen_base: bool = False) -> bool:
+    """Whether a change of ``key`` breaks an exact resume (of a model that trains adapters
+    over a frozen base where ``frozen_base``: the base comes from ``train.init_from``)."""
+    return (frozen_base and key == "train.init_from") or any(
         key == rule or (rule.endswith(".") and key.startswith(rule)) for rule in BREAKS_EXACTNESS)
 
 
@@ -67,8 +68,8 @@ def check_resume(previous_yaml: str, cfg: Config, allow_changes: bool) -> list[s
     if not isinstance(previous, dict):
         previous = {}
     changes = changed_keys(previous, yaml.safe_load(cfg.to_yaml()))
-    lora = cfg.model.lora is not None
-    breaking = [key for key, _, _ in changes if breaks_exactness(key, lora)]
+    frozen_base = cfg.model.frozen_base()
+    breaking = [key for key, _, _ in changes if breaks_exactness(key, frozen_base)]
     if breaking and not allow_changes:
         key, before, now = next(change for change in changes if change[0] == breaking[0])
         more = f" (and {', '.join(breaking[1:])})" if len(breaking) > 1 else ""
@@ -76,7 +77,7 @@ def check_resume(previous_yaml: str, cfg: Config, allow_changes: bool) -> list[s
                           "breaks an exact resume; pass --allow-changes to resume anyway, or "
                           "--fresh to start the run anew")
     lines = [f"resuming with {key} changed: {before!r} -> {now!r}"
-             + (" (breaks an exact resume: allowed)" if breaks_exactness(key, lora) else "")
+             + (" (breaks an exact resume: allowed)" if breaks_exactness(key, frozen_base) else "")
              for key, before, now in changes]
     for line in lines:
         log.info("%s", line)

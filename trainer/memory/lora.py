@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from trainer.compat import is_fake
-from trainer.memory.nf4 import dequantize_base, quantize_base
+from trainer.memory.nf4 import dequantize_base, describe_nf4_base, nf4_kept_in_bf16, quantize_base
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 
 ADAPTER = "default"  # PEFT's adapter name: the one adapter memtrain trains
@@ -216,3 +216,22 @@ def peft_config(settings: LoraSettings, model: nn.Module, base: str) -> Any:
         target_modules=list(settings.targets),
         fan_in_fan_out=_fan_in_fan_out(model, list(settings.targets)),
         task_type="CAUSAL_LM", base_model_name_or_path=base)
+
+
+def describe_adapters(model: nn.Module) -> list[str]:
+    """The run's log phrases on a LoRA model's adapters and its frozen base (what trains, the
+    base's dtype, an NF4 base's quantization error); none for a model without adapters."""
+    settings = lora_of(model)
+    if settings is None:
+        return []
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return [f"LoRA rank {settings.rank}, alpha {settings.alpha:g}: {trained:,} of {total:,} "
+            f"parameters train ({trained / total:.2%}), the base frozen in "
+            f"{settings.base_dtype}"] + describe_nf4_base(model)
+
+
+def base_kept_in_bf16(model: nn.Module) -> str | None:
+    """The run's warning naming the linear layers a quantized base kept in bf16; None where
+    there are none (``trainer.memory.nf4.nf4_kept_in_bf16``)."""
+    return nf4_kept_in_bf16(model)

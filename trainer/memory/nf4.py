@@ -306,6 +306,18 @@ def nf4_kept_in_bf16(model: nn.Module) -> str | None:
             f"{SCALER_BLOCK}): {', '.join(kept[:3]) + (', ...' if len(kept) > 3 else '')}")
 
 
+def describe_nf4_base(model: nn.Module) -> list[str]:
+    """The run's log phrase on an NF4 base's quantization error (the relative norm of each
+    weight's error, recorded as it was quantized); none for another base."""
+    errors: dict[str, float] = getattr(model, "nf4_errors", {})
+    if not errors:
+        return []
+    worst = max(errors, key=errors.__getitem__)
+    return [f"NF4 base: {len(errors)} linear layers, quantization error (relative norm) "
+            f"{sum(errors.values()) / len(errors):.2%} on average, at most {errors[worst]:.2%} "
+            f"({worst})"]
+
+
 def dequantize_base(model: nn.Module) -> None:
     """Every NF4 weight of ``model`` back to bf16, in place (before a merge)."""
     for module in model.modules():

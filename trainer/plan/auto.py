@@ -186,10 +186,9 @@ def precision_candidates(cfg: Config) -> list[str]:
 
 
 def bf16_weights(cfg: Config) -> bool:
-    """Whether weights are bf16 (``model.dtype``, or a LoRA base's ``base_dtype``), which
-    compute only in bf16: no other precision is a candidate."""
-    lora = cfg.model.lora
-    return cfg.model.dtype == "bf16" or (lora is not None and lora.base_dtype != "fp32")
+    """Whether weights are stored below fp32 (``ModelConfig.weights_dtype``), which compute
+    only in bf16: no other precision is a candidate."""
+    return cfg.model.weights_dtype()[1] != "fp32"
 
 
 def searches(cfg: Config) -> bool:
