@@ -27,7 +27,7 @@ TOKENIZER ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lock image image-check data demo test test-unit lint dashboards bench-memory bench-metrics gpu-check clean bench bench-data bench-qlora bench-qlora-largest bench-long \
-	bench-tokenize bench-hf bench-plan bench-fsdp bench-strategies bench-checkpoints bench-uploads bench-elastic chaos tracker-screenshots up down status submit cluster-data grafana local local-down
+	bench-tokenize bench-hf bench-plan bench-plan-trace bench-fsdp bench-strategies bench-checkpoints bench-uploads bench-elastic chaos tracker-screenshots up down status submit cluster-data grafana local local-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -122,6 +122,9 @@ bench-elastic: setup ## Ray: an elastic group's start size and growth after a ki
 
 bench-plan: setup ## CPU: the planner's predicted tokens/s against measured steps, 3 model shapes
 	$(BIN)/python -m bench.plan --out bench/results
+
+bench-plan-trace: setup ## CPU: one block's bytes as the planner plans them and as MemTracker traces them, against the allocator
+	$(BIN)/python -m bench.plan_trace --out bench/results
 
 bench-fsdp: setup ## FSDP on gloo ranks: the largest GPT under a per-rank budget (host vs meta build); memtrain's own workers' resident memory
 	$(BIN)/python -m bench.fsdp --out bench/results
