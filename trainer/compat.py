@@ -411,6 +411,24 @@ def hf_checkpoint_renamer(hf_model: Any, model_names: set[str]
     return rename
 
 
+def hf_fusions(hf_model: Any) -> dict[str, tuple[tuple[str, ...], list[tuple[str, int]]]]:
+    """The conversions ``from_pretrained`` (transformers 5) makes of several checkpoint tensors
+    into one of ``hf_model``'s (the experts stored one by one, fused): by each source pattern
+    (``hf_checkpoint_renamer``'s second answer), all the patterns fused with it, in order, and
+    the operations, as (class name, dim) (``MergeModulelist`` stacks a pattern's tensors on
+    ``dim``, ``Concatenate`` joins the patterns' on ``dim``: ``conversion_mapping.py``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    fusions = {}
+    for converter in get_model_conversion_mapping(hf_model):
+        if isinstance(converter, WeightConverter):
+            patterns = tuple(converter.source_patterns)
+            steps = [(type(op).__name__, getattr(op, "dim", -1)) for op in converter.operations]
+            fusions.update(dict.fromkeys(patterns, (patterns, steps)))
+    return fusions
+
+
 def ray_torch_backend() -> tuple[type, Callable[[], None], Callable[[], tuple[str, int]], type]:
     """Ray Train 2.60's torch backend, to subclass (``_TorchBackend``: its ``on_start`` makes
     the process group with torch's ``env://`` store, which listens on every interface), the

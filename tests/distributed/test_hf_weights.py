@@ -1,7 +1,8 @@
 """The sharded loader against ``from_pretrained``: on 2 gloo ranks each rank reads its rows of an
 ``hf:`` directory's safetensors (``trainer.parallel.fsdp.build_sharded``), and the sharded model's
 logits are the ones ``AutoModelForCausalLM.from_pretrained`` gives, for the families whose files
-differ in how they name and tie their tensors; a file that does not fit the model is refused in one
+differ in how they name and tie their tensors, and mixtures of experts whose files store the
+experts one by one; a file that does not fit the model is refused in one
 line naming the tensor, not cut to fit."""
 
 from __future__ import annotations
@@ -38,6 +39,24 @@ def _families(transformers) -> dict:
                                                 tie_word_embeddings=False), False),
         "qwen2": (transformers.Qwen2Config(**_SMALL), False),
         "mistral": (transformers.MistralConfig(**_SMALL), False),
+        **_mixtures_of_experts(transformers),
+    }
+
+
+def _mixtures_of_experts(transformers) -> dict:
+    """Mixtures of experts whose files store each expert's projections apart, which
+    ``from_pretrained`` stacks into fused 3-D tensors (gate and up joined): Qwen3-MoE (8
+    experts, 4 per rank), Qwen2-MoE with a shared expert (3 experts: 2 and 1 per rank) and
+    Mixtral (its own names, ``block_sparse_moe.experts.N.w1``)."""
+    moe = {**_SMALL, "intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "moe_intermediate_size": 16, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    return {
+        "qwen3-moe": (transformers.Qwen3MoeConfig(**moe, num_experts=8, head_dim=8), False),
+        "qwen2-moe": (transformers.Qwen2MoeConfig(**moe, num_experts=3,
+                                                  shared_expert_intermediate_size=24), False),
+        "mixtral": (transformers.MixtralConfig(**{**_SMALL, "intermediate_size": 16},
+                                               num_local_experts=4, num_experts_per_tok=2),
+                    False),
     }
 
 
@@ -121,16 +140,28 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     tensors["lm_head.weight"][48:] += 1.0  # rank 1's rows of 96 (torch.chunk's split)
     save_file(tensors, conflict / "model.safetensors", metadata={"format": "pt"})
+    # Experts stored one by one, one expert's up projection missing in a layer: refused in one
+    # line, not left to the model's initialisation.
+    gap = tmp_path / "qwen3-moe-gap"
+    gap.mkdir()
+    (gap / "config.json").write_text((directories["qwen3-moe"] / "config.json").read_text())
+    experts = load_file(directories["qwen3-moe"] / "model.safetensors")
+    del experts["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(experts, gap / "model.safetensors", metadata={"format": "pt"})
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = tmp_path / "results.pt"
     on_ranks(_load_sharded, 2, {name: str(d) for name, d in
                                 {**directories, "llama-wide": wide, "foreign": foreign,
-                                 "conflict": conflict}.items()}, tokens, str(out))
+                                 "conflict": conflict, "gap": gap}.items()}, tokens, str(out))
     results = torch.load(out, weights_only=True)
     for name, directory in directories.items():
         assert isinstance(results[name], torch.Tensor), f"{name}: {results[name]}"
         torch.testing.assert_close(results[name], _from_pretrained(directory, tokens),
                                    rtol=1e-5, atol=1e-5, msg=name)
+    assert results["gap"] == (
+        f"{gap}: model.layers.1.mlp.experts.gate_up_proj's experts are not all in its "
+        "safetensors (mlp.experts.*.gate_proj.weight, mlp.experts.*.up_proj.weight: expected "
+        "experts 0 to 7 of each)")
     assert results["llama-wide"] == (f"{wide}: model.embed_tokens.weight has shape [128, 32] "
                                      "in its safetensors, the model's "
                                      "model.embed_tokens.weight [96, 32]")

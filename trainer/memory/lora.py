@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,13 @@ import torch
 from torch import nn
 
 from trainer.compat import is_fake
-from trainer.memory.nf4 import dequantize_base, describe_nf4_base, nf4_kept_in_bf16, quantize_base
+from trainer.memory.nf4 import (
+    Nf4Base,
+    dequantize_base,
+    describe_nf4_base,
+    nf4_kept_in_bf16,
+    quantize_base,
+)
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
 
 ADAPTER = "default"  # PEFT's adapter name: the one adapter memtrain trains
@@ -50,6 +57,11 @@ class LoraSettings:
     dropout: float = 0.0
     targets: tuple[str, ...] = ()  # () : the model's defaults (the module docstring)
     base_dtype: str = "fp32"  # fp32 | bf16 | nf4: the frozen base's dtype
+
+    @classmethod
+    def of(cls, lora: Any) -> LoraSettings:
+        """The settings of ``model.lora`` (``trainer.config.LoraConfig``)."""
+        return cls(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), lora.base_dtype)
 
 
 def _peft() -> Any:
@@ -134,6 +146,17 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     # The targets as resolved: once injected, the blocks' linear layers include the adapters.
     model.lora_settings = dataclasses.replace(settings, targets=tuple(targets))  # type: ignore[assignment]
     return model
+
+
+def with_adapters(factory: Callable[[], nn.Module], settings: LoraSettings
+                  ) -> Callable[[], nn.Module]:
+    """A model factory whose model is ``factory``'s with LoRA adapters (``apply_lora``). An NF4
+    base is built in bf16, then quantized by ``Nf4Base`` (which a sharded build quantizes as it
+    fills each rank's rows)."""
+    if settings.base_dtype == "nf4":
+        bf16 = dataclasses.replace(settings, base_dtype="bf16")
+        return Nf4Base(lambda: apply_lora(factory(), bf16))
+    return lambda: apply_lora(factory(), settings)
 
 
 def initial_adapter(name: str, shape: torch.Size, seed: int) -> torch.Tensor:

@@ -18,9 +18,11 @@ keeps one mean for the gathered weight) gives back the weight one process quanti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -304,6 +306,39 @@ def nf4_kept_in_bf16(model: nn.Module) -> str | None:
     return (f"model.lora.base_dtype nf4: {len(kept)} linear layer(s) kept in bf16, their size "
             f"not a multiple of {GRAIN} (NF4's blocks of {BLOCK} and its scales' of "
             f"{SCALER_BLOCK}): {', '.join(kept[:3]) + (', ...' if len(kept) > 3 else '')}")
+
+
+@dataclass(frozen=True)
+class Nf4Base:
+    """A LoRA model factory whose frozen base stores its blocks' linear weights in NF4
+    (``model.lora.base_dtype: nf4``): ``factory`` builds the model with a bf16 base, which is
+    then quantized (``quantize_base``; ``parts``: FSDP's ranks, whose row shards must each fill
+    NF4's blocks). A meta build (``trainer.models.build.OnMeta``) records ``factory`` alone and
+    quantizes each weight as it is filled, so that the bf16 base is never held whole."""
+
+    factory: Callable[[], nn.Module]
+    parts: int = 1
+
+    def __call__(self) -> nn.Module:
+        return self.quantize(self.factory())
+
+    def quantize(self, model: nn.Module) -> nn.Module:
+        quantize_base(model, self.parts)
+        settings: Any = model.lora_settings  # ``trainer.memory.lora.LoraSettings``
+        model.lora_settings = dataclasses.replace(settings, base_dtype="nf4")
+        return model
+
+    def on_meta(self, model: nn.Module) -> None:
+        self.quantize(model)  # NF4 placeholders
+
+    def for_parts(self, parts: int) -> Nf4Base:
+        return dataclasses.replace(self, parts=parts)
+
+    def filled(self, model: nn.Module) -> None:
+        """Each NF4 weight's quantization error (``fill_nf4``'s), for the run's log."""
+        model.nf4_errors = {name: module.nf4_error  # type: ignore[assignment]
+                            for name, module in nf4_layers(model)
+                            if hasattr(module, "nf4_error")}
 
 
 def describe_nf4_base(model: nn.Module) -> list[str]:

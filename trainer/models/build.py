@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -33,14 +33,13 @@ from trainer.errors import first_line
 from trainer.memory.activation_checkpointing import apply_activation_checkpointing
 from trainer.memory.lora import (
     LoraSettings,
-    apply_lora,
     draw_adapters,
     initial_adapter,
     is_adapter,
     lora_of,
+    with_adapters,
 )
 from trainer.memory.loss import set_loss_chunking
-from trainer.memory.nf4 import nf4_layers, quantize_base
 from trainer.memory.norms import bf16_norm_inputs
 from trainer.memory.offload import install as install_offload
 from trainer.memory.tiled_mlp import tile_mlps
@@ -83,17 +82,32 @@ def model_factory(model: ModelConfig, load_weights: bool = True) -> ModelFactory
     """The configured model (a registered name or ``module:function``), without transforms
     (``load_weights=False``: an ``hf:`` directory's weights are left to the sharded build)."""
     kwargs = model.model_dump(exclude={"name", "lora", "dtype"})
-    if model.lora is None:
-        plain = partial(create_model, model.name, load_weights=load_weights, **kwargs)
-        return Bf16Weights(plain) if model.dtype == "bf16" else plain
-    lora = LoraSettings(model.lora.rank, model.lora.alpha, model.lora.dropout,
-                        tuple(model.lora.targets), model.lora.base_dtype)
-    if lora.base_dtype == "nf4":  # built with a bf16 base, quantized by ``Nf4Base``
-        bf16 = dataclasses.replace(lora, base_dtype="bf16")
-        return Nf4Base(lambda: apply_lora(create_model(model.name, load_weights=load_weights,
-                                                       **kwargs), bf16))
-    return lambda: apply_lora(create_model(model.name, load_weights=load_weights, **kwargs),
-                              lora)
+    plain = partial(create_model, model.name, load_weights=load_weights, **kwargs)
+    if model.lora is not None:
+        return with_adapters(plain, LoraSettings.of(model.lora))
+    return Bf16Weights(plain) if model.dtype == "bf16" else plain
+
+
+@runtime_checkable
+class Converted(Protocol):
+    """A model factory whose models it converts once built (their weights to bf16, a base to
+    NF4). A meta build records ``factory`` alone and converts the meta model (``on_meta``:
+    placeholders of the converted dtype), so that ``OnMeta.finish`` converts each tensor as
+    it fills it and no rank holds the unconverted model whole."""
+
+    factory: ModelFactory
+
+    def __call__(self) -> nn.Module: ...
+
+    def on_meta(self, model: nn.Module) -> None: ...
+
+    def for_parts(self, parts: int) -> Converted:
+        """The same factory for a model split into ``parts`` row shards."""
+        ...
+
+    def filled(self, model: nn.Module) -> None:
+        """What is left to do once every tensor is filled (the run's log's records)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -108,28 +122,14 @@ class Bf16Weights:
     def __call__(self) -> nn.Module:
         return to_bf16(self.factory())
 
+    def on_meta(self, model: nn.Module) -> None:
+        _bf16_parameters(model)  # its shards are allocated in bf16
 
-@dataclass(frozen=True)
-class Nf4Base:
-    """A LoRA model factory whose frozen base stores its blocks' linear weights in NF4
-    (``model.lora.base_dtype: nf4``): ``factory`` builds the model with a bf16 base, which is
-    then quantized (``quantize_base``; ``parts``: FSDP's ranks, whose row shards must each fill
-    NF4's blocks). ``OnMeta.start`` records ``factory`` alone on meta and ``finish`` quantizes
-    each weight as it is filled, so that the bf16 base is never held whole."""
+    def for_parts(self, parts: int) -> Bf16Weights:
+        return self
 
-    factory: ModelFactory
-    parts: int = 1
-
-    def __call__(self) -> nn.Module:
-        return self.quantize(self.factory())
-
-    def quantize(self, model: nn.Module) -> nn.Module:
-        quantize_base(model, self.parts)
-        settings = lora_of(model)
-        assert settings is not None
-        model.lora_settings = dataclasses.replace(  # type: ignore[assignment]
-            settings, base_dtype="nf4")
-        return model
+    def filled(self, model: nn.Module) -> None:
+        pass
 
 
 def to_bf16(model: nn.Module) -> nn.Module:
@@ -243,9 +243,10 @@ class OnMeta:
     """A model made on the meta device, its construction recorded (``trainer.models.meta_init``):
     transformed, split and sharded as it is, then each tensor (each rank's shard of it)
     allocated and filled by ``finish``, one at a time, so that no process holds it whole: with
-    the seeded host build's values, or with ``weights``' rows where the directory has them. An
-    ``Nf4Base``'s weights are quantized as they are filled. A model that cannot be built on meta
-    is built whole on the host (``recording`` None), with one warning naming the reason."""
+    the seeded host build's values, or with ``weights``' rows where the directory has them. A
+    ``Converted`` factory's tensors are converted as they are filled. A model that cannot be
+    built on meta is built whole on the host (``recording`` None), with one warning naming the
+    reason."""
 
     model: nn.Module
     recording: meta_init.MetaRecording | None
@@ -254,7 +255,7 @@ class OnMeta:
     device: torch.device
     seed: int | None
     weights: SafetensorsRows | None
-    nf4: Nf4Base | None
+    converted: Converted | None
     on_host: bool  # the tensors in host memory, the buffers on ``device``
     tie: bool  # tie again what ``to_empty`` untied (not after a shard: FSDP keeps its ties)
 
@@ -262,8 +263,8 @@ class OnMeta:
     def start(cls, factory: ModelFactory, device: torch.device, seed: int | None, *,
               model_name: str = "", weights: SafetensorsRows | None = None,
               on_host: bool = False, tie: bool = True) -> OnMeta:
-        nf4 = factory if isinstance(factory, Nf4Base) else None
-        recorded = factory.factory if isinstance(factory, Bf16Weights | Nf4Base) else factory
+        converted = factory if isinstance(factory, Converted) else None
+        recorded = converted.factory if converted is not None else factory
         try:
             model, recording = _meta_build(recorded, hf_init=":" in model_name)
         except Exception as err:  # the factory needed real values (an .item(), a data branch);
@@ -272,22 +273,20 @@ class OnMeta:
                         "whole on the host", model_name, first_line(err, type(err).__name__))
             model, recording = made(factory, device, seed), None
         tensors = owners(model)
-        if recording is not None:
-            if isinstance(factory, Bf16Weights):
-                _bf16_parameters(model)  # its shards are allocated in bf16
-            if nf4 is not None:
-                nf4.quantize(model)  # NF4 placeholders, filled by ``finish``
+        if recording is not None and converted is not None:
+            converted.on_meta(model)  # placeholders of the converted dtype, filled by ``finish``
         return cls(model, recording, tensors, getattr(model, "hf", None), device, seed,
-                   weights, nf4, on_host, tie)
+                   weights, converted, on_host, tie)
 
     @classmethod
     def placed(cls, factory: ModelFactory, device: torch.device, seed: int | None,
                placement: Placement, *, model_name: str = "",
                weights: SafetensorsRows | None = None) -> OnMeta:
-        """``start`` as ``placement`` asks: an NF4 base quantized for its ``parts``, the
-        tensors on the host where ``on_host``, tied again unless the way shards."""
-        if isinstance(factory, Nf4Base):
-            factory = dataclasses.replace(factory, parts=placement.parts)
+        """``start`` as ``placement`` asks: a converted model converted for its ``parts``
+        (an NF4 base's blocks), the tensors on the host where ``on_host``, tied again unless
+        the way shards."""
+        if isinstance(factory, Converted):
+            factory = factory.for_parts(placement.parts)
         return cls.start(factory, device, seed, model_name=model_name, weights=weights,
                          on_host=placement.on_host, tie=not placement.shards)
 
@@ -309,10 +308,8 @@ class OnMeta:
                 for module in model.modules():
                     module._buffers.update({k: b.to(self.device)
                                             for k, b in module._buffers.items() if b is not None})
-        if self.nf4 is not None:
-            model.nf4_errors = {name: module.nf4_error  # type: ignore[assignment]
-                                for name, module in nf4_layers(model)
-                                if hasattr(module, "nf4_error")}
+        if self.converted is not None:
+            self.converted.filled(model)
         return model
 
 

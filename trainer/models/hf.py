@@ -27,16 +27,23 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import re
 import types
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from trainer.compat import hf_checkpoint_renamer, hf_positions_read_as_unpacked, is_fake
+from trainer.compat import (
+    hf_checkpoint_renamer,
+    hf_fusions,
+    hf_positions_read_as_unpacked,
+    is_fake,
+)
 from trainer.memory.loss import linear_cross_entropy_sum
 from trainer.models.sequence_split import HF_SEQUENCE_KWARG, SequenceSplit
 
@@ -269,14 +276,28 @@ def initialise_on_meta() -> Iterator[None]:
         modeling_utils.get_torch_context_manager_or_global_device = original
 
 
+@dataclass(frozen=True)
+class Fused:
+    """A model tensor ``from_pretrained`` makes of several of the files' tensors: experts
+    stored one by one, ``sources[p][e]`` the file's name of pattern ``p``'s tensor of expert
+    ``e``, stacked on a new first dimension (transformers' ``MergeModulelist(dim=0)``), the
+    patterns' stacks then joined on ``join_dim`` (its ``Concatenate``: gate and up into
+    ``gate_up_proj``). A rank's rows of it are its experts': it reads those experts alone."""
+
+    sources: tuple[tuple[str, ...], ...]
+    join_dim: int | None
+
+
 class SafetensorsRows:
     """The safetensors weights of an ``hf:`` directory, read a tensor's rows at a time: a rank
     reads its own shard's bytes and never the whole state dict. Each file is opened (its
-    header parsed, the file mapped) once, when its first tensor is read."""
+    header parsed, the file mapped) once, when its first tensor is read. Experts the files
+    store one by one are read as the model's fused tensor (``Fused``)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         self._handles: dict[Path, Any] = {}
+        self.fused: dict[str, Fused] = {}  # by the model's name (``names_for`` finds them)
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -293,34 +314,80 @@ class SafetensorsRows:
         return self._handles[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The whole shape of tensor ``name`` (from the file's header: nothing is read)."""
-        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+        """The whole shape of tensor ``name`` (from the files' headers: nothing is read)."""
+        fused = self.fused.get(name)
+        if fused is None:
+            return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+        shapes = [[len(names), *self.shape(names[0])] for names in fused.sources]
+        if fused.join_dim is not None:
+            shapes[0][fused.join_dim] = sum(shape[fused.join_dim] for shape in shapes)
+        return tuple(shapes[0])
 
     def names_for(self, model_names: set[str], hf_model: Any | None) -> dict[str, str]:
         """The file's name of each of ``model_names`` (the model's own) that the files hold,
         matched as ``from_pretrained`` matches them for ``hf_model``: transformers' renames of
         its class (GPT-NeoX's ``embed_out`` is ``lm_head``) and its base model's prefix, added
-        or taken off (GPT-2's files, saved from the base model, name ``h.0...``). Without a
-        transformers model the names are the file's. ValueError where a tensor is one that
-        transformers converts as it loads (experts fused, say): its rows as stored are not the
-        model's."""
+        or taken off (GPT-2's files, saved from the base model, name ``h.0...``), and experts
+        stored one by one as the model's fused tensor (``Fused``, its name the model's).
+        Without a transformers model the names are the file's. ValueError where transformers
+        converts a tensor otherwise as it loads: its rows as stored are not the model's."""
         if hf_model is None:
             return {name: name for name in model_names if name in self.files}
         rename = hf_checkpoint_renamer(hf_model, model_names)
         found = {}
+        experts: dict[str, dict[str, dict[int, str]]] = {}  # name, pattern, expert: file name
         for file_name in self.files:
             name, converted = rename(file_name)
-            if converted is not None:
-                raise ValueError(f"{self.directory}: {file_name} is converted as transformers "
-                                 f"loads it ({converted!r}), which a read of its rows cannot do")
-            if name in model_names:
+            if converted is not None and name in model_names:
+                index = re.search(re.escape(converted).replace(r"\*", r"(\d+)"), file_name)
+                assert index is not None, (converted, file_name)
+                experts.setdefault(name, {}).setdefault(converted, {})[int(index[1])] = file_name
+            elif name in model_names:
                 found[name] = file_name
+        fusions = hf_fusions(hf_model) if experts else {}
+        for name, by_pattern in experts.items():
+            self.fused[name] = self._fused(name, by_pattern, fusions[next(iter(by_pattern))])
+            found[name] = name
         return found
+
+    def _fused(self, name: str, by_pattern: dict[str, dict[int, str]],
+               fusion: tuple[tuple[str, ...], list[tuple[str, int]]]) -> Fused:
+        """How ``name`` is made of the files' tensors ``by_pattern`` (by expert), as
+        ``fusion`` (``hf_fusions``) says; ValueError naming the tensor where the files or the
+        operations are not experts stacked then joined, which a read of rows cannot do."""
+        patterns, steps = fusion
+        count = 1 + max(max(by_expert) for by_expert in by_pattern.values())
+        joins = [dim for op, dim in steps[1:] if op == "Concatenate"]
+        if steps[0] != ("MergeModulelist", 0) or len(steps) - 1 != len(joins) or len(joins) > 1:
+            raise ValueError(f"{self.directory}: {name} is converted as transformers loads it "
+                             f"({', '.join(op for op, _ in steps)}), which a read of its rows "
+                             "cannot do")
+        sources = tuple(tuple(by_pattern.get(pattern, {}).get(e, "") for e in range(count))
+                        for pattern in patterns)
+        if not all(all(names) for names in sources):
+            raise ValueError(f"{self.directory}: {name}'s experts are not all in its "
+                             f"safetensors ({', '.join(patterns)}: expected experts 0 to "
+                             f"{count - 1} of each)")
+        return Fused(sources, joins[0] if joins else None)
 
     def read(self, name: str, rows: slice | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``rows`` (None: all) of tensor ``name``, as ``dtype``."""
+        fused = self.fused.get(name)
+        if fused is not None:
+            return self._read_experts(fused, rows, dtype)
         part = self._handle(self.files[name]).get_slice(name)
         return (part[rows] if rows is not None else part[:]).to(dtype)
+
+    def _read_experts(self, fused: Fused, rows: slice | None, dtype: torch.dtype
+                      ) -> torch.Tensor:
+        """The experts ``rows`` of a fused tensor: each of their files' tensors read whole,
+        stacked, joined."""
+        stacks = []
+        for names in fused.sources:
+            chosen = names[rows] if rows is not None else names
+            stacks.append(torch.stack([self.read(n, None, dtype) for n in chosen]) if chosen
+                          else torch.empty(0, *self.shape(names[0]), dtype=dtype))
+        return stacks[0] if fused.join_dim is None else torch.cat(stacks, dim=fused.join_dim)
 
 
 def weights_of(model_name: str) -> SafetensorsRows | None:
