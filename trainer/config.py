@@ -99,7 +99,7 @@ class ModelConfig(_Strict):
     def weights_dtype(self) -> tuple[str, str]:
         """The field that sets the dtype the model's weights are stored in, and its value: a
         LoRA base's ``base_dtype`` (the adapters stay fp32), else ``dtype``. Anything but fp32
-        computes in bf16 and keeps the host's heap lean."""
+        computes in bf16."""
         if self.lora is not None:
             return "model.lora.base_dtype", self.lora.base_dtype
         return "model.dtype", self.dtype

@@ -101,8 +101,8 @@ class Trainer:
         self.batch_plan = BatchPlan(cfg.train.micro_batch(),
                                     cfg.train.accumulation_steps(self.mesh.data_ranks))
         if ctx.device.type == "cpu":
-            settle_host_memory(self.parallel.steady_transients,
-                               lean=cfg.model.weights_dtype()[1] != "fp32")
+            settle_host_memory(self.parallel.steady_transients, lean=cfg.model.frozen_base()
+                               and cfg.model.weights_dtype()[1] != "fp32")
         self.policy = step_policy(self.parallel, precision_policy(self.precision.name,
                                                                   ctx.device))
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))

@@ -8,6 +8,7 @@ line naming the tensor, not cut to fit."""
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -76,6 +77,18 @@ def _save(tmp_path: Path) -> dict[str, Path]:
             model.save_pretrained(directory)
         directories[name] = directory
     return directories
+
+
+def _save_hrm(tmp_path: Path) -> Path:
+    """A tiny HRM text model, whose files hold a projection transformers chunks as it loads."""
+    import transformers
+
+    config = type(transformers.AutoConfig.for_model("hrm_text"))(**{
+        **_SMALL, "num_key_value_heads": 4, "tie_word_embeddings": False})
+    torch.manual_seed(7)
+    directory = tmp_path / "hrm"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
 
 
 def _load_sharded(rank: int, directories: dict[str, str], tokens: torch.Tensor,
@@ -148,11 +161,22 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
     experts = load_file(directories["qwen3-moe"] / "model.safetensors")
     del experts["model.layers.1.mlp.experts.5.up_proj.weight"]
     save_file(experts, gap / "model.safetensors", metadata={"format": "pt"})
+    # The last expert missing: the files stack to fewer experts than the model has.
+    short = tmp_path / "qwen3-moe-short"
+    short.mkdir()
+    (short / "config.json").write_text((directories["qwen3-moe"] / "config.json").read_text())
+    experts = load_file(directories["qwen3-moe"] / "model.safetensors")
+    save_file({name: tensor for name, tensor in experts.items() if ".experts.7." not in name},
+              short / "model.safetensors", metadata={"format": "pt"})
+    # A conversion that is not experts stacked (HRM's fused projection, which transformers
+    # chunks as it loads): refused, not read.
+    hrm = _save_hrm(tmp_path)
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = tmp_path / "results.pt"
     on_ranks(_load_sharded, 2, {name: str(d) for name, d in
                                 {**directories, "llama-wide": wide, "foreign": foreign,
-                                 "conflict": conflict, "gap": gap}.items()}, tokens, str(out))
+                                 "conflict": conflict, "gap": gap, "short": short,
+                                 "hrm": hrm}.items()}, tokens, str(out))
     results = torch.load(out, weights_only=True)
     for name, directory in directories.items():
         assert isinstance(results[name], torch.Tensor), f"{name}: {results[name]}"
@@ -162,6 +186,13 @@ def test_the_sharded_loader_gives_from_pretrained_s_logits_or_refuses(tmp_path: 
         f"{gap}: model.layers.1.mlp.experts.gate_up_proj's experts are not all in its "
         "safetensors (mlp.experts.*.gate_proj.weight, mlp.experts.*.up_proj.weight: expected "
         "experts 0 to 7 of each)")
+    assert results["short"] == (
+        f"{short}: model.layers.0.mlp.experts.gate_up_proj, 7 experts stored as "
+        "mlp.experts.*.gate_proj.weight and mlp.experts.*.up_proj.weight, has shape [7, 32, 32] "
+        "in its safetensors, the model's model.layers.0.mlp.experts.gate_up_proj [8, 32, 32]")
+    assert re.fullmatch(rf"{re.escape(str(hrm))}: \S+ is converted as transformers loads it "
+                        r"\('[^']+': Chunk\), which a read of its rows cannot do",
+                        results["hrm"]), results["hrm"]
     assert results["llama-wide"] == (f"{wide}: model.embed_tokens.weight has shape [128, 32] "
                                      "in its safetensors, the model's "
                                      "model.embed_tokens.weight [96, 32]")

@@ -105,7 +105,7 @@ def base_changes(recorded: dict[str, Any], source: str | None) -> list[str]:
 
 
 def check_resumed_base(cfg: Config, checkpoint: Path | None, allow_changes: bool,
-                     own: bool = True) -> None:
+                       own: bool = True) -> None:
     """A LoRA checkpoint holds the adapters alone: resumed from ``checkpoint`` (the run's
     ``own``, else ``train.resume_from``'s), they train on the base the run builds now, which
     must be the one the checkpoint recorded (its directory, its files' sizes, and their SHA-256
@@ -133,7 +133,7 @@ def check_resumed_base(cfg: Config, checkpoint: Path | None, allow_changes: bool
 
 
 def export_adapters(cfg: Config, directory: Path, state: dict[str, Any], out: Path,
-                merge: bool) -> None:
+                    merge: bool) -> None:
     """A LoRA run's checkpoint: the base built as the run built it (the weights of
     ``train.init_from: hf:DIR``, else of ``model.name``, else its seeded initialisation),
     checked against what the checkpoint recorded of it, the checkpoint's adapters loaded, then

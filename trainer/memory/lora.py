@@ -255,6 +255,6 @@ def describe_adapters(model: nn.Module) -> list[str]:
 
 
 def base_kept_in_bf16(model: nn.Module) -> str | None:
-    """The run's warning naming the linear layers a quantized base kept in bf16; None where
-    there are none (``trainer.memory.nf4.nf4_kept_in_bf16``)."""
+    """The run's warning naming the linear layers an NF4 base kept in bf16 (their sizes do
+    not fill its blocks: ``trainer.memory.nf4.nf4_kept_in_bf16``); None for any other base."""
     return nf4_kept_in_bf16(model)

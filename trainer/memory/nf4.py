@@ -1,7 +1,8 @@
 """QLoRA's frozen base (``model.lora.base_dtype: nf4``), in one place: which layers are stored
 as torchao's ``NF4Tensor`` (``nf4_layers``, ``quantize_base``), how a rank quantizes its rows of
 one as they are read (``fill_nf4``), the checks (a layer kept in bf16, a split FSDP's ranks
-cannot take) and the bf16 base a merge needs back (``dequantize_base``).
+cannot take), the model factory that quantizes a LoRA model's base as it is built or filled
+(``Nf4Base``) and the bf16 base a merge needs back (``dequantize_base``).
 
 An NF4 weight is 4-bit codes (two to a byte, the nearest of NormalFloat's 16 levels to each
 weight over its block's absolute maximum), one absmax scale per block of 64 weights, and those

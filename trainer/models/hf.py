@@ -284,8 +284,17 @@ class Fused:
     patterns' stacks then joined on ``join_dim`` (its ``Concatenate``: gate and up into
     ``gate_up_proj``). A rank's rows of it are its experts': it reads those experts alone."""
 
+    patterns: tuple[str, ...]  # transformers' source patterns (``hf_fusions``)
     sources: tuple[tuple[str, ...], ...]
     join_dim: int | None
+
+
+def _expert_index(pattern: str, file_name: str) -> int | None:
+    """The expert's number in ``file_name`` where ``pattern`` (transformers' source pattern,
+    its ``*`` the number; escaped as a regular expression in some families) has one."""
+    prefix, star, suffix = pattern.replace("\\", "").partition("*")
+    found = re.search(re.escape(prefix) + r"(\d+)" + re.escape(suffix) + "$", file_name)
+    return int(found[1]) if star and found else None
 
 
 class SafetensorsRows:
@@ -328,47 +337,62 @@ class SafetensorsRows:
         matched as ``from_pretrained`` matches them for ``hf_model``: transformers' renames of
         its class (GPT-NeoX's ``embed_out`` is ``lm_head``) and its base model's prefix, added
         or taken off (GPT-2's files, saved from the base model, name ``h.0...``), and experts
-        stored one by one as the model's fused tensor (``Fused``, its name the model's).
-        Without a transformers model the names are the file's. ValueError where transformers
-        converts a tensor otherwise as it loads: its rows as stored are not the model's."""
+        stored one by one as the model's fused tensor (``Fused``, its name the model's). A
+        file's tensor that is none of the model's is left out, as ``from_pretrained`` leaves
+        out an unexpected key. Without a transformers model the names are the file's.
+        ValueError where transformers converts a tensor of the model's otherwise as it loads:
+        its rows as stored are not the model's."""
         if hf_model is None:
             return {name: name for name in model_names if name in self.files}
         rename = hf_checkpoint_renamer(hf_model, model_names)
         found = {}
-        experts: dict[str, dict[str, dict[int, str]]] = {}  # name, pattern, expert: file name
+        converted: dict[str, dict[str, list[str]]] = {}  # name, pattern: the files' names
         for file_name in self.files:
-            name, converted = rename(file_name)
-            if converted is not None and name in model_names:
-                index = re.search(re.escape(converted).replace(r"\*", r"(\d+)"), file_name)
-                assert index is not None, (converted, file_name)
-                experts.setdefault(name, {}).setdefault(converted, {})[int(index[1])] = file_name
+            name, pattern = rename(file_name)
+            if name in model_names and pattern is not None:
+                converted.setdefault(name, {}).setdefault(pattern, []).append(file_name)
             elif name in model_names:
                 found[name] = file_name
-        fusions = hf_fusions(hf_model) if experts else {}
-        for name, by_pattern in experts.items():
-            self.fused[name] = self._fused(name, by_pattern, fusions[next(iter(by_pattern))])
+        fusions = hf_fusions(hf_model) if converted else {}
+        for name, by_pattern in converted.items():
+            self.fused[name] = self._fused(name, by_pattern, fusions)
             found[name] = name
         return found
 
-    def _fused(self, name: str, by_pattern: dict[str, dict[int, str]],
-               fusion: tuple[tuple[str, ...], list[tuple[str, int]]]) -> Fused:
-        """How ``name`` is made of the files' tensors ``by_pattern`` (by expert), as
-        ``fusion`` (``hf_fusions``) says; ValueError naming the tensor where the files or the
-        operations are not experts stacked then joined, which a read of rows cannot do."""
-        patterns, steps = fusion
-        count = 1 + max(max(by_expert) for by_expert in by_pattern.values())
+    def _fused(self, name: str, by_pattern: dict[str, list[str]],
+               fusions: dict[str, tuple[tuple[str, ...], list[tuple[str, int]]]]) -> Fused:
+        """How the model's ``name`` is made of the files' tensors ``by_pattern``, as
+        transformers' conversion (``hf_fusions``) says; ValueError naming a file's tensor where
+        the conversion is not experts stacked (then joined), which a read of rows cannot do,
+        and naming ``name`` where an expert's tensor is missing."""
+        pattern, [file_name, *_] = next(iter(by_pattern.items()))
+        patterns, steps = fusions.get(pattern, ((pattern,), [("", -1)]))
         joins = [dim for op, dim in steps[1:] if op == "Concatenate"]
-        if steps[0] != ("MergeModulelist", 0) or len(steps) - 1 != len(joins) or len(joins) > 1:
-            raise ValueError(f"{self.directory}: {name} is converted as transformers loads it "
-                             f"({', '.join(op for op, _ in steps)}), which a read of its rows "
-                             "cannot do")
-        sources = tuple(tuple(by_pattern.get(pattern, {}).get(e, "") for e in range(count))
-                        for pattern in patterns)
+        indices = {p: [_expert_index(p, f) for f in files] for p, files in by_pattern.items()}
+        if steps[0] != ("MergeModulelist", 0) or len(steps) - 1 != len(joins) or \
+                len(joins) > 1 or None in sum(indices.values(), []):
+            raise ValueError(f"{self.directory}: {file_name} is converted as transformers "
+                             f"loads it ({pattern!r}: {', '.join(op for op, _ in steps)}), "
+                             "which a read of its rows cannot do")
+        by_expert = {p: {i: f for i, f in zip(indices[p], files, strict=True) if i is not None}
+                     for p, files in by_pattern.items()}
+        count = 1 + max(max(found) for found in by_expert.values())
+        sources = tuple(tuple(by_expert.get(p, {}).get(e, "") for e in range(count))
+                        for p in patterns)
         if not all(all(names) for names in sources):
             raise ValueError(f"{self.directory}: {name}'s experts are not all in its "
                              f"safetensors ({', '.join(patterns)}: expected experts 0 to "
                              f"{count - 1} of each)")
-        return Fused(sources, joins[0] if joins else None)
+        return Fused(patterns, sources, joins[0] if joins else None)
+
+    def stored_as(self, name: str) -> str:
+        """How the files hold tensor ``name``, for a message: its name, or for experts stored
+        one by one, how many and under which patterns."""
+        fused = self.fused.get(name)
+        if fused is None:
+            return name
+        return (f"{name}, {len(fused.sources[0])} experts stored as "
+                f"{' and '.join(fused.patterns)},")
 
     def read(self, name: str, rows: slice | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``rows`` (None: all) of tensor ``name``, as ``dtype``."""

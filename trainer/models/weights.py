@@ -119,9 +119,9 @@ def check_fits(weights: SafetensorsRows, matched: list[tuple[Owner, str]]) -> No
     for owner, file_name in matched:
         shape = weights.shape(file_name)
         if shape != tuple(owner.meta.shape):
-            raise ValueError(f"{weights.directory}: {file_name} has shape {list(shape)} in its "
-                             f"safetensors, the model's {file_key(owner.fqn)} "
-                             f"{list(owner.meta.shape)}")
+            raise ValueError(f"{weights.directory}: {weights.stored_as(file_name)} has shape "
+                             f"{list(shape)} in its safetensors, the model's "
+                             f"{file_key(owner.fqn)} {list(owner.meta.shape)}")
     distinct = list(dict.fromkeys(file_name for _, file_name in matched))
     if len(distinct) < 2:
         return
