@@ -109,6 +109,12 @@ class ModelConfig(_Strict):
         (from ``name`` or ``train.init_from``): its checkpoints hold the adapters alone."""
         return self.lora is not None
 
+    def lean_base(self) -> bool:
+        """Whether the run trains adapters over a base stored below fp32 (bf16 or NF4): built
+        on meta and filled weight by weight, so the fp32 base is never held whole, and the
+        host's heap kept lean."""
+        return self.frozen_base() and self.weights_dtype()[1] != "fp32"
+
     def packages(self) -> list[tuple[str, str]]:
         """The optional packages the model's settings need, as (setting, package)."""
         if self.lora is None:

@@ -40,8 +40,9 @@ from trainer.compat import allocator_settings, compile_counts
 from trainer.context import WorkerContext
 from trainer.errors import NonFiniteError
 from trainer.memory.allocator import settle_host_memory
-from trainer.memory.lora import base_kept_in_bf16, describe_adapters
+from trainer.memory.lora import describe_adapters
 from trainer.memory.loss import computes_own_loss, takes_position_ids
+from trainer.memory.nf4 import nf4_kept_in_bf16
 from trainer.memory.optimizers import InBackward
 from trainer.memory.precision import precision_policy, resolve_precision
 from trainer.models.build import (
@@ -101,8 +102,7 @@ class Trainer:
         self.batch_plan = BatchPlan(cfg.train.micro_batch(),
                                     cfg.train.accumulation_steps(self.mesh.data_ranks))
         if ctx.device.type == "cpu":
-            settle_host_memory(self.parallel.steady_transients, lean=cfg.model.frozen_base()
-                               and cfg.model.weights_dtype()[1] != "fp32")
+            settle_host_memory(self.parallel.steady_transients, lean=cfg.model.lean_base())
         self.policy = step_policy(self.parallel, precision_policy(self.precision.name,
                                                                   ctx.device))
         self.watch = CompileWatch(ctx.rank, enabled=cfg.compiles_model(ctx.device.type))
@@ -348,7 +348,7 @@ class Trainer:
         strategies = describe_strategies(cfg.memory, state.unwrapped, ctx.device)
         if strategies:
             log.info("memory strategies: %s", "; ".join(strategies))
-        kept = base_kept_in_bf16(state.unwrapped)
+        kept = nf4_kept_in_bf16(state.unwrapped)
         if kept is not None:
             log.warning("%s", kept)
         chunk = getattr(state.unwrapped, "loss_chunk_tokens", 0)

@@ -40,7 +40,6 @@ from trainer.memory.nf4 import (
     Nf4Base,
     dequantize_base,
     describe_nf4_base,
-    nf4_kept_in_bf16,
     quantize_base,
 )
 from trainer.memory.optimizers import MissingExtraError, quiet_torchao_import
@@ -253,8 +252,3 @@ def describe_adapters(model: nn.Module) -> list[str]:
             f"parameters train ({trained / total:.2%}), the base frozen in "
             f"{settings.base_dtype}"] + describe_nf4_base(model)
 
-
-def base_kept_in_bf16(model: nn.Module) -> str | None:
-    """The run's warning naming the linear layers an NF4 base kept in bf16 (their sizes do
-    not fill its blocks: ``trainer.memory.nf4.nf4_kept_in_bf16``); None for any other base."""
-    return nf4_kept_in_bf16(model)

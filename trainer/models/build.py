@@ -218,8 +218,7 @@ def start_model(model: ModelConfig, init_from: str | None, device: torch.device,
     (filled weight by weight, each converted as it is made or read, so that the fp32 base is
     never held whole); whole on ``device`` otherwise."""
     init_hf = init_from if (init_from or "").startswith(HF_PREFIX) else None
-    lean_base = model.frozen_base() and model.weights_dtype()[1] != "fp32"
-    if placement.shards or lean_base:
+    if placement.shards or model.lean_base():
         return OnMeta.placed(model_factory(model, load_weights=False), device, seed, placement,
                              model_name=model.name, weights=weights_of(init_hf or model.name))
     built = made(model_factory(model, load_weights=init_hf is None), device, seed)
